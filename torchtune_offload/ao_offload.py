@@ -1,0 +1,104 @@
+"""CPUOffloadOptimizer: torchao's offload optimizer, configurable from a torchtune YAML.
+
+torchao's class takes the base optimizer as a class, which a YAML cannot hold; this subclass takes
+a dotted path too and checks its inputs up front. The step itself is torchao's. For gradient
+accumulation with ``offload_gradients``, clipping, or machines without CUDA/XPU, use
+:class:`torchtune_offload.OffloadOptimizer`.
+"""
+
+from typing import Any, List, Union
+
+import torch
+import torchao.optim
+
+from torchtune_offload.grad_norm import total_norm
+from torchtune_offload.optimizer_class import OptimizerClassSpec, resolve_optimizer_class
+
+SUPPORTED_DEVICE_TYPES = ("cuda", "xpu")
+
+
+def _strip_names(params: Any) -> Any:
+    """torchao expects tensors: drops the names of ``named_parameters()`` pairs."""
+
+    def plain(entries):
+        entries = [entries] if isinstance(entries, torch.Tensor) else list(entries)
+        return [e[1] if isinstance(e, tuple) else e for e in entries]
+
+    items = list(params)
+    if items and isinstance(items[0], dict):
+        return [{**g, "params": plain(g["params"])} for g in items]
+    return plain(items)
+
+
+class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
+    """torchao's ``CPUOffloadOptimizer`` with ``optimizer_class`` resolvable from a dotted path.
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs, or parameter groups.
+        optimizer_class: the base optimizer, a class or a dotted path such as
+            ``"torch.optim.AdamW"``.
+        offload_gradients: free device gradients once copied to the host. torchao does not
+            support gradient accumulation in this mode.
+        minimal_size: parameters with fewer elements stay on the device.
+        **kwargs: passed to the base optimizer.
+
+    Raises:
+        ValueError: on an unresolvable ``optimizer_class``, or when there is no CUDA/XPU device or
+            the parameters are not on it.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        optimizer_class: OptimizerClassSpec = "torch.optim.AdamW",
+        *,
+        offload_gradients: bool = False,
+        minimal_size: int = 4096,
+        **kwargs: Any,
+    ) -> None:
+        base_class = resolve_optimizer_class(optimizer_class)
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if accelerator is None or accelerator.type not in SUPPORTED_DEVICE_TYPES:
+            raise ValueError(
+                "optimizer._component_=torchtune_offload.CPUOffloadOptimizer needs a CUDA or XPU "
+                f"device (torchao's implementation), and this machine has "
+                f"{'none' if accelerator is None else accelerator.type}. Use "
+                "optimizer._component_=torchtune_offload.OffloadOptimizer, which runs anywhere."
+            )
+        params = _strip_names(params)
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        off_device = {
+            str(p.device)
+            for g in groups
+            for p in g["params"]
+            if p.requires_grad and p.device.type != accelerator.type
+        }
+        if off_device:
+            raise ValueError(
+                f"torchtune_offload.CPUOffloadOptimizer: parameters are on {sorted(off_device)}, "
+                f"not on {accelerator.type}. Set device={accelerator.type} or use "
+                "torchtune_offload.OffloadOptimizer."
+            )
+        self.base_class = base_class
+        self.offload_gradients = offload_gradients
+        super().__init__(
+            params,
+            base_class,
+            offload_gradients=offload_gradients,
+            minimal_size=minimal_size,
+            **kwargs,
+        )
+
+    def _grads_to_step(self) -> List[torch.Tensor]:
+        # torchao copies gradients to its host parameters during backward; wait for those copies.
+        for event in self.queue.values():
+            event.synchronize()
+        grads = [p_host.grad for p_dev, p_host in self.param_d2h_map.items() if p_dev in self.queue]
+        for group in self.d_param_groups:
+            grads.extend(p.grad for p in group["params"] if p.grad is not None)
+        return grads
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: Union[float, str] = 2.0) -> torch.Tensor:
+        """The total norm of the gradients the next step() will use, on the device."""
+        return total_norm(self._grads_to_step(), norm_type=norm_type, device=self.device)

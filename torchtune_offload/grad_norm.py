@@ -1,0 +1,48 @@
+"""Gradient norms and clipping over gradients that live on more than one device.
+
+The arithmetic follows ``torch.nn.utils.clip_grad_norm_`` step for step (a norm per tensor, the
+norm of those norms, ``max_norm / (norm + 1e-6)`` clamped at 1), so that offloaded training clips
+exactly as plain training does.
+"""
+
+from typing import Iterable, Sequence, Union
+
+import torch
+
+
+def total_norm(
+    grads: Sequence[torch.Tensor],
+    *,
+    norm_type: Union[float, str] = 2.0,
+    device: Union[str, torch.device],
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """The ``norm_type`` norm of all ``grads`` taken together, as a 0-dim tensor on ``device``.
+
+    Args:
+        grads: gradient tensors, on any mix of devices.
+        norm_type: a p-norm order, or ``inf``.
+        device: where the result lives (the model's device).
+        error_if_nonfinite: raise if the norm is nan or inf.
+    """
+    norm_type = float(norm_type)
+    if len(grads) == 0:
+        return torch.tensor(0.0, device=device)
+    norms = [torch.linalg.vector_norm(g, norm_type).to(device) for g in grads]
+    result = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if error_if_nonfinite and torch.logical_or(result.isnan(), result.isinf()):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be "
+            "clipped. Pass error_if_nonfinite=False to clip anyway."
+        )
+    return result
+
+
+def clip_(grads: Iterable[torch.Tensor], *, max_norm: float, norm: torch.Tensor) -> None:
+    """Scales ``grads`` in place so that their total ``norm`` is at most ``max_norm``."""
+    coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+    coefs = {}
+    for g in grads:
+        if g.device not in coefs:
+            coefs[g.device] = coef.to(g.device)
+        g.mul_(coefs[g.device])

@@ -1,0 +1,518 @@
+"""OffloadOptimizer: optimizer CPU offload with plain-optimizer math, on any device.
+
+Each trainable parameter gets a *slot*: the parameter, the tensor its base optimizer updates, and
+one base-optimizer instance of its own. Large parameters (at least ``minimal_size`` elements) are
+*offloaded*: the base optimizer updates a host copy, so its state lives in host memory, and the
+result is copied back. Small ones step where they are, since a transfer costs more than it saves.
+
+Keeping one base optimizer per parameter is what lets the engine grow without a rewrite: a slot can
+be stepped alone (during backward, as soon as its gradient lands, or from a worker thread), its host
+copy can be kept in another dtype (fp32 master weights for bf16 device weights, through the same
+``to_device`` copy, which casts), and a different placement strategy only changes how a slot is built.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+from torch.optim import Optimizer
+
+from torchtune_offload.grad_norm import clip_, total_norm
+from torchtune_offload.optimizer_class import OptimizerClassSpec, resolve_optimizer_class
+from torchtune_offload.transfer import TransferEngine
+
+STATE_DICT_FORMAT = "torchtune_offload.OffloadOptimizer/1"
+
+
+@dataclass
+class OffloadMemoryReport:
+    """Where an :class:`OffloadOptimizer` keeps its memory, in bytes.
+
+    Attributes:
+        num_offloaded: parameters stepped on the host.
+        num_on_device: parameters stepped on the device (fewer than ``minimal_size`` elements).
+        device_bytes_saved: optimizer state (and, with ``offload_gradients``, gradient memory) that
+            lives on the host instead of the device. Zero for state not yet created by a first step.
+        host_bytes: all host memory the optimizer holds: parameter copies, gradient buffers, state.
+        pinned_bytes: the part of ``host_bytes`` that is page-locked (accelerators only).
+    """
+
+    num_offloaded: int
+    num_on_device: int
+    device_bytes_saved: int
+    host_bytes: int
+    pinned_bytes: int
+
+
+class _Slot:
+    """One trainable parameter and what the optimizer keeps for it."""
+
+    __slots__ = (
+        "key", "param", "group_index", "offloaded", "step_param", "host_grad", "staging",
+        "grad_event", "pending_add", "has_host_grad", "optimizer",
+    )
+
+    def __init__(self, *, key: str, param: torch.Tensor, group_index: int) -> None:
+        self.key = key
+        self.param = param
+        self.group_index = group_index
+        self.offloaded = False
+        # What the base optimizer updates: the host copy when offloaded, else the parameter.
+        self.step_param = param
+        # Offloaded only: the host gradient the step reads.
+        self.host_grad: Optional[torch.Tensor] = None
+        # offload_gradients with accumulation: where later micro-batches land before being summed.
+        self.staging: Optional[torch.Tensor] = None
+        self.grad_event = None
+        self.pending_add = False
+        # offload_gradients: host_grad holds at least one micro-batch since zero_grad().
+        self.has_host_grad = False
+        self.optimizer: Optional[Optimizer] = None
+
+
+def _named_groups(params: Any) -> List[Dict[str, Any]]:
+    """Normalises ``params`` into groups whose ``params`` are ``(key, tensor)`` pairs.
+
+    Accepts tensors, ``(name, tensor)`` pairs (``model.named_parameters()``), or dicts of either.
+    Unnamed parameters are keyed by position, ``"<group>.<index>"``.
+    """
+    if isinstance(params, torch.Tensor):
+        raise ValueError(
+            "params: got a single tensor; pass an iterable such as model.parameters() or "
+            "model.named_parameters()."
+        )
+    items = list(params)
+    if not items:
+        raise ValueError("params: got an empty parameter list; pass model.named_parameters().")
+    groups = items if isinstance(items[0], dict) else [{"params": items}]
+    named = []
+    for gi, group in enumerate(groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise ValueError(
+                "params: mix of parameter groups and parameters; pass either dicts with a "
+                "'params' entry or parameters, not both."
+            )
+        entries = group["params"]
+        entries = [entries] if isinstance(entries, torch.Tensor) else list(entries)
+        pairs = []
+        for i, entry in enumerate(entries):
+            if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str):
+                pairs.append(entry)
+            elif isinstance(entry, torch.Tensor):
+                pairs.append((f"{gi}.{i}", entry))
+            else:
+                raise ValueError(
+                    f"params: group {gi} entry {i} is a {type(entry).__name__}; expected a "
+                    "tensor or a (name, tensor) pair."
+                )
+        named.append({**group, "params": pairs})
+    return named
+
+
+class OffloadOptimizer(Optimizer):
+    """Runs a base optimizer's step on host copies of the parameters, with exact plain-optimizer math.
+
+    A drop-in superset of ``torchao.optim.CPUOffloadOptimizer``'s constructor that also runs on a
+    CPU-only machine (host copies are then kept apart from the parameters, an exact emulation of
+    the accelerator path), accumulates gradients with ``offload_gradients=True``, clips and scales
+    the gradients it steps on, and checkpoints by parameter name.
+
+    Example::
+
+        opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", lr=1e-4,
+                               offload_gradients=True)
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+
+    Args:
+        params: ``model.named_parameters()`` (recommended: checkpoints are then keyed by name),
+            parameters, or parameter groups of either. Frozen parameters are skipped.
+        optimizer_class: the base optimizer, a class or a dotted path such as
+            ``"torch.optim.AdamW"``, ``"torch.optim.SGD"`` or ``"bitsandbytes.optim.AdamW8bit"``.
+        offload_gradients: copy each gradient to the host as soon as backward produces it and free
+            the device copy, so gradients take no device memory between micro-batches. Gradient
+            accumulation still works: micro-batches are summed in host buffers.
+        minimal_size: parameters with fewer elements stay on the device and step there.
+        **kwargs: passed to the base optimizer, e.g. ``lr``, ``weight_decay``, ``betas``.
+
+    Raises:
+        ValueError: on an unresolvable ``optimizer_class``, a negative ``minimal_size``, no
+            trainable parameters, or parameters on more than one device.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        optimizer_class: OptimizerClassSpec = "torch.optim.AdamW",
+        *,
+        offload_gradients: bool = False,
+        minimal_size: int = 4096,
+        **kwargs: Any,
+    ) -> None:
+        base_class = resolve_optimizer_class(optimizer_class)
+        if not isinstance(offload_gradients, bool):
+            raise ValueError(
+                f"optimizer.offload_gradients={offload_gradients!r} must be True or False."
+            )
+        if isinstance(minimal_size, bool) or not isinstance(minimal_size, int) or minimal_size < 0:
+            raise ValueError(
+                f"optimizer.minimal_size={minimal_size!r} must be a non-negative integer "
+                "(parameters with fewer elements step on the device; 4096 is the default)."
+            )
+        groups = _named_groups(params)
+        trainable = [p for g in groups for _, p in g["params"] if p.requires_grad]
+        if not trainable:
+            raise ValueError(
+                "params: no parameter requires grad, so there is nothing to optimize. "
+                "Unfreeze parameters or pass the trainable ones."
+            )
+        devices = {p.device for p in trainable}
+        if len(devices) > 1:
+            raise ValueError(
+                f"params: trainable parameters are on several devices {sorted(map(str, devices))}; "
+                "OffloadOptimizer serves one device. Move the model to one device first."
+            )
+
+        self.base_class = base_class
+        self.offload_gradients = offload_gradients
+        self.minimal_size = minimal_size
+        self.device = trainable[0].device
+        self._transfer = TransferEngine(self.device)
+        host_kwargs = dict(kwargs)
+        if (
+            self._transfer.is_accelerator
+            and base_class in (torch.optim.AdamW, torch.optim.Adam)
+            and "fused" not in kwargs
+        ):
+            # The fused CPU kernel is several times faster than the per-tensor loop; on a CPU-only
+            # machine the default is kept so the emulation matches plain AdamW bit for bit.
+            host_kwargs["fused"] = True
+
+        self._slots: List[_Slot] = []
+        self._hooks = []
+        outer_groups = []
+        seen = set()
+        for group in groups:
+            options = {k: v for k, v in group.items() if k != "params"}
+            members = []
+            for key, param in group["params"]:
+                if not param.requires_grad:
+                    continue
+                if key in seen:
+                    raise ValueError(f"params: parameter {key!r} is given twice.")
+                seen.add(key)
+                slot = _Slot(key=key, param=param, group_index=len(outer_groups))
+                self._place(slot, options={**kwargs, **options}, host_options={**host_kwargs, **options})
+                members.append(slot)
+            if not members:
+                continue
+            hyper = {k: v for k, v in members[0].optimizer.param_groups[0].items() if k != "params"}
+            hyper.pop("fused", None)  # a host-side detail; schedulers and logs need not see it
+            outer_groups.append({**hyper, "params": [s.param for s in members]})
+            self._slots.extend(members)
+        self._slot_of = {s.param: s for s in self._slots}
+        defaults = {k: v for k, v in self._slots[0].optimizer.defaults.items() if k != "fused"}
+        # Inheriting Optimizer lets torch's LR schedulers and torchtune's get_lr accept us; the
+        # hyper-parameters they edit in self.param_groups reach the base optimizers at each step.
+        super().__init__(outer_groups, defaults)
+
+    # ----------------------------------------------------------------------------- construction
+
+    def _place(self, slot: _Slot, *, options: Dict[str, Any], host_options: Dict[str, Any]) -> None:
+        param = slot.param
+        if param.numel() >= self.minimal_size:
+            slot.offloaded = True
+            with torch.no_grad():
+                slot.step_param = self._transfer.host_empty_like(param).copy_(param.detach())
+            slot.host_grad = self._transfer.host_empty_like(param)
+            if self.offload_gradients:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._offload_grad))
+            slot.optimizer = self.base_class([slot.step_param], **host_options)
+        else:
+            slot.optimizer = self.base_class([param], **options)
+
+    # ------------------------------------------------------------------------------- gradients
+
+    def _offload_grad(self, param: torch.Tensor) -> None:
+        """Backward hook (offload_gradients): moves a fresh gradient into the host sum."""
+        slot = self._slot_of[param]
+        grad = param.grad
+        if grad is None:
+            return
+        if not slot.has_host_grad:
+            dst = slot.host_grad
+        else:
+            # A later micro-batch: land it beside the sum and add once the copy has finished.
+            self._finish_host_grad(slot)
+            if slot.staging is None:
+                slot.staging = self._transfer.host_empty_like(param)
+            dst = slot.staging
+            slot.pending_add = True
+        slot.grad_event = self._transfer.to_host(dst, grad, release_source=True)
+        slot.has_host_grad = True
+        param.grad = None
+
+    def _finish_host_grad(self, slot: _Slot) -> None:
+        """Waits for the slot's last gradient copy and folds a staged micro-batch into the sum."""
+        self._transfer.wait(slot.grad_event)
+        slot.grad_event = None
+        if slot.pending_add:
+            slot.host_grad.add_(slot.staging)
+            slot.pending_add = False
+
+    def _grads_to_step(self) -> List[torch.Tensor]:
+        """The gradients the next step() will use, wherever they are, ready to read or modify."""
+        grads = []
+        for slot in self._slots:
+            if slot.offloaded and self.offload_gradients:
+                if slot.has_host_grad:
+                    self._finish_host_grad(slot)
+                    grads.append(slot.host_grad)
+            elif slot.param.grad is not None:
+                grads.append(slot.param.grad)
+        return grads
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: Union[float, str] = 2.0) -> torch.Tensor:
+        """The total norm of the gradients the next step() will use, on the model's device."""
+        return total_norm(self._grads_to_step(), norm_type=norm_type, device=self.device)
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: Union[float, str] = 2.0,
+        *,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Clips the gradients the next step() will use, like ``torch.nn.utils.clip_grad_norm_``.
+
+        Args:
+            max_norm: the largest total norm allowed.
+            norm_type: a p-norm order, or ``inf``.
+            error_if_nonfinite: raise if the total norm is nan or inf.
+
+        Returns:
+            The total norm before clipping, on the model's device: the value
+            ``torch.nn.utils.clip_grad_norm_`` returns for the same model trained without offload.
+        """
+        grads = self._grads_to_step()
+        norm = total_norm(
+            grads, norm_type=norm_type, device=self.device, error_if_nonfinite=error_if_nonfinite
+        )
+        clip_(grads, max_norm=max_norm, norm=norm)
+        return norm
+
+    @torch.no_grad()
+    def scale_grads_(self, factor: Union[float, torch.Tensor]) -> None:
+        """Multiplies the gradients the next step() will use by ``factor``.
+
+        For recipes that normalise after backward (torchtune scales by ``1 / num_tokens``): with
+        ``offload_gradients`` the device gradients are already gone, so scaling them does nothing.
+        """
+        for g in self._grads_to_step():
+            g.mul_(factor.to(g.device) if isinstance(factor, torch.Tensor) else factor)
+
+    # ------------------------------------------------------------------------------------ step
+
+    def _sync_hyperparameters(self) -> None:
+        """Copies what schedulers changed in self.param_groups into each base optimizer."""
+        for slot in self._slots:
+            outer = self.param_groups[slot.group_index]
+            inner = slot.optimizer.param_groups[0]
+            for k, v in outer.items():
+                if k != "params":
+                    inner[k] = v
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Steps every parameter that has a gradient; offloaded ones on the host.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyperparameters()
+
+        ready = []
+        for slot in self._slots:
+            if not slot.offloaded:
+                continue
+            if self.offload_gradients:
+                if slot.has_host_grad:
+                    ready.append(slot)
+            elif slot.param.grad is not None:
+                # Issue every copy first, so later copies stream while earlier slots step.
+                slot.grad_event = self._transfer.to_host(slot.host_grad, slot.param.grad)
+                ready.append(slot)
+
+        # On an accelerator these kernels run while the host works on the offloaded slots.
+        for slot in self._slots:
+            if not slot.offloaded and slot.param.grad is not None:
+                slot.optimizer.step()
+
+        for slot in ready:
+            self._finish_host_grad(slot)
+            slot.step_param.grad = slot.host_grad
+            slot.optimizer.step()
+            slot.step_param.grad = None
+            self._transfer.to_device(slot.param, slot.step_param)
+        # The next forward must see the new parameters.
+        self._transfer.compute_waits_for_copies()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears gradients on the device and marks host gradient sums empty."""
+        for slot in self._slots:
+            if slot.param.grad is not None:
+                if set_to_none:
+                    slot.param.grad = None
+                else:
+                    slot.param.grad.zero_()
+            if slot.has_host_grad:
+                self._finish_host_grad(slot)
+                if not set_to_none:
+                    slot.host_grad.zero_()
+                slot.has_host_grad = not set_to_none
+
+    # ------------------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> Dict[str, Any]:
+        """A checkpoint keyed by parameter name (or position), with each slot's placement.
+
+        Tensors are on the host for offloaded parameters and on the device otherwise.
+        """
+        groups = []
+        for gi, group in enumerate(self.param_groups):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**hyper, "params": [s.key for s in self._slots if s.group_index == gi]})
+        return {
+            "format": STATE_DICT_FORMAT,
+            "optimizer_class": f"{self.base_class.__module__}.{self.base_class.__qualname__}",
+            "minimal_size": self.minimal_size,
+            "param_groups": groups,
+            "state": {
+                s.key: {
+                    "offloaded": s.offloaded,
+                    "shape": list(s.param.shape),
+                    "dtype": str(s.param.dtype),
+                    "optimizer": s.optimizer.state_dict(),
+                }
+                for s in self._slots
+            },
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restores a checkpoint from :meth:`state_dict`, after checking that it fits.
+
+        Raises:
+            ValueError: if the checkpoint was written by another optimizer, another base
+                optimizer, for other parameters (names, shapes, dtypes, groups), or with another
+                on-host/on-device split (``minimal_size``). Nothing is loaded in that case.
+        """
+        problems = self._mismatches(state_dict)
+        if problems:
+            raise ValueError(
+                "optimizer checkpoint does not fit this model and optimizer:\n  - "
+                + "\n  - ".join(problems)
+                + "\nResume with the model, optimizer_class, parameter groups and minimal_size "
+                "that wrote it, or start without resume_from_checkpoint."
+            )
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        for slot in self._slots:
+            slot.optimizer.load_state_dict(state_dict["state"][slot.key]["optimizer"])
+        self._sync_hyperparameters()
+
+    def _mismatches(self, sd: Any) -> List[str]:
+        if not isinstance(sd, dict) or sd.get("format") != STATE_DICT_FORMAT:
+            found = sd.get("format", "no 'format' entry") if isinstance(sd, dict) else type(sd).__name__
+            return [
+                f"it is not an OffloadOptimizer checkpoint ({found}); it was written by another "
+                f"optimizer (expected format {STATE_DICT_FORMAT!r})"
+            ]
+        problems = []
+        mine = f"{self.base_class.__module__}.{self.base_class.__qualname__}"
+        if sd["optimizer_class"] != mine:
+            problems.append(f"optimizer_class: checkpoint {sd['optimizer_class']}, now {mine}")
+        saved_state = sd["state"]
+        keys = [s.key for s in self._slots]
+        missing = [k for k in keys if k not in saved_state]
+        unexpected = [k for k in saved_state if k not in self._slot_of_key()]
+        if missing:
+            problems.append(f"parameters missing from the checkpoint: {missing[:5]}")
+        if unexpected:
+            problems.append(f"parameters in the checkpoint but not trainable here: {unexpected[:5]}")
+        for slot in self._slots:
+            saved = saved_state.get(slot.key)
+            if saved is None:
+                continue
+            if list(saved["shape"]) != list(slot.param.shape) or saved["dtype"] != str(slot.param.dtype):
+                problems.append(
+                    f"{slot.key}: checkpoint {saved['dtype']}{list(saved['shape'])}, "
+                    f"model {slot.param.dtype}{list(slot.param.shape)}"
+                )
+            elif saved["offloaded"] != slot.offloaded:
+                problems.append(
+                    f"{slot.key}: stepped {'on the host' if saved['offloaded'] else 'on the device'} "
+                    f"in the checkpoint (minimal_size={sd['minimal_size']}), "
+                    f"{'on the host' if slot.offloaded else 'on the device'} now "
+                    f"(minimal_size={self.minimal_size})"
+                )
+        saved_groups = [g["params"] for g in sd["param_groups"]]
+        my_groups = [[s.key for s in self._slots if s.group_index == gi] for gi in range(len(self.param_groups))]
+        if not problems and saved_groups != my_groups:
+            problems.append("parameter groups differ (same parameters, grouped or ordered differently)")
+        return problems
+
+    def _slot_of_key(self) -> Dict[str, _Slot]:
+        return {s.key: s for s in self._slots}
+
+    # ---------------------------------------------------------------------------------- report
+
+    def memory_report(self) -> OffloadMemoryReport:
+        """Counts the bytes this optimizer keeps on the host and spares the device."""
+        saved = host = 0
+        for slot in self._slots:
+            if not slot.offloaded:
+                continue
+            state_bytes = sum(
+                t.numel() * t.element_size()
+                for st in slot.optimizer.state.values()
+                for t in st.values()
+                if isinstance(t, torch.Tensor)
+            )
+            grad_bytes = slot.host_grad.numel() * slot.host_grad.element_size()
+            staging_bytes = grad_bytes if slot.staging is not None else 0
+            param_bytes = slot.step_param.numel() * slot.step_param.element_size()
+            host += state_bytes + grad_bytes + staging_bytes + param_bytes
+            saved += state_bytes + (grad_bytes if self.offload_gradients else 0)
+        num_offloaded = sum(s.offloaded for s in self._slots)
+        return OffloadMemoryReport(
+            num_offloaded=num_offloaded,
+            num_on_device=len(self._slots) - num_offloaded,
+            device_bytes_saved=saved,
+            host_bytes=host,
+            # Only buffers made by the transfer engine are pinned; states are plain host memory.
+            pinned_bytes=(
+                sum(
+                    (s.step_param.numel() + s.host_grad.numel() * (2 if s.staging is not None else 1))
+                    * s.param.element_size()
+                    for s in self._slots
+                    if s.offloaded
+                )
+                if self._transfer.is_accelerator
+                else 0
+            ),
+        )
+
+    def close(self) -> None:
+        """Removes the backward hooks (offload_gradients), leaving the model as it was."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()

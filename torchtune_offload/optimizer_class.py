@@ -1,0 +1,59 @@
+"""Turning the ``optimizer_class`` option into a torch optimizer class.
+
+torchtune configs can only carry strings, so ``optimizer.optimizer_class=torch.optim.AdamW`` arrives
+as a dotted path. Both offload optimizers accept a class or such a path.
+"""
+
+from typing import Union
+
+import torch
+from torchtune.config._utils import _get_component_from_path
+
+OptimizerClassSpec = Union[str, type]
+
+
+def resolve_optimizer_class(
+    optimizer_class: OptimizerClassSpec, *, key: str = "optimizer.optimizer_class"
+) -> type:
+    """Returns the optimizer class named by ``optimizer_class``.
+
+    Args:
+        optimizer_class: a ``torch.optim.Optimizer`` subclass, or its dotted import path such as
+            ``"torch.optim.AdamW"`` or ``"bitsandbytes.optim.AdamW8bit"``.
+        key: the config key the value came from, named in error messages.
+
+    Returns:
+        The optimizer class.
+
+    Raises:
+        ValueError: if the path does not resolve, or does not name a ``torch.optim.Optimizer``
+            subclass that can serve as a base optimizer.
+    """
+    cls = optimizer_class
+    if isinstance(optimizer_class, str):
+        if not optimizer_class.strip():
+            raise ValueError(f"{key} is empty. Set it to a dotted path such as 'torch.optim.AdamW'.")
+        try:
+            cls = _get_component_from_path(optimizer_class)
+        except Exception as err:  # torchtune raises its own InstantiationError
+            raise ValueError(
+                f"{key}={optimizer_class!r} does not resolve to an importable object ({err}). "
+                "Set it to a dotted path such as 'torch.optim.AdamW', 'torch.optim.SGD' or "
+                "'bitsandbytes.optim.AdamW8bit'."
+            ) from err
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(
+            f"{key}={optimizer_class!r} is not a torch.optim.Optimizer subclass. "
+            "Set it to an optimizer class such as 'torch.optim.AdamW'."
+        )
+    # Local import: the offload optimizers import this module.
+    from torchtune_offload.offload_optimizer import OffloadOptimizer
+
+    import torchao.optim
+
+    if issubclass(cls, (OffloadOptimizer, torchao.optim.CPUOffloadOptimizer)):
+        raise ValueError(
+            f"{key}={optimizer_class!r} is itself an offload optimizer; offload optimizers do not "
+            "nest. Set it to the base optimizer, e.g. 'torch.optim.AdamW'."
+        )
+    return cls
