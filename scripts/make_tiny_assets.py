@@ -631,6 +631,10 @@ def write_checkpoint(*, model: torch.nn.Module, config: Mapping[str, Any], model
     weights_path = ckpt_dir / WEIGHTS_FILE
     tmp = weights_path.with_name(weights_path.name + ".tmp")
     save_file(hf_sd, str(tmp), metadata={"format": "pt"})
+    # safetensors creates the file owner-only; match the other files' umask mode.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     tmp.replace(weights_path)
     _log(
         f"wrote {ckpt_dir / WEIGHTS_FILE} ({n_params:,} params, {_HF_DTYPE_NAMES[dtype]}, "

@@ -12,6 +12,7 @@ import torch
 import torchao.optim
 
 from torchtune_offload.grad_norm import total_norm
+from torchtune_offload.offload_optimizer import OffloadMemoryReport
 from torchtune_offload.optimizer_class import OptimizerClassSpec, resolve_optimizer_class
 
 SUPPORTED_DEVICE_TYPES = ("cuda", "xpu")
@@ -102,3 +103,27 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
     def grad_norm(self, norm_type: Union[float, str] = 2.0) -> torch.Tensor:
         """The total norm of the gradients the next step() will use, on the device."""
         return total_norm(self._grads_to_step(), norm_type=norm_type, device=self.device)
+
+    def memory_report(self) -> OffloadMemoryReport:
+        """Counts the bytes torchao keeps on the host (pinned copies, gradients, state)."""
+
+        def nbytes(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        pinned = sum(nbytes(h) + nbytes(h.grad) for h in self.param_d2h_map.values())
+        state = sum(
+            nbytes(t)
+            for opt in self.optim_dict.values()
+            for st in opt.state.values()
+            for t in st.values()
+            if isinstance(t, torch.Tensor)
+        )
+        grads = sum(nbytes(h.grad) for h in self.param_d2h_map.values())
+        num_on_device = sum(len(g["params"]) for g in self.d_param_groups)
+        return OffloadMemoryReport(
+            num_offloaded=len(self.param_d2h_map),
+            num_on_device=num_on_device,
+            device_bytes_saved=state + (grads if self.offload_gradients else 0),
+            host_bytes=pinned + state,
+            pinned_bytes=pinned,
+        )

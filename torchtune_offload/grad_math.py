@@ -1,0 +1,93 @@
+"""Exact gradient math for any optimizer, offloading or not.
+
+torchtune 0.6.1's recipes sum per-token losses over an accumulation window, then after backward
+scale the gradients by ``1 / num_tokens`` and clip them. An offloading optimizer has by then copied
+the gradients to the host (torchao does so during backward), so both calls change tensors that are
+never stepped on. Here the window's tokens are counted *before* backward and each micro-batch's loss
+is divided by that count, so the gradients are normalised when they are produced; clipping and the
+logged norm then act on the gradients the optimizer will actually step on.
+"""
+
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from torchtune_offload.grad_norm import clip_, total_norm
+from torchtune_offload.recipe_config import OptimizerKind
+
+
+def count_loss_tokens(batches: Iterable[dict], *, ignore_index: int) -> torch.Tensor:
+    """Tokens that carry loss in ``batches`` (all micro-batches of one optimizer step).
+
+    Under ``torch.distributed`` the count is summed over ranks, since gradients are averaged.
+    """
+    count = sum((b["labels"] != ignore_index).sum() for b in batches)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(count)
+    return count
+
+
+def loss_scale(*, num_tokens: torch.Tensor) -> torch.Tensor:
+    """The factor that turns a micro-batch's summed token loss into its share of the window mean.
+
+    Data-parallel training averages gradients over ranks; the rank count in the numerator undoes
+    that average so the result is the mean over all the window's tokens on all ranks.
+    """
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return world / num_tokens.clamp(min=1)
+
+
+class GradientStepper:
+    """Clips (or just measures) the gradients to be stepped on, then steps and zeroes them.
+
+    Args:
+        optimizer: the recipe's optimizer; ``None`` when it steps inside backward.
+        params: the trainable parameters (used by plain optimizers).
+        kind: how the optimizer relates to the model's gradients.
+        clip_grad_norm: max total norm, or ``None`` to measure without clipping.
+    """
+
+    def __init__(
+        self,
+        *,
+        optimizer: Optional[torch.optim.Optimizer],
+        params: Iterable[torch.Tensor],
+        kind: OptimizerKind,
+        clip_grad_norm: Optional[float],
+    ) -> None:
+        self.optimizer = optimizer
+        self.params = [p for p in params if p.requires_grad]
+        self.kind = kind
+        self.clip_grad_norm = clip_grad_norm
+
+    def step(self) -> Optional[torch.Tensor]:
+        """Steps; returns the total norm of the gradients stepped on (before clipping)."""
+        if self.optimizer is None:
+            return None
+        norm = self._norm_and_clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    @torch.no_grad()
+    def _norm_and_clip(self) -> torch.Tensor:
+        clip = self.clip_grad_norm
+        if self.kind is OptimizerKind.OFFLOAD:
+            return self.optimizer.clip_grad_norm_(clip) if clip is not None else self.optimizer.grad_norm()
+        if self.kind is OptimizerKind.TORCHAO:
+            # The config check forbids clipping here; the norm is read from torchao's host copies.
+            return self.optimizer.grad_norm()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads and isinstance(grads[0], DTensor):
+            # FSDP2 shards: torch takes the norm across ranks and returns it as a DTensor.
+            norm = torch.nn.utils.get_total_norm(grads)
+            if clip is not None:
+                torch.nn.utils.clip_grads_with_norm_(self.params, clip, norm)
+            return norm.full_tensor()
+        device = grads[0].device if grads else "cpu"
+        norm = total_norm(grads, device=device)
+        if clip is not None:
+            clip_(grads, max_norm=clip, norm=norm)
+        return norm

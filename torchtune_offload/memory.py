@@ -1,0 +1,103 @@
+"""Memory figures for training logs: allocator, NVML, host, and the offload optimizer's own.
+
+bitsandbytes' paged optimizers keep their state in CUDA unified memory, which PyTorch's caching
+allocator never sees. NVML reports what the driver has handed out on the device, so PagedAdamW and
+an offload optimizer can be compared on one figure. NVML only reports the present, so a background
+thread samples it to catch the peak between two log lines.
+"""
+
+import resource
+import threading
+from typing import Dict, Optional
+
+import psutil
+import torch
+
+GIB = 1024**3
+
+
+class _NvmlPeakSampler:
+    """Polls NVML's used-memory figure for one device and keeps the peak since the last read."""
+
+    def __init__(self, device: torch.device, *, interval_s: float = 0.01) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        self._nvml = pynvml
+        self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        self._peak = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._interval = interval_s
+        self._thread = threading.Thread(target=self._run, name="nvml-peak", daemon=True)
+        self._thread.start()
+
+    def used(self) -> int:
+        return self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            used = self.used()
+            with self._lock:
+                self._peak = max(self._peak, used)
+
+    def read_peak(self, *, reset: bool) -> int:
+        used = self.used()
+        with self._lock:
+            peak = max(self._peak, used)
+            if reset:
+                self._peak = used
+        return peak
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1)
+
+
+class MemoryMonitor:
+    """Collects the memory figures a recipe logs each step.
+
+    Args:
+        device: the training device.
+        optimizer: if it has ``memory_report()`` (the offload optimizers), its host figures are added.
+    """
+
+    def __init__(self, device: torch.device, *, optimizer: Optional[object] = None) -> None:
+        self.device = device
+        self.optimizer = optimizer
+        self._process = psutil.Process()
+        self._nvml: Optional[_NvmlPeakSampler] = None
+        if device.type == "cuda":
+            try:
+                self._nvml = _NvmlPeakSampler(device)
+            except Exception as err:  # no pynvml or no driver access: log what we can
+                print(f"[torchtune_offload] NVML device memory unavailable ({err}); logging allocator figures only.")
+
+    def stats(self, *, reset: bool = True) -> Dict[str, float]:
+        """Peak figures since the last call with ``reset``, in GiB."""
+        out: Dict[str, float] = {}
+        if self.device.type != "cpu" and torch.accelerator.is_available():
+            mem = torch.accelerator.memory_stats(self.device)
+            out["peak_memory_active"] = mem.get("active_bytes.all.peak", 0) / GIB
+            out["peak_memory_alloc"] = torch.accelerator.max_memory_allocated(self.device) / GIB
+            out["peak_memory_reserved"] = torch.accelerator.max_memory_reserved(self.device) / GIB
+            if reset:
+                torch.accelerator.reset_peak_memory_stats(self.device)
+        if self._nvml is not None:
+            out["nvml_device_used_peak"] = self._nvml.read_peak(reset=reset) / GIB
+        out["host_rss"] = self._process.memory_info().rss / GIB
+        # ru_maxrss is in KiB on Linux; it is a peak over the process's whole life.
+        out["host_rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+        report = getattr(self.optimizer, "memory_report", None)
+        if report is not None:
+            r = report()
+            out["optimizer_host"] = r.host_bytes / GIB
+            out["optimizer_pinned"] = r.pinned_bytes / GIB
+            out["optimizer_device_saved"] = r.device_bytes_saved / GIB
+        return out
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            self._nvml.close()

@@ -1,0 +1,140 @@
+"""The fine-tuning loop the recipes share.
+
+One optimizer step is one *window* of ``gradient_accumulation_steps`` micro-batches. The window's
+loss-carrying tokens are counted first, so each micro-batch's summed loss can be divided by the
+window total before backward (see :mod:`torchtune_offload.grad_math`).
+"""
+
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torchtune import utils
+from torchtune.training.lr_schedulers import get_lr
+from tqdm import tqdm
+
+from torchtune_offload.grad_math import GradientStepper, count_loss_tokens, loss_scale
+from torchtune_offload.memory import MemoryMonitor
+from torchtune_offload.recipe_config import RecipeSettings
+
+
+class TrainLoop:
+    """Runs epochs of windows: forward, backward with normalised loss, step, log, checkpoint.
+
+    Args:
+        model: the model being trained.
+        loss_fn: torchtune loss returning the mean over non-ignored tokens.
+        dataloader: batches with ``tokens`` and ``labels``; its sampler has ``set_epoch``.
+        stepper: clips/measures, steps and zeroes gradients.
+        lr_source: what ``get_lr`` reads (the optimizer, or an in-backward optimizer).
+        lr_scheduler: stepped once per window, or ``None``.
+        profiler: torchtune's profiler or its no-op stand-in.
+        metric_logger: torchtune metric logger.
+        memory: memory figures for the log.
+        settings: validated recipe settings.
+        steps_per_epoch: windows per epoch.
+        activations_ctx: activation offloading context (a no-op when disabled).
+        is_rank_zero: only rank zero shows progress and logs.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        loss_fn: Any,
+        dataloader: Any,
+        stepper: GradientStepper,
+        lr_source: Any,
+        lr_scheduler: Optional[Any],
+        profiler: Any,
+        metric_logger: Any,
+        memory: MemoryMonitor,
+        settings: RecipeSettings,
+        steps_per_epoch: int,
+        activations_ctx: Any,
+        is_rank_zero: bool = True,
+    ) -> None:
+        self.model = model
+        self.loss_fn = loss_fn
+        self.dataloader = dataloader
+        self.stepper = stepper
+        self.lr_source = lr_source
+        self.lr_scheduler = lr_scheduler
+        self.profiler = profiler
+        self.metric_logger = metric_logger
+        self.memory = memory
+        self.settings = settings
+        self.steps_per_epoch = steps_per_epoch
+        self.activations_ctx = activations_ctx
+        self.is_rank_zero = is_rank_zero
+        self.ignore_index = loss_fn.ignore_index
+        self.losses: List[float] = []
+
+    def _shift_labels(self, batch: Dict[str, torch.Tensor]) -> None:
+        # Position t predicts token t+1; the last position has nothing to predict.
+        labels = batch["labels"]
+        pad = torch.full_like(labels[..., :1], self.ignore_index)
+        batch["labels"] = torch.cat((labels[..., 1:], pad), dim=-1)
+
+    def _summed_loss(self, batch: Dict[str, torch.Tensor], num_tokens: torch.Tensor) -> torch.Tensor:
+        labels = batch.pop("labels")
+        with self.activations_ctx:
+            logits = self.model(**batch)
+        if not isinstance(logits, list):
+            labels = labels.reshape(-1)
+            logits = logits.reshape(-1, logits.size(-1))
+        # The loss is a mean over this micro-batch's tokens; times their count gives the sum.
+        return self.loss_fn(logits, labels) * num_tokens
+
+    def run(self, *, epochs_run: int, save_checkpoint: Callable[[int], None]) -> int:
+        """Trains from epoch ``epochs_run`` to the last; returns the number of epochs run."""
+        s = self.settings
+        global_step = epochs_run * self.steps_per_epoch
+        self.profiler.start()
+        for epoch in range(epochs_run, s.epochs):
+            self.dataloader.sampler.set_epoch(epoch)
+            batches = iter(self.dataloader)
+            pbar = tqdm(total=self.steps_per_epoch, disable=not self.is_rank_zero)
+            for _ in range(self.steps_per_epoch):
+                t0 = time.perf_counter()
+                window = [next(batches) for _ in range(s.gradient_accumulation_steps)]
+                for batch in window:
+                    utils.batch_to_device(batch, s.device)
+                    self._shift_labels(batch)
+                counts = [(b["labels"] != self.ignore_index).sum() for b in window]
+                num_tokens = count_loss_tokens(window, ignore_index=self.ignore_index)
+                scale = loss_scale(num_tokens=num_tokens)
+                running = torch.zeros((), device=s.device)
+                for batch, count in zip(window, counts):
+                    loss = self._summed_loss(batch, count)
+                    running += loss.detach()
+                    (loss * scale).backward()
+                    del loss
+                grad_norm = self.stepper.step()
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+                global_step += 1
+                # Local tokens: the rate each device achieves.
+                local_tokens = int(sum(counts))
+                loss_value = running.item() / max(local_tokens, 1)
+                self.losses.append(loss_value)
+                pbar.update(1)
+                pbar.set_description(f"{epoch + 1}|{global_step}|Loss: {loss_value:.4f}")
+                if global_step % s.log_every_n_steps == 0 and self.is_rank_zero:
+                    seconds = time.perf_counter() - t0
+                    log = {
+                        "loss": loss_value,
+                        "lr": get_lr(self.lr_source),
+                        "tokens_per_second": local_tokens / seconds,
+                    }
+                    if grad_norm is not None:
+                        log["grad_norm"] = float(grad_norm)
+                    if s.log_peak_memory_stats:
+                        log.update(self.memory.stats(reset=True))
+                    self.metric_logger.log_dict(log, step=global_step)
+                self.profiler.step()
+            pbar.close()
+            epochs_run += 1
+            save_checkpoint(epoch)
+        self.profiler.stop()
+        return epochs_run
