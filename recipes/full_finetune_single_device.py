@@ -16,22 +16,14 @@ import sys
 from omegaconf import DictConfig
 from torchtune import config, training, utils
 
-from torchtune_offload.grad_math import GradientStepper
-from torchtune_offload.memory import MemoryMonitor
 from torchtune_offload.recipe_config import check_recipe_config
 from torchtune_offload.recipe_setup import (
     Progress,
-    attach_scheduler,
-    build_dataloader,
-    build_lr_scheduler,
     build_optimizer,
-    build_profiler,
+    build_train_loop,
     instantiate_model,
-    lr_source,
     optimizer_state,
-    steps_per_epoch,
 )
-from torchtune_offload.train_loop import TrainLoop
 
 log = utils.get_logger("INFO")
 
@@ -73,37 +65,12 @@ class FullFinetuneRecipeSingleDevice:
             cfg.optimizer, self._model, s,
             state_dict=ckpt.get(training.OPT_KEY) if s.resume_from_checkpoint else None,
         )
-        # 4. Loss and data.
-        self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._loss_fn = config.instantiate(cfg.loss)
-        if s.compile:
-            training.compile_loss(self._loss_fn)
-        if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
-            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
-        self._dataloader = build_dataloader(cfg.dataset, self._tokenizer, s, ignore_index=self._loss_fn.ignore_index)
-        # 5. Schedule, profiler, memory figures.
-        self._steps_per_epoch = steps_per_epoch(self._dataloader, s)
-        source = lr_source(self._optimizer, self._in_bwd)
-        self._lr_scheduler = build_lr_scheduler(
-            cfg.get("lr_scheduler"), source,
-            num_training_steps=s.epochs * self._steps_per_epoch,
-            last_epoch=self.progress.epochs_run * self._steps_per_epoch - 1,
-        )
-        attach_scheduler(self._in_bwd, self._lr_scheduler)
-        profiler, _ = build_profiler(cfg.get("profiler"))
-        self._memory = MemoryMonitor(s.device, optimizer=self._optimizer)
-        self._loop = TrainLoop(
-            model=self._model, loss_fn=self._loss_fn, dataloader=self._dataloader,
-            stepper=GradientStepper(
-                optimizer=self._optimizer, params=self._model.parameters(),
-                kind=s.optimizer_kind, clip_grad_norm=s.clip_grad_norm,
-            ),
-            lr_source=self._in_bwd if self._in_bwd is not None else source,
-            lr_scheduler=self._lr_scheduler, profiler=profiler, metric_logger=self._metric_logger,
-            memory=self._memory, settings=s, steps_per_epoch=self._steps_per_epoch,
+        # 4. Data, loss, schedule, profiler and memory figures, wired into the shared loop.
+        self._loop = build_train_loop(
+            cfg, s, model=self._model, optimizer=self._optimizer, in_bwd_wrapper=self._in_bwd,
+            epochs_run=self.progress.epochs_run, metric_logger=self._metric_logger,
             activations_ctx=self._activations_ctx,
         )
-        log.info(f"Setup done: {self._steps_per_epoch} steps per epoch, optimizer {type(self._optimizer or self._in_bwd).__name__}.")
 
     def save_checkpoint(self, epoch: int) -> None:
         ckpt = {training.MODEL_KEY: self._model.state_dict()}
@@ -114,14 +81,14 @@ class FullFinetuneRecipeSingleDevice:
             ckpt[training.OPT_KEY] = optimizer_state(self._optimizer, self._in_bwd)
             # Resume restarts at an epoch boundary, where the sampler's order depends only on
             # the epoch; the loader state is stored for torchtune's tools, not read back.
-            ckpt[training.DATALOADER_KEY] = self._dataloader.state_dict()
+            ckpt[training.DATALOADER_KEY] = self._loop.dataloader.state_dict()
         self._checkpointer.save_checkpoint(ckpt, epoch=epoch, intermediate_checkpoint=intermediate)
 
     def train(self) -> None:
         self.progress.epochs_run = self._loop.run(epochs_run=self.progress.epochs_run, save_checkpoint=self.save_checkpoint)
 
     def cleanup(self) -> None:
-        self._memory.close()
+        self._loop.memory.close()
         self._metric_logger.close()
 
 

@@ -852,6 +852,10 @@ def build_assets(
 
     if output_dir.exists() and not output_dir.is_dir():
         raise ValueError(f"--output-dir {output_dir} exists and is not a directory")
+    if real_arch is not None and num_layers is not None:
+        full_depth = len(build_meta_model(real_arch=real_arch, num_layers=None).layers)
+        if num_layers > full_depth:
+            raise ValueError(f"--num-layers {num_layers} > {real_arch}'s {full_depth} layers")
 
     if real_arch is None:
         stamp: Dict[str, Any] = {"mode": "tiny", "seed": seed, "num_examples": num_examples,
@@ -870,8 +874,10 @@ def build_assets(
         raise ValueError(f"{output_dir} is non-empty and was not written by this script; "
                          "choose another --output-dir or pass --force")
     output_dir.mkdir(parents=True, exist_ok=True)
-    # A stale manifest must not vouch for half-rewritten files if we crash.
-    (output_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    # A file-less manifest marks the directory as ours but never as current, so
+    # an interrupted build is redone by the next plain run, not trusted.
+    _write_json(path=output_dir / MANIFEST_NAME, obj={"content_version": CONTENT_VERSION,
+                                                     "args": dict(stamp), "files": {}})
     _log(f"building {'tiny' if real_arch is None else real_arch} assets in {output_dir}")
 
     if real_arch is None:
@@ -890,12 +896,7 @@ def build_assets(
             check_tiny_assets(out_dir=output_dir, examples=examples)
     else:
         arch = _REAL_ARCHES[real_arch]
-        model = build_meta_model(real_arch=real_arch, num_layers=None)
-        full_depth = len(model.layers)
-        if num_layers is not None and num_layers > full_depth:
-            raise ValueError(f"--num-layers {num_layers} > {real_arch}'s {full_depth} layers")
-        if num_layers is not None:
-            model.layers = model.layers[:num_layers]
+        model = build_meta_model(real_arch=real_arch, num_layers=num_layers)
         config = hf_config_for(model=model, real_arch=real_arch, dtype=torch_dtype)
         write_checkpoint(model=model, config=config, model_type=arch.model_type, seed=seed,
                          dtype=torch_dtype, ckpt_dir=output_dir)

@@ -191,9 +191,16 @@ def test_config_passes_its_recipes_own_check(path, monkeypatch):
 
     monkeypatch.setattr(torchtune.utils, "get_device", lambda device=None: torch.device("cpu"))
     monkeypatch.setattr(torchtune.training, "get_dtype", lambda dtype=None, device=None: torch.float32)
+    cfg = _load(path)
+    expected_kind = {
+        "torchtune_offload.OffloadOptimizer": "OFFLOAD",
+        "torchtune_offload.CPUOffloadOptimizer": "TORCHAO",
+    }.get(cfg.optimizer._component_, "PLAIN")
     for kind in kinds:
-        settings = recipe_config.check_recipe_config(_load(path), recipe=kind)
-        assert settings.optimizer_in_bwd is False or recipe_config.OptimizerKind is None
+        settings = recipe_config.check_recipe_config(cfg, recipe=kind)  # ValueError lists problems
+        assert settings.optimizer_kind is recipe_config.OptimizerKind[expected_kind]
+        assert settings.batch_size == cfg.batch_size
+        assert settings.gradient_accumulation_steps == cfg.get("gradient_accumulation_steps", 1)
 
 
 # ---------------------------------------------------------------------------- optimizers

@@ -87,9 +87,10 @@ class MemoryMonitor:
                 torch.accelerator.reset_peak_memory_stats(self.device)
         if self._nvml is not None:
             out["nvml_device_used_peak"] = self._nvml.read_peak(reset=reset) / GIB
-        out["host_rss"] = self._process.memory_info().rss / GIB
-        # ru_maxrss is in KiB on Linux; it is a peak over the process's whole life.
-        out["host_rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+        rss = self._process.memory_info().rss
+        out["host_rss"] = rss / GIB
+        # ru_maxrss is in KiB on Linux, a peak over the process's life, sampled by the kernel.
+        out["host_rss_peak"] = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / GIB
         report = getattr(self.optimizer, "memory_report", None)
         if report is not None:
             r = report()

@@ -190,3 +190,63 @@ def steps_per_epoch(loader: StatefulDataLoader, settings: RecipeSettings) -> int
 
 
 SaveFn = Callable[[int], None]
+
+
+def build_train_loop(
+    cfg: DictConfig,
+    settings: RecipeSettings,
+    *,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    in_bwd_wrapper: Optional[Any],
+    epochs_run: int,
+    metric_logger: Any,
+    activations_ctx: Any,
+    world_size: int = 1,
+    rank: int = 0,
+) -> "TrainLoop":
+    """Tokenizer, loss, data, LR schedule, profiler and memory monitor, wired into a TrainLoop."""
+    from torchtune_offload.grad_math import GradientStepper
+    from torchtune_offload.memory import MemoryMonitor
+    from torchtune_offload.train_loop import TrainLoop
+
+    tokenizer = config.instantiate(cfg.tokenizer)
+    loss_fn = config.instantiate(cfg.loss)
+    if settings.compile:
+        training.compile_loss(loss_fn)
+    if loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
+        model.set_num_output_chunks(loss_fn.num_output_chunks)
+    loader = build_dataloader(
+        cfg.dataset, tokenizer, settings, ignore_index=loss_fn.ignore_index, world_size=world_size, rank=rank
+    )
+    num_steps = steps_per_epoch(loader, settings)
+    source = lr_source(optimizer, in_bwd_wrapper)
+    scheduler = build_lr_scheduler(
+        cfg.get("lr_scheduler"), source,
+        num_training_steps=settings.epochs * num_steps,
+        last_epoch=epochs_run * num_steps - 1,
+    )
+    attach_scheduler(in_bwd_wrapper, scheduler)
+    profiler, _ = build_profiler(cfg.get("profiler"))
+    log.info(
+        f"{num_steps} steps per epoch x {settings.epochs} epochs; optimizer "
+        f"{type(optimizer if optimizer is not None else in_bwd_wrapper).__name__} ({settings.optimizer_kind.value})."
+    )
+    return TrainLoop(
+        model=model,
+        loss_fn=loss_fn,
+        dataloader=loader,
+        stepper=GradientStepper(
+            optimizer=optimizer, params=model.parameters(),
+            kind=settings.optimizer_kind, clip_grad_norm=settings.clip_grad_norm,
+        ),
+        lr_source=in_bwd_wrapper if in_bwd_wrapper is not None else source,
+        lr_scheduler=scheduler,
+        profiler=profiler,
+        metric_logger=metric_logger,
+        memory=MemoryMonitor(settings.device, optimizer=optimizer),
+        settings=settings,
+        steps_per_epoch=num_steps,
+        activations_ctx=activations_ctx,
+        is_rank_zero=rank == 0,
+    )

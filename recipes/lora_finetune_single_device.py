@@ -1,0 +1,147 @@
+"""LoRA fine-tuning on one device, with any optimizer, offloading or not, and exact gradient math.
+
+Takes torchtune 0.6.1's ``lora_finetune_single_device`` configs unchanged. Swap in optimizer
+offload from the command line::
+
+    tune run recipes/lora_finetune_single_device.py --config configs/tiny/lora.yaml \\
+        optimizer._component_=torchtune_offload.OffloadOptimizer optimizer.minimal_size=256
+
+Only the adapter parameters train; the offload optimizer keeps their state on the host.
+"""
+
+import sys
+
+from omegaconf import DictConfig
+from torchtune import config, training, utils
+from torchtune.modules.peft import (
+    get_adapter_params,
+    get_adapter_state_dict,
+    get_lora_module_names,
+    get_merged_lora_ckpt,
+    set_trainable_params,
+    validate_missing_and_unexpected_for_lora,
+)
+
+from torchtune_offload.recipe_config import check_recipe_config
+from torchtune_offload.recipe_setup import (
+    Progress,
+    build_optimizer,
+    build_train_loop,
+    instantiate_model,
+    optimizer_state,
+)
+
+log = utils.get_logger("INFO")
+
+
+class LoRAFinetuneRecipeSingleDevice:
+    """LoRA fine-tuning of a decoder on one device.
+
+    Args:
+        cfg: the parsed config; every key is checked here, before anything is allocated.
+
+    Raises:
+        ValueError: listing every invalid key, value or combination of the config.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.settings = check_recipe_config(cfg, recipe="lora")
+        seed = training.set_seed(seed=cfg.get("seed"), debug_mode=self.settings.cudnn_deterministic_mode)
+        self.progress = Progress(
+            seed=seed, epochs_run=0, total_epochs=self.settings.epochs,
+            max_steps_per_epoch=self.settings.max_steps_per_epoch,
+        )
+        self._lora = {
+            "rank": cfg.model.lora_rank,
+            "alpha": cfg.model.lora_alpha,
+            "attn_modules": list(cfg.model.lora_attn_modules),
+            "mlp": cfg.model.get("apply_lora_to_mlp", False),
+            "output": cfg.model.get("apply_lora_to_output", False),
+        }
+
+    def setup(self, cfg: DictConfig) -> None:
+        s = self.settings
+        # 1. Logging first, so that the config is recorded even if a later step fails.
+        self._metric_logger = config.instantiate(cfg.metric_logger)
+        self._metric_logger.log_config(cfg)
+        # 2. Base weights, and when resuming the adapter weights and recipe state.
+        self._checkpointer = config.instantiate(cfg.checkpointer, should_load_recipe_state=s.resume_from_checkpoint)
+        ckpt = self._checkpointer.load_checkpoint()
+        if s.resume_from_checkpoint:
+            self.progress.restore(ckpt)
+        # 3. Model with only the adapters trainable, then the optimizer over them.
+        self._model = instantiate_model(cfg.model, s)
+        adapter_params = get_adapter_params(self._model)
+        set_trainable_params(self._model, adapter_params)
+        base_missing, base_unexpected = self._model.load_state_dict(ckpt[training.MODEL_KEY], strict=False)
+        lora_missing = lora_unexpected = None
+        if s.resume_from_checkpoint:
+            lora_missing, lora_unexpected = self._model.load_state_dict(ckpt[training.ADAPTER_KEY], strict=False)
+        validate_missing_and_unexpected_for_lora(
+            lora_attn_modules=self._lora["attn_modules"],
+            apply_lora_to_mlp=self._lora["mlp"],
+            apply_lora_to_output=self._lora["output"],
+            base_missing=base_missing,
+            base_unexpected=base_unexpected,
+            lora_missing=lora_missing,
+            lora_unexpected=lora_unexpected,
+        )
+        training.validate_expected_param_dtype(adapter_params.items(), dtype=s.dtype)
+        self._activations_ctx = training.get_act_offloading_ctx_manager(self._model, s.enable_activation_offloading)
+        self._optimizer, _ = build_optimizer(
+            cfg.optimizer, self._model, s,
+            state_dict=ckpt.get(training.OPT_KEY) if s.resume_from_checkpoint else None,
+        )
+        # 4. Data, loss, schedule, profiler and memory figures, wired into the shared loop.
+        self._loop = build_train_loop(
+            cfg, s, model=self._model, optimizer=self._optimizer, in_bwd_wrapper=None,
+            epochs_run=self.progress.epochs_run, metric_logger=self._metric_logger,
+            activations_ctx=self._activations_ctx,
+        )
+
+    def save_checkpoint(self, epoch: int) -> None:
+        intermediate = epoch + 1 < self.settings.epochs
+        ckpt = {}
+        if intermediate:
+            self.progress.epochs_run = epoch + 1
+            ckpt.update(self.progress.state())
+            ckpt[training.OPT_KEY] = optimizer_state(self._optimizer, None)
+            ckpt[training.DATALOADER_KEY] = self._loop.dataloader.state_dict()
+        state = self._model.state_dict()
+        ckpt[training.ADAPTER_KEY] = get_adapter_state_dict(state)
+        if not self.settings.save_adapter_weights_only:
+            merged = {k: v.cpu() for k, v in state.items()}
+            ckpt[training.MODEL_KEY] = get_merged_lora_ckpt(merged, rank=self._lora["rank"], alpha=self._lora["alpha"])
+        ckpt[training.ADAPTER_CONFIG] = {
+            "r": self._lora["rank"],
+            "lora_alpha": self._lora["alpha"],
+            "target_modules": get_lora_module_names(self._lora["attn_modules"], self._lora["mlp"], self._lora["output"]),
+            "peft_type": "LORA",
+        }
+        self._checkpointer.save_checkpoint(
+            ckpt, epoch=epoch, intermediate_checkpoint=intermediate,
+            adapter_only=self.settings.save_adapter_weights_only,
+        )
+
+    def train(self) -> None:
+        self.progress.epochs_run = self._loop.run(epochs_run=self.progress.epochs_run, save_checkpoint=self.save_checkpoint)
+
+    def cleanup(self) -> None:
+        self._loop.memory.close()
+        self._metric_logger.close()
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: ``tune run recipes/lora_finetune_single_device.py --config <yaml> [key=value ...]``."""
+    config.log_config(recipe_name="LoRAFinetuneRecipeSingleDevice", cfg=cfg)
+    recipe = LoRAFinetuneRecipeSingleDevice(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    try:
+        recipe.train()
+    finally:
+        recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())
