@@ -73,6 +73,15 @@ its base ids are all < 499)::
 
 Qwen2.5 needs its own vocab.json/merges.txt; use synthetic token ids there.
 
+``--num-layers N`` keeps only the first N blocks (per-tensor seeds make them
+identical to the full checkpoint's first N). Such a checkpoint loads only into
+a model of that depth, i.e. the component builder with the model builder's
+arguments, e.g. for Llama 3.2 1B::
+
+    model._component_=torchtune.models.llama3_2.llama3_2 model.num_layers=1 \
+    model.vocab_size=128256 model.num_heads=32 model.num_kv_heads=8 model.embed_dim=2048 \
+    model.max_seq_len=131072 model.intermediate_dim=8192
+
 Quirks worth knowing:
   * tiktoken caches ranks files by the *path string* (under
     ``$TIKTOKEN_CACHE_DIR`` or ``<tmp>/data-gym-cache``) without checking the
@@ -593,7 +602,7 @@ def init_tensor(*, name: str, meta: torch.Tensor, num_layers: int, seed: int,
 
 
 def write_checkpoint(*, model: torch.nn.Module, config: Mapping[str, Any], model_type: str,
-                     seed: int, dtype: torch.dtype, ckpt_dir: Path) -> None:
+                     seed: int, dtype: torch.dtype, ckpt_dir: Path, init_depth: int) -> None:
     """Materialise seeded weights for ``model`` and write them in HF format.
 
     Args:
@@ -603,10 +612,11 @@ def write_checkpoint(*, model: torch.nn.Module, config: Mapping[str, Any], model
         seed: Base seed for :func:`init_tensor`.
         dtype: Storage dtype.
         ckpt_dir: Directory receiving ``config.json`` and ``model.safetensors``.
+        init_depth: Untruncated depth of the architecture; sets the residual
+            init scale so a ``--num-layers`` cut keeps the full model's tensors.
     """
-    num_layers = len(model.layers)
     tune_sd = {
-        name: init_tensor(name=name, meta=meta, num_layers=num_layers, seed=seed, dtype=dtype)
+        name: init_tensor(name=name, meta=meta, num_layers=init_depth, seed=seed, dtype=dtype)
         for name, meta in model.state_dict().items()
     }
     shape_kwargs = dict(
@@ -889,20 +899,29 @@ def build_assets(
         model = build_meta_model(real_arch=None, num_layers=None)
         config = hf_config_for(model=model, real_arch=None, dtype=torch_dtype, special_ids=special_ids)
         write_checkpoint(model=model, config=config, model_type="LLAMA3", seed=seed,
-                         dtype=torch_dtype, ckpt_dir=output_dir / MODEL_DIR)
+                         dtype=torch_dtype, ckpt_dir=output_dir / MODEL_DIR,
+                         init_depth=len(model.layers))
         rel_files = [DATA_FILE, TOKENIZER_FILE, SPECIAL_TOKENS_FILE,
                      f"{MODEL_DIR}/{CONFIG_FILE}", f"{MODEL_DIR}/{WEIGHTS_FILE}"]
         if check:
             check_tiny_assets(out_dir=output_dir, examples=examples)
     else:
         arch = _REAL_ARCHES[real_arch]
-        model = build_meta_model(real_arch=real_arch, num_layers=num_layers)
+        model = build_meta_model(real_arch=real_arch, num_layers=None)
+        full_depth = len(model.layers)
+        if num_layers is not None:
+            model.layers = model.layers[:num_layers]
         config = hf_config_for(model=model, real_arch=real_arch, dtype=torch_dtype)
         write_checkpoint(model=model, config=config, model_type=arch.model_type, seed=seed,
-                         dtype=torch_dtype, ckpt_dir=output_dir)
+                         dtype=torch_dtype, ckpt_dir=output_dir, init_depth=full_depth)
         rel_files = [CONFIG_FILE, WEIGHTS_FILE]
         if check:
             check_real_assets(out_dir=output_dir, real_arch=real_arch, num_layers=num_layers)
+        _log(f"use with: checkpointer.checkpoint_dir={output_dir} "
+             f"checkpointer.model_type={arch.model_type}")
+        if num_layers is not None:
+            _log(f"note: only a {num_layers}-layer model loads this (not {arch.builder}); "
+                 "see the script header")
     _write_manifest(out_dir=output_dir, stamp=stamp, rel_files=rel_files)
     return True
 

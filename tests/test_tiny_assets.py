@@ -1,0 +1,222 @@
+"""Tests for scripts/make_tiny_assets.py and the tiny configs that read its output.
+
+Everything is built into pytest's tmp_path; nothing touches ./assets or the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+NUM_EXAMPLES = 200  # small keeps the suite fast; the self-check still runs on it
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_assets", REPO_ROOT / "scripts" / "make_tiny_assets.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations via sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+mta = _load_script()  # also puts the repo root on sys.path for torchtune_offload
+
+from torchtune import config as tt_config  # noqa: E402
+from torchtune import training  # noqa: E402
+from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft  # noqa: E402
+
+from torchtune_offload.tiny_models import TINY_LLAMA_DEFAULTS, tiny_llama  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_tiktoken_cache(monkeypatch):
+    # tiktoken caches ranks by path string; tests must read the file they just wrote.
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny") / "assets"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_CACHE_DIR", "")
+        # check=True: the script's own torchtune self-check must pass as well.
+        assert mta.build_assets(output_dir=out, num_examples=NUM_EXAMPLES, check=True) is True
+    return out
+
+
+def _tree_hashes(root: Path) -> dict:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _tiny_cfg(name: str, assets: Path):
+    """Load configs/tiny/<name>.yaml with its asset paths moved to ``assets``."""
+    cfg = OmegaConf.load(REPO_ROOT / "configs" / "tiny" / f"{name}.yaml")
+    cfg.tokenizer.path = str(assets / mta.TOKENIZER_FILE)
+    cfg.tokenizer.special_tokens_path = str(assets / mta.SPECIAL_TOKENS_FILE)
+    cfg.dataset.data_files = str(assets / mta.DATA_FILE)
+    cfg.checkpointer.checkpoint_dir = str(assets / mta.MODEL_DIR)
+    return cfg
+
+
+def _load_tiny_state_dict(cfg, tmp_path: Path) -> dict:
+    checkpointer = tt_config.instantiate(cfg.checkpointer, output_dir=str(tmp_path / "ckpt_out"))
+    return checkpointer.load_checkpoint()[training.MODEL_KEY]
+
+
+def test_output_is_deterministic(assets, tmp_path):
+    again = tmp_path / "again"
+    mta.build_assets(output_dir=again, num_examples=NUM_EXAMPLES, check=False)
+    first, second = _tree_hashes(assets), _tree_hashes(again)
+    assert set(first) == {
+        mta.MANIFEST_NAME, mta.DATA_FILE, mta.TOKENIZER_FILE, mta.SPECIAL_TOKENS_FILE,
+        f"{mta.MODEL_DIR}/{mta.CONFIG_FILE}", f"{mta.MODEL_DIR}/{mta.WEIGHTS_FILE}",
+    }
+    assert first == second
+    manifest = json.loads((assets / mta.MANIFEST_NAME).read_text())
+    assert manifest["content_version"] == mta.CONTENT_VERSION
+    for rel, info in manifest["files"].items():
+        assert info["sha256"] == first[rel]
+
+
+def test_seed_changes_content(assets, tmp_path):
+    other = tmp_path / "seed1"
+    mta.build_assets(output_dir=other, num_examples=NUM_EXAMPLES, seed=1, check=False)
+    base, changed = _tree_hashes(assets), _tree_hashes(other)
+    assert base[mta.DATA_FILE] != changed[mta.DATA_FILE]
+    assert base[f"{mta.MODEL_DIR}/{mta.WEIGHTS_FILE}"] != changed[f"{mta.MODEL_DIR}/{mta.WEIGHTS_FILE}"]
+
+
+def test_skips_when_current_and_force_rebuilds(assets, capsys):
+    before = _tree_hashes(assets)
+    assert mta.build_assets(output_dir=assets, num_examples=NUM_EXAMPLES, check=False) is False
+    assert "up to date" in capsys.readouterr().out
+    assert mta.build_assets(output_dir=assets, num_examples=NUM_EXAMPLES, force=True, check=False)
+    assert _tree_hashes(assets) == before
+
+
+def test_tokenizer_round_trip_and_special_ids(assets):
+    cfg = _tiny_cfg("full", assets)
+    tok = tt_config.instantiate(cfg.tokenizer)
+    vocab_size = TINY_LLAMA_DEFAULTS["vocab_size"]
+    assert tok.vocab_size == vocab_size
+    special = [tok.bos_id, tok.eos_id, tok.pad_id, tok.step_id, tok.start_header_id,
+               tok.end_header_id, tok.eot_id, tok.eom_id, tok.python_tag, tok.image_id]
+    assert len(set(special)) == len(special)
+    assert all(tok.base_vocab_size <= i < vocab_size for i in special)
+    assert max(tok.stop_tokens) < vocab_size
+    # Seen and unseen text (bytes fall back to single-byte ranks).
+    for text in ["Reverse: a c e", "Capital of France", "Hello, wörld! 123 ✓\n\ttabs"]:
+        ids = tok.encode(text, add_bos=True, add_eos=True)
+        assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+        assert all(0 <= i < tok.base_vocab_size for i in ids[1:-1])
+        assert tok.decode(ids) == text
+    # The chat template's role names and separator are single trained tokens.
+    for piece in ("user", "assistant", "\n\n"):
+        assert len(tok.encode(piece, add_bos=False, add_eos=False)) == 1
+
+
+def test_dataset_from_config_yields_tokens_and_labels(assets):
+    cfg = _tiny_cfg("full", assets)
+    tok = tt_config.instantiate(cfg.tokenizer)
+    ds = tt_config.instantiate(cfg.dataset, tok)
+    assert len(ds) == NUM_EXAMPLES
+    sample = ds[0]
+    assert len(sample["tokens"]) == len(sample["labels"]) <= mta.MAX_EXAMPLE_TOKENS
+    # train_on_input=False: prompt positions ignored, the answer is supervised.
+    assert CROSS_ENTROPY_IGNORE_IDX in sample["labels"]
+    supervised = [t for t in sample["labels"] if t != CROSS_ENTROPY_IGNORE_IDX]
+    assert tok.eot_id in supervised and len(supervised) >= 3
+    batch = padded_collate_sft([ds[i] for i in range(8)], padding_idx=tok.pad_id)
+    assert batch["tokens"].dtype == torch.long and batch["tokens"].shape[0] == 8
+    assert batch["tokens"].shape == batch["labels"].shape
+    assert int(batch["tokens"].max()) < TINY_LLAMA_DEFAULTS["vocab_size"]
+
+
+def test_checkpoint_loads_strictly_into_tiny_llama(assets, tmp_path):
+    cfg = _tiny_cfg("full", assets)
+    hf_config = json.loads((assets / mta.MODEL_DIR / mta.CONFIG_FILE).read_text())
+    assert hf_config["hidden_size"] == TINY_LLAMA_DEFAULTS["embed_dim"]
+    assert hf_config["num_hidden_layers"] == TINY_LLAMA_DEFAULTS["num_layers"]
+    assert hf_config["vocab_size"] == TINY_LLAMA_DEFAULTS["vocab_size"]
+    assert hf_config["tie_word_embeddings"] is False
+    assert cfg.checkpointer.model_type == "LLAMA3"
+
+    state_dict = _load_tiny_state_dict(cfg, tmp_path)
+    model = tt_config.instantiate(cfg.model)
+    assert type(model) is type(tiny_llama())
+    model.load_state_dict(state_dict, strict=True)
+    tokens = torch.arange(16).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(tokens)
+    assert logits.shape == (1, 16, TINY_LLAMA_DEFAULTS["vocab_size"])
+    # Small seeded init: predictions start near uniform.
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:])
+    assert abs(loss.item() - math.log(TINY_LLAMA_DEFAULTS["vocab_size"])) < 0.5
+
+
+def test_lora_config_model_accepts_checkpoint(assets, tmp_path):
+    cfg = _tiny_cfg("lora", assets)
+    state_dict = _load_tiny_state_dict(cfg, tmp_path)
+    model = tt_config.instantiate(cfg.model)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    assert not unexpected
+    assert missing and all("lora_" in key for key in missing)
+
+
+def test_configs_point_at_script_outputs():
+    for name in ("full", "lora"):
+        cfg = OmegaConf.load(REPO_ROOT / "configs" / "tiny" / f"{name}.yaml")
+        assert cfg.tokenizer.path == f"{mta.DEFAULT_TINY_DIR}/{mta.TOKENIZER_FILE}"
+        assert cfg.tokenizer.special_tokens_path == f"{mta.DEFAULT_TINY_DIR}/{mta.SPECIAL_TOKENS_FILE}"
+        assert cfg.dataset.data_files == f"{mta.DEFAULT_TINY_DIR}/{mta.DATA_FILE}"
+        assert cfg.checkpointer.checkpoint_dir == f"{mta.DEFAULT_TINY_DIR}/{mta.MODEL_DIR}"
+        assert list(cfg.checkpointer.checkpoint_files) == [mta.WEIGHTS_FILE]
+        assert cfg.tokenizer.max_seq_len >= mta.MAX_EXAMPLE_TOKENS
+        assert cfg.device == "cpu" and cfg.dtype == "fp32" and cfg.seed == 0
+
+
+def test_real_arch_single_layer_loads(tmp_path):
+    out = tmp_path / "qwen"
+    mta.build_assets(output_dir=out, real_arch="qwen2_5_0_5b", num_layers=1, check=False)
+    hf_config = json.loads((out / mta.CONFIG_FILE).read_text())
+    assert hf_config["num_hidden_layers"] == 1
+    assert hf_config["torch_dtype"] == "bfloat16"
+    assert hf_config["tie_word_embeddings"] is True
+    checkpointer = training.FullModelHFCheckpointer(
+        checkpoint_dir=str(out), checkpoint_files=[mta.WEIGHTS_FILE], model_type="QWEN2",
+        output_dir=str(tmp_path / "ckpt_out"), recipe_checkpoint=None,
+    )
+    state_dict = checkpointer.load_checkpoint()[training.MODEL_KEY]
+    assert all(v.dtype == torch.bfloat16 for v in state_dict.values())
+    model = mta.build_meta_model(real_arch="qwen2_5_0_5b", num_layers=1)
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    assert model.tok_embeddings.weight.shape == (151936, 896)
+    assert float(model.layers[0].sa_norm.scale.float().mean()) == 1.0
+
+
+def test_bad_input_is_rejected(tmp_path, capsys):
+    assert mta.main(["--num-layers", "1", "--output-dir", str(tmp_path / "x")]) == 2
+    assert "--num-layers only applies with --real-arch" in capsys.readouterr().err
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("not ours")
+    with pytest.raises(ValueError, match="not written by this script"):
+        mta.build_assets(output_dir=foreign, check=False)
+    with pytest.raises(ValueError, match="num-layers 99"):
+        mta.build_assets(output_dir=tmp_path / "y", real_arch="llama3_2_1b", num_layers=99)
+    assert not (tmp_path / "y").exists()
