@@ -110,7 +110,9 @@ class LoRAFinetuneRecipeSingleDevice:
         state = self._model.state_dict()
         ckpt[training.ADAPTER_KEY] = get_adapter_state_dict(state)
         if not self.settings.save_adapter_weights_only:
-            merged = {k: v.cpu() for k, v in state.items()}
+            # get_merged_lora_ckpt adds into the base weights in place, and on a CPU device .cpu()
+            # returns the parameter itself: copy, or training after this save sees the delta twice.
+            merged = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
             ckpt[training.MODEL_KEY] = get_merged_lora_ckpt(merged, rank=self._lora["rank"], alpha=self._lora["alpha"])
         ckpt[training.ADAPTER_CONFIG] = {
             "r": self._lora["rank"],

@@ -1,6 +1,9 @@
-"""Shared test setup: the one GPU marker, and tiny models trained side by side."""
+"""Shared test setup: the one GPU marker, and the tiny assets the recipe tests train on."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,3 +27,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory) -> Path:
+    """Builds the tiny model, tokenizer and data once per session with the project's script.
+
+    Returns:
+        The directory holding ``model/``, ``tokenizer/`` and ``data/`` (see scripts/make_tiny_assets.py).
+    """
+    out = tmp_path_factory.mktemp("tiny_assets")
+    # A fresh path per session, so tiktoken's cache (keyed by path string) cannot serve stale ranks.
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TIKTOKEN_CACHE_DIR": ""}
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "make_tiny_assets.py"), "--output-dir", str(out)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, f"make_tiny_assets.py failed:\n{result.stdout}\n{result.stderr}"
+    return out

@@ -29,6 +29,14 @@ def count_loss_tokens(batches: Iterable[dict], *, ignore_index: int) -> torch.Te
     return count
 
 
+def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """``value`` summed over ranks under ``torch.distributed`` (a copy), else ``value`` itself."""
+    if dist.is_available() and dist.is_initialized():
+        value = value.clone()
+        dist.all_reduce(value)
+    return value
+
+
 def loss_scale(*, num_tokens: torch.Tensor) -> torch.Tensor:
     """The factor that turns a micro-batch's summed token loss into its share of the window mean.
 

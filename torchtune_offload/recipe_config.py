@@ -229,6 +229,9 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
                 problems.append(f"{key} is not supported by this recipe. Remove it (~{key}).")
         if get("enable_async_checkpointing", False):
             problems.append("enable_async_checkpointing=True is not supported. Set it to False.")
+        from torchtune_offload.fsdp_policies import fsdp_config_problems
+
+        problems.extend(fsdp_config_problems(cfg, optimizer_kind=kind))
 
     if problems:
         raise ValueError(_format(problems))

@@ -180,6 +180,13 @@ def attach_scheduler(in_bwd_wrapper: Optional[Any], scheduler: Optional[Any]) ->
     """With optimizer_in_bwd, one scheduler drives all per-parameter optimizers."""
     if in_bwd_wrapper is not None and scheduler is not None:
         in_bwd_wrapper.set_lr_scheduler(scheduler)
+        # torchtune's wrapper copies the learning rate to every optimizer after each scheduler
+        # step only; without this the first step would run at the configured rate (not the
+        # scheduler's, e.g. 0 at the start of a warm-up) on every parameter but one.
+        lr = scheduler.get_last_lr()[0]
+        for opt in in_bwd_wrapper.optim_map.values():
+            for group in opt.param_groups:
+                group["lr"] = lr
 
 
 def steps_per_epoch(loader: StatefulDataLoader, settings: RecipeSettings) -> int:

@@ -13,7 +13,7 @@ from torchtune import utils
 from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
-from torchtune_offload.grad_math import GradientStepper, count_loss_tokens, loss_scale
+from torchtune_offload.grad_math import GradientStepper, count_loss_tokens, loss_scale, sum_over_ranks
 from torchtune_offload.memory import MemoryMonitor
 from torchtune_offload.recipe_config import RecipeSettings
 
@@ -116,7 +116,8 @@ class TrainLoop:
                 global_step += 1
                 # Local tokens: the rate each device achieves.
                 local_tokens = int(sum(counts))
-                loss_value = running.item() / max(local_tokens, 1)
+                # The logged loss is the mean over the window's tokens on all ranks, as trained.
+                loss_value = sum_over_ranks(running).item() / max(int(num_tokens), 1)
                 self.losses.append(loss_value)
                 pbar.update(1)
                 pbar.set_description(f"{epoch + 1}|{global_step}|Loss: {loss_value:.4f}")

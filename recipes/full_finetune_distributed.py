@@ -1,0 +1,290 @@
+"""Full fine-tuning on several devices with FSDP2, on CUDA (NCCL) or on CPU (gloo).
+
+Takes torchtune 0.6.1's ``full_finetune_distributed`` configs. Launch with::
+
+    tune run --nproc_per_node 2 recipes/full_finetune_distributed.py \\
+        --config configs/tiny/full_distributed.yaml device=cpu
+
+Unlike torchtune's recipe it shards with FSDP2 at every world size (one code path, testable with one
+process), picks its units from ``fsdp_shard_policy`` (see :mod:`torchtune_offload.fsdp_policies`;
+``[layers, embeddings]`` gives the token embedding and the output projection units of their own),
+runs on a CPU device, and shares the single-device recipe's gradient math, loop, metrics and memory
+figures: the logged loss is the mean over every rank's tokens, so it equals a one-process run over
+the same global batch.
+
+Weights are read on rank 0 only and broadcast shard by shard, so host memory holds one full copy
+per node, not one per rank. ``fsdp_cpu_offload=True`` keeps the sharded parameters, gradients and
+optimizer state in host memory, where a plain ``torch.optim.AdamW`` then steps (the CPU offload of
+this setup; the offload optimizers of the single-device recipes are rejected with the reason).
+"""
+
+import dataclasses
+import os
+import sys
+import time
+import warnings
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torchtune import config, training, utils
+
+from torchtune_offload.fsdp_policies import (
+    RowChunkedLoss,
+    parse_shard_policy,
+    plan_shard,
+    set_host_threads,
+    shard_model,
+)
+from torchtune_offload.grad_math import GradientStepper
+from torchtune_offload.memory import MemoryMonitor
+from torchtune_offload.recipe_config import check_recipe_config
+from torchtune_offload.recipe_setup import (
+    Progress,
+    attach_scheduler,
+    build_dataloader,
+    build_lr_scheduler,
+    build_optimizer,
+    build_profiler,
+    instantiate_model,
+    lr_source,
+    steps_per_epoch,
+)
+from torchtune_offload.train_loop import TrainLoop
+
+log = utils.get_logger("INFO")
+
+
+def _backend(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "gloo"
+    # gloo beside the accelerator's backend serves collectives on host tensors: with
+    # fsdp_cpu_offload the gradient norm of CPU shards is all-reduced on the host (torchtune #2108).
+    return f"{device.type}:{dist.Backend.default_device_backend_map[device.type]},cpu:gloo"
+
+
+class FullFinetuneRecipeDistributed:
+    """Full fine-tuning of a decoder, sharded with FSDP2 over every rank.
+
+    Args:
+        cfg: the parsed config; every key, the shard policy and the optimizer are checked here,
+            before the process group starts or any memory is allocated.
+
+    Raises:
+        ValueError: listing every invalid key, value or combination of the config, or naming a
+            ``fsdp_shard_policy`` item that selects no module of the model.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.settings = s = check_recipe_config(cfg, recipe="distributed")
+        self._policy = parse_shard_policy(
+            cfg.get("fsdp_shard_policy"), custom_sharded_layers=cfg.get("custom_sharded_layers")
+        )
+        # Built on the meta device, the model costs nothing yet and the policy can be checked
+        # against its module names now.
+        self._model = instantiate_model(cfg.model, s, device=torch.device("meta"))
+        plan_shard(self._model, self._policy)
+
+        if "WORLD_SIZE" in os.environ:  # launched by torchrun / tune run --nproc_per_node
+            dist.init_process_group(_backend(s.device))
+        else:
+            dist.init_process_group(_backend(s.device), store=dist.HashStore(), rank=0, world_size=1)
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self._is_rank_zero = self.rank == 0
+        seed = training.set_seed(seed=cfg.get("seed"), debug_mode=s.cudnn_deterministic_mode)
+        self.progress = Progress(
+            seed=seed, epochs_run=0, total_epochs=s.epochs, max_steps_per_epoch=s.max_steps_per_epoch,
+        )
+
+    def _log(self, msg: str) -> None:
+        utils.log_rank_zero(log, msg)
+
+    def setup(self, cfg: DictConfig) -> None:
+        s = self.settings
+        if s.fsdp_cpu_offload or s.device.type == "cpu":
+            # The host runs the optimizer step (and on a CPU device everything): give each rank
+            # its share of the cores, so together they use all of them without oversubscribing.
+            self._log(f"{set_host_threads()} CPU threads per rank.")
+        # 1. Logging first (rank 0), so that the config is recorded even if a later step fails.
+        self._metric_logger = None
+        if self._is_rank_zero:
+            self._metric_logger = config.instantiate(cfg.metric_logger)
+            self._metric_logger.log_config(cfg)
+        # 2. Weights and recipe state, read on rank 0 only; the recipe state is broadcast.
+        ckpt: Dict[str, Any] = {}
+        self._checkpointer = None
+        if self._is_rank_zero:
+            self._checkpointer = config.instantiate(
+                cfg.checkpointer, should_load_recipe_state=s.resume_from_checkpoint
+            )
+            ckpt = self._checkpointer.load_checkpoint()
+            if s.resume_from_checkpoint:
+                self.progress.restore(ckpt)
+        if s.resume_from_checkpoint:
+            state = [dataclasses.asdict(self.progress)]
+            dist.broadcast_object_list(state, src=0)
+            self.progress = Progress(**state[0])
+        # 3. Shard the meta model, materialise it, and scatter rank 0's weights into the shards.
+        t0 = time.perf_counter()
+        mesh = init_device_mesh(s.device.type, (self.world_size,), mesh_dim_names=("dp",))
+        plan = shard_model(
+            self._model, policy=self._policy, cpu_offload=s.fsdp_cpu_offload,
+            reshard_after_forward=s.fsdp_reshard_after_forward, mesh=mesh,
+        )
+        self._log(f"FSDP units: {plan.units} and the root.")
+        for name, reason in plan.skipped.items():
+            self._log(f"fsdp_shard_policy selects '{name}', which gets no unit of its own: {reason}.")
+        with training.set_default_dtype(s.dtype), s.device:
+            for m in self._model.modules():
+                if hasattr(m, "rope_init"):  # RoPE caches are not in the state dict
+                    m.rope_init()
+        full = ckpt.pop(training.MODEL_KEY, {})
+        if full:
+            dtypes = {k: v.dtype for k, v in self._model.state_dict().items()}
+            full = {k: v.to(dtypes.get(k, v.dtype)) for k, v in full.items()}
+        with warnings.catch_warnings():
+            # torch's state-dict code asks for a deprecated default device; the answer is right.
+            warnings.filterwarnings("ignore", message=".*_get_pg_default_device|.*Multiple backends are registered")
+            set_model_state_dict(
+                self._model, full, options=StateDictOptions(
+                    full_state_dict=True, broadcast_from_rank0=True, strict=True, cpu_offload=s.fsdp_cpu_offload,
+                ),
+            )
+        del full
+        training.validate_no_params_on_meta_device(self._model)
+        training.validate_expected_param_dtype(self._model.named_parameters(), dtype=s.dtype)
+        self._log(f"Sharded over {self.world_size} rank(s) and loaded in {time.perf_counter() - t0:.1f}s.")
+        self._activations_ctx = training.get_act_offloading_ctx_manager(self._model, s.enable_activation_offloading)
+        # 4. Optimizer over the shards; when resuming, rank 0's full state is scattered into it.
+        self._optimizer, self._in_bwd = build_optimizer(cfg.optimizer, self._model, s)
+        if s.resume_from_checkpoint:
+            self._load_optimizer_state(ckpt.get(training.OPT_KEY, {}))
+        # 5. Loss and data; each rank reads its own part of every global batch.
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._loss_fn = config.instantiate(cfg.loss)
+        if s.compile:
+            training.compile_loss(self._loss_fn, verbose=self._is_rank_zero)
+        if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
+            if isinstance(getattr(self._model, "output", None), FSDPModule):
+                self._loss_fn = RowChunkedLoss(self._loss_fn)  # a unit must run once per forward
+            else:
+                self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        self._dataloader = build_dataloader(
+            cfg.dataset, self._tokenizer, s, ignore_index=self._loss_fn.ignore_index,
+            world_size=self.world_size, rank=self.rank,
+        )
+        # 6. Schedule, profiler, memory figures, loop.
+        self._steps_per_epoch = steps_per_epoch(self._dataloader, s)
+        source = lr_source(self._optimizer, self._in_bwd)
+        self._lr_scheduler = build_lr_scheduler(
+            cfg.get("lr_scheduler"), source,
+            num_training_steps=s.epochs * self._steps_per_epoch,
+            last_epoch=self.progress.epochs_run * self._steps_per_epoch - 1,
+        )
+        attach_scheduler(self._in_bwd, self._lr_scheduler)
+        profiler, _ = build_profiler(cfg.get("profiler"))
+        self._memory = MemoryMonitor(s.device, optimizer=self._optimizer)
+        self._loop = TrainLoop(
+            model=self._model, loss_fn=self._loss_fn, dataloader=self._dataloader,
+            stepper=GradientStepper(
+                optimizer=self._optimizer, params=self._model.parameters(),
+                kind=s.optimizer_kind, clip_grad_norm=s.clip_grad_norm,
+            ),
+            lr_source=self._in_bwd if self._in_bwd is not None else source,
+            lr_scheduler=self._lr_scheduler, profiler=profiler, metric_logger=self._metric_logger,
+            memory=self._memory, settings=s, steps_per_epoch=self._steps_per_epoch,
+            activations_ctx=self._activations_ctx, is_rank_zero=self._is_rank_zero,
+        )
+        dist.barrier()
+        self._log(
+            f"Setup done: {self._steps_per_epoch} steps per epoch, global batch "
+            f"{s.batch_size * s.gradient_accumulation_steps * self.world_size}, optimizer "
+            f"{type(self._optimizer or self._in_bwd).__name__}."
+        )
+
+    # ----------------------------------------------------------------------------- checkpoints
+
+    def _optimizers(self) -> Dict[Optional[str], torch.optim.Optimizer]:
+        """The optimizer, or with optimizer_in_bwd one per parameter name."""
+        if self._optimizer is not None:
+            return {None: self._optimizer}
+        return dict(self._in_bwd.optim_map)
+
+    def _full_optimizer_state(self) -> Dict[str, Any]:
+        """Every rank takes part; rank 0 gets the full (unsharded) state on the host."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        states = {
+            key: get_optimizer_state_dict(self._model, opt, options=options) for key, opt in self._optimizers().items()
+        }
+        return states[None] if None in states else states
+
+    def _load_optimizer_state(self, full: Dict[str, Any]) -> None:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        for key, opt in self._optimizers().items():
+            part = full if key is None else full.get(key, {})
+            set_optimizer_state_dict(
+                self._model, opt, optim_state_dict=part if self._is_rank_zero else {}, options=options
+            )
+            # torch broadcasts the state tensors, but other ranks keep their own hyper-parameters
+            # where the checkpoint has keys they lack (a scheduler's initial_lr): send them too.
+            groups = [[{k: v for k, v in g.items() if k != "params"} for g in part.get("param_groups", [])]]
+            dist.broadcast_object_list(groups, src=0)
+            for group, saved in zip(opt.param_groups, groups[0]):
+                group.update(saved)
+
+    def save_checkpoint(self, epoch: int) -> None:
+        intermediate = epoch + 1 < self.settings.epochs
+        # Every rank gathers; only rank 0 receives the full tensors and writes them.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        ckpt = {training.MODEL_KEY: get_model_state_dict(self._model, options=options)}
+        if intermediate:
+            self.progress.epochs_run = epoch + 1
+            ckpt.update(self.progress.state())
+            ckpt[training.OPT_KEY] = self._full_optimizer_state()
+            # Resume restarts at an epoch boundary, where the sampler's order depends only on the
+            # epoch; the loader state is stored for torchtune's tools, not read back.
+            ckpt[training.DATALOADER_KEY] = self._dataloader.state_dict()
+        if self._is_rank_zero:
+            self._checkpointer.save_checkpoint(ckpt, epoch=epoch, intermediate_checkpoint=intermediate)
+        dist.barrier()
+
+    # ------------------------------------------------------------------------------------ run
+
+    def train(self) -> None:
+        self.progress.epochs_run = self._loop.run(
+            epochs_run=self.progress.epochs_run, save_checkpoint=self.save_checkpoint
+        )
+
+    def cleanup(self) -> None:
+        if getattr(self, "_memory", None) is not None:
+            self._memory.close()
+        if getattr(self, "_metric_logger", None) is not None:
+            self._metric_logger.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: ``tune run --nproc_per_node N recipes/full_finetune_distributed.py --config <yaml>``."""
+    config.log_config(recipe_name="FullFinetuneRecipeDistributed", cfg=cfg)
+    recipe = FullFinetuneRecipeDistributed(cfg=cfg)
+    try:
+        recipe.setup(cfg=cfg)
+        recipe.train()
+    finally:
+        recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())

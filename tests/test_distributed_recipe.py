@@ -1,0 +1,223 @@
+"""The distributed recipe, run for real on CPU: two gloo ranks against one process.
+
+The two-rank runs go through ``tune run --nproc_per_node 2`` as a user would; the one-process
+references run in this process (without torchrun the recipe makes a one-rank group itself). Every
+run sees the same global batch: two ranks read the even and odd samples of what one process reads
+at twice the batch size, so the logged losses (the mean over all ranks' tokens) agree to fp32
+rounding. The two-rank run also differs in everything that must not change the math: the shard
+policy (embedding and output units), activation checkpointing, and where it starts (resume).
+"""
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "tiny" / "full_distributed.yaml"
+STEPS = 3  # per epoch; two epochs, so that an intermediate checkpoint is written and resumed
+# One process: batch 8, two micro-batches per step. Two ranks: 4 each, the same 16 samples a step.
+TRAIN = [f"max_steps_per_epoch={STEPS}", "epochs=2", "gradient_accumulation_steps=2", "clip_grad_norm=1.0"]
+TWO_RANKS = ["batch_size=4", "fsdp_shard_policy=[layers,embeddings]", "enable_activation_checkpointing=True"]
+ONE_PROCESS = ["batch_size=8", "fsdp_shard_policy=[layers]"]
+LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def tiny_asset_overrides(assets: Path) -> List[str]:
+    """Points a configs/tiny config at the session's assets (conftest's ``tiny_assets``)."""
+    return [
+        f"tokenizer.path={assets}/tokenizer/tokenizer.model",
+        f"tokenizer.special_tokens_path={assets}/tokenizer/special_tokens.json",
+        f"dataset.data_files={assets}/data/train.json",
+        f"checkpointer.checkpoint_dir={assets}/model",
+    ]
+
+
+def _recipe_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"_recipe_{name}", REPO / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cfg(config: Path, overrides: List[str]):
+    return OmegaConf.merge(OmegaConf.load(config), OmegaConf.from_dotlist(overrides))
+
+
+def _losses(output_dir: Path) -> List[float]:
+    logs = sorted((output_dir / "logs").glob("log_*.txt"))
+    assert logs, f"no DiskLogger file under {output_dir}/logs"
+    return [float(m) for m in re.findall(r"\bloss:([-0-9.e]+)", logs[-1].read_text())]
+
+
+def _run_in_process(overrides: List[str], *, single_device: bool = False) -> None:
+    if single_device:
+        cls = _recipe_module("full_finetune_single_device").FullFinetuneRecipeSingleDevice
+        config = REPO / "configs" / "tiny" / "full.yaml"
+    else:
+        cls, config = _recipe_module("full_finetune_distributed").FullFinetuneRecipeDistributed, CONFIG
+    cfg = _cfg(config, overrides)
+    r = cls(cfg)
+    try:
+        r.setup(cfg)
+        r.train()
+    finally:
+        r.cleanup()
+    assert not dist.is_initialized()
+
+
+def _tune_run_two_ranks(*runs: List[str]) -> None:
+    """Launches ``tune run --nproc_per_node 2`` once per override list, all at once."""
+    tune = shutil.which("tune")
+    base = [tune] if tune else [sys.executable, "-m", "torchtune._cli.tune"]
+    base += ["run", "--nproc_per_node", "2", "recipes/full_finetune_distributed.py", "--config",
+             str(CONFIG.relative_to(REPO)), "device=cpu"]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", PYTHONPATH=os.pathsep.join(
+        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    procs = [subprocess.Popen(base + overrides, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for overrides in runs]
+    outputs = [p.communicate(timeout=400)[0] for p in procs]
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == 0, output[-6000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_assets, tmp_path_factory) -> Dict[str, Path]:
+    root = tmp_path_factory.mktemp("distributed_runs")
+    assets = tiny_asset_overrides(tiny_assets)
+    out = {name: root / name for name in ("one", "two", "resumed")}
+    _run_in_process(assets + TRAIN + ONE_PROCESS + [f"output_dir={out['one']}"])
+    # Resume the one-process run's intermediate checkpoint (epoch 0) on two ranks.
+    shutil.copytree(out["one"], out["resumed"], ignore=shutil.ignore_patterns("epoch_1", "logs"))
+    _tune_run_two_ranks(
+        assets + TRAIN + TWO_RANKS + [f"output_dir={out['two']}"],
+        assets + TRAIN + TWO_RANKS + [
+            f"output_dir={out['resumed']}", "resume_from_checkpoint=True",
+            "checkpointer.checkpoint_files=[epoch_0/model-00001-of-00001.safetensors]",
+        ],
+    )
+    return out
+
+
+def test_two_ranks_log_the_losses_of_one_process_over_the_same_global_batch(runs):
+    one, two = _losses(runs["one"]), _losses(runs["two"])
+    assert len(one) == len(two) == 2 * STEPS
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), **LOSS_TOL)
+
+
+def test_loss_falls(runs):
+    losses = _losses(runs["two"])
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_two_ranks_save_the_full_model_and_optimizer_state_of_one_process(runs):
+    for epoch in (0, 1):
+        two = load_file(runs["two"] / f"epoch_{epoch}" / "model-00001-of-00001.safetensors")
+        one = load_file(runs["one"] / f"epoch_{epoch}" / "model-00001-of-00001.safetensors")
+        assert two.keys() == one.keys()
+        for key in one:
+            torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5, msg=key)
+    two = torch.load(runs["two"] / "recipe_state" / "recipe_state.pt", weights_only=False)
+    one = torch.load(runs["one"] / "recipe_state" / "recipe_state.pt", weights_only=False)
+    assert two["epochs_run"] == one["epochs_run"] == 1
+    states_two, states_one = two["optimizer"]["state"], one["optimizer"]["state"]
+    assert states_two.keys() == states_one.keys() and "tok_embeddings.weight" in states_one
+    for name in states_one:
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(states_two[name][key], states_one[name][key], rtol=1e-3, atol=1e-7)
+
+
+def test_two_ranks_resume_a_one_process_checkpoint(runs):
+    resumed, straight = _losses(runs["resumed"]), _losses(runs["one"])[STEPS:]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight), **LOSS_TOL)
+
+
+# ------------------------------------------------------------- one process, in this process
+
+
+def test_sharded_one_process_run_matches_the_single_device_recipe(tiny_assets, tmp_path):
+    train = tiny_asset_overrides(tiny_assets) + ["max_steps_per_epoch=4", "batch_size=8", "clip_grad_norm=1.0"]
+    _run_in_process(train + [f"output_dir={tmp_path / 'fsdp'}"])
+    _run_in_process(train + [f"output_dir={tmp_path / 'single'}"], single_device=True)
+    sharded, single = _losses(tmp_path / "fsdp"), _losses(tmp_path / "single")
+    torch.testing.assert_close(torch.tensor(sharded), torch.tensor(single), **LOSS_TOL)
+
+
+def test_optimizer_in_backward_steps_shards_like_the_optimizer(tiny_assets, tmp_path):
+    train = tiny_asset_overrides(tiny_assets) + ["max_steps_per_epoch=4", "batch_size=8", "clip_grad_norm=null"]
+    _run_in_process(train + [f"output_dir={tmp_path / 'after'}"])
+    _run_in_process(train + [f"output_dir={tmp_path / 'inside'}", "optimizer_in_bwd=True"])
+    after, inside = _losses(tmp_path / "after"), _losses(tmp_path / "inside")
+    torch.testing.assert_close(torch.tensor(inside), torch.tensor(after), **LOSS_TOL)
+    assert after[-1] < after[0]
+
+
+@pytest.mark.gpu
+def test_fsdp_cpu_offload_trains_like_shards_on_the_device(tiny_assets, tmp_path):
+    # FSDP2's CPUOffloadPolicy: shards, gradients and AdamW state on the host, the step there, and
+    # the clip norm of host shards all-reduced over gloo beside NCCL.
+    train = tiny_asset_overrides(tiny_assets) + ["device=cuda", "max_steps_per_epoch=4", "batch_size=8",
+                                                  "gradient_accumulation_steps=2", "clip_grad_norm=1.0"]
+    _run_in_process(train + [f"output_dir={tmp_path / 'device'}"])
+    _run_in_process(train + [f"output_dir={tmp_path / 'host'}", "fsdp_cpu_offload=True"])
+    device, host = _losses(tmp_path / "device"), _losses(tmp_path / "host")
+    torch.testing.assert_close(torch.tensor(host), torch.tensor(device), rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------ bad configs
+
+
+OFFLOAD = ["optimizer.optimizer_class=torch.optim.AdamW", "clip_grad_norm=null"]
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        pytest.param(
+            ["optimizer._component_=torchtune_offload.OffloadOptimizer", *OFFLOAD],
+            ["optimizer._component_=torchtune_offload.OffloadOptimizer", "fsdp_cpu_offload=True"],
+            id="offload-optimizer"),
+        pytest.param(
+            ["optimizer._component_=torchtune_offload.CPUOffloadOptimizer", *OFFLOAD],
+            ["optimizer._component_=torchtune_offload.CPUOffloadOptimizer", "fsdp_cpu_offload=True"],
+            id="torchao"),
+        pytest.param(
+            ["optimizer._component_=bitsandbytes.optim.PagedAdamW"],
+            ["optimizer._component_=bitsandbytes.optim.PagedAdamW", "DTensor"], id="bitsandbytes"),
+        pytest.param(["fsdp_cpu_offload=True"], ["fsdp_cpu_offload=True with device=cpu"], id="cpu-offload-on-cpu"),
+        pytest.param(["fsdp_shard_policy=[layer]"], ["fsdp_shard_policy[0]='layer'"], id="unknown-builtin"),
+        pytest.param(
+            ["fsdp_shard_policy=[{module_class: torch.nn.Conv2d}]"],
+            ["fsdp_shard_policy: {module_class: torch.nn.modules.conv.Conv2d} selects no module"],
+            id="class-matches-nothing"),
+        pytest.param(
+            ["custom_sharded_layers=[tok_embedings]"],
+            ["fsdp_shard_policy: {name_pattern: 'tok_embedings'} selects no module"],
+            id="custom-name-matches-nothing"),
+        pytest.param(
+            ["fsdp_shard_polcy=[layers]"],
+            ["fsdp_shard_polcy: unknown config key", "Did you mean 'fsdp_shard_policy'"], id="typo"),
+        pytest.param(
+            ["optimizer_in_bwd=True", "gradient_accumulation_steps=2", "clip_grad_norm=null"],
+            ["gradient_accumulation_steps"], id="in-bwd-accumulation"),
+    ],
+)
+def test_invalid_configs_fail_before_the_process_group_starts(overrides, expected, tmp_path):
+    module = _recipe_module("full_finetune_distributed")
+    cfg = _cfg(CONFIG, overrides + [f"output_dir={tmp_path}"])
+    with pytest.raises(ValueError) as err:
+        module.FullFinetuneRecipeDistributed(cfg)
+    for text in expected:
+        assert text in str(err.value)
+    assert not dist.is_initialized()

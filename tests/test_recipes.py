@@ -1,0 +1,449 @@
+"""The single-device recipes, run for real on the tiny assets (CPU, fp32).
+
+Most runs happen in-process (the recipe class built from an OmegaConf config), which is several
+times faster than ``tune run``; one ``tune run`` per recipe proves the command line and the
+``optimizer._component_`` swap. Every comparison pairs an offload run with a plain-AdamW run of the
+same config, and every reference run is also checked to learn (loss falls).
+"""
+
+import functools
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import pytest
+import torch
+from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import load_file
+from torchtune.modules.peft import get_adapter_state_dict
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {kind: REPO_ROOT / "configs" / "tiny" / f"{kind}.yaml" for kind in ("full", "lora")}
+RECIPE_FILES = {"full": "full_finetune_single_device", "lora": "lora_finetune_single_device"}
+RECIPE_CLASSES = {"full": "FullFinetuneRecipeSingleDevice", "lora": "LoRAFinetuneRecipeSingleDevice"}
+WEIGHTS = "model-00001-of-00001.safetensors"  # what FullModelHFCheckpointer writes into epoch_<N>/
+FP32 = dict(rtol=1.3e-6, atol=1e-5)
+
+OFFLOAD = [
+    "optimizer._component_=torchtune_offload.OffloadOptimizer",
+    "optimizer.optimizer_class=torch.optim.AdamW",
+]
+# Accumulation and a clip far below the tiny model's gradient norm (about 3), with the configs'
+# cosine schedule: the settings where a post-backward scale or clip would miss offloaded gradients.
+CLIP = "clip_grad_norm=0.5"
+FULL_EQUIV = ["max_steps_per_epoch=5", "batch_size=4", "gradient_accumulation_steps=3", CLIP]
+LORA_EQUIV = ["max_steps_per_epoch=12", "batch_size=4", "gradient_accumulation_steps=2", CLIP]
+LEARN = ["max_steps_per_epoch=30", "batch_size=8"]
+RESUME = ["epochs=2", "max_steps_per_epoch=4", "batch_size=4", "gradient_accumulation_steps=2", CLIP]
+FULL_OFFLOAD = [*OFFLOAD, "optimizer.minimal_size=1024"]  # most tiny-model weights go to the host
+LORA_OFFLOAD = [*OFFLOAD, "optimizer.minimal_size=256"]  # every LoRA matrix goes to the host
+CPU_LOG_KEYS = {"loss", "lr", "tokens_per_second", "grad_norm", "host_rss", "host_rss_peak"}
+OFFLOAD_LOG_KEYS = {"optimizer_host", "optimizer_pinned", "optimizer_device_saved"}
+
+
+@functools.lru_cache(maxsize=None)
+def _load_recipe_class(kind: str) -> type:
+    name = RECIPE_FILES[kind]
+    path = REPO_ROOT / "recipes" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_test_recipe_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, RECIPE_CLASSES[kind])
+
+
+def _asset_overrides(assets: Path) -> List[str]:
+    return [
+        f"checkpointer.checkpoint_dir={assets / 'model'}",
+        f"tokenizer.path={assets / 'tokenizer' / 'tokenizer.model'}",
+        f"tokenizer.special_tokens_path={assets / 'tokenizer' / 'special_tokens.json'}",
+        f"dataset.data_files={assets / 'data' / 'train.json'}",
+    ]
+
+
+def _config(kind: str, assets: Path, output_dir: Path, overrides: List[str]) -> DictConfig:
+    cfg = OmegaConf.load(CONFIGS[kind])
+    dotlist = [f"output_dir={output_dir}", *_asset_overrides(assets), *overrides]
+    return OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
+
+
+def _read_log(path: Path) -> List[Dict[str, float]]:
+    """DiskLogger lines ``Step N | key:value key:value`` as one dict per step, in order."""
+    rows = []
+    for line in path.read_text().splitlines():
+        m = re.match(r"Step (\d+) \| (.*)$", line)
+        if m:
+            row = {"step": int(m.group(1))}
+            row.update({k: float(v) for k, v in (item.split(":", 1) for item in m.group(2).split())})
+            rows.append(row)
+    return rows
+
+
+class Run:
+    """What the tests read from one in-process recipe run."""
+
+    def __init__(self, recipe, output_dir: Path, log_file: Path) -> None:
+        self.recipe = recipe
+        self.output_dir = output_dir
+        self.losses = list(recipe._loop.losses)
+        self.log = _read_log(log_file)
+        self.params = {k: v.detach().clone() for k, v in recipe._model.state_dict().items()}
+
+
+class _Killed(Exception):
+    """Stands in for a job killed between two epochs."""
+
+
+def run_recipe(
+    kind: str,
+    assets: Path,
+    output_dir: Path,
+    *overrides: str,
+    stop_after_epoch: Optional[int] = None,
+    before_train: Optional[Callable[[Any], None]] = None,
+) -> Run:
+    """Runs a recipe in-process; with ``stop_after_epoch`` it dies right after that epoch's checkpoint."""
+    log_file = output_dir / "logs" / f"run_{len(list(output_dir.glob('logs/run_*.txt')))}.txt"
+    cfg = _config(kind, assets, output_dir, [*overrides, f"metric_logger.filename={log_file.name}"])
+    recipe = _load_recipe_class(kind)(cfg)
+    recipe.setup(cfg)
+    if before_train is not None:
+        before_train(recipe)
+    if stop_after_epoch is not None:
+        save = recipe.save_checkpoint
+
+        def save_then_die(epoch: int) -> None:
+            save(epoch)
+            if epoch == stop_after_epoch:
+                raise _Killed
+
+        recipe.save_checkpoint = save_then_die
+    try:
+        recipe.train()
+    except _Killed:
+        pass
+    finally:
+        recipe.cleanup()
+    return Run(recipe, output_dir, log_file)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cpu_setup():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    with pytest.MonkeyPatch.context() as mp:
+        # tiktoken caches ranks by path string; read the files this session built.
+        mp.setenv("TIKTOKEN_CACHE_DIR", "")
+        yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_assets, tmp_path_factory):
+    """Memoised in-process runs, so tests that read the same run share it."""
+    cache: Dict[tuple, Run] = {}
+
+    def get(kind: str, *overrides: str) -> Run:
+        key = (kind, *overrides)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{kind}_run")
+            cache[key] = run_recipe(kind, tiny_assets, out, *overrides)
+        return cache[key]
+
+    return get
+
+
+def _grad_norms(run: Run) -> torch.Tensor:
+    return torch.tensor([row["grad_norm"] for row in run.log])
+
+
+def _saved_weights(run: Run, epoch: int = 0) -> Dict[str, torch.Tensor]:
+    return load_file(run.output_dir / f"epoch_{epoch}" / WEIGHTS)
+
+
+def _assert_same_tensors(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], **tol) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], msg=lambda m: f"{k}: {m}", **tol)
+
+
+# ------------------------------------------------------------------------- full: equivalence
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_full_offload_matches_plain_adamw(runs, tiny_assets, offload_gradients):
+    plain = runs("full", *FULL_EQUIV)
+    off = runs("full", *FULL_EQUIV, *FULL_OFFLOAD, f"optimizer.offload_gradients={offload_gradients}")
+
+    report = off.recipe._optimizer.memory_report()
+    assert report.num_offloaded > 0 and report.num_on_device > 0  # both step paths are exercised
+    assert off.recipe._optimizer.offload_gradients is offload_gradients
+    assert len(plain.losses) == len(off.losses) == 5
+    torch.testing.assert_close(torch.tensor(off.losses), torch.tensor(plain.losses), **FP32)
+    # The clip bites (norm above 0.5) in every step, so equal norms and losses mean equal clipping.
+    assert (_grad_norms(plain) > 0.5).all()
+    torch.testing.assert_close(_grad_norms(off), _grad_norms(plain), **FP32)
+    torch.testing.assert_close([r["lr"] for r in off.log], [r["lr"] for r in plain.log])
+
+    # The saved checkpoints agree, and training moved them away from the initial weights.
+    saved_plain, saved_off = _saved_weights(plain), _saved_weights(off)
+    _assert_same_tensors(saved_off, saved_plain, **FP32)
+    initial = load_file(tiny_assets / "model" / "model.safetensors")
+    assert initial.keys() == saved_plain.keys()
+    assert all(not torch.equal(initial[k], saved_plain[k]) for k in initial)
+    _assert_same_tensors(off.params, plain.params, **FP32)
+
+
+# ---------------------------------------------------------------------- full: learns, bitsandbytes
+
+
+def test_full_loss_falls(runs):
+    losses = runs("full", *LEARN).losses
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
+
+
+def test_bitsandbytes_paged_adamw_on_cpu(runs):
+    pytest.importorskip("bitsandbytes")
+    plain = runs("full", *LEARN)
+    paged = runs("full", *LEARN, "optimizer._component_=bitsandbytes.optim.PagedAdamW")
+    optimizer = paged.recipe._optimizer
+    assert type(optimizer).__name__ == "PagedAdamW"
+    # bitsandbytes warns that CPU has no paging and keeps plain fp32 moments in host memory.
+    state = [s for s in optimizer.state.values() if s]
+    assert state and all(s["state1"].dtype == s["state2"].dtype == torch.float32 for s in state)
+    assert sum(paged.losses[-5:]) / 5 < paged.losses[0] - 1.0, paged.losses
+    # On CPU bitsandbytes falls back to unpaged 32-bit AdamW: the same math, in another op order.
+    torch.testing.assert_close(
+        torch.tensor(paged.losses), torch.tensor(plain.losses), rtol=1e-5, atol=1e-4
+    )
+
+
+# ------------------------------------------------------------------------------------- LoRA
+
+
+def test_lora_offload_matches_plain_adamw(runs, tiny_assets):
+    plain = runs("lora", *LORA_EQUIV)
+    off = runs("lora", *LORA_EQUIV, *LORA_OFFLOAD, "optimizer.offload_gradients=True")
+
+    optimizer = off.recipe._optimizer
+    report = optimizer.memory_report()
+    lora_params = [n for n, p in off.recipe._model.named_parameters() if p.requires_grad]
+    assert lora_params and all(".lora_" in n for n in lora_params)
+    assert report.num_offloaded == len(lora_params) and report.num_on_device == 0
+
+    torch.testing.assert_close(torch.tensor(off.losses), torch.tensor(plain.losses), **FP32)
+    assert (_grad_norms(plain) > 0.5).all()
+    torch.testing.assert_close(_grad_norms(off), _grad_norms(plain), **FP32)
+    _assert_same_tensors(off.params, plain.params, **FP32)
+    assert sum(plain.losses[-3:]) / 3 < plain.losses[0] - 0.75, plain.losses
+
+    # The adapter checkpoint holds exactly the trained adapters.
+    epoch_dir = off.output_dir / "epoch_0"
+    for name in ("adapter_model.pt", "adapter_model.safetensors", "adapter_config.json"):
+        assert (epoch_dir / name).is_file(), name
+    adapter = torch.load(epoch_dir / "adapter_model.pt", weights_only=True)
+    _assert_same_tensors(adapter, get_adapter_state_dict(off.params), rtol=0, atol=0)
+    assert (epoch_dir / WEIGHTS).is_file()  # the merged model, as save_adapter_weights_only=False
+
+
+def test_lora_checkpoint_leaves_base_weights_alone(tiny_assets, tmp_path):
+    """Merging adapters for the checkpoint must not write into the live model (on CPU .cpu() aliases)."""
+    base = {}
+
+    def snapshot(recipe):
+        state = recipe._model.state_dict()
+        base.update({k: v.detach().clone() for k, v in state.items() if ".lora_" not in k})
+
+    run = run_recipe(
+        "lora", tiny_assets, tmp_path, "max_steps_per_epoch=2", "batch_size=4", before_train=snapshot
+    )
+    after = {k: v for k, v in run.params.items() if ".lora_" not in k}
+    _assert_same_tensors(after, base, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------ resume
+
+
+@pytest.mark.parametrize(
+    "kind, overrides",
+    [
+        ("full", [*FULL_OFFLOAD, "optimizer.offload_gradients=True"]),
+        ("lora", [*LORA_OFFLOAD, "optimizer.offload_gradients=True"]),
+    ],
+)
+def test_resume_after_epoch_is_exact(kind, overrides, tiny_assets, tmp_path):
+    straight = run_recipe(kind, tiny_assets, tmp_path / "straight", *RESUME, *overrides)
+    assert len(straight.losses) == 8
+
+    killed = run_recipe(kind, tiny_assets, tmp_path / "killed", *RESUME, *overrides, stop_after_epoch=0)
+    assert killed.losses == straight.losses[:4]
+    assert (tmp_path / "killed" / "recipe_state" / "recipe_state.pt").is_file()
+    assert not (tmp_path / "killed" / "epoch_1").exists()
+
+    resume = ["resume_from_checkpoint=True"]
+    if kind == "full":
+        # Full weights come back from the epoch folder (the LoRA checkpointer finds its adapter itself).
+        resume.append(f"checkpointer.checkpoint_files=[epoch_0/{WEIGHTS}]")
+    resumed = run_recipe(kind, tiny_assets, tmp_path / "killed", *RESUME, *overrides, *resume)
+    assert resumed.recipe.progress.epochs_run == 2
+    assert resumed.losses == straight.losses[4:]
+    assert [r["step"] for r in resumed.log] == [5, 6, 7, 8]
+    assert [r["lr"] for r in resumed.log] == [r["lr"] for r in straight.log[4:]]
+    assert [r["grad_norm"] for r in resumed.log] == [r["grad_norm"] for r in straight.log[4:]]
+    _assert_same_tensors(resumed.params, straight.params, rtol=0, atol=0)
+    _assert_same_tensors(_saved_weights(resumed, 1), _saved_weights(straight, 1), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------- metrics
+
+
+def test_logged_metrics_on_cpu(runs):
+    plain = runs("full", *FULL_EQUIV)
+    off = runs("full", *FULL_EQUIV, *FULL_OFFLOAD, "optimizer.offload_gradients=True")
+    assert [r["step"] for r in plain.log] == [1, 2, 3, 4, 5]
+    for row in plain.log:
+        assert set(row) - {"step"} == CPU_LOG_KEYS
+    for row in off.log:
+        # No allocator or NVML figures on a CPU device: there is no device memory to report.
+        assert set(row) - {"step"} == CPU_LOG_KEYS | OFFLOAD_LOG_KEYS
+        assert row["host_rss_peak"] >= row["host_rss"] > 0 and row["tokens_per_second"] > 0
+        assert row["optimizer_device_saved"] > 0 and row["optimizer_host"] > row["optimizer_device_saved"]
+        assert row["optimizer_pinned"] == 0  # nothing to pin for on a CPU-only machine
+    assert [r["loss"] for r in off.log] == pytest.approx(off.losses, rel=1e-12)
+
+
+# --------------------------------------------------------------------------------- tune run
+
+
+def _tune_run(kind: str, assets: Path, output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    tune = shutil.which("tune")
+    if tune is None:
+        pytest.skip("the tune command is not on PATH")
+    cmd = [
+        tune, "run", f"recipes/{RECIPE_FILES[kind]}.py", "--config", f"configs/tiny/{kind}.yaml",
+        f"output_dir={output_dir}", *_asset_overrides(assets), *overrides,
+    ]
+    # PYTHONPATH: the working tree's torchtune_offload, not an installed copy.
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TIKTOKEN_CACHE_DIR": ""}
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "kind, overrides",
+    [
+        ("full", [*FULL_OFFLOAD, "optimizer.offload_gradients=True"]),
+        ("lora", [*LORA_OFFLOAD, "optimizer.offload_gradients=True"]),
+    ],
+)
+def test_tune_run_with_offload_from_command_line(kind, overrides, tiny_assets, tmp_path):
+    result = _tune_run(kind, tiny_assets, tmp_path, *overrides, "max_steps_per_epoch=3", "batch_size=4")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "optimizer OffloadOptimizer (offload)" in result.stdout + result.stderr
+    (log_file,) = (tmp_path / "logs").glob("log_*.txt")
+    rows = _read_log(log_file)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert CPU_LOG_KEYS | OFFLOAD_LOG_KEYS <= set(row)
+        assert row["grad_norm"] > 0 and row["tokens_per_second"] > 0
+    assert (tmp_path / "epoch_0" / WEIGHTS).is_file()
+    if kind == "lora":
+        assert (tmp_path / "epoch_0" / "adapter_model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------------------- bad configs
+
+
+def _bad(kind: str, assets: Path, tmp_path: Path, *overrides: str, delete=()) -> str:
+    """The message of the ValueError the recipe's constructor raises; nothing may be built first."""
+    cfg = _config(kind, assets, tmp_path, list(overrides))
+    for key in delete:
+        cfg.pop(key)
+    cls = _load_recipe_class(kind)
+    with pytest.MonkeyPatch.context() as mp:
+        def refuse(*args, **kwargs):
+            raise AssertionError("a component was instantiated before the config was checked")
+
+        mp.setattr("torchtune.config.instantiate", refuse)
+        with pytest.raises(ValueError) as info:
+            cls(cfg)
+    assert not any(tmp_path.iterdir()), "the recipe wrote output before rejecting its config"
+    return str(info.value)
+
+
+CPU_AO = "optimizer._component_=torchtune_offload.CPUOffloadOptimizer"
+ACCUM2 = "gradient_accumulation_steps=2"
+CLIP1 = "clip_grad_norm=1.0"
+
+
+def _case(name, overrides, *expected, kind="full", delete=()):
+    return pytest.param(kind, overrides, delete, expected, id=name)
+
+
+BAD_CONFIGS = [
+    _case("typo", ["gradient_acumulation_steps=2"],
+          "gradient_acumulation_steps: unknown", "Did you mean 'gradient_accumulation_steps'"),
+    _case("key_of_another_recipe", ["optimizer_in_bwd=True"],
+          "optimizer_in_bwd: unknown config key", kind="lora"),
+    _case("missing_required", [], "tokenizer: required", delete=("tokenizer",)),
+    _case("batch_size_0", ["batch_size=0"], "batch_size=0: must be an integer >= 1"),
+    _case("epochs_not_int", ["epochs=two"], "epochs='two': must be an integer"),
+    _case("negative_clip", ["clip_grad_norm=-1"], "clip_grad_norm=-1"),
+    _case("in_bwd_with_offload", [*OFFLOAD, "optimizer_in_bwd=True"],
+          "optimizer_in_bwd=True with optimizer._component_=torchtune_offload.OffloadOptimizer"),
+    _case("in_bwd_with_clip", ["optimizer_in_bwd=True", CLIP1], "optimizer_in_bwd=True with clip_grad_norm"),
+    _case("in_bwd_with_accum", ["optimizer_in_bwd=True", ACCUM2],
+          "optimizer_in_bwd=True with gradient_accumulation_steps"),
+    _case("torchao_on_cpu", [CPU_AO], "device=cpu with torchtune_offload.CPUOffloadOptimizer"),
+    _case("torchao_with_clip", [CPU_AO, CLIP1], "clip_grad_norm is set but"),
+    _case("torchao_offload_grads_with_accum", [CPU_AO, "optimizer.offload_gradients=True", ACCUM2],
+          "gradient_accumulation_steps > 1 with torchtune_offload.CPUOffloadOptimizer"),
+    _case("torchao_class_directly", ["optimizer._component_=torchao.optim.CPUOffloadOptimizer"],
+          "Use optimizer._component_=torchtune_offload.CPUOffloadOptimizer"),
+    _case("unresolvable_component", ["optimizer._component_=torch.optim.AdamWW"],
+          "optimizer._component_='torch.optim.AdamWW' does not resolve"),
+    _case("unresolvable_optimizer_class", [OFFLOAD[0], "optimizer.optimizer_class=torch.optim.Nope"],
+          "optimizer.optimizer_class='torch.optim.Nope' does not resolve"),
+    _case("nested_offload", [OFFLOAD[0], "optimizer.optimizer_class=torchtune_offload.OffloadOptimizer"],
+          "optimizer.optimizer_class", "do not nest"),
+    _case("offload_gradients_not_bool", [*OFFLOAD, "optimizer.offload_gradients=2"],
+          "optimizer.offload_gradients=2: must be True or False"),
+    _case("fp16", ["dtype=fp16"], "dtype='fp16'"),
+    _case("activation_offloading_on_cpu",
+          ["enable_activation_offloading=True", "enable_activation_checkpointing=True"],
+          "enable_activation_offloading=True needs device=cuda", kind="lora"),
+    _case("low_cpu_ram", ["low_cpu_ram=True"], "low_cpu_ram=True", kind="lora"),
+]
+
+
+@pytest.mark.parametrize("kind, overrides, delete, expected", BAD_CONFIGS)
+def test_bad_config_is_rejected_before_anything_is_built(
+    kind, overrides, delete, expected, tiny_assets, tmp_path
+):
+    message = _bad(kind, tiny_assets, tmp_path, *overrides, delete=delete)
+    for fragment in expected:
+        assert fragment in message, message
+
+
+def test_every_problem_is_reported_at_once(tiny_assets, tmp_path):
+    message = _bad(
+        "full", tiny_assets, tmp_path,
+        "batch_size=0", "dtype=fp16", "optimizer_in_bwd=True", "clip_grad_norm=1.0", CPU_AO,
+    )
+    lines = [line for line in message.splitlines() if line.startswith("  - ")]
+    for fragment in ("batch_size=0", "dtype='fp16'", "optimizer_in_bwd=True with clip_grad_norm",
+                     "optimizer_in_bwd=True with optimizer._component_", "device=cpu with"):
+        assert sum(fragment in line for line in lines) == 1, message
+    # Two misspelt keys: both named, each with its suggestion.
+    message = _bad("full", tiny_assets, tmp_path, "batch_szie=2", "clip_grad_nrom=1.0")
+    assert "Did you mean 'batch_size'" in message and "Did you mean 'clip_grad_norm'" in message
+
+
+def test_tune_run_reports_a_bad_config(tiny_assets, tmp_path):
+    result = _tune_run("full", tiny_assets, tmp_path, "gradient_acumulation_steps=2")
+    assert result.returncode != 0
+    assert "Did you mean 'gradient_accumulation_steps'" in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "logs").exists()
