@@ -101,10 +101,7 @@ class FullFinetuneRecipeDistributed:
             dist.init_process_group(_backend(s.device), store=dist.HashStore(), rank=0, world_size=1)
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self._is_rank_zero = self.rank == 0
-        seed = training.set_seed(seed=cfg.get("seed"), debug_mode=s.cudnn_deterministic_mode)
-        self.progress = Progress(
-            seed=seed, epochs_run=0, total_epochs=s.epochs, max_steps_per_epoch=s.max_steps_per_epoch,
-        )
+        self.progress = Progress.start(s)
 
     def _log(self, msg: str) -> None:
         utils.log_rank_zero(log, msg)

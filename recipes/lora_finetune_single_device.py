@@ -46,11 +46,7 @@ class LoRAFinetuneRecipeSingleDevice:
 
     def __init__(self, cfg: DictConfig) -> None:
         self.settings = check_recipe_config(cfg, recipe="lora")
-        seed = training.set_seed(seed=cfg.get("seed"), debug_mode=self.settings.cudnn_deterministic_mode)
-        self.progress = Progress(
-            seed=seed, epochs_run=0, total_epochs=self.settings.epochs,
-            max_steps_per_epoch=self.settings.max_steps_per_epoch,
-        )
+        self.progress = Progress.start(self.settings)
         self._lora = {
             "rank": cfg.model.lora_rank,
             "alpha": cfg.model.lora_alpha,

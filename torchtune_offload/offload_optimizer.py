@@ -12,7 +12,7 @@ copy can be kept in another dtype (fp32 master weights for bf16 device weights, 
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 from torch.optim import Optimizer

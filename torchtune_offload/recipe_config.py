@@ -8,7 +8,7 @@ problem found is reported in one ``ValueError`` that names the key and the fix.
 import difflib
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -267,9 +267,3 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
 def _format(problems: List[str]) -> str:
     return "Invalid config:\n  - " + "\n  - ".join(problems)
 
-
-def as_dict(cfg: DictConfig) -> Dict[str, Any]:
-    """The config as plain Python objects, for logging."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True)

@@ -5,7 +5,7 @@ torchtune copies these into every recipe; here each exists once and the recipes 
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, ListConfig
@@ -18,6 +18,9 @@ from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
 
 from torchtune_offload.recipe_config import OptimizerKind, RecipeSettings
+
+if TYPE_CHECKING:
+    from torchtune_offload.train_loop import TrainLoop
 
 log = utils.get_logger("INFO")
 
@@ -139,6 +142,14 @@ class Progress:
     epochs_run: int
     total_epochs: int
     max_steps_per_epoch: Optional[int]
+
+    @classmethod
+    def start(cls, settings: RecipeSettings, *, seed: Optional[int] = None) -> "Progress":
+        """Seeds the RNGs (``seed`` overrides the config's, e.g. per rank) and starts at epoch 0."""
+        seed = training.set_seed(
+            seed=settings.seed if seed is None else seed, debug_mode=settings.cudnn_deterministic_mode
+        )
+        return cls(seed=seed, epochs_run=0, total_epochs=settings.epochs, max_steps_per_epoch=settings.max_steps_per_epoch)
 
     def restore(self, ckpt: Dict[str, Any]) -> None:
         """Takes the saved state of a checkpoint, warning where the config disagrees."""
