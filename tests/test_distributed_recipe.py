@@ -8,7 +8,6 @@ rounding. The two-rank run also differs in everything that must not change the m
 policy (embedding and output units), activation checkpointing, and where it starts (resume).
 """
 
-import importlib.util
 import os
 import re
 import shutil
@@ -23,6 +22,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from tests.recipe_harness import load_recipe_module, tiny_asset_overrides
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny" / "full_distributed.yaml"
 STEPS = 3  # per epoch; two epochs, so that an intermediate checkpoint is written and resumed
@@ -31,24 +32,6 @@ TRAIN = [f"max_steps_per_epoch={STEPS}", "epochs=2", "gradient_accumulation_step
 TWO_RANKS = ["batch_size=4", "fsdp_shard_policy=[layers,embeddings]", "enable_activation_checkpointing=True"]
 ONE_PROCESS = ["batch_size=8", "fsdp_shard_policy=[layers]"]
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def tiny_asset_overrides(assets: Path) -> List[str]:
-    """Points a configs/tiny config at the session's assets (conftest's ``tiny_assets``)."""
-    return [
-        f"tokenizer.path={assets}/tokenizer/tokenizer.model",
-        f"tokenizer.special_tokens_path={assets}/tokenizer/special_tokens.json",
-        f"dataset.data_files={assets}/data/train.json",
-        f"checkpointer.checkpoint_dir={assets}/model",
-    ]
-
-
-def _recipe_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"_recipe_{name}", REPO / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _cfg(config: Path, overrides: List[str]):
@@ -63,10 +46,10 @@ def _losses(output_dir: Path) -> List[float]:
 
 def _run_in_process(overrides: List[str], *, single_device: bool = False) -> None:
     if single_device:
-        cls = _recipe_module("full_finetune_single_device").FullFinetuneRecipeSingleDevice
+        cls = load_recipe_module("full_finetune_single_device").FullFinetuneRecipeSingleDevice
         config = REPO / "configs" / "tiny" / "full.yaml"
     else:
-        cls, config = _recipe_module("full_finetune_distributed").FullFinetuneRecipeDistributed, CONFIG
+        cls, config = load_recipe_module("full_finetune_distributed").FullFinetuneRecipeDistributed, CONFIG
     cfg = _cfg(config, overrides)
     r = cls(cfg)
     try:
@@ -214,7 +197,7 @@ OFFLOAD = ["optimizer.optimizer_class=torch.optim.AdamW", "clip_grad_norm=null"]
     ],
 )
 def test_invalid_configs_fail_before_the_process_group_starts(overrides, expected, tmp_path):
-    module = _recipe_module("full_finetune_distributed")
+    module = load_recipe_module("full_finetune_distributed")
     cfg = _cfg(CONFIG, overrides + [f"output_dir={tmp_path}"])
     with pytest.raises(ValueError) as err:
         module.FullFinetuneRecipeDistributed(cfg)

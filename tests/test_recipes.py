@@ -6,8 +6,6 @@ times faster than ``tune run``; one ``tune run`` per recipe proves the command l
 same config, and every reference run is also checked to learn (loss falls).
 """
 
-import functools
-import importlib.util
 import os
 import re
 import shutil
@@ -20,6 +18,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 from torchtune.modules.peft import get_adapter_state_dict
+
+from tests.recipe_harness import load_recipe_module, tiny_asset_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {kind: REPO_ROOT / "configs" / "tiny" / f"{kind}.yaml" for kind in ("full", "lora")}
@@ -45,28 +45,13 @@ CPU_LOG_KEYS = {"loss", "lr", "tokens_per_second", "grad_norm", "host_rss", "hos
 OFFLOAD_LOG_KEYS = {"optimizer_host", "optimizer_pinned", "optimizer_device_saved"}
 
 
-@functools.lru_cache(maxsize=None)
 def _load_recipe_class(kind: str) -> type:
-    name = RECIPE_FILES[kind]
-    path = REPO_ROOT / "recipes" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_test_recipe_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return getattr(module, RECIPE_CLASSES[kind])
-
-
-def _asset_overrides(assets: Path) -> List[str]:
-    return [
-        f"checkpointer.checkpoint_dir={assets / 'model'}",
-        f"tokenizer.path={assets / 'tokenizer' / 'tokenizer.model'}",
-        f"tokenizer.special_tokens_path={assets / 'tokenizer' / 'special_tokens.json'}",
-        f"dataset.data_files={assets / 'data' / 'train.json'}",
-    ]
+    return getattr(load_recipe_module(RECIPE_FILES[kind]), RECIPE_CLASSES[kind])
 
 
 def _config(kind: str, assets: Path, output_dir: Path, overrides: List[str]) -> DictConfig:
     cfg = OmegaConf.load(CONFIGS[kind])
-    dotlist = [f"output_dir={output_dir}", *_asset_overrides(assets), *overrides]
+    dotlist = [f"output_dir={output_dir}", *tiny_asset_overrides(assets), *overrides]
     return OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
 
 
@@ -325,7 +310,7 @@ def _tune_run(kind: str, assets: Path, output_dir: Path, *overrides: str) -> sub
         pytest.skip("the tune command is not on PATH")
     cmd = [
         tune, "run", f"recipes/{RECIPE_FILES[kind]}.py", "--config", f"configs/tiny/{kind}.yaml",
-        f"output_dir={output_dir}", *_asset_overrides(assets), *overrides,
+        f"output_dir={output_dir}", *tiny_asset_overrides(assets), *overrides,
     ]
     # PYTHONPATH: the working tree's torchtune_offload, not an installed copy.
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TIKTOKEN_CACHE_DIR": ""}

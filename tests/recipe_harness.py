@@ -1,0 +1,30 @@
+"""Running the project's recipes in-process on the tiny assets: shared by the recipe tests."""
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import List
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@functools.lru_cache(maxsize=None)
+def load_recipe_module(name: str) -> ModuleType:
+    """``recipes/<name>.py`` as a module (torchtune's installed ``recipes`` package shadows ours)."""
+    spec = importlib.util.spec_from_file_location(f"_test_recipe_{name}", REPO / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_asset_overrides(assets: Path) -> List[str]:
+    """Points a configs/tiny config at the session's assets (conftest's ``tiny_assets``)."""
+    return [
+        f"checkpointer.checkpoint_dir={assets / 'model'}",
+        f"tokenizer.path={assets / 'tokenizer' / 'tokenizer.model'}",
+        f"tokenizer.special_tokens_path={assets / 'tokenizer' / 'special_tokens.json'}",
+        f"dataset.data_files={assets / 'data' / 'train.json'}",
+    ]
