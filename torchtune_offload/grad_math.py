@@ -18,19 +18,12 @@ from torchtune_offload.grad_norm import clip_, total_norm
 from torchtune_offload.recipe_config import OptimizerKind
 
 
-def count_loss_tokens(batches: Iterable[dict], *, ignore_index: int) -> torch.Tensor:
-    """Tokens that carry loss in ``batches`` (all micro-batches of one optimizer step).
-
-    Under ``torch.distributed`` the count is summed over ranks, since gradients are averaged.
-    """
-    count = sum((b["labels"] != ignore_index).sum() for b in batches)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(count)
-    return count
-
-
 def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
-    """``value`` summed over ranks under ``torch.distributed`` (a copy), else ``value`` itself."""
+    """``value`` summed over ranks under ``torch.distributed`` (a copy), else ``value`` itself.
+
+    The window's token count goes through here: gradients are averaged over ranks, so the loss
+    is normalised by the tokens of all ranks.
+    """
     if dist.is_available() and dist.is_initialized():
         value = value.clone()
         dist.all_reduce(value)

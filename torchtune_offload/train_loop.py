@@ -13,7 +13,7 @@ from torchtune import utils
 from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
-from torchtune_offload.grad_math import GradientStepper, count_loss_tokens, loss_scale, sum_over_ranks
+from torchtune_offload.grad_math import GradientStepper, loss_scale, sum_over_ranks
 from torchtune_offload.memory import MemoryMonitor
 from torchtune_offload.recipe_config import RecipeSettings
 
@@ -102,7 +102,7 @@ class TrainLoop:
                     utils.batch_to_device(batch, s.device)
                     self._shift_labels(batch)
                 counts = [(b["labels"] != self.ignore_index).sum() for b in window]
-                num_tokens = count_loss_tokens(window, ignore_index=self.ignore_index)
+                num_tokens = sum_over_ranks(sum(counts))
                 scale = loss_scale(num_tokens=num_tokens)
                 running = torch.zeros((), device=s.device)
                 for batch, count in zip(window, counts):
