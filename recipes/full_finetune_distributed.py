@@ -6,7 +6,7 @@ Takes torchtune 0.6.1's ``full_finetune_distributed`` configs. Launch with::
         --config configs/tiny/full_distributed.yaml device=cpu
 
 Unlike torchtune's recipe it shards with FSDP2 at every world size (one code path, testable with one
-process), picks its units from ``fsdp_shard_policy`` (see :mod:`torchtune_offload.fsdp_policies`;
+process), picks its units from ``fsdp_shard_policy`` (see :mod:`torchtune_offload.distributed.policies`;
 ``[layers, embeddings]`` gives the token embedding and the output projection units of their own),
 runs on a CPU device, and shares the single-device recipe's gradient math, loop, metrics and memory
 figures: the logged loss is the mean over every rank's tokens, so it equals a one-process run over
@@ -36,31 +36,24 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
 from torchtune import config, training, utils
 
-from torchtune_offload.fsdp_policies import (
-    RowChunkedLoss,
-    parse_shard_policy,
-    plan_shard,
-    set_host_threads,
-    shard_model,
-)
-from torchtune_offload.grad_math import GradientStepper
-from torchtune_offload.memory import MemoryMonitor
-from torchtune_offload.recipe_config import check_recipe_config
-from torchtune_offload.recipe_setup import (
+from torchtune_offload.distributed import parse_shard_policy, plan_shard, set_host_threads, shard_model
+from torchtune_offload.recipe import (
+    MemoryMonitor,
     Progress,
-    attach_scheduler,
+    TrainLoop,
     build_dataloader,
+    build_loss,
     build_lr_scheduler,
+    build_metric_logger,
     build_optimizer,
     build_profiler,
+    check_recipe_config,
     instantiate_model,
-    lr_source,
+    load_checkpoint,
     steps_per_epoch,
 )
-from torchtune_offload.train_loop import TrainLoop
 
 log = utils.get_logger("INFO")
 
@@ -102,6 +95,9 @@ class FullFinetuneRecipeDistributed:
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self._is_rank_zero = self.rank == 0
         self.progress = Progress.start(s)
+        # What cleanup() closes; set by setup(), which may fail part-way.
+        self._metric_logger = None
+        self._memory = None
 
     def _log(self, msg: str) -> None:
         utils.log_rank_zero(log, msg)
@@ -113,20 +109,13 @@ class FullFinetuneRecipeDistributed:
             # its share of the cores, so together they use all of them without oversubscribing.
             self._log(f"{set_host_threads()} CPU threads per rank.")
         # 1. Logging first (rank 0), so that the config is recorded even if a later step fails.
-        self._metric_logger = None
         if self._is_rank_zero:
-            self._metric_logger = config.instantiate(cfg.metric_logger)
-            self._metric_logger.log_config(cfg)
+            self._metric_logger = build_metric_logger(cfg)
         # 2. Weights and recipe state, read on rank 0 only; the recipe state is broadcast.
         ckpt: Dict[str, Any] = {}
         self._checkpointer = None
         if self._is_rank_zero:
-            self._checkpointer = config.instantiate(
-                cfg.checkpointer, should_load_recipe_state=s.resume_from_checkpoint
-            )
-            ckpt = self._checkpointer.load_checkpoint()
-            if s.resume_from_checkpoint:
-                self.progress.restore(ckpt)
+            self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=self.progress)
         if s.resume_from_checkpoint:
             state = [dataclasses.asdict(self.progress)]
             dist.broadcast_object_list(state, src=0)
@@ -161,50 +150,34 @@ class FullFinetuneRecipeDistributed:
         training.validate_no_params_on_meta_device(self._model)
         training.validate_expected_param_dtype(self._model.named_parameters(), dtype=s.dtype)
         self._log(f"Sharded over {self.world_size} rank(s) and loaded in {time.perf_counter() - t0:.1f}s.")
-        self._activations_ctx = training.get_act_offloading_ctx_manager(self._model, s.enable_activation_offloading)
         # 4. Optimizer over the shards; when resuming, rank 0's full state is scattered into it.
         self._optimizer, self._in_bwd = build_optimizer(cfg.optimizer, self._model, s)
         if s.resume_from_checkpoint:
             self._load_optimizer_state(ckpt.get(training.OPT_KEY, {}))
         # 5. Loss and data; each rank reads its own part of every global batch.
-        self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._loss_fn = config.instantiate(cfg.loss)
-        if s.compile:
-            training.compile_loss(self._loss_fn, verbose=self._is_rank_zero)
-        if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
-            if isinstance(getattr(self._model, "output", None), FSDPModule):
-                self._loss_fn = RowChunkedLoss(self._loss_fn)  # a unit must run once per forward
-            else:
-                self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        loss_fn = build_loss(cfg.loss, self._model, s, verbose=self._is_rank_zero)
         self._dataloader = build_dataloader(
-            cfg.dataset, self._tokenizer, s, ignore_index=self._loss_fn.ignore_index,
+            cfg.dataset, cfg.tokenizer, s, ignore_index=loss_fn.ignore_index,
             world_size=self.world_size, rank=self.rank,
         )
-        # 6. Schedule, profiler, memory figures, loop.
-        self._steps_per_epoch = steps_per_epoch(self._dataloader, s)
-        source = lr_source(self._optimizer, self._in_bwd)
-        self._lr_scheduler = build_lr_scheduler(
-            cfg.get("lr_scheduler"), source,
-            num_training_steps=s.epochs * self._steps_per_epoch,
-            last_epoch=self.progress.epochs_run * self._steps_per_epoch - 1,
+        # 6. Schedule, profiler and memory figures, wired into the shared loop.
+        num_steps = steps_per_epoch(self._dataloader, s)
+        lr_scheduler = build_lr_scheduler(
+            cfg.get("lr_scheduler"), optimizer=self._optimizer, in_bwd_wrapper=self._in_bwd,
+            num_training_steps=s.epochs * num_steps, last_epoch=self.progress.epochs_run * num_steps - 1,
         )
-        attach_scheduler(self._in_bwd, self._lr_scheduler)
-        profiler, _ = build_profiler(cfg.get("profiler"))
+        profiler = build_profiler(cfg.get("profiler"))
         self._memory = MemoryMonitor(s.device, optimizer=self._optimizer)
         self._loop = TrainLoop(
-            model=self._model, loss_fn=self._loss_fn, dataloader=self._dataloader,
-            stepper=GradientStepper(
-                optimizer=self._optimizer, params=self._model.parameters(),
-                kind=s.optimizer_kind, clip_grad_norm=s.clip_grad_norm,
-            ),
-            lr_source=self._in_bwd if self._in_bwd is not None else source,
-            lr_scheduler=self._lr_scheduler, profiler=profiler, metric_logger=self._metric_logger,
-            memory=self._memory, settings=s, steps_per_epoch=self._steps_per_epoch,
-            activations_ctx=self._activations_ctx, is_rank_zero=self._is_rank_zero,
+            model=self._model, loss_fn=loss_fn, dataloader=self._dataloader, optimizer=self._optimizer,
+            in_bwd_wrapper=self._in_bwd, lr_scheduler=lr_scheduler, profiler=profiler,
+            metric_logger=self._metric_logger, memory=self._memory, settings=s, steps_per_epoch=num_steps,
+            activations_ctx=training.get_act_offloading_ctx_manager(self._model, s.enable_activation_offloading),
+            is_rank_zero=self._is_rank_zero,
         )
         dist.barrier()
         self._log(
-            f"Setup done: {self._steps_per_epoch} steps per epoch, global batch "
+            f"Setup done: {num_steps} steps per epoch, global batch "
             f"{s.batch_size * s.gradient_accumulation_steps * self.world_size}, optimizer "
             f"{type(self._optimizer or self._in_bwd).__name__}."
         )
@@ -263,9 +236,9 @@ class FullFinetuneRecipeDistributed:
         )
 
     def cleanup(self) -> None:
-        if getattr(self, "_memory", None) is not None:
+        if self._memory is not None:
             self._memory.close()
-        if getattr(self, "_metric_logger", None) is not None:
+        if self._metric_logger is not None:
             self._metric_logger.close()
         if dist.is_initialized():
             dist.destroy_process_group()

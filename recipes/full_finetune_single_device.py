@@ -14,18 +14,24 @@ so clipping, accumulation and the logged grad_norm apply to the gradients the op
 import sys
 
 from omegaconf import DictConfig
-from torchtune import config, training, utils
+from torchtune import config, training
 
-from torchtune_offload.recipe_config import check_recipe_config
-from torchtune_offload.recipe_setup import (
+from torchtune_offload.recipe import (
+    MemoryMonitor,
     Progress,
+    TrainLoop,
+    build_dataloader,
+    build_loss,
+    build_lr_scheduler,
+    build_metric_logger,
     build_optimizer,
-    build_train_loop,
+    build_profiler,
+    check_recipe_config,
     instantiate_model,
+    load_checkpoint,
     optimizer_state,
+    steps_per_epoch,
 )
-
-log = utils.get_logger("INFO")
 
 
 class FullFinetuneRecipeSingleDevice:
@@ -41,31 +47,40 @@ class FullFinetuneRecipeSingleDevice:
     def __init__(self, cfg: DictConfig) -> None:
         self.settings = check_recipe_config(cfg, recipe="full")
         self.progress = Progress.start(self.settings)
+        # What cleanup() closes; set by setup(), which may fail part-way.
+        self._metric_logger = None
+        self._memory = None
 
     def setup(self, cfg: DictConfig) -> None:
         s = self.settings
         # 1. Logging first, so that the config is recorded even if a later step fails.
-        self._metric_logger = config.instantiate(cfg.metric_logger)
-        self._metric_logger.log_config(cfg)
+        self._metric_logger = build_metric_logger(cfg)
         # 2. Weights (and, when resuming, the recipe state) from the checkpointer.
-        self._checkpointer = config.instantiate(cfg.checkpointer, should_load_recipe_state=s.resume_from_checkpoint)
-        ckpt = self._checkpointer.load_checkpoint()
-        if s.resume_from_checkpoint:
-            self.progress.restore(ckpt)
+        self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=self.progress)
         # 3. Model, then the optimizer that holds references to its parameters.
         self._model = instantiate_model(cfg.model, s)
         self._model.load_state_dict(ckpt[training.MODEL_KEY])
         training.validate_expected_param_dtype(self._model.named_parameters(), dtype=s.dtype)
-        self._activations_ctx = training.get_act_offloading_ctx_manager(self._model, s.enable_activation_offloading)
         self._optimizer, self._in_bwd = build_optimizer(
             cfg.optimizer, self._model, s,
             state_dict=ckpt.get(training.OPT_KEY) if s.resume_from_checkpoint else None,
         )
-        # 4. Data, loss, schedule, profiler and memory figures, wired into the shared loop.
-        self._loop = build_train_loop(
-            cfg, s, model=self._model, optimizer=self._optimizer, in_bwd_wrapper=self._in_bwd,
-            epochs_run=self.progress.epochs_run, metric_logger=self._metric_logger,
-            activations_ctx=self._activations_ctx,
+        # 4. Loss and data.
+        loss_fn = build_loss(cfg.loss, self._model, s)
+        self._dataloader = build_dataloader(cfg.dataset, cfg.tokenizer, s, ignore_index=loss_fn.ignore_index)
+        # 5. Schedule, profiler and memory figures, wired into the shared loop.
+        num_steps = steps_per_epoch(self._dataloader, s)
+        lr_scheduler = build_lr_scheduler(
+            cfg.get("lr_scheduler"), optimizer=self._optimizer, in_bwd_wrapper=self._in_bwd,
+            num_training_steps=s.epochs * num_steps, last_epoch=self.progress.epochs_run * num_steps - 1,
+        )
+        profiler = build_profiler(cfg.get("profiler"))
+        self._memory = MemoryMonitor(s.device, optimizer=self._optimizer)
+        self._loop = TrainLoop(
+            model=self._model, loss_fn=loss_fn, dataloader=self._dataloader, optimizer=self._optimizer,
+            in_bwd_wrapper=self._in_bwd, lr_scheduler=lr_scheduler, profiler=profiler,
+            metric_logger=self._metric_logger, memory=self._memory, settings=s, steps_per_epoch=num_steps,
+            activations_ctx=training.get_act_offloading_ctx_manager(self._model, s.enable_activation_offloading),
         )
 
     def save_checkpoint(self, epoch: int) -> None:
@@ -77,15 +92,17 @@ class FullFinetuneRecipeSingleDevice:
             ckpt[training.OPT_KEY] = optimizer_state(self._optimizer, self._in_bwd)
             # Resume restarts at an epoch boundary, where the sampler's order depends only on
             # the epoch; the loader state is stored for torchtune's tools, not read back.
-            ckpt[training.DATALOADER_KEY] = self._loop.dataloader.state_dict()
+            ckpt[training.DATALOADER_KEY] = self._dataloader.state_dict()
         self._checkpointer.save_checkpoint(ckpt, epoch=epoch, intermediate_checkpoint=intermediate)
 
     def train(self) -> None:
         self.progress.epochs_run = self._loop.run(epochs_run=self.progress.epochs_run, save_checkpoint=self.save_checkpoint)
 
     def cleanup(self) -> None:
-        self._loop.memory.close()
-        self._metric_logger.close()
+        if self._memory is not None:
+            self._memory.close()
+        if self._metric_logger is not None:
+            self._metric_logger.close()
 
 
 @config.parse
@@ -93,8 +110,8 @@ def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run recipes/full_finetune_single_device.py --config <yaml> [key=value ...]``."""
     config.log_config(recipe_name="FullFinetuneRecipeSingleDevice", cfg=cfg)
     recipe = FullFinetuneRecipeSingleDevice(cfg=cfg)
-    recipe.setup(cfg=cfg)
     try:
+        recipe.setup(cfg=cfg)
         recipe.train()
     finally:
         recipe.cleanup()

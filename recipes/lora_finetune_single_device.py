@@ -12,7 +12,7 @@ Only the adapter parameters train; the offload optimizer keeps their state on th
 import sys
 
 from omegaconf import DictConfig
-from torchtune import config, training, utils
+from torchtune import config, training
 from torchtune.modules.peft import (
     get_adapter_params,
     get_adapter_state_dict,
@@ -22,16 +22,22 @@ from torchtune.modules.peft import (
     validate_missing_and_unexpected_for_lora,
 )
 
-from torchtune_offload.recipe_config import check_recipe_config
-from torchtune_offload.recipe_setup import (
+from torchtune_offload.recipe import (
+    MemoryMonitor,
     Progress,
+    TrainLoop,
+    build_dataloader,
+    build_loss,
+    build_lr_scheduler,
+    build_metric_logger,
     build_optimizer,
-    build_train_loop,
+    build_profiler,
+    check_recipe_config,
     instantiate_model,
+    load_checkpoint,
     optimizer_state,
+    steps_per_epoch,
 )
-
-log = utils.get_logger("INFO")
 
 
 class LoRAFinetuneRecipeSingleDevice:
@@ -54,17 +60,16 @@ class LoRAFinetuneRecipeSingleDevice:
             "mlp": cfg.model.get("apply_lora_to_mlp", False),
             "output": cfg.model.get("apply_lora_to_output", False),
         }
+        # What cleanup() closes; set by setup(), which may fail part-way.
+        self._metric_logger = None
+        self._memory = None
 
     def setup(self, cfg: DictConfig) -> None:
         s = self.settings
         # 1. Logging first, so that the config is recorded even if a later step fails.
-        self._metric_logger = config.instantiate(cfg.metric_logger)
-        self._metric_logger.log_config(cfg)
+        self._metric_logger = build_metric_logger(cfg)
         # 2. Base weights, and when resuming the adapter weights and recipe state.
-        self._checkpointer = config.instantiate(cfg.checkpointer, should_load_recipe_state=s.resume_from_checkpoint)
-        ckpt = self._checkpointer.load_checkpoint()
-        if s.resume_from_checkpoint:
-            self.progress.restore(ckpt)
+        self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=self.progress)
         # 3. Model with only the adapters trainable, then the optimizer over them.
         self._model = instantiate_model(cfg.model, s)
         adapter_params = get_adapter_params(self._model)
@@ -83,16 +88,26 @@ class LoRAFinetuneRecipeSingleDevice:
             lora_unexpected=lora_unexpected,
         )
         training.validate_expected_param_dtype(adapter_params.items(), dtype=s.dtype)
-        self._activations_ctx = training.get_act_offloading_ctx_manager(self._model, s.enable_activation_offloading)
         self._optimizer, _ = build_optimizer(
             cfg.optimizer, self._model, s,
             state_dict=ckpt.get(training.OPT_KEY) if s.resume_from_checkpoint else None,
         )
-        # 4. Data, loss, schedule, profiler and memory figures, wired into the shared loop.
-        self._loop = build_train_loop(
-            cfg, s, model=self._model, optimizer=self._optimizer, in_bwd_wrapper=None,
-            epochs_run=self.progress.epochs_run, metric_logger=self._metric_logger,
-            activations_ctx=self._activations_ctx,
+        # 4. Loss and data.
+        loss_fn = build_loss(cfg.loss, self._model, s)
+        self._dataloader = build_dataloader(cfg.dataset, cfg.tokenizer, s, ignore_index=loss_fn.ignore_index)
+        # 5. Schedule, profiler and memory figures, wired into the shared loop.
+        num_steps = steps_per_epoch(self._dataloader, s)
+        lr_scheduler = build_lr_scheduler(
+            cfg.get("lr_scheduler"), optimizer=self._optimizer, in_bwd_wrapper=None,
+            num_training_steps=s.epochs * num_steps, last_epoch=self.progress.epochs_run * num_steps - 1,
+        )
+        profiler = build_profiler(cfg.get("profiler"))
+        self._memory = MemoryMonitor(s.device, optimizer=self._optimizer)
+        self._loop = TrainLoop(
+            model=self._model, loss_fn=loss_fn, dataloader=self._dataloader, optimizer=self._optimizer,
+            in_bwd_wrapper=None, lr_scheduler=lr_scheduler, profiler=profiler,
+            metric_logger=self._metric_logger, memory=self._memory, settings=s, steps_per_epoch=num_steps,
+            activations_ctx=training.get_act_offloading_ctx_manager(self._model, s.enable_activation_offloading),
         )
 
     def save_checkpoint(self, epoch: int) -> None:
@@ -102,7 +117,7 @@ class LoRAFinetuneRecipeSingleDevice:
             self.progress.epochs_run = epoch + 1
             ckpt.update(self.progress.state())
             ckpt[training.OPT_KEY] = optimizer_state(self._optimizer, None)
-            ckpt[training.DATALOADER_KEY] = self._loop.dataloader.state_dict()
+            ckpt[training.DATALOADER_KEY] = self._dataloader.state_dict()
         state = self._model.state_dict()
         ckpt[training.ADAPTER_KEY] = get_adapter_state_dict(state)
         if not self.settings.save_adapter_weights_only:
@@ -125,8 +140,10 @@ class LoRAFinetuneRecipeSingleDevice:
         self.progress.epochs_run = self._loop.run(epochs_run=self.progress.epochs_run, save_checkpoint=self.save_checkpoint)
 
     def cleanup(self) -> None:
-        self._loop.memory.close()
-        self._metric_logger.close()
+        if self._memory is not None:
+            self._memory.close()
+        if self._metric_logger is not None:
+            self._metric_logger.close()
 
 
 @config.parse
@@ -134,8 +151,8 @@ def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run recipes/lora_finetune_single_device.py --config <yaml> [key=value ...]``."""
     config.log_config(recipe_name="LoRAFinetuneRecipeSingleDevice", cfg=cfg)
     recipe = LoRAFinetuneRecipeSingleDevice(cfg=cfg)
-    recipe.setup(cfg=cfg)
     try:
+        recipe.setup(cfg=cfg)
         recipe.train()
     finally:
         recipe.cleanup()

@@ -18,9 +18,9 @@ import subprocess
 import sys
 
 import torch
+from omegaconf import OmegaConf
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_runs import main as compare  # noqa: E402
+from torchtune_offload.recipe.run_report import compare_runs
 
 # Per variant: the optimizer keys it sets, and other overrides it needs.
 VARIANTS = {
@@ -45,8 +45,6 @@ OPTIONS = {
 
 def _overrides(config: str, name: str) -> list:
     """Command-line overrides that turn ``config``'s optimizer into variant ``name``."""
-    from omegaconf import OmegaConf
-
     keys, others = VARIANTS[name]
     present = OmegaConf.load(config).optimizer
     # Offload-only keys the variant does not set are deleted (plain optimizers reject them).
@@ -86,10 +84,10 @@ def main() -> None:
         if result.returncode != 0:
             print(f"[sweep] {name}: failed with exit code {result.returncode}")
             continue
-        done.append(f"{name}={out}")
+        done.append((name, out))
     print(f"\nDevice: {device}; config {args.config}; {args.steps} steps per run")
     if done:
-        compare(done)
+        print(compare_runs(dict(done)))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ Usage (from the repository root)::
 
 For each model, shard policy (``layers``; ``layers`` + ``embeddings``) and world size, the script
 spawns that many gloo ranks (``torch.multiprocessing``, MASTER_ADDR=127.0.0.1), shards the model
-with :func:`torchtune_offload.fsdp_policies.shard_model`, and trains it with AdamW on random tokens
+with :func:`torchtune_offload.distributed.shard_model`, and trains it with AdamW on random tokens
 (the same per-rank batch at every world size): ``--warmup`` steps, ``--steps`` timed steps, then
 ``--profiled-steps`` steps under the memory profiler. It prints a markdown table, one row per rank.
 Columns, in MiB:
@@ -32,7 +32,7 @@ Columns, in MiB:
 Models: ``tiny`` is configs/tiny's Llama3 (vocab 512, dim 64, 2 layers); ``mid`` a random-init
 Llama3 with vocab 32000, dim 512, 4 layers (torchtune's llama3 builder); ``mid-tied`` the same with
 tied input/output embeddings (llama3_2 builder), where the embeddings policy leaves the shared
-matrix in the root (see torchtune_offload/fsdp_policies.py).
+matrix in the root (see torchtune_offload/distributed/policies.py).
 """
 
 import argparse
@@ -46,16 +46,12 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-_REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(_REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(_REPO_ROOT))
-
-import torch  # noqa: E402
+import torch
 
 MIB = 2**20
 POLICIES = {"layers": ["layers"], "layers+embeddings": ["layers", "embeddings"]}
 MODELS = {
-    "tiny": dict(builder="torchtune_offload.tiny_models.tiny_llama", kwargs={}),
+    "tiny": dict(builder="torchtune_offload.models.tiny_llama", kwargs={}),
     "mid": dict(
         builder="torchtune.models.llama3.llama3",
         kwargs=dict(vocab_size=32_000, num_layers=4, num_heads=8, num_kv_heads=4, embed_dim=512,
@@ -188,7 +184,7 @@ def _measure(model_name: str, policy_name: str, opts: Dict[str, Any], tracker: G
     import torch.nn.functional as F
     from torchtune.config._utils import _get_component_from_path
 
-    from torchtune_offload.fsdp_policies import BUILTIN, shard_model
+    from torchtune_offload.distributed import BUILTIN, shard_model
 
     spec = MODELS[model_name]
     torch.manual_seed(0)
@@ -248,7 +244,7 @@ def _worker(rank: int, world: int, port: int, opts: Dict[str, Any], out_dir: str
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     import torch.distributed as dist
 
-    from torchtune_offload.fsdp_policies import set_host_threads
+    from torchtune_offload.distributed import set_host_threads
 
     set_host_threads()
     dist.init_process_group("gloo")

@@ -3,11 +3,18 @@
 - :class:`OffloadOptimizer`: this project's engine; any device, gradient accumulation with
   offloaded gradients, clipping, named checkpoints.
 - :class:`CPUOffloadOptimizer`: torchao's implementation, configurable from YAML (CUDA/XPU only).
+
+The package has one folder per concern, each importing only the ones listed before it:
+``optim`` (the engine), ``models`` (tiny test architectures), ``distributed`` (FSDP2 sharding),
+``recipe`` (what the recipes share), ``assets`` (the offline asset generator).
 """
 
-from torchtune_offload.ao_offload import CPUOffloadOptimizer
-from torchtune_offload.offload_optimizer import OffloadMemoryReport, OffloadOptimizer
-from torchtune_offload.optimizer_class import resolve_optimizer_class
+from torchtune_offload.optim import (
+    CPUOffloadOptimizer,
+    OffloadMemoryReport,
+    OffloadOptimizer,
+    resolve_optimizer_class,
+)
 
 __all__ = [
     "CPUOffloadOptimizer",

@@ -11,11 +11,10 @@ from typing import Any, List, Union
 import torch
 import torchao.optim
 
-from torchtune_offload.grad_norm import total_norm
-from torchtune_offload.offload_optimizer import OffloadMemoryReport
-from torchtune_offload.optimizer_class import OptimizerClassSpec, resolve_optimizer_class
-
-SUPPORTED_DEVICE_TYPES = ("cuda", "xpu")
+from torchtune_offload.optim.capabilities import OptimizerCapabilities
+from torchtune_offload.optim.grad_norm import total_norm
+from torchtune_offload.optim.memory_report import OffloadMemoryReport
+from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class
 
 
 def _strip_names(params: Any) -> Any:
@@ -48,6 +47,26 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
             the parameters are not on it.
     """
 
+    capabilities = OptimizerCapabilities(
+        offloads=True,
+        holds_gradients=True,
+        can_clip=False,
+        accumulates_offloaded_grads=False,
+        runs_under_fsdp2=False,
+        steps_in_backward=False,
+        device_types=("cuda", "xpu"),
+        reasons={
+            "can_clip": "torchao steps on gradients copied during backward and cannot clip them",
+            "accumulates_offloaded_grads": "with offload_gradients=True torchao keeps only the last "
+            "micro-batch's gradients",
+            "runs_under_fsdp2": "its checkpoint is its own list of per-tensor host states, which "
+            "torch's distributed state-dict API cannot gather or scatter, and it cannot clip",
+            "steps_in_backward": "an offloading optimizer cannot step inside backward with exact "
+            "gradient math",
+            "device_types": "torchao's optimizer needs CUDA or XPU",
+        },
+    )
+
     def __init__(
         self,
         params: Any,
@@ -59,7 +78,7 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
     ) -> None:
         base_class = resolve_optimizer_class(optimizer_class)
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        if accelerator is None or accelerator.type not in SUPPORTED_DEVICE_TYPES:
+        if accelerator is None or accelerator.type not in self.capabilities.device_types:
             raise ValueError(
                 "optimizer._component_=torchtune_offload.CPUOffloadOptimizer needs a CUDA or XPU "
                 f"device (torchao's implementation), and this machine has "

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtune_offload.grad_norm import clip_, total_norm
-from torchtune_offload.recipe_config import OptimizerKind
+from torchtune_offload.optim.capabilities import OptimizerCapabilities
+from torchtune_offload.optim.grad_norm import clip_, total_norm
 
 
 def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
@@ -46,7 +46,8 @@ class GradientStepper:
     Args:
         optimizer: the recipe's optimizer; ``None`` when it steps inside backward.
         params: the trainable parameters (used by plain optimizers).
-        kind: how the optimizer relates to the model's gradients.
+        capabilities: what the optimizer declares it can do; one that holds its own gradients
+            measures and clips them itself.
         clip_grad_norm: max total norm, or ``None`` to measure without clipping.
     """
 
@@ -55,12 +56,12 @@ class GradientStepper:
         *,
         optimizer: Optional[torch.optim.Optimizer],
         params: Iterable[torch.Tensor],
-        kind: OptimizerKind,
+        capabilities: OptimizerCapabilities,
         clip_grad_norm: Optional[float],
     ) -> None:
         self.optimizer = optimizer
         self.params = [p for p in params if p.requires_grad]
-        self.kind = kind
+        self.capabilities = capabilities
         self.clip_grad_norm = clip_grad_norm
 
     def step(self) -> Optional[torch.Tensor]:
@@ -75,11 +76,9 @@ class GradientStepper:
     @torch.no_grad()
     def _norm_and_clip(self) -> torch.Tensor:
         clip = self.clip_grad_norm
-        if self.kind is OptimizerKind.OFFLOAD:
+        if self.capabilities.holds_gradients:
+            # The config check allows clip only where the optimizer declares can_clip.
             return self.optimizer.clip_grad_norm_(clip) if clip is not None else self.optimizer.grad_norm()
-        if self.kind is OptimizerKind.TORCHAO:
-            # The config check forbids clipping here; the norm is read from torchao's host copies.
-            return self.optimizer.grad_norm()
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads and isinstance(grads[0], DTensor):
             # FSDP2 shards: torch takes the norm across ranks and returns it as a DTensor.

@@ -44,18 +44,16 @@ Rules:
   embeddings the ``embeddings`` policy therefore changes nothing: the one shared matrix stays in
   the root, where it is needed from the first layer to the last.
 
-Also here, for the distributed recipe: :class:`RowChunkedLoss` (torchtune's chunked loss when the
-output projection is a unit), :func:`fsdp_config_problems` (its config rules, among them the
-optimizers FSDP2 cannot step) and :func:`set_host_threads`.
 """
 
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
-import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torchtune.config._utils import _get_component_from_path
 
 Policy = Callable[[str, Any], bool]
 
@@ -98,8 +96,6 @@ class ModuleClass:
 
     def __post_init__(self) -> None:
         if isinstance(self.cls, str):
-            from torchtune.config._utils import _get_component_from_path
-
             object.__setattr__(self, "cls", _get_component_from_path(self.cls))
         if not (isinstance(self.cls, type) and issubclass(self.cls, nn.Module)):
             raise TypeError(f"{self.cls!r} is not an nn.Module subclass")
@@ -143,8 +139,6 @@ def describe(policy: Policy) -> str:
 
 
 def _plain(value: Any) -> Any:
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
     if isinstance(value, (DictConfig, ListConfig)):
         return OmegaConf.to_container(value, resolve=True)
     return value
@@ -374,8 +368,6 @@ def shard_model(
     Raises:
         ValueError: if a policy selects nothing.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
     plan = plan_shard(model, policy)
     kwargs: Dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if mesh is not None:
@@ -387,101 +379,3 @@ def shard_model(
         fully_shard(candidates[name][0], **kwargs)
     fully_shard(model, **kwargs)
     return plan
-
-
-# -------------------------------------------------------------------- chunked output loss
-
-
-class RowChunkedLoss(nn.Module):
-    """torchtune's ``CEWithChunkedOutputLoss`` for logits projected in one call.
-
-    With the output projection as a unit of its own, the decoder must not call it once per chunk
-    (``set_num_output_chunks``): each call gathers and reduces the unit again, and the number of
-    chunks, ``ceil``-divided from each rank's padded sequence length, can differ between ranks,
-    whose collectives then no longer pair up. The projection runs once; this loss upcasts the
-    logits one chunk of rows at a time, as the chunked loss does, to the same sum over tokens.
-
-    Args:
-        loss: the configured ``CEWithChunkedOutputLoss``.
-    """
-
-    def __init__(self, loss: nn.Module) -> None:
-        super().__init__()
-        self.loss = loss
-        self.ignore_index = loss.ignore_index
-        self.num_output_chunks = loss.num_output_chunks
-
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """``logits`` ``(tokens, vocab)`` and ``labels`` ``(tokens,)``, as the train loop flattens them."""
-        total = sum(
-            self.loss.compute_cross_entropy(lc, yc)
-            for lc, yc in zip(logits.chunk(self.num_output_chunks), labels.chunk(self.num_output_chunks))
-        )
-        return total / (labels != self.ignore_index).sum()
-
-
-# ------------------------------------------------------------------------ recipe settings
-
-
-def fsdp_config_problems(cfg: Any, *, optimizer_kind: Any) -> List[str]:
-    """The distributed recipe's own rules: shard policy, CPU offload, and the optimizers FSDP2
-    can step. Called by :func:`torchtune_offload.recipe_config.check_recipe_config`.
-    """
-    from torchtune_offload.recipe_config import OptimizerKind
-
-    _, problems = policy_problems(
-        cfg.get("fsdp_shard_policy"), custom_sharded_layers=cfg.get("custom_sharded_layers")
-    )
-    for key in ("fsdp_cpu_offload", "fsdp_reshard_after_forward"):
-        if cfg.get(key) is not None and not isinstance(cfg.get(key), bool):
-            problems.append(f"{key}={cfg.get(key)!r}: must be True or False.")
-    component = str(cfg.optimizer.get("_component_", ""))
-    device_type = str(cfg.get("device", "")).split(":")[0]
-    if cfg.get("fsdp_cpu_offload") is True and device_type == "cpu":
-        problems.append(
-            "fsdp_cpu_offload=True with device=cpu: FSDP2's CPUOffloadPolicy moves shards between an "
-            "accelerator and the host, and on a CPU device they are on the host already. Set "
-            "fsdp_cpu_offload=False."
-        )
-    if optimizer_kind is OptimizerKind.OFFLOAD:
-        problems.append(
-            f"optimizer._component_={component} is not supported under FSDP2: its state lives in "
-            "per-parameter base optimizers over host copies of each rank's shards, which torch's "
-            "distributed state-dict API (used to gather a full checkpoint and to resume) cannot "
-            "see, so checkpoints would not resume. FSDP2 offloads by itself: set "
-            "optimizer._component_=torch.optim.AdamW and fsdp_cpu_offload=True (sharded "
-            "parameters, gradients and AdamW state then live on the host, where the step runs on "
-            "all cores)."
-        )
-    if optimizer_kind is OptimizerKind.TORCHAO:
-        problems.append(
-            f"optimizer._component_={component} (torchao's CPUOffloadOptimizer) is not supported "
-            "under FSDP2: its checkpoint is its own list of per-tensor host states, which torch's "
-            "distributed state-dict API cannot gather or scatter, and it cannot clip. Set "
-            "optimizer._component_=torch.optim.AdamW and fsdp_cpu_offload=True for FSDP2's own "
-            "CPU offload."
-        )
-    if component.startswith("bitsandbytes."):
-        problems.append(
-            f"optimizer._component_={component}: bitsandbytes' update kernels have no DTensor "
-            "sharding rules, so they cannot step FSDP2 shards. Use torch.optim.AdamW (with "
-            "fsdp_cpu_offload=True to keep its state in host memory)."
-        )
-    return problems
-
-
-def host_threads_per_rank() -> int:
-    """CPU cores this process may use, split evenly among the ranks of this node."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, cores // max(1, local_ranks))
-
-
-def set_host_threads() -> int:
-    """Sets torch's intra-op threads to :func:`host_threads_per_rank`; returns the number."""
-    n = host_threads_per_rank()
-    torch.set_num_threads(n)
-    return n

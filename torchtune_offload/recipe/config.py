@@ -7,12 +7,17 @@ problem found is reported in one ``ValueError`` that names the key and the fix.
 
 import difflib
 from dataclasses import dataclass
-from enum import Enum
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
+import torchao.optim
 from omegaconf import DictConfig
+from torchtune import training, utils
 from torchtune.config._utils import _get_component_from_path
+
+from torchtune_offload.distributed.policies import policy_problems
+from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
+from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
 
 # Keys of torchtune 0.6.1's single-device configs, which our recipes accept unchanged.
 _SINGLE_DEVICE_KEYS = {
@@ -35,14 +40,6 @@ _REQUIRED = ("model", "tokenizer", "dataset", "checkpointer", "optimizer", "loss
              "output_dir", "batch_size", "epochs", "device", "dtype")
 
 
-class OptimizerKind(Enum):
-    """How the configured optimizer relates to the gradients a recipe computes."""
-
-    PLAIN = "plain"  # steps on the model's .grad tensors
-    OFFLOAD = "offload"  # torchtune_offload.OffloadOptimizer: clips and scales what it steps on
-    TORCHAO = "torchao"  # torchao's: copies grads during backward, cannot clip
-
-
 @dataclass(frozen=True)
 class RecipeSettings:
     """The validated scalar settings of a recipe config (components stay in the config)."""
@@ -55,8 +52,8 @@ class RecipeSettings:
     gradient_accumulation_steps: int
     clip_grad_norm: Optional[float]
     optimizer_in_bwd: bool
-    optimizer_kind: OptimizerKind
-    offload_gradients: bool
+    optimizer_class: type
+    optimizer_capabilities: OptimizerCapabilities
     compile: bool
     enable_activation_checkpointing: bool
     enable_activation_offloading: bool
@@ -76,15 +73,13 @@ def _is_int(v: Any, *, low: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
-def optimizer_kind(cfg_optimizer: DictConfig) -> OptimizerKind:
-    """Classifies ``cfg.optimizer`` by its ``_component_``.
+def resolve_optimizer_component(cfg_optimizer: Any) -> Tuple[type, OptimizerCapabilities]:
+    """The class ``cfg.optimizer._component_`` names, and what it can do.
 
     Raises:
-        ValueError: if ``optimizer._component_`` is missing or does not resolve.
+        ValueError: if ``optimizer._component_`` is missing, does not resolve, or names torchao's
+            own class (whose ``optimizer_class`` a config cannot hold).
     """
-    from torchtune_offload.ao_offload import CPUOffloadOptimizer
-    from torchtune_offload.offload_optimizer import OffloadOptimizer
-
     path = cfg_optimizer.get("_component_") if isinstance(cfg_optimizer, DictConfig) else None
     if not path:
         raise ValueError("optimizer._component_ is missing. Set it, e.g. optimizer._component_=torch.optim.AdamW.")
@@ -95,18 +90,17 @@ def optimizer_kind(cfg_optimizer: DictConfig) -> OptimizerKind:
             f"optimizer._component_={path!r} does not resolve ({err}). Use e.g. torch.optim.AdamW, "
             "torchtune_offload.OffloadOptimizer or bitsandbytes.optim.PagedAdamW."
         ) from err
-    if isinstance(component, type) and issubclass(component, OffloadOptimizer):
-        return OptimizerKind.OFFLOAD
-    if isinstance(component, type) and issubclass(component, CPUOffloadOptimizer):
-        return OptimizerKind.TORCHAO
-    import torchao.optim
-
-    if isinstance(component, type) and issubclass(component, torchao.optim.CPUOffloadOptimizer):
+    if not isinstance(component, type):
+        raise ValueError(
+            f"optimizer._component_={path!r} is not a class. Use an optimizer class such as torch.optim.AdamW."
+        )
+    capabilities = capabilities_of(component)
+    if not capabilities.offloads and issubclass(component, torchao.optim.CPUOffloadOptimizer):
         raise ValueError(
             f"optimizer._component_={path}: torchao's class takes optimizer_class as a class, which a "
             "config cannot hold. Use optimizer._component_=torchtune_offload.CPUOffloadOptimizer."
         )
-    return OptimizerKind.PLAIN
+    return component, capabilities
 
 
 def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
@@ -115,10 +109,6 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
     Raises:
         ValueError: listing every problem found, each naming its key and the fix.
     """
-    from torchtune import training, utils
-
-    from torchtune_offload.optimizer_class import resolve_optimizer_class
-
     known = RECIPE_KEYS[recipe]
     problems: List[str] = []
     for key in cfg.keys():
@@ -158,13 +148,13 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
             problems.append(f"clip_grad_norm={clip!r}: must be null or a positive number ('inf' logs the norm only).")
             clip = None
 
-    kind = OptimizerKind.PLAIN
+    optimizer_class, caps = None, None
     offload_gradients = False
     try:
-        kind = optimizer_kind(cfg.optimizer)
+        optimizer_class, caps = resolve_optimizer_component(cfg.optimizer)
     except ValueError as err:
         problems.append(str(err))
-    if kind is not OptimizerKind.PLAIN:
+    if caps is not None and caps.offloads:
         offload_gradients = cfg.optimizer.get("offload_gradients", False)
         if not isinstance(offload_gradients, bool):
             problems.append(f"optimizer.offload_gradients={offload_gradients!r}: must be True or False.")
@@ -181,36 +171,18 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
         problems.append(f"dtype={dtype_name!r}: use bf16 or fp32 (fp16 full training is not supported).")
     is_cuda = device_name.startswith("cuda")
 
+    if caps is not None:
+        problems.extend(_optimizer_problems(
+            cfg, caps, in_bwd=in_bwd, clip=clip, accum=accum,
+            offload_gradients=offload_gradients is True, device_type=device_name.split(":")[0],
+        ))
     if in_bwd:
-        if kind is not OptimizerKind.PLAIN:
-            problems.append(
-                f"optimizer_in_bwd=True with optimizer._component_={cfg.optimizer._component_}: an offloading "
-                "optimizer cannot step inside backward with exact gradient math. Set optimizer_in_bwd=False."
-            )
         if clip is not None:
             problems.append("optimizer_in_bwd=True with clip_grad_norm set: clipping needs all gradients "
                             "before any step. Set clip_grad_norm=null or optimizer_in_bwd=False.")
         if _is_int(accum, low=2):
             problems.append("optimizer_in_bwd=True with gradient_accumulation_steps > 1: each backward "
                             "steps at once. Set gradient_accumulation_steps=1 or optimizer_in_bwd=False.")
-    if kind is OptimizerKind.TORCHAO:
-        if clip is not None:
-            problems.append(
-                "clip_grad_norm is set but optimizer._component_=torchtune_offload.CPUOffloadOptimizer "
-                "(torchao's) steps on gradients copied during backward and cannot clip them. Set "
-                "clip_grad_norm=null, or optimizer._component_=torchtune_offload.OffloadOptimizer."
-            )
-        if offload_gradients is True and _is_int(accum, low=2):
-            problems.append(
-                "gradient_accumulation_steps > 1 with torchtune_offload.CPUOffloadOptimizer and "
-                "optimizer.offload_gradients=True: torchao keeps only the last micro-batch. Set "
-                "gradient_accumulation_steps=1, or optimizer._component_=torchtune_offload.OffloadOptimizer."
-            )
-        if device_name.split(":")[0] not in ("cuda", "xpu"):
-            problems.append(
-                f"device={device_name} with torchtune_offload.CPUOffloadOptimizer: torchao's optimizer needs "
-                "CUDA or XPU. Use optimizer._component_=torchtune_offload.OffloadOptimizer."
-            )
 
     ac = bool(get("enable_activation_checkpointing", False))
     act_offload = bool(get("enable_activation_offloading", False))
@@ -229,9 +201,7 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
                 problems.append(f"{key} is not supported by this recipe. Remove it (~{key}).")
         if get("enable_async_checkpointing", False):
             problems.append("enable_async_checkpointing=True is not supported. Set it to False.")
-        from torchtune_offload.fsdp_policies import fsdp_config_problems
-
-        problems.extend(fsdp_config_problems(cfg, optimizer_kind=kind))
+        problems.extend(_distributed_problems(cfg, caps))
 
     if problems:
         raise ValueError(_format(problems))
@@ -246,8 +216,8 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
         gradient_accumulation_steps=accum,
         clip_grad_norm=clip,
         optimizer_in_bwd=in_bwd,
-        optimizer_kind=kind,
-        offload_gradients=bool(offload_gradients),
+        optimizer_class=optimizer_class,
+        optimizer_capabilities=caps,
         compile=bool(get("compile", False)),
         enable_activation_checkpointing=ac,
         enable_activation_offloading=act_offload,
@@ -262,6 +232,68 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
         fsdp_cpu_offload=bool(get("fsdp_cpu_offload", False)),
         fsdp_reshard_after_forward=bool(get("fsdp_reshard_after_forward", True)),
     )
+
+
+def _optimizer_problems(
+    cfg: DictConfig,
+    caps: OptimizerCapabilities,
+    *,
+    in_bwd: bool,
+    clip: Optional[float],
+    accum: Any,
+    offload_gradients: bool,
+    device_type: str,
+) -> List[str]:
+    """What the run asks of the optimizer that its declared capabilities rule out."""
+    component = cfg.optimizer._component_
+    problems = []
+    if in_bwd and not caps.steps_in_backward:
+        problems.append(
+            f"optimizer_in_bwd=True with optimizer._component_={component}: "
+            f"{caps.why_not('steps_in_backward')}. Set optimizer_in_bwd=False."
+        )
+    if clip is not None and not caps.can_clip:
+        problems.append(
+            f"clip_grad_norm is set but optimizer._component_={component} cannot clip: "
+            f"{caps.why_not('can_clip')}. Set clip_grad_norm=null, or "
+            "optimizer._component_=torchtune_offload.OffloadOptimizer."
+        )
+    if offload_gradients and _is_int(accum, low=2) and not caps.accumulates_offloaded_grads:
+        problems.append(
+            f"gradient_accumulation_steps > 1 with {component} and optimizer.offload_gradients=True: "
+            f"{caps.why_not('accumulates_offloaded_grads')}. Set gradient_accumulation_steps=1, "
+            "optimizer.offload_gradients=False, or optimizer._component_=torchtune_offload.OffloadOptimizer."
+        )
+    if caps.device_types is not None and device_type not in caps.device_types:
+        problems.append(
+            f"device={cfg.device} with {component}: {caps.why_not('device_types')}. Use "
+            "optimizer._component_=torchtune_offload.OffloadOptimizer, which runs on any device."
+        )
+    return problems
+
+
+def _distributed_problems(cfg: DictConfig, caps: Optional[OptimizerCapabilities]) -> List[str]:
+    """The distributed recipe's own rules: shard policy, CPU offload, and the optimizer under FSDP2."""
+    _, problems = policy_problems(
+        cfg.get("fsdp_shard_policy"), custom_sharded_layers=cfg.get("custom_sharded_layers")
+    )
+    for key in ("fsdp_cpu_offload", "fsdp_reshard_after_forward"):
+        if cfg.get(key) is not None and not isinstance(cfg.get(key), bool):
+            problems.append(f"{key}={cfg.get(key)!r}: must be True or False.")
+    if cfg.get("fsdp_cpu_offload") is True and str(cfg.get("device", "")).split(":")[0] == "cpu":
+        problems.append(
+            "fsdp_cpu_offload=True with device=cpu: FSDP2's CPUOffloadPolicy moves shards between an "
+            "accelerator and the host, and on a CPU device they are on the host already. Set "
+            "fsdp_cpu_offload=False."
+        )
+    if caps is not None and not caps.runs_under_fsdp2:
+        problems.append(
+            f"optimizer._component_={cfg.optimizer._component_} is not supported under FSDP2: "
+            f"{caps.why_not('runs_under_fsdp2')}. FSDP2 offloads by itself: set "
+            "optimizer._component_=torch.optim.AdamW and fsdp_cpu_offload=True (sharded parameters, "
+            "gradients and AdamW state then live on the host, where the step runs on all cores)."
+        )
+    return problems
 
 
 def _format(problems: List[str]) -> str:

@@ -9,7 +9,6 @@ policy (embedding and output units), activation checkpointing, and where it star
 """
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -23,8 +22,9 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from tests.recipe_harness import load_recipe_module, tiny_asset_overrides
+from torchtune_offload.recipe import read_disk_log
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny" / "full_distributed.yaml"
 STEPS = 3  # per epoch; two epochs, so that an intermediate checkpoint is written and resumed
 # One process: batch 8, two micro-batches per step. Two ranks: 4 each, the same 16 samples a step.
@@ -39,9 +39,7 @@ def _cfg(config: Path, overrides: List[str]):
 
 
 def _losses(output_dir: Path) -> List[float]:
-    logs = sorted((output_dir / "logs").glob("log_*.txt"))
-    assert logs, f"no DiskLogger file under {output_dir}/logs"
-    return [float(m) for m in re.findall(r"\bloss:([-0-9.e]+)", logs[-1].read_text())]
+    return [row["loss"] for row in read_disk_log(output_dir)]
 
 
 def _run_in_process(overrides: List[str], *, single_device: bool = False) -> None:

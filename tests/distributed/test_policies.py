@@ -16,7 +16,7 @@ from torchtune import modules, training
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-from torchtune_offload.fsdp_policies import (
+from torchtune_offload.distributed import (
     ModuleClass,
     NamePattern,
     RowChunkedLoss,

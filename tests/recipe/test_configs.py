@@ -24,8 +24,10 @@ from torchtune.config._errors import ConfigError
 from torchtune.config._utils import _get_component_from_path, _has_component
 
 from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer, resolve_optimizer_class
+from torchtune_offload.optim import capabilities_of
+from torchtune_offload.recipe import check_recipe_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "configs"
 ALL_CONFIGS = sorted(CONFIG_DIR.rglob("*.yaml"))
 
@@ -168,7 +170,7 @@ def test_header_launch_recipe_exists(path):
         assert (REPO / recipe).is_file(), f"{_rel(path)} launches {recipe}, which does not exist"
 
 
-# Recipe file -> the key set torchtune_offload.recipe_config checks it against.
+# Recipe file -> the key set torchtune_offload.recipe.config checks it against.
 RECIPE_KIND = {
     "full_finetune_single_device.py": "full",
     "lora_finetune_single_device.py": "lora",
@@ -179,8 +181,7 @@ RECIPE_KIND = {
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=_ids(ALL_CONFIGS))
 def test_config_passes_its_recipes_own_check(path, monkeypatch):
     # Our recipes reject unknown keys and impossible combinations up front
-    # (torchtune_offload.recipe_config.check_recipe_config); run that check here.
-    recipe_config = pytest.importorskip("torchtune_offload.recipe_config")
+    # (torchtune_offload.recipe.check_recipe_config); run that check here.
     recipes = {Path(r).name for r, _ in LAUNCH_RE.findall(_header(path))}
     kinds = {RECIPE_KIND[r] for r in recipes if r in RECIPE_KIND}
     if not kinds:
@@ -192,13 +193,11 @@ def test_config_passes_its_recipes_own_check(path, monkeypatch):
     monkeypatch.setattr(torchtune.utils, "get_device", lambda device=None: torch.device("cpu"))
     monkeypatch.setattr(torchtune.training, "get_dtype", lambda dtype=None, device=None: torch.float32)
     cfg = _load(path)
-    expected_kind = {
-        "torchtune_offload.OffloadOptimizer": "OFFLOAD",
-        "torchtune_offload.CPUOffloadOptimizer": "TORCHAO",
-    }.get(cfg.optimizer._component_, "PLAIN")
+    expected_class = _get_component_from_path(cfg.optimizer._component_)
     for kind in kinds:
-        settings = recipe_config.check_recipe_config(cfg, recipe=kind)  # ValueError lists problems
-        assert settings.optimizer_kind is recipe_config.OptimizerKind[expected_kind]
+        settings = check_recipe_config(cfg, recipe=kind)  # ValueError lists problems
+        assert settings.optimizer_class is expected_class
+        assert settings.optimizer_capabilities == capabilities_of(expected_class)
         assert settings.batch_size == cfg.batch_size
         assert settings.gradient_accumulation_steps == cfg.get("gradient_accumulation_steps", 1)
 
@@ -301,7 +300,7 @@ def test_variant_config_matches_the_table(family, size, variant):
     if offload_gradients is None:
         assert "unified memory" in header and "NVML" in header
     if (family, size) == ("llama3_2", "1B"):
-        assert "scripts/make_tiny_assets.py --real-arch llama3_2_1b" in header
+        assert "python -m torchtune_offload.assets --real-arch llama3_2_1b" in header
         assert "checkpointer.checkpoint_dir=/tmp/llama3_2_1b_random" in header
 
     if variant == "lora_offload":

@@ -1,7 +1,7 @@
 """Tiny Llama-architecture model builders for fast, offline CPU runs.
 
 The configs under ``configs/tiny/`` point their ``model._component_`` here, and
-``scripts/make_tiny_assets.py`` imports :data:`TINY_LLAMA_DEFAULTS` so that the
+``torchtune_offload.assets`` imports :data:`TINY_LLAMA_DEFAULTS` so that the
 random checkpoint it writes always has exactly the shapes these builders build.
 Change a default here and rebuild the assets with ``--force``; nothing else
 needs editing.

@@ -11,37 +11,18 @@ copy can be kept in another dtype (fp32 master weights for bf16 device weights, 
 ``to_device`` copy, which casts), and a different placement strategy only changes how a slot is built.
 """
 
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
 import torch
 from torch.optim import Optimizer
 
-from torchtune_offload.grad_norm import clip_, total_norm
-from torchtune_offload.optimizer_class import OptimizerClassSpec, resolve_optimizer_class
-from torchtune_offload.transfer import TransferEngine
+from torchtune_offload.optim.capabilities import OptimizerCapabilities
+from torchtune_offload.optim.grad_norm import clip_, total_norm
+from torchtune_offload.optim.memory_report import OffloadMemoryReport
+from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class
+from torchtune_offload.optim.transfer import TransferEngine
 
 STATE_DICT_FORMAT = "torchtune_offload.OffloadOptimizer/1"
-
-
-@dataclass
-class OffloadMemoryReport:
-    """Where an :class:`OffloadOptimizer` keeps its memory, in bytes.
-
-    Attributes:
-        num_offloaded: parameters stepped on the host.
-        num_on_device: parameters stepped on the device (fewer than ``minimal_size`` elements).
-        device_bytes_saved: optimizer state (and, with ``offload_gradients``, gradient memory) that
-            lives on the host instead of the device. Zero for state not yet created by a first step.
-        host_bytes: all host memory the optimizer holds: parameter copies, gradient buffers, state.
-        pinned_bytes: the part of ``host_bytes`` that is page-locked (accelerators only).
-    """
-
-    num_offloaded: int
-    num_on_device: int
-    device_bytes_saved: int
-    host_bytes: int
-    pinned_bytes: int
 
 
 class _Slot:
@@ -141,6 +122,21 @@ class OffloadOptimizer(Optimizer):
         ValueError: on an unresolvable ``optimizer_class``, a negative ``minimal_size``, no
             trainable parameters, or parameters on more than one device.
     """
+
+    capabilities = OptimizerCapabilities(
+        offloads=True,
+        holds_gradients=True,
+        named_parameters=True,
+        runs_under_fsdp2=False,
+        steps_in_backward=False,
+        reasons={
+            "runs_under_fsdp2": "its state lives in per-parameter base optimizers over host copies of "
+            "each rank's shards, which torch's distributed state-dict API (used to gather a full "
+            "checkpoint and to resume) cannot see, so checkpoints would not resume",
+            "steps_in_backward": "an offloading optimizer cannot step inside backward with exact "
+            "gradient math",
+        },
+    )
 
     def __init__(
         self,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.side_by_side import assert_same_params, batches, plain_hooks, tiny_model, train, twin
+from tests.optim.side_by_side import assert_same_params, batches, plain_hooks, tiny_model, train, twin
 from torchtune_offload import OffloadOptimizer
 
 # Smaller than every weight (24*96 = 2304 elements) but larger than every bias: both paths run.

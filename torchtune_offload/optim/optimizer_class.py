@@ -7,7 +7,10 @@ as a dotted path. Both offload optimizers accept a class or such a path.
 from typing import Union
 
 import torch
+import torchao.optim
 from torchtune.config._utils import _get_component_from_path
+
+from torchtune_offload.optim.capabilities import capabilities_of
 
 OptimizerClassSpec = Union[str, type]
 
@@ -46,12 +49,7 @@ def resolve_optimizer_class(
             f"{key}={optimizer_class!r} is not a torch.optim.Optimizer subclass. "
             "Set it to an optimizer class such as 'torch.optim.AdamW'."
         )
-    # Local import: the offload optimizers import this module.
-    from torchtune_offload.offload_optimizer import OffloadOptimizer
-
-    import torchao.optim
-
-    if issubclass(cls, (OffloadOptimizer, torchao.optim.CPUOffloadOptimizer)):
+    if capabilities_of(cls).offloads or issubclass(cls, torchao.optim.CPUOffloadOptimizer):
         raise ValueError(
             f"{key}={optimizer_class!r} is itself an offload optimizer; offload optimizers do not "
             "nest. Set it to the base optimizer, e.g. 'torch.optim.AdamW'."

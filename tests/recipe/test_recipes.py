@@ -7,7 +7,6 @@ same config, and every reference run is also checked to learn (loss falls).
 """
 
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,8 +19,9 @@ from safetensors.torch import load_file
 from torchtune.modules.peft import get_adapter_state_dict
 
 from tests.recipe_harness import load_recipe_module, tiny_asset_overrides
+from torchtune_offload.recipe import read_disk_log
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {kind: REPO_ROOT / "configs" / "tiny" / f"{kind}.yaml" for kind in ("full", "lora")}
 RECIPE_FILES = {"full": "full_finetune_single_device", "lora": "lora_finetune_single_device"}
 RECIPE_CLASSES = {"full": "FullFinetuneRecipeSingleDevice", "lora": "LoRAFinetuneRecipeSingleDevice"}
@@ -55,18 +55,6 @@ def _config(kind: str, assets: Path, output_dir: Path, overrides: List[str]) -> 
     return OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
 
 
-def _read_log(path: Path) -> List[Dict[str, float]]:
-    """DiskLogger lines ``Step N | key:value key:value`` as one dict per step, in order."""
-    rows = []
-    for line in path.read_text().splitlines():
-        m = re.match(r"Step (\d+) \| (.*)$", line)
-        if m:
-            row = {"step": int(m.group(1))}
-            row.update({k: float(v) for k, v in (item.split(":", 1) for item in m.group(2).split())})
-            rows.append(row)
-    return rows
-
-
 class Run:
     """What the tests read from one in-process recipe run."""
 
@@ -74,7 +62,7 @@ class Run:
         self.recipe = recipe
         self.output_dir = output_dir
         self.losses = list(recipe._loop.losses)
-        self.log = _read_log(log_file)
+        self.log = read_disk_log(log_file)
         self.params = {k: v.detach().clone() for k, v in recipe._model.state_dict().items()}
 
 
@@ -329,7 +317,7 @@ def test_tune_run_with_offload_from_command_line(kind, overrides, tiny_assets, t
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "optimizer OffloadOptimizer (offload)" in result.stdout + result.stderr
     (log_file,) = (tmp_path / "logs").glob("log_*.txt")
-    rows = _read_log(log_file)
+    rows = read_disk_log(log_file)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
         assert CPU_LOG_KEYS | OFFLOAD_LOG_KEYS <= set(row)

@@ -2,7 +2,7 @@
 
 One optimizer step is one *window* of ``gradient_accumulation_steps`` micro-batches. The window's
 loss-carrying tokens are counted first, so each micro-batch's summed loss can be divided by the
-window total before backward (see :mod:`torchtune_offload.grad_math`).
+window total before backward (see :mod:`torchtune_offload.recipe.grad_math`).
 """
 
 import time
@@ -13,9 +13,11 @@ from torchtune import utils
 from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
-from torchtune_offload.grad_math import GradientStepper, loss_scale, sum_over_ranks
-from torchtune_offload.memory import MemoryMonitor
-from torchtune_offload.recipe_config import RecipeSettings
+from torchtune_offload.recipe.config import RecipeSettings
+from torchtune_offload.recipe.grad_math import GradientStepper, loss_scale, sum_over_ranks
+from torchtune_offload.recipe.memory import MemoryMonitor
+
+log = utils.get_logger("INFO")
 
 
 class TrainLoop:
@@ -25,13 +27,14 @@ class TrainLoop:
         model: the model being trained.
         loss_fn: torchtune loss returning the mean over non-ignored tokens.
         dataloader: batches with ``tokens`` and ``labels``; its sampler has ``set_epoch``.
-        stepper: clips/measures, steps and zeroes gradients.
-        lr_source: what ``get_lr`` reads (the optimizer, or an in-backward optimizer).
+        optimizer: the optimizer the loop steps, or ``None`` when it steps inside backward.
+        in_bwd_wrapper: torchtune's wrapper of the per-parameter optimizers stepping in
+            backward (``optimizer_in_bwd``), else ``None``.
         lr_scheduler: stepped once per window, or ``None``.
         profiler: torchtune's profiler or its no-op stand-in.
         metric_logger: torchtune metric logger.
         memory: memory figures for the log.
-        settings: validated recipe settings.
+        settings: validated recipe settings; clipping and the optimizer's capabilities.
         steps_per_epoch: windows per epoch.
         activations_ctx: activation offloading context (a no-op when disabled).
         is_rank_zero: only rank zero shows progress and logs.
@@ -43,8 +46,8 @@ class TrainLoop:
         model: torch.nn.Module,
         loss_fn: Any,
         dataloader: Any,
-        stepper: GradientStepper,
-        lr_source: Any,
+        optimizer: Optional[torch.optim.Optimizer],
+        in_bwd_wrapper: Optional[Any],
         lr_scheduler: Optional[Any],
         profiler: Any,
         metric_logger: Any,
@@ -57,8 +60,14 @@ class TrainLoop:
         self.model = model
         self.loss_fn = loss_fn
         self.dataloader = dataloader
-        self.stepper = stepper
-        self.lr_source = lr_source
+        self.stepper = GradientStepper(
+            optimizer=optimizer,
+            params=model.parameters(),
+            capabilities=settings.optimizer_capabilities,
+            clip_grad_norm=settings.clip_grad_norm,
+        )
+        # get_lr reads torchtune's in-backward wrapper as it reads an optimizer.
+        self.lr_source = optimizer if optimizer is not None else in_bwd_wrapper
         self.lr_scheduler = lr_scheduler
         self.profiler = profiler
         self.metric_logger = metric_logger
@@ -69,6 +78,12 @@ class TrainLoop:
         self.is_rank_zero = is_rank_zero
         self.ignore_index = loss_fn.ignore_index
         self.losses: List[float] = []
+        if is_rank_zero:
+            stepper = optimizer if optimizer is not None else in_bwd_wrapper
+            log.info(
+                f"{steps_per_epoch} steps per epoch x {settings.epochs} epochs; optimizer "
+                f"{type(stepper).__name__}{' (offload)' if settings.optimizer_capabilities.offloads else ''}."
+            )
 
     def _shift_labels(self, batch: Dict[str, torch.Tensor]) -> None:
         # Position t predicts token t+1; the last position has nothing to predict.

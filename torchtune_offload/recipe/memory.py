@@ -20,7 +20,7 @@ class _NvmlPeakSampler:
     """Polls NVML's used-memory figure for one device and keeps the peak since the last read."""
 
     def __init__(self, device: torch.device, *, interval_s: float = 0.01) -> None:
-        import pynvml
+        import pynvml  # optional dependency (the `gpu` extra)
 
         pynvml.nvmlInit()
         index = device.index if device.index is not None else torch.cuda.current_device()

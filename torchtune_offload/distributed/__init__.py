@@ -1,0 +1,42 @@
+"""FSDP2 sharding: shard policies and ``shard_model``, the chunked loss, host threads per rank."""
+
+from torchtune_offload.distributed.host_threads import host_threads_per_rank, set_host_threads
+from torchtune_offload.distributed.loss import RowChunkedLoss
+from torchtune_offload.distributed.policies import (
+    BUILTIN,
+    DEFAULT_POLICY,
+    AnyOf,
+    ModuleClass,
+    NamePattern,
+    Policy,
+    ShardPlan,
+    any_of,
+    describe,
+    embeddings,
+    layers,
+    parse_shard_policy,
+    plan_shard,
+    policy_problems,
+    shard_model,
+)
+
+__all__ = [
+    "BUILTIN",
+    "DEFAULT_POLICY",
+    "AnyOf",
+    "ModuleClass",
+    "NamePattern",
+    "Policy",
+    "RowChunkedLoss",
+    "ShardPlan",
+    "any_of",
+    "describe",
+    "embeddings",
+    "host_threads_per_rank",
+    "layers",
+    "parse_shard_policy",
+    "plan_shard",
+    "policy_problems",
+    "set_host_threads",
+    "shard_model",
+]

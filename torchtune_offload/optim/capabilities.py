@@ -1,0 +1,80 @@
+"""What an optimizer can do, declared once by the optimizer and asked by everything else.
+
+The recipes' config check and the gradient stepper need to know, for the configured optimizer,
+whether it can clip, whether it keeps its own copies of the gradients, whether it runs under FSDP2,
+and so on. Rather than every checker keeping its own list of optimizer names, an optimizer class
+declares an :class:`OptimizerCapabilities` as its ``capabilities`` attribute, and
+:func:`capabilities_of` answers for any class: the declaration where there is one, else the
+defaults of :data:`PLAIN_CAPABILITIES` (torch's optimizers), adjusted by one table for the
+families of plain optimizers that differ (bitsandbytes).
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class OptimizerCapabilities:
+    """What an optimizer class can do, and why not where it cannot.
+
+    Attributes:
+        offloads: steps on host copies of the parameters, configured with ``optimizer_class``
+            (the base optimizer), ``offload_gradients`` and ``minimal_size``.
+        holds_gradients: steps on gradients it keeps itself (on the host), so norms and clipping
+            must go through its ``grad_norm()`` / ``clip_grad_norm_()``, not the model's ``.grad``.
+        named_parameters: takes ``model.named_parameters()`` pairs (its checkpoint is keyed by name).
+        can_clip: the gradients it steps on can be clipped before the step.
+        accumulates_offloaded_grads: gradient accumulation works with ``offload_gradients=True``.
+        runs_under_fsdp2: can step FSDP2's sharded parameters and checkpoint through torch's
+            distributed state-dict API.
+        steps_in_backward: can serve as one of ``optimizer_in_bwd``'s per-parameter optimizers.
+        device_types: the device types it runs on; ``None`` for any.
+        reasons: for a capability it lacks (by attribute name), why; named in error messages.
+    """
+
+    offloads: bool = False
+    holds_gradients: bool = False
+    named_parameters: bool = False
+    can_clip: bool = True
+    accumulates_offloaded_grads: bool = True
+    runs_under_fsdp2: bool = True
+    steps_in_backward: bool = True
+    device_types: Optional[Tuple[str, ...]] = None
+    reasons: Mapping[str, str] = field(default_factory=dict)
+
+    def why_not(self, capability: str) -> str:
+        """The declared reason this optimizer lacks ``capability`` (an attribute name)."""
+        return self.reasons.get(capability, f"it does not declare {capability}")
+
+
+#: torch's optimizers: they step on the model's ``.grad`` tensors, wherever the model is.
+PLAIN_CAPABILITIES = OptimizerCapabilities()
+
+#: Plain optimizers whose module starts with a prefix here differ from the defaults so.
+_PLAIN_BY_MODULE_PREFIX: Mapping[str, OptimizerCapabilities] = {
+    "bitsandbytes.": dataclasses.replace(
+        PLAIN_CAPABILITIES,
+        runs_under_fsdp2=False,
+        reasons={
+            "runs_under_fsdp2": "bitsandbytes' update kernels have no DTensor sharding rules, so "
+            "they cannot step FSDP2 shards",
+        },
+    ),
+}
+
+
+def capabilities_of(optimizer_class: type) -> OptimizerCapabilities:
+    """What ``optimizer_class`` can do: its own declaration, or the table's defaults.
+
+    Args:
+        optimizer_class: any optimizer class.
+    """
+    declared = getattr(optimizer_class, "capabilities", None)
+    if isinstance(declared, OptimizerCapabilities):
+        return declared
+    module = getattr(optimizer_class, "__module__", "") or ""
+    for prefix, capabilities in _PLAIN_BY_MODULE_PREFIX.items():
+        if module.startswith(prefix):
+            return capabilities
+    return PLAIN_CAPABILITIES

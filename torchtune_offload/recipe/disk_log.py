@@ -1,0 +1,35 @@
+"""Reading the metrics a run wrote with torchtune's ``DiskLogger``.
+
+The logger writes one line per logged step, ``Step <N> | key:value key:value ...``, to
+``<output_dir>/logs/<filename>`` (``log_<unix time>.txt`` unless the config names the file).
+"""
+
+import re
+from pathlib import Path
+from typing import Dict, List, Union
+
+_STEP_LINE = re.compile(r"^Step (\d+) \| (.*)$")
+
+
+def read_disk_log(path: Union[str, Path]) -> List[Dict[str, float]]:
+    """The metrics of every logged step, in order, each a dict with its ``step``.
+
+    Args:
+        path: a DiskLogger file, or a run's ``output_dir``, whose newest ``logs/log_*.txt`` is read.
+
+    Raises:
+        FileNotFoundError: if ``path`` is a directory without a DiskLogger file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        files = sorted((path / "logs").glob("log_*.txt"), key=lambda p: p.stat().st_mtime)
+        if not files:
+            raise FileNotFoundError(f"no DiskLogger file (logs/log_*.txt) under {path}: did the run start?")
+        path = files[-1]
+    rows = []
+    for line in path.read_text().splitlines():
+        m = _STEP_LINE.match(line.strip())
+        if m:
+            metrics = (item.split(":", 1) for item in m.group(2).split())
+            rows.append({"step": int(m.group(1)), **{k: float(v) for k, v in metrics}})
+    return rows

@@ -1,0 +1,54 @@
+"""Side-by-side loss curves and a tok/s + memory summary of runs read from their DiskLogger files."""
+
+import statistics
+from typing import Dict, List, Mapping
+
+from torchtune_offload.recipe.disk_log import read_disk_log
+
+#: Memory figures summarised when any run logged them (GiB, peak over the run).
+SUMMARY_KEYS = (
+    "peak_memory_alloc", "peak_memory_reserved", "nvml_device_used_peak", "host_rss_peak",
+    "optimizer_host", "optimizer_device_saved",
+)
+
+
+def sparkline(values: List[float]) -> str:
+    """``values`` as one line of block characters, lowest to highest."""
+    bars = "▁▂▃▄▅▆▇█"
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    return "".join(bars[int((v - lo) / span * (len(bars) - 1))] for v in values)
+
+
+def compare_runs(output_dirs: Mapping[str, str]) -> str:
+    """The comparison of runs, by name, as printable text.
+
+    Args:
+        output_dirs: run name -> the run's ``output_dir`` (its newest DiskLogger file is read).
+    """
+    runs: Dict[str, List[Dict[str, float]]] = {n: read_disk_log(d) for n, d in output_dirs.items()}
+    empty = [n for n, rows in runs.items() if not rows]
+    if empty:
+        raise ValueError(f"runs {empty} logged no step: did they train?")
+    names = list(runs)
+    num = min(len(v) for v in runs.values())
+    lines = ["", "Loss per step", "step  " + "  ".join(f"{n:>14}" for n in names)]
+    for i in range(num):
+        lines.append(f"{runs[names[0]][i]['step']:>4}  " + "  ".join(f"{runs[n][i]['loss']:>14.6f}" for n in names))
+    lines += [f"{n:>14}: {sparkline([s['loss'] for s in runs[n]])}" for n in names]
+    if len(names) > 1:
+        diff = max(abs(runs[n][i]["loss"] - runs[names[0]][i]["loss"]) for n in names[1:] for i in range(num))
+        lines.append(f"largest loss difference from {names[0]}: {diff:.3g}")
+
+    lines += ["", "Summary (tok/s: median over steps after the first; memory in GiB, peaks over the run)"]
+    present = [k for k in SUMMARY_KEYS if any(k in s for r in runs.values() for s in r)]
+    lines.append(
+        f"{'run':>14}  {'tok/s':>9}  {'first loss':>10}  {'last loss':>9}  " + "  ".join(f"{k:>22}" for k in present)
+    )
+    for n, steps in runs.items():
+        tps = statistics.median(s["tokens_per_second"] for s in steps[1:] or steps)
+        cells = [f"{max(s.get(k, 0.0) for s in steps):>22.4f}" for k in present]
+        lines.append(
+            f"{n:>14}  {tps:>9.0f}  {steps[0]['loss']:>10.4f}  {steps[-1]['loss']:>9.4f}  " + "  ".join(cells)
+        )
+    return "\n".join(lines)
