@@ -177,9 +177,7 @@ class FullFinetuneRecipeDistributed:
         )
         dist.barrier()
         self._log(
-            f"Setup done: {num_steps} steps per epoch, global batch "
-            f"{s.batch_size * s.gradient_accumulation_steps * self.world_size}, optimizer "
-            f"{type(self._optimizer or self._in_bwd).__name__}."
+            f"Setup done: global batch {s.batch_size * s.gradient_accumulation_steps * self.world_size}."
         )
 
     # ----------------------------------------------------------------------------- checkpoints

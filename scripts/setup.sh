@@ -16,4 +16,4 @@ echo "[setup] installing torchtune-offload with its dev extra (torchtune 0.6.1, 
 $PY -m pip install -q --upgrade ".[dev]"
 rm -rf build
 echo "[setup] building the tiny offline assets into assets/tiny"
-$PY scripts/make_tiny_assets.py
+$PY -m torchtune_offload.assets

@@ -34,17 +34,20 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory) -> Path:
-    """Builds the tiny model, tokenizer and data once per session with the project's script.
+    """Builds the tiny model, tokenizer and data once per session with ``-m torchtune_offload.assets``.
 
     Returns:
-        The directory holding ``model/``, ``tokenizer/`` and ``data/`` (see scripts/make_tiny_assets.py).
+        The directory holding ``model/``, ``tokenizer/`` and ``data/`` (see torchtune_offload/assets).
     """
     out = tmp_path_factory.mktemp("tiny_assets")
     # A fresh path per session, so tiktoken's cache (keyed by path string) cannot serve stale ranks.
+    # PYTHONPATH: the working tree's package, never an installed copy.
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TIKTOKEN_CACHE_DIR": ""}
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "make_tiny_assets.py"), "--output-dir", str(out)],
+        [sys.executable, "-m", "torchtune_offload.assets", "--output-dir", str(out)],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
-    assert result.returncode == 0, f"make_tiny_assets.py failed:\n{result.stdout}\n{result.stderr}"
+    assert result.returncode == 0, (
+        f"python -m torchtune_offload.assets failed:\n{result.stdout}\n{result.stderr}"
+    )
     return out

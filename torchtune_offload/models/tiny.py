@@ -69,7 +69,7 @@ def tiny_llama(
     Returns:
         An untied-embedding ``TransformerDecoder`` whose weights load from the
         ``LLAMA3``-type Hugging Face checkpoint written by
-        ``scripts/make_tiny_assets.py``.
+        ``python -m torchtune_offload.assets``.
     """
     return llama3(
         vocab_size=vocab_size,

@@ -90,9 +90,10 @@ def resolve_optimizer_component(cfg_optimizer: Any) -> Tuple[type, OptimizerCapa
             f"optimizer._component_={path!r} does not resolve ({err}). Use e.g. torch.optim.AdamW, "
             "torchtune_offload.OffloadOptimizer or bitsandbytes.optim.PagedAdamW."
         ) from err
-    if not isinstance(component, type):
+    if not (isinstance(component, type) and issubclass(component, torch.optim.Optimizer)):
         raise ValueError(
-            f"optimizer._component_={path!r} is not a class. Use an optimizer class such as torch.optim.AdamW."
+            f"optimizer._component_={path!r} is not a torch.optim.Optimizer subclass. Use an optimizer "
+            "class such as torch.optim.AdamW."
         )
     capabilities = capabilities_of(component)
     if not capabilities.offloads and issubclass(component, torchao.optim.CPUOffloadOptimizer):

@@ -18,11 +18,13 @@ def read_disk_log(path: Union[str, Path]) -> List[Dict[str, float]]:
         path: a DiskLogger file, or a run's ``output_dir``, whose newest ``logs/log_*.txt`` is read.
 
     Raises:
-        FileNotFoundError: if ``path`` is a directory without a DiskLogger file.
+        FileNotFoundError: if ``path`` does not exist, or is a directory without a DiskLogger file.
     """
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no DiskLogger file at {path}: is it the run's output_dir or its log file?")
     if path.is_dir():
-        files = sorted((path / "logs").glob("log_*.txt"), key=lambda p: p.stat().st_mtime)
+        files = sorted((path / "logs").glob("log_*.txt"), key=lambda p: (p.stat().st_mtime, p.name))
         if not files:
             raise FileNotFoundError(f"no DiskLogger file (logs/log_*.txt) under {path}: did the run start?")
         path = files[-1]

@@ -1,4 +1,4 @@
-"""Tests for scripts/make_tiny_assets.py and the tiny configs that read its output.
+"""End-to-end tests of torchtune_offload.assets and the tiny configs that read its output.
 
 Everything is built into pytest's tmp_path; nothing touches ./assets or the network.
 """
@@ -6,37 +6,23 @@ Everything is built into pytest's tmp_path; nothing touches ./assets or the netw
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torchtune import config as tt_config
+from torchtune import training
+from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+import torchtune_offload.assets as tta
+from torchtune_offload.assets.__main__ import main
+from torchtune_offload.models import TINY_LLAMA_DEFAULTS, tiny_llama
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_EXAMPLES = 200  # small keeps the suite fast; the self-check still runs on it
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location(
-        "make_tiny_assets", REPO_ROOT / "scripts" / "make_tiny_assets.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations via sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-mta = _load_script()  # also puts the repo root on sys.path for torchtune_offload
-
-from torchtune import config as tt_config  # noqa: E402
-from torchtune import training  # noqa: E402
-from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft  # noqa: E402
-
-from torchtune_offload.tiny_models import TINY_LLAMA_DEFAULTS, tiny_llama  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -50,8 +36,8 @@ def assets(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny") / "assets"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIKTOKEN_CACHE_DIR", "")
-        # check=True: the script's own torchtune self-check must pass as well.
-        assert mta.build_assets(output_dir=out, num_examples=NUM_EXAMPLES, check=True) is True
+        # check=True: the package's own torchtune self-check must pass as well.
+        assert tta.build_assets(output_dir=out, num_examples=NUM_EXAMPLES, check=True) is True
     return out
 
 
@@ -66,10 +52,10 @@ def _tree_hashes(root: Path) -> dict:
 def _tiny_cfg(name: str, assets: Path):
     """Load configs/tiny/<name>.yaml with its asset paths moved to ``assets``."""
     cfg = OmegaConf.load(REPO_ROOT / "configs" / "tiny" / f"{name}.yaml")
-    cfg.tokenizer.path = str(assets / mta.TOKENIZER_FILE)
-    cfg.tokenizer.special_tokens_path = str(assets / mta.SPECIAL_TOKENS_FILE)
-    cfg.dataset.data_files = str(assets / mta.DATA_FILE)
-    cfg.checkpointer.checkpoint_dir = str(assets / mta.MODEL_DIR)
+    cfg.tokenizer.path = str(assets / tta.TOKENIZER_FILE)
+    cfg.tokenizer.special_tokens_path = str(assets / tta.SPECIAL_TOKENS_FILE)
+    cfg.dataset.data_files = str(assets / tta.DATA_FILE)
+    cfg.checkpointer.checkpoint_dir = str(assets / tta.MODEL_DIR)
     return cfg
 
 
@@ -80,33 +66,33 @@ def _load_tiny_state_dict(cfg, tmp_path: Path) -> dict:
 
 def test_output_is_deterministic(assets, tmp_path):
     again = tmp_path / "again"
-    mta.build_assets(output_dir=again, num_examples=NUM_EXAMPLES, check=False)
+    tta.build_assets(output_dir=again, num_examples=NUM_EXAMPLES, check=False)
     first, second = _tree_hashes(assets), _tree_hashes(again)
     assert set(first) == {
-        mta.MANIFEST_NAME, mta.DATA_FILE, mta.TOKENIZER_FILE, mta.SPECIAL_TOKENS_FILE,
-        f"{mta.MODEL_DIR}/{mta.CONFIG_FILE}", f"{mta.MODEL_DIR}/{mta.WEIGHTS_FILE}",
+        tta.MANIFEST_NAME, tta.DATA_FILE, tta.TOKENIZER_FILE, tta.SPECIAL_TOKENS_FILE,
+        f"{tta.MODEL_DIR}/{tta.CONFIG_FILE}", f"{tta.MODEL_DIR}/{tta.WEIGHTS_FILE}",
     }
     assert first == second
-    manifest = json.loads((assets / mta.MANIFEST_NAME).read_text())
-    assert manifest["content_version"] == mta.CONTENT_VERSION
+    manifest = json.loads((assets / tta.MANIFEST_NAME).read_text())
+    assert manifest["content_version"] == tta.CONTENT_VERSION
     for rel, info in manifest["files"].items():
         assert info["sha256"] == first[rel]
 
 
 def test_seed_changes_content(assets, tmp_path):
     other = tmp_path / "seed1"
-    mta.build_assets(output_dir=other, num_examples=NUM_EXAMPLES, seed=1, check=False)
+    tta.build_assets(output_dir=other, num_examples=NUM_EXAMPLES, seed=1, check=False)
     base, changed = _tree_hashes(assets), _tree_hashes(other)
-    assert base[mta.DATA_FILE] != changed[mta.DATA_FILE]
-    weights = f"{mta.MODEL_DIR}/{mta.WEIGHTS_FILE}"
+    assert base[tta.DATA_FILE] != changed[tta.DATA_FILE]
+    weights = f"{tta.MODEL_DIR}/{tta.WEIGHTS_FILE}"
     assert base[weights] != changed[weights]
 
 
 def test_skips_when_current_and_force_rebuilds(assets, capsys):
     before = _tree_hashes(assets)
-    assert mta.build_assets(output_dir=assets, num_examples=NUM_EXAMPLES, check=False) is False
+    assert tta.build_assets(output_dir=assets, num_examples=NUM_EXAMPLES, check=False) is False
     assert "up to date" in capsys.readouterr().out
-    assert mta.build_assets(output_dir=assets, num_examples=NUM_EXAMPLES, force=True, check=False)
+    assert tta.build_assets(output_dir=assets, num_examples=NUM_EXAMPLES, force=True, check=False)
     assert _tree_hashes(assets) == before
 
 
@@ -137,7 +123,7 @@ def test_dataset_from_config_yields_tokens_and_labels(assets):
     ds = tt_config.instantiate(cfg.dataset, tok)
     assert len(ds) == NUM_EXAMPLES
     sample = ds[0]
-    assert len(sample["tokens"]) == len(sample["labels"]) <= mta.MAX_EXAMPLE_TOKENS
+    assert len(sample["tokens"]) == len(sample["labels"]) <= tta.MAX_EXAMPLE_TOKENS
     # train_on_input=False: prompt positions ignored, the answer is supervised.
     assert CROSS_ENTROPY_IGNORE_IDX in sample["labels"]
     supervised = [t for t in sample["labels"] if t != CROSS_ENTROPY_IGNORE_IDX]
@@ -150,7 +136,7 @@ def test_dataset_from_config_yields_tokens_and_labels(assets):
 
 def test_checkpoint_loads_strictly_into_tiny_llama(assets, tmp_path):
     cfg = _tiny_cfg("full", assets)
-    hf_config = json.loads((assets / mta.MODEL_DIR / mta.CONFIG_FILE).read_text())
+    hf_config = json.loads((assets / tta.MODEL_DIR / tta.CONFIG_FILE).read_text())
     assert hf_config["hidden_size"] == TINY_LLAMA_DEFAULTS["embed_dim"]
     assert hf_config["num_hidden_layers"] == TINY_LLAMA_DEFAULTS["num_layers"]
     assert hf_config["vocab_size"] == TINY_LLAMA_DEFAULTS["vocab_size"]
@@ -179,33 +165,33 @@ def test_lora_config_model_accepts_checkpoint(assets, tmp_path):
     assert missing and all("lora_" in key for key in missing)
 
 
-def test_configs_point_at_script_outputs():
+def test_configs_point_at_built_assets():
     for name in ("full", "lora"):
         cfg = OmegaConf.load(REPO_ROOT / "configs" / "tiny" / f"{name}.yaml")
-        assert cfg.tokenizer.path == f"{mta.DEFAULT_TINY_DIR}/{mta.TOKENIZER_FILE}"
-        special_path = f"{mta.DEFAULT_TINY_DIR}/{mta.SPECIAL_TOKENS_FILE}"
+        assert cfg.tokenizer.path == f"{tta.DEFAULT_TINY_DIR}/{tta.TOKENIZER_FILE}"
+        special_path = f"{tta.DEFAULT_TINY_DIR}/{tta.SPECIAL_TOKENS_FILE}"
         assert cfg.tokenizer.special_tokens_path == special_path
-        assert cfg.dataset.data_files == f"{mta.DEFAULT_TINY_DIR}/{mta.DATA_FILE}"
-        assert cfg.checkpointer.checkpoint_dir == f"{mta.DEFAULT_TINY_DIR}/{mta.MODEL_DIR}"
-        assert list(cfg.checkpointer.checkpoint_files) == [mta.WEIGHTS_FILE]
-        assert cfg.tokenizer.max_seq_len >= mta.MAX_EXAMPLE_TOKENS
+        assert cfg.dataset.data_files == f"{tta.DEFAULT_TINY_DIR}/{tta.DATA_FILE}"
+        assert cfg.checkpointer.checkpoint_dir == f"{tta.DEFAULT_TINY_DIR}/{tta.MODEL_DIR}"
+        assert list(cfg.checkpointer.checkpoint_files) == [tta.WEIGHTS_FILE]
+        assert cfg.tokenizer.max_seq_len >= tta.MAX_EXAMPLE_TOKENS
         assert cfg.device == "cpu" and cfg.dtype == "fp32" and cfg.seed == 0
 
 
 def test_real_arch_single_layer_loads(tmp_path):
     out = tmp_path / "qwen"
-    mta.build_assets(output_dir=out, real_arch="qwen2_5_0_5b", num_layers=1, check=False)
-    hf_config = json.loads((out / mta.CONFIG_FILE).read_text())
+    tta.build_assets(output_dir=out, real_arch="qwen2_5_0_5b", num_layers=1, check=False)
+    hf_config = json.loads((out / tta.CONFIG_FILE).read_text())
     assert hf_config["num_hidden_layers"] == 1
     assert hf_config["torch_dtype"] == "bfloat16"
     assert hf_config["tie_word_embeddings"] is True
     checkpointer = training.FullModelHFCheckpointer(
-        checkpoint_dir=str(out), checkpoint_files=[mta.WEIGHTS_FILE], model_type="QWEN2",
+        checkpoint_dir=str(out), checkpoint_files=[tta.WEIGHTS_FILE], model_type="QWEN2",
         output_dir=str(tmp_path / "ckpt_out"), recipe_checkpoint=None,
     )
     state_dict = checkpointer.load_checkpoint()[training.MODEL_KEY]
     assert all(v.dtype == torch.bfloat16 for v in state_dict.values())
-    model = mta.build_meta_model(real_arch="qwen2_5_0_5b", num_layers=1)
+    model = tta.build_meta_model(real_arch="qwen2_5_0_5b", num_layers=1)
     model.load_state_dict(state_dict, strict=True, assign=True)
     assert model.tok_embeddings.weight.shape == (151936, 896)
     norm_scale = model.layers[0].sa_norm.scale.detach()
@@ -213,13 +199,13 @@ def test_real_arch_single_layer_loads(tmp_path):
 
 
 def test_bad_input_is_rejected(tmp_path, capsys):
-    assert mta.main(argv=["--num-layers", "1", "--output-dir", str(tmp_path / "x")]) == 2
+    assert main(argv=["--num-layers", "1", "--output-dir", str(tmp_path / "x")]) == 2
     assert "--num-layers only applies with --real-arch" in capsys.readouterr().err
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "keep.txt").write_text("not ours")
     with pytest.raises(ValueError, match="not written by this script"):
-        mta.build_assets(output_dir=foreign, check=False)
+        tta.build_assets(output_dir=foreign, check=False)
     with pytest.raises(ValueError, match="num-layers 99"):
-        mta.build_assets(output_dir=tmp_path / "y", real_arch="llama3_2_1b", num_layers=99)
+        tta.build_assets(output_dir=tmp_path / "y", real_arch="llama3_2_1b", num_layers=99)
     assert not (tmp_path / "y").exists()

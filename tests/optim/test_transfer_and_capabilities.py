@@ -1,0 +1,80 @@
+"""Unit tests of the engine's host/device copies (CPU path) and of the optimizer capability lookup."""
+
+import bitsandbytes.optim
+import pytest
+import torch
+
+from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer
+from torchtune_offload.optim import OptimizerCapabilities, capabilities_of
+from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES
+from torchtune_offload.optim.transfer import TransferEngine
+
+
+def test_cpu_transfer_copies_synchronously_into_separate_unpinned_buffers():
+    engine = TransferEngine(torch.device("cpu"))
+    assert not engine.is_accelerator and engine.stream is None
+    src = torch.randn(3, 5)
+    host = engine.host_empty_like(src)
+    assert host.shape == src.shape and host.dtype == src.dtype and not host.is_pinned()
+    assert host.data_ptr() != src.data_ptr()
+    event = engine.to_host(host, src, release_source=True)
+    assert event is None  # complete on return: nothing to wait for
+    engine.wait(event)
+    torch.testing.assert_close(host, src, rtol=0, atol=0)
+    dst = torch.zeros_like(src)
+    engine.to_device(dst, host * 2)
+    engine.compute_waits_for_copies()
+    torch.testing.assert_close(dst, src * 2, rtol=0, atol=0)
+
+
+def test_to_device_casts_like_copy():
+    engine = TransferEngine(torch.device("cpu"))
+    master = torch.randn(4, dtype=torch.float32)
+    dst = torch.empty(4, dtype=torch.bfloat16)
+    engine.to_device(dst, master)
+    torch.testing.assert_close(dst, master.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_plain_torch_optimizers_get_the_defaults():
+    for cls in (torch.optim.AdamW, torch.optim.SGD, torch.optim.Adam):
+        caps = capabilities_of(cls)
+        assert caps is PLAIN_CAPABILITIES
+        assert caps.can_clip and caps.runs_under_fsdp2 and caps.steps_in_backward
+        assert not caps.holds_gradients and not caps.offloads and caps.device_types is None
+
+
+def test_bitsandbytes_comes_from_the_table():
+    caps = capabilities_of(bitsandbytes.optim.PagedAdamW)
+    assert not caps.runs_under_fsdp2 and "DTensor" in caps.why_not("runs_under_fsdp2")
+    assert caps.can_clip and caps.steps_in_backward and not caps.holds_gradients
+
+
+def test_offload_optimizers_declare_their_own():
+    ours = capabilities_of(OffloadOptimizer)
+    assert ours is OffloadOptimizer.capabilities
+    assert ours.offloads and ours.holds_gradients and ours.can_clip and ours.accumulates_offloaded_grads
+    assert not ours.runs_under_fsdp2 and not ours.steps_in_backward and ours.device_types is None
+    ao = capabilities_of(CPUOffloadOptimizer)
+    assert ao.offloads and ao.holds_gradients and not ao.can_clip and not ao.accumulates_offloaded_grads
+    assert ao.device_types == ("cuda", "xpu")
+    for caps in (ours, ao):
+        lacking = [f for f in ("can_clip", "accumulates_offloaded_grads", "runs_under_fsdp2", "steps_in_backward")
+                   if not getattr(caps, f)]
+        assert all(f in caps.reasons for f in lacking), "every missing capability says why"
+
+
+def test_a_subclass_inherits_and_may_override_the_declaration():
+    class Inherits(OffloadOptimizer):
+        pass
+
+    class Declares(torch.optim.SGD):
+        capabilities = OptimizerCapabilities(can_clip=False, reasons={"can_clip": "because"})
+
+    assert capabilities_of(Inherits) is OffloadOptimizer.capabilities
+    assert not capabilities_of(Declares).can_clip and capabilities_of(Declares).why_not("can_clip") == "because"
+    assert "does not declare" in capabilities_of(Declares).why_not("runs_under_fsdp2")
+
+
+def test_capabilities_are_frozen():
+    with pytest.raises(AttributeError):
+        PLAIN_CAPABILITIES.can_clip = False

@@ -1,0 +1,106 @@
+"""Unit tests of the recipes' config check: settings read, and rules taken from the optimizer's
+declared capabilities rather than from a list of names (no assets, no model)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from torchtune_offload import OffloadOptimizer
+from torchtune_offload.optim import OptimizerCapabilities
+from torchtune_offload.recipe import check_recipe_config, resolve_optimizer_component
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = {"full": "full.yaml", "lora": "lora.yaml", "distributed": "full_distributed.yaml"}
+
+
+class NoClipSGD(torch.optim.SGD):
+    """A plain optimizer that declares it cannot clip, for the tests below."""
+
+    capabilities = OptimizerCapabilities(can_clip=False, reasons={"can_clip": "NoClipSGD's own reason"})
+
+
+class NoFSDP2SGD(torch.optim.SGD):
+    capabilities = OptimizerCapabilities(runs_under_fsdp2=False, reasons={"runs_under_fsdp2": "NoFSDP2SGD says no"})
+
+
+HERE = __name__
+
+
+def _cfg(recipe: str, *overrides: str):
+    cfg = OmegaConf.load(REPO / "configs" / "tiny" / TINY[recipe])
+    return OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+
+
+def _problems(recipe: str, *overrides: str) -> str:
+    with pytest.raises(ValueError) as err:
+        check_recipe_config(_cfg(recipe, *overrides), recipe=recipe)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("recipe", sorted(TINY))
+def test_the_tiny_configs_pass_and_their_settings_are_read(recipe):
+    cfg = _cfg(recipe, "gradient_accumulation_steps=3", "clip_grad_norm=2.5")
+    s = check_recipe_config(cfg, recipe=recipe)
+    assert s.device == torch.device("cpu") and s.dtype == torch.float32
+    assert s.batch_size == cfg.batch_size and s.gradient_accumulation_steps == 3 and s.clip_grad_norm == 2.5
+    assert s.optimizer_class is torch.optim.AdamW and not s.optimizer_capabilities.offloads
+
+
+def test_the_offload_optimizer_is_resolved_with_its_capabilities():
+    s = check_recipe_config(
+        _cfg("full", "optimizer._component_=torchtune_offload.OffloadOptimizer",
+             "optimizer.optimizer_class=torch.optim.AdamW"),
+        recipe="full",
+    )
+    assert s.optimizer_class is OffloadOptimizer and s.optimizer_capabilities is OffloadOptimizer.capabilities
+
+
+def test_a_declared_capability_drives_the_clip_rule():
+    message = _problems("full", f"optimizer._component_={HERE}.NoClipSGD", "clip_grad_norm=1.0")
+    assert "clip_grad_norm is set" in message and "NoClipSGD's own reason" in message
+    # Without clipping the same optimizer passes.
+    check_recipe_config(_cfg("full", f"optimizer._component_={HERE}.NoClipSGD", "clip_grad_norm=null"), recipe="full")
+
+
+def test_a_declared_capability_drives_the_fsdp2_rule():
+    message = _problems("distributed", f"optimizer._component_={HERE}.NoFSDP2SGD")
+    assert "not supported under FSDP2" in message and "NoFSDP2SGD says no" in message
+    check_recipe_config(_cfg("full", f"optimizer._component_={HERE}.NoFSDP2SGD"), recipe="full")
+
+
+def test_offload_only_keys_are_checked_for_offload_optimizers_only():
+    message = _problems(
+        "full", "optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.offload_gradients=maybe",
+        "optimizer.optimizer_class=torch.optim.Nope",
+    )
+    assert "optimizer.offload_gradients='maybe': must be True or False" in message
+    assert "optimizer.optimizer_class='torch.optim.Nope' does not resolve" in message
+
+
+@pytest.mark.parametrize(
+    "component, fragment",
+    [
+        ("torch.optim.AdamWW", "does not resolve"),
+        ("torch.optim.lr_scheduler.LambdaLR", "is not a torch.optim.Optimizer subclass"),
+        ("torch.nn.functional.relu", "is not a torch.optim.Optimizer subclass"),
+        ("torchao.optim.CPUOffloadOptimizer", "Use optimizer._component_=torchtune_offload.CPUOffloadOptimizer"),
+    ],
+)
+def test_resolve_optimizer_component_refuses(component, fragment):
+    with pytest.raises(ValueError) as err:
+        resolve_optimizer_component(OmegaConf.create({"_component_": component}))
+    assert fragment in str(err.value) and f"optimizer._component_={component}" in str(err.value).replace("'", "")
+
+
+def test_missing_component():
+    with pytest.raises(ValueError, match="optimizer._component_ is missing"):
+        resolve_optimizer_component(OmegaConf.create({"lr": 1.0}))
+
+
+def test_all_problems_in_one_error_each_naming_its_key():
+    message = _problems("full", "batch_size=0", "epochs=x", "dtype=fp16", "device=tpu", "log_every_n_steps=0")
+    lines = [line for line in message.splitlines() if line.startswith("  - ")]
+    for key in ("batch_size=0", "epochs='x'", "dtype='fp16'", "device='tpu'", "log_every_n_steps=0"):
+        assert sum(line.startswith(f"  - {key}") for line in lines) == 1, message

@@ -1,0 +1,122 @@
+"""Unit tests of gradient stepping, the loss scale, memory figures and the DiskLogger reader."""
+
+
+import pytest
+import torch
+from torchtune.training.metric_logging import DiskLogger
+
+from torchtune_offload import OffloadOptimizer
+from torchtune_offload.optim import capabilities_of
+from torchtune_offload.recipe import GradientStepper, MemoryMonitor, loss_scale, read_disk_log, sum_over_ranks
+from torchtune_offload.recipe.memory import GIB
+from torchtune_offload.recipe.run_report import compare_runs
+
+
+def _model_with_grads(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    model(torch.randn(8, 16)).pow(2).sum().mul(10).backward()
+    return model
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_plain_stepper_clips_as_torch_does_then_steps_and_zeroes(clip):
+    model = _model_with_grads()
+    twin = _model_with_grads()  # the same seed: the same weights and gradients
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    stepper = GradientStepper(optimizer=opt, params=model.parameters(),
+                              capabilities=capabilities_of(torch.optim.SGD), clip_grad_norm=clip)
+    norm = stepper.step()
+    expected = torch.nn.utils.clip_grad_norm_(twin.parameters(), clip if clip is not None else float("inf"))
+    twin_opt.step()
+    torch.testing.assert_close(norm, expected)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+        assert p.grad is None
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_a_stepper_asks_an_optimizer_that_holds_gradients(clip):
+    model = _model_with_grads()
+    twin = _model_with_grads()  # the same seed: the same weights and gradients
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.SGD", lr=0.1, minimal_size=64)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    stepper = GradientStepper(optimizer=opt, params=model.parameters(),
+                              capabilities=capabilities_of(OffloadOptimizer), clip_grad_norm=clip)
+    norm = stepper.step()
+    expected = torch.nn.utils.clip_grad_norm_(twin.parameters(), clip if clip is not None else float("inf"))
+    twin_opt.step()
+    torch.testing.assert_close(norm, expected)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_a_stepper_without_optimizer_steps_nothing():
+    model = _model_with_grads()
+    stepper = GradientStepper(optimizer=None, params=model.parameters(),
+                              capabilities=capabilities_of(torch.optim.AdamW), clip_grad_norm=None)
+    assert stepper.step() is None
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_loss_scale_and_sum_without_a_process_group():
+    tokens = torch.tensor(40)
+    assert sum_over_ranks(tokens) is tokens
+    torch.testing.assert_close(loss_scale(num_tokens=tokens), torch.tensor(1 / 40))
+    torch.testing.assert_close(loss_scale(num_tokens=torch.tensor(0)), torch.tensor(1.0))  # no division by 0
+
+
+def test_memory_monitor_on_cpu_reports_host_and_optimizer_figures():
+    model = _model_with_grads()
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", minimal_size=64)
+    opt.step()  # creates the AdamW state
+    monitor = MemoryMonitor(torch.device("cpu"), optimizer=opt)
+    try:
+        stats = monitor.stats(reset=True)
+    finally:
+        monitor.close()
+    assert not any(k.startswith("peak_memory") or k.startswith("nvml") for k in stats)  # no device figures on CPU
+    assert 0 < stats["host_rss"] <= stats["host_rss_peak"]
+    report = opt.memory_report()
+    assert stats["optimizer_host"] == report.host_bytes / GIB > 0
+    assert stats["optimizer_pinned"] == 0  # nothing is pinned without an accelerator
+    assert stats["optimizer_device_saved"] == report.device_bytes_saved / GIB
+
+
+def test_memory_monitor_without_an_offload_optimizer():
+    monitor = MemoryMonitor(torch.device("cpu"), optimizer=torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1))
+    stats = monitor.stats(reset=False)
+    monitor.close()
+    assert set(stats) == {"host_rss", "host_rss_peak"}
+
+
+def _log_run(log_dir, losses, filename=None):
+    logger = DiskLogger(log_dir=str(log_dir), **({"filename": filename} if filename else {}))
+    for step, loss in enumerate(losses, start=1):
+        logger.log_dict({"loss": loss, "tokens_per_second": 100.0 * step, "host_rss_peak": 0.5}, step=step)
+    logger.close()
+
+
+def test_read_disk_log_reads_what_torchtunes_disk_logger_writes(tmp_path):
+    _log_run(tmp_path / "logs", [2.5, 2.25, 1.0000000000000002], filename="run.txt")
+    rows = read_disk_log(tmp_path / "logs" / "run.txt")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["loss"] for r in rows] == [2.5, 2.25, 1.0000000000000002]  # full precision
+    assert rows[1]["tokens_per_second"] == 200.0
+
+
+def test_read_disk_log_of_an_output_dir_takes_the_newest_file(tmp_path):
+    _log_run(tmp_path / "logs", [9.0], filename="log_1.txt")
+    _log_run(tmp_path / "logs", [3.0, 2.0], filename="log_2.txt")
+    assert [r["loss"] for r in read_disk_log(tmp_path)] == [3.0, 2.0]
+    with pytest.raises(FileNotFoundError, match="no DiskLogger file"):
+        read_disk_log(tmp_path / "elsewhere")
+
+
+def test_compare_runs_puts_runs_side_by_side(tmp_path):
+    _log_run(tmp_path / "a" / "logs", [3.0, 2.0, 1.0], filename="log_1.txt")
+    _log_run(tmp_path / "b" / "logs", [3.0, 2.5, 1.5], filename="log_1.txt")
+    text = compare_runs({"plain": tmp_path / "a", "offload": tmp_path / "b"})
+    assert "largest loss difference from plain: 0.5" in text
+    assert "host_rss_peak" in text and "250" in text  # median tok/s after the first step
