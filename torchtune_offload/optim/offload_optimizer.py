@@ -20,6 +20,7 @@ from torchtune_offload.optim.capabilities import OptimizerCapabilities
 from torchtune_offload.optim.grad_norm import clip_, total_norm
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class
+from torchtune_offload.optim.staging import StagingRing
 from torchtune_offload.optim.transfer import TransferEngine
 
 STATE_DICT_FORMAT = "torchtune_offload.OffloadOptimizer/1"
@@ -29,7 +30,7 @@ class _Slot:
     """One trainable parameter and what the optimizer keeps for it."""
 
     __slots__ = (
-        "key", "param", "group_index", "offloaded", "step_param", "host_grad", "staging",
+        "key", "param", "group_index", "offloaded", "step_param", "host_grad",
         "grad_event", "pending_add", "has_host_grad", "optimizer",
     )
 
@@ -42,9 +43,8 @@ class _Slot:
         self.step_param = param
         # Offloaded only: the host gradient the step reads.
         self.host_grad: Optional[torch.Tensor] = None
-        # offload_gradients with accumulation: where later micro-batches land before being summed.
-        self.staging: Optional[torch.Tensor] = None
         self.grad_event = None
+        # offload_gradients with accumulation: later micro-batches are in the staging ring.
         self.pending_add = False
         # offload_gradients: host_grad holds at least one micro-batch since zero_grad().
         self.has_host_grad = False
@@ -209,6 +209,10 @@ class OffloadOptimizer(Optimizer):
             outer_groups.append({**hyper, "params": [s.param for s in members]})
             self._slots.extend(members)
         self._slot_of = {s.param: s for s in self._slots}
+        self._staging = StagingRing(
+            self._transfer,
+            largest_bytes=max((s.param.numel() * s.param.element_size() for s in self._slots if s.offloaded), default=16),
+        )
         defaults = {k: v for k, v in self._slots[0].optimizer.defaults.items() if k != "fused"}
         # Inheriting Optimizer lets torch's LR schedulers and torchtune's get_lr accept us; the
         # hyper-parameters they edit in self.param_groups reach the base optimizers at each step.
@@ -238,24 +242,21 @@ class OffloadOptimizer(Optimizer):
         if grad is None:
             return
         if not slot.has_host_grad:
-            dst = slot.host_grad
+            slot.grad_event = self._transfer.to_host(slot.host_grad, grad, release_source=True)
+            slot.has_host_grad = True
         else:
-            # A later micro-batch: land it beside the sum and add once the copy has finished.
-            self._finish_host_grad(slot)
-            if slot.staging is None:
-                slot.staging = self._transfer.host_empty_like(param)
-            dst = slot.staging
+            # A later micro-batch: through the bounded staging ring into the sum.
+            self._staging.add_into(slot.host_grad, grad)
             slot.pending_add = True
-        slot.grad_event = self._transfer.to_host(dst, grad, release_source=True)
-        slot.has_host_grad = True
         param.grad = None
 
     def _finish_host_grad(self, slot: _Slot) -> None:
-        """Waits for the slot's last gradient copy and folds a staged micro-batch into the sum."""
+        """Waits for the slot's gradient copies and folds its staged micro-batches into the sum."""
         self._transfer.wait(slot.grad_event)
         slot.grad_event = None
         if slot.pending_add:
-            slot.host_grad.add_(slot.staging)
+            # The ring adds in the order chunks were issued, whichever slots they belong to.
+            self._staging.drain()
             slot.pending_add = False
 
     def _grads_to_step(self) -> List[torch.Tensor]:
@@ -484,27 +485,20 @@ class OffloadOptimizer(Optimizer):
                 if isinstance(t, torch.Tensor)
             )
             grad_bytes = slot.host_grad.numel() * slot.host_grad.element_size()
-            staging_bytes = grad_bytes if slot.staging is not None else 0
             param_bytes = slot.step_param.numel() * slot.step_param.element_size()
-            host += state_bytes + grad_bytes + staging_bytes + param_bytes
+            host += state_bytes + grad_bytes + param_bytes
             saved += state_bytes + (grad_bytes if self.offload_gradients else 0)
         num_offloaded = sum(s.offloaded for s in self._slots)
+        # Only buffers made by the transfer engine are pinned; states are plain host memory.
+        pinned = self._staging.nbytes + sum(
+            (s.step_param.numel() + s.host_grad.numel()) * s.param.element_size() for s in self._slots if s.offloaded
+        )
         return OffloadMemoryReport(
             num_offloaded=num_offloaded,
             num_on_device=len(self._slots) - num_offloaded,
             device_bytes_saved=saved,
-            host_bytes=host,
-            # Only buffers made by the transfer engine are pinned; states are plain host memory.
-            pinned_bytes=(
-                sum(
-                    (s.step_param.numel() + s.host_grad.numel() * (2 if s.staging is not None else 1))
-                    * s.param.element_size()
-                    for s in self._slots
-                    if s.offloaded
-                )
-                if self._transfer.is_accelerator
-                else 0
-            ),
+            host_bytes=host + self._staging.nbytes,
+            pinned_bytes=pinned if self._transfer.is_accelerator else 0,
         )
 
     def close(self) -> None:
