@@ -7,7 +7,10 @@ import torch
 from torch import nn
 
 from tests.optim.side_by_side import assert_same_params, batches, plain_hooks, tiny_model, train, twin
-from torchtune_offload import OffloadOptimizer
+from torchtune.config._utils import _get_component_from_path
+from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
+
+from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer
 
 # Smaller than every weight (24*96 = 2304 elements) but larger than every bias: both paths run.
 MINIMAL_SIZE = 1000
@@ -136,8 +139,6 @@ def test_frozen_parameters_are_skipped_and_untouched():
     ],
 )
 def test_optimizer_class_as_string(spec, kwargs):
-    from torchtune.config._utils import _get_component_from_path
-
     cls = _get_component_from_path(spec)
     ref = tiny_model()
     model = twin(ref)
@@ -171,8 +172,6 @@ def test_param_groups_keep_their_own_hyperparameters():
 
 
 def test_torchtune_get_lr_reads_it():
-    from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
-
     model = tiny_model()
     opt = OffloadOptimizer(model.named_parameters(), minimal_size=MINIMAL_SIZE, lr=1e-2)
     sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=10)
@@ -300,8 +299,6 @@ def test_reordered_named_parameters_load_by_name():
 
 
 def test_cpu_offload_optimizer_without_accelerator_names_the_alternative():
-    from torchtune_offload import CPUOffloadOptimizer
-
     if torch.accelerator.is_available():
         pytest.skip("this machine has an accelerator")
     with pytest.raises(ValueError, match="torchtune_offload.OffloadOptimizer"):

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
+import torchtune.training
+import torchtune.utils
 from torchtune import config
 from torchtune.config._errors import ConfigError
 from torchtune.config._utils import _get_component_from_path, _has_component
@@ -187,9 +189,6 @@ def test_config_passes_its_recipes_own_check(path, monkeypatch):
     if not kinds:
         pytest.skip(f"{_rel(path)} launches {sorted(recipes)}, which this test does not map")
     # Only the final device/dtype lookup needs the configured hardware: stub it on this machine.
-    import torchtune.training
-    import torchtune.utils
-
     monkeypatch.setattr(torchtune.utils, "get_device", lambda device=None: torch.device("cpu"))
     monkeypatch.setattr(torchtune.training, "get_dtype", lambda dtype=None, device=None: torch.float32)
     cfg = _load(path)

@@ -19,7 +19,8 @@ from tests.recipe_harness import load_recipe_module, tiny_asset_overrides
 from torchtune_offload.recipe import read_disk_log
 
 REPO = Path(__file__).resolve().parents[2]
-GOLDEN = json.loads((Path(__file__).parent / "golden_losses.json").read_text())["runs"]
+RECORDING = json.loads((Path(__file__).parent / "golden_losses.json").read_text())
+GOLDEN = RECORDING["runs"]
 OFFLOAD = ["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW"]
 FULL = ["max_steps_per_epoch=5", "batch_size=4", "gradient_accumulation_steps=3", "clip_grad_norm=0.5"]
 LORA = ["max_steps_per_epoch=12", "batch_size=4", "gradient_accumulation_steps=2", "clip_grad_norm=0.5"]
@@ -58,6 +59,7 @@ def test_every_golden_run_is_replayed():
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="recorded with 2 threads")
+@pytest.mark.skipif(torch.__version__ != RECORDING["torch"], reason=f"recorded with torch {RECORDING['torch']}")
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_losses_are_bit_identical_to_the_recording(name, tiny_assets, tmp_path):
     kind, overrides = RUNS[name]

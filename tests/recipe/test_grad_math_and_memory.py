@@ -5,7 +5,7 @@ import pytest
 import torch
 from torchtune.training.metric_logging import DiskLogger
 
-from torchtune_offload import OffloadOptimizer
+from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer
 from torchtune_offload.optim import capabilities_of
 from torchtune_offload.recipe import GradientStepper, MemoryMonitor, loss_scale, read_disk_log, sum_over_ranks
 from torchtune_offload.recipe.memory import GIB
@@ -120,3 +120,8 @@ def test_compare_runs_puts_runs_side_by_side(tmp_path):
     text = compare_runs({"plain": tmp_path / "a", "offload": tmp_path / "b"})
     assert "largest loss difference from plain: 0.5" in text
     assert "host_rss_peak" in text and "250" in text  # median tok/s after the first step
+
+
+def test_a_stepper_refuses_to_clip_for_an_optimizer_that_cannot():
+    with pytest.raises(ValueError, match="clip_grad_norm=1.0 with an optimizer that cannot clip: torchao"):
+        GradientStepper(optimizer=None, params=[], capabilities=capabilities_of(CPUOffloadOptimizer), clip_grad_norm=1.0)

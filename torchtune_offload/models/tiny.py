@@ -23,7 +23,7 @@ __all__ = ["TINY_LLAMA_DEFAULTS", "tiny_llama", "lora_tiny_llama"]
 
 # Read-only so an importer cannot silently change the shapes for everyone else.
 # vocab_size must equal the tiny tokenizer's vocabulary (base BPE ranks plus the
-# Llama3 special tokens placed right after them); the asset script checks this.
+# Llama3 special tokens placed right after them); the asset generator checks this.
 TINY_LLAMA_DEFAULTS: Mapping[str, Union[int, float]] = MappingProxyType(
     {
         "vocab_size": 512,

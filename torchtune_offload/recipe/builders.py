@@ -82,7 +82,7 @@ def build_optimizer(
         # Names key the offload optimizer's checkpoint, so a reordered model cannot load wrong state.
         optimizer = config.instantiate(cfg_optimizer, trainable)
     else:
-        # Plain and bitsandbytes optimizers take tensors, as in torchtune's recipes.
+        # Plain, bitsandbytes and torchao's optimizers take tensors, as in torchtune's recipes.
         optimizer = config.instantiate(cfg_optimizer, [p for _, p in trainable])
     if state_dict is not None:
         optimizer.load_state_dict(state_dict)

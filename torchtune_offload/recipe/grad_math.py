@@ -49,6 +49,9 @@ class GradientStepper:
         capabilities: what the optimizer declares it can do; one that holds its own gradients
             measures and clips them itself.
         clip_grad_norm: max total norm, or ``None`` to measure without clipping.
+
+    Raises:
+        ValueError: if ``clip_grad_norm`` is set for an optimizer that declares it cannot clip.
     """
 
     def __init__(
@@ -59,6 +62,11 @@ class GradientStepper:
         capabilities: OptimizerCapabilities,
         clip_grad_norm: Optional[float],
     ) -> None:
+        if clip_grad_norm is not None and not capabilities.can_clip:
+            raise ValueError(
+                f"clip_grad_norm={clip_grad_norm} with an optimizer that cannot clip: "
+                f"{capabilities.why_not('can_clip')}. Set clip_grad_norm=null."
+            )
         self.optimizer = optimizer
         self.params = [p for p in params if p.requires_grad]
         self.capabilities = capabilities
@@ -77,7 +85,6 @@ class GradientStepper:
     def _norm_and_clip(self) -> torch.Tensor:
         clip = self.clip_grad_norm
         if self.capabilities.holds_gradients:
-            # The config check allows clip only where the optimizer declares can_clip.
             return self.optimizer.clip_grad_norm_(clip) if clip is not None else self.optimizer.grad_norm()
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads and isinstance(grads[0], DTensor):

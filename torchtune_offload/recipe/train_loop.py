@@ -79,10 +79,9 @@ class TrainLoop:
         self.ignore_index = loss_fn.ignore_index
         self.losses: List[float] = []
         if is_rank_zero:
-            stepper = optimizer if optimizer is not None else in_bwd_wrapper
             log.info(
                 f"{steps_per_epoch} steps per epoch x {settings.epochs} epochs; optimizer "
-                f"{type(stepper).__name__}{' (offload)' if settings.optimizer_capabilities.offloads else ''}."
+                f"{type(self.lr_source).__name__}{' (offload)' if settings.optimizer_capabilities.offloads else ''}."
             )
 
     def _shift_labels(self, batch: Dict[str, torch.Tensor]) -> None:
@@ -138,16 +137,16 @@ class TrainLoop:
                 pbar.set_description(f"{epoch + 1}|{global_step}|Loss: {loss_value:.4f}")
                 if global_step % s.log_every_n_steps == 0 and self.is_rank_zero:
                     seconds = time.perf_counter() - t0
-                    log = {
+                    metrics = {
                         "loss": loss_value,
                         "lr": get_lr(self.lr_source),
                         "tokens_per_second": local_tokens / seconds,
                     }
                     if grad_norm is not None:
-                        log["grad_norm"] = float(grad_norm)
+                        metrics["grad_norm"] = float(grad_norm)
                     if s.log_peak_memory_stats:
-                        log.update(self.memory.stats(reset=True))
-                    self.metric_logger.log_dict(log, step=global_step)
+                        metrics.update(self.memory.stats(reset=True))
+                    self.metric_logger.log_dict(metrics, step=global_step)
                 self.profiler.step()
             pbar.close()
             epochs_run += 1
