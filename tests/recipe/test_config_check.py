@@ -104,3 +104,10 @@ def test_all_problems_in_one_error_each_naming_its_key():
     lines = [line for line in message.splitlines() if line.startswith("  - ")]
     for key in ("batch_size=0", "epochs='x'", "dtype='fp16'", "device='tpu'", "log_every_n_steps=0"):
         assert sum(line.startswith(f"  - {key}") for line in lines) == 1, message
+
+
+@pytest.mark.parametrize("key", ["shuffle", "compile", "resume_from_checkpoint", "optimizer_in_bwd",
+                                 "enable_activation_checkpointing", "log_peak_memory_stats"])
+def test_a_misspelt_boolean_is_refused_not_taken_as_true(key):
+    message = _problems("full", f"{key}=Flase")
+    assert f"{key}='Flase': must be True or False." in message

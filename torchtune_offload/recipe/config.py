@@ -127,13 +127,25 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
         value = cfg.get(key, default)
         return default if value is None and default is not None else value
 
+    def flag(key: str, default: bool) -> bool:
+        # bool("Flase") is True: a misspelt word must not switch a feature on.
+        value = get(key, default)
+        if not isinstance(value, bool):
+            problems.append(f"{key}={value!r}: must be True or False.")
+            return default
+        return value
+
     batch_size = cfg.batch_size
     epochs = cfg.epochs
     accum = get("gradient_accumulation_steps", 1)
     max_steps = get("max_steps_per_epoch", None)
     log_every = get("log_every_n_steps", 1)
     clip = get("clip_grad_norm", None)
-    in_bwd = bool(get("optimizer_in_bwd", False))
+    in_bwd = flag("optimizer_in_bwd", False)
+    flags = {key: flag(key, default) for key, default in (
+        ("compile", False), ("log_peak_memory_stats", True), ("resume_from_checkpoint", False),
+        ("shuffle", True), ("save_adapter_weights_only", False),
+    )}
     for key, value, low in (("batch_size", batch_size, 1), ("epochs", epochs, 1),
                             ("gradient_accumulation_steps", accum, 1), ("log_every_n_steps", log_every, 1)):
         if not _is_int(value, low=low):
@@ -185,14 +197,14 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
             problems.append("optimizer_in_bwd=True with gradient_accumulation_steps > 1: each backward "
                             "steps at once. Set gradient_accumulation_steps=1 or optimizer_in_bwd=False.")
 
-    ac = bool(get("enable_activation_checkpointing", False))
-    act_offload = bool(get("enable_activation_offloading", False))
+    ac = flag("enable_activation_checkpointing", False)
+    act_offload = flag("enable_activation_offloading", False)
     if act_offload and not is_cuda:
         problems.append("enable_activation_offloading=True needs device=cuda. Set it to False.")
     if act_offload and not ac:
         problems.append("enable_activation_offloading=True needs enable_activation_checkpointing=True.")
 
-    if recipe == "lora" and get("low_cpu_ram", False):
+    if recipe == "lora" and flag("low_cpu_ram", False):
         problems.append("low_cpu_ram=True is not supported by this recipe. Set low_cpu_ram=False.")
     if recipe == "distributed":
         if get("tensor_parallel_dim", 1) not in (1, None):
@@ -200,7 +212,7 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
         for key in ("tensor_parallel_plan", "ac_mode", "ac_option"):
             if cfg.get(key) is not None:
                 problems.append(f"{key} is not supported by this recipe. Remove it (~{key}).")
-        if get("enable_async_checkpointing", False):
+        if flag("enable_async_checkpointing", False):
             problems.append("enable_async_checkpointing=True is not supported. Set it to False.")
         problems.extend(_distributed_problems(cfg, caps))
 
@@ -219,17 +231,18 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
         optimizer_in_bwd=in_bwd,
         optimizer_class=optimizer_class,
         optimizer_capabilities=caps,
-        compile=bool(get("compile", False)),
+        compile=flags["compile"],
         enable_activation_checkpointing=ac,
         enable_activation_offloading=act_offload,
         log_every_n_steps=log_every,
-        log_peak_memory_stats=bool(get("log_peak_memory_stats", True)),
-        resume_from_checkpoint=bool(get("resume_from_checkpoint", False)),
+        log_peak_memory_stats=flags["log_peak_memory_stats"],
+        resume_from_checkpoint=flags["resume_from_checkpoint"],
         seed=cfg.get("seed"),
-        shuffle=bool(get("shuffle", True)),
+        shuffle=flags["shuffle"],
         collate_fn=str(get("collate_fn", "torchtune.data.padded_collate_sft")),
         cudnn_deterministic_mode=cfg.get("cudnn_deterministic_mode"),
-        save_adapter_weights_only=bool(get("save_adapter_weights_only", False)),
+        save_adapter_weights_only=flags["save_adapter_weights_only"],
+        # Checked by _distributed_problems, the only recipe that knows these keys.
         fsdp_cpu_offload=bool(get("fsdp_cpu_offload", False)),
         fsdp_reshard_after_forward=bool(get("fsdp_reshard_after_forward", True)),
     )
