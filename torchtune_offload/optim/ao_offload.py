@@ -11,7 +11,7 @@ from typing import Any, List, Union
 import torch
 import torchao.optim
 
-from torchtune_offload.optim.capabilities import OptimizerCapabilities
+from torchtune_offload.optim.capabilities import OFFLOAD_STEPS_AFTER_BACKWARD, OptimizerCapabilities
 from torchtune_offload.optim.grad_norm import total_norm
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class
@@ -61,8 +61,7 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
             "micro-batch's gradients",
             "runs_under_fsdp2": "its checkpoint is its own list of per-tensor host states, which "
             "torch's distributed state-dict API cannot gather or scatter, and it cannot clip",
-            "steps_in_backward": "an offloading optimizer cannot step inside backward with exact "
-            "gradient math",
+            "steps_in_backward": OFFLOAD_STEPS_AFTER_BACKWARD,
             "device_types": "torchao's optimizer needs CUDA or XPU",
         },
     )

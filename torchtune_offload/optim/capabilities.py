@@ -48,6 +48,9 @@ class OptimizerCapabilities:
         return self.reasons.get(capability, f"it does not declare {capability}")
 
 
+#: Why an offloading optimizer cannot be one of ``optimizer_in_bwd``'s per-parameter optimizers.
+OFFLOAD_STEPS_AFTER_BACKWARD = "an offloading optimizer cannot step inside backward with exact gradient math"
+
 #: torch's optimizers: they step on the model's ``.grad`` tensors, wherever the model is.
 PLAIN_CAPABILITIES = OptimizerCapabilities()
 

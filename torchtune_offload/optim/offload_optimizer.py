@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from torch.optim import Optimizer
 
-from torchtune_offload.optim.capabilities import OptimizerCapabilities
+from torchtune_offload.optim.capabilities import OFFLOAD_STEPS_AFTER_BACKWARD, OptimizerCapabilities
 from torchtune_offload.optim.grad_norm import clip_, total_norm
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class
@@ -133,8 +133,7 @@ class OffloadOptimizer(Optimizer):
             "runs_under_fsdp2": "its state lives in per-parameter base optimizers over host copies of "
             "each rank's shards, which torch's distributed state-dict API (used to gather a full "
             "checkpoint and to resume) cannot see, so checkpoints would not resume",
-            "steps_in_backward": "an offloading optimizer cannot step inside backward with exact "
-            "gradient math",
+            "steps_in_backward": OFFLOAD_STEPS_AFTER_BACKWARD,
         },
     )
 
