@@ -15,22 +15,15 @@ from torchtune_offload.optim.capabilities import capabilities_of
 OptimizerClassSpec = Union[str, type]
 
 
-def resolve_optimizer_class(
-    optimizer_class: OptimizerClassSpec, *, key: str = "optimizer.optimizer_class"
-) -> type:
-    """Returns the optimizer class named by ``optimizer_class``.
+def resolve_optimizer(optimizer_class: OptimizerClassSpec, *, key: str) -> type:
+    """Returns the ``torch.optim.Optimizer`` subclass named by ``optimizer_class``.
 
     Args:
-        optimizer_class: a ``torch.optim.Optimizer`` subclass, or its dotted import path such as
-            ``"torch.optim.AdamW"`` or ``"bitsandbytes.optim.AdamW8bit"``.
+        optimizer_class: an optimizer class, or its dotted import path such as ``"torch.optim.AdamW"``.
         key: the config key the value came from, named in error messages.
 
-    Returns:
-        The optimizer class.
-
     Raises:
-        ValueError: if the path does not resolve, or does not name a ``torch.optim.Optimizer``
-            subclass that can serve as a base optimizer.
+        ValueError: if the path is empty or does not resolve, or does not name an optimizer class.
     """
     cls = optimizer_class
     if isinstance(optimizer_class, str):
@@ -49,6 +42,27 @@ def resolve_optimizer_class(
             f"{key}={optimizer_class!r} is not a torch.optim.Optimizer subclass. "
             "Set it to an optimizer class such as 'torch.optim.AdamW'."
         )
+    return cls
+
+
+def resolve_optimizer_class(
+    optimizer_class: OptimizerClassSpec, *, key: str = "optimizer.optimizer_class"
+) -> type:
+    """Returns the base optimizer class named by ``optimizer_class``.
+
+    Args:
+        optimizer_class: a ``torch.optim.Optimizer`` subclass, or its dotted import path such as
+            ``"torch.optim.AdamW"`` or ``"bitsandbytes.optim.AdamW8bit"``.
+        key: the config key the value came from, named in error messages.
+
+    Returns:
+        The optimizer class.
+
+    Raises:
+        ValueError: if the path does not resolve, or does not name a ``torch.optim.Optimizer``
+            subclass that can serve as a base optimizer.
+    """
+    cls = resolve_optimizer(optimizer_class, key=key)
     if capabilities_of(cls).offloads or issubclass(cls, torchao.optim.CPUOffloadOptimizer):
         raise ValueError(
             f"{key}={optimizer_class!r} is itself an offload optimizer; offload optimizers do not "

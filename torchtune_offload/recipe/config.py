@@ -13,11 +13,10 @@ import torch
 import torchao.optim
 from omegaconf import DictConfig
 from torchtune import training, utils
-from torchtune.config._utils import _get_component_from_path
 
 from torchtune_offload.distributed.policies import policy_problems
 from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
-from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
+from torchtune_offload.optim.optimizer_class import resolve_optimizer, resolve_optimizer_class
 
 # Keys of torchtune 0.6.1's single-device configs, which our recipes accept unchanged.
 _SINGLE_DEVICE_KEYS = {
@@ -83,18 +82,7 @@ def resolve_optimizer_component(cfg_optimizer: Any) -> Tuple[type, OptimizerCapa
     path = cfg_optimizer.get("_component_") if isinstance(cfg_optimizer, DictConfig) else None
     if not path:
         raise ValueError("optimizer._component_ is missing. Set it, e.g. optimizer._component_=torch.optim.AdamW.")
-    try:
-        component = _get_component_from_path(path)
-    except Exception as err:
-        raise ValueError(
-            f"optimizer._component_={path!r} does not resolve ({err}). Use e.g. torch.optim.AdamW, "
-            "torchtune_offload.OffloadOptimizer or bitsandbytes.optim.PagedAdamW."
-        ) from err
-    if not (isinstance(component, type) and issubclass(component, torch.optim.Optimizer)):
-        raise ValueError(
-            f"optimizer._component_={path!r} is not a torch.optim.Optimizer subclass. Use an optimizer "
-            "class such as torch.optim.AdamW."
-        )
+    component = resolve_optimizer(path, key="optimizer._component_")
     capabilities = capabilities_of(component)
     if not capabilities.offloads and issubclass(component, torchao.optim.CPUOffloadOptimizer):
         raise ValueError(
