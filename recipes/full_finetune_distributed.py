@@ -52,7 +52,6 @@ from torchtune_offload.recipe import (
     check_recipe_config,
     instantiate_model,
     load_checkpoint,
-    steps_per_epoch,
 )
 
 log = utils.get_logger("INFO")
@@ -161,18 +160,16 @@ class FullFinetuneRecipeDistributed:
             world_size=self.world_size, rank=self.rank,
         )
         # 6. Schedule, profiler and memory figures, wired into the shared loop.
-        num_steps = steps_per_epoch(self._dataloader, s)
         lr_scheduler = build_lr_scheduler(
             cfg.get("lr_scheduler"), optimizer=self._optimizer, in_bwd_wrapper=self._in_bwd,
-            num_training_steps=s.epochs * num_steps, last_epoch=self.progress.epochs_run * num_steps - 1,
+            dataloader=self._dataloader, settings=s, epochs_run=self.progress.epochs_run,
         )
         profiler = build_profiler(cfg.get("profiler"))
         self._memory = MemoryMonitor(s.device, optimizer=self._optimizer)
         self._loop = TrainLoop(
             model=self._model, loss_fn=loss_fn, dataloader=self._dataloader, optimizer=self._optimizer,
             in_bwd_wrapper=self._in_bwd, lr_scheduler=lr_scheduler, profiler=profiler,
-            metric_logger=self._metric_logger, memory=self._memory, settings=s, steps_per_epoch=num_steps,
-            activations_ctx=training.get_act_offloading_ctx_manager(self._model, s.enable_activation_offloading),
+            metric_logger=self._metric_logger, memory=self._memory, settings=s,
             is_rank_zero=self._is_rank_zero,
         )
         dist.barrier()

@@ -152,18 +152,21 @@ def build_lr_scheduler(
     *,
     optimizer: Optional[torch.optim.Optimizer],
     in_bwd_wrapper: Optional[Any],
-    num_training_steps: int,
-    last_epoch: int,
+    dataloader: StatefulDataLoader,
+    settings: RecipeSettings,
+    epochs_run: int,
 ) -> Optional[Any]:
-    """The LR scheduler, or ``None`` for a constant learning rate.
+    """The LR scheduler over the whole run, positioned after ``epochs_run`` epochs, or ``None``.
 
     With ``optimizer_in_bwd`` it is built on one per-parameter optimizer and drives all of them.
     """
     if cfg_lr_scheduler is None:
         return None
+    num_steps = steps_per_epoch(dataloader, settings)
     source = optimizer if optimizer is not None else next(iter(in_bwd_wrapper.optim_map.values()))
     scheduler = config.instantiate(
-        cfg_lr_scheduler, source, num_training_steps=num_training_steps, last_epoch=last_epoch
+        cfg_lr_scheduler, source,
+        num_training_steps=settings.epochs * num_steps, last_epoch=epochs_run * num_steps - 1,
     )
     if in_bwd_wrapper is not None:
         in_bwd_wrapper.set_lr_scheduler(scheduler)

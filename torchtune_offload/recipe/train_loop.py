@@ -9,10 +9,11 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-from torchtune import utils
+from torchtune import training, utils
 from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
+from torchtune_offload.recipe.builders import steps_per_epoch
 from torchtune_offload.recipe.config import RecipeSettings
 from torchtune_offload.recipe.grad_math import GradientStepper, loss_scale, sum_over_ranks
 from torchtune_offload.recipe.memory import MemoryMonitor
@@ -34,9 +35,8 @@ class TrainLoop:
         profiler: torchtune's profiler or its no-op stand-in.
         metric_logger: torchtune metric logger.
         memory: memory figures for the log.
-        settings: validated recipe settings; clipping and the optimizer's capabilities.
-        steps_per_epoch: windows per epoch.
-        activations_ctx: activation offloading context (a no-op when disabled).
+        settings: validated recipe settings; clipping, activation offloading and the optimizer's
+            capabilities.
         is_rank_zero: only rank zero shows progress and logs.
     """
 
@@ -53,8 +53,6 @@ class TrainLoop:
         metric_logger: Any,
         memory: MemoryMonitor,
         settings: RecipeSettings,
-        steps_per_epoch: int,
-        activations_ctx: Any,
         is_rank_zero: bool = True,
     ) -> None:
         self.model = model
@@ -73,14 +71,15 @@ class TrainLoop:
         self.metric_logger = metric_logger
         self.memory = memory
         self.settings = settings
-        self.steps_per_epoch = steps_per_epoch
-        self.activations_ctx = activations_ctx
+        self.steps_per_epoch = steps_per_epoch(dataloader, settings)
+        # A no-op context unless activation offloading is on.
+        self.activations_ctx = training.get_act_offloading_ctx_manager(model, settings.enable_activation_offloading)
         self.is_rank_zero = is_rank_zero
         self.ignore_index = loss_fn.ignore_index
         self.losses: List[float] = []
         if is_rank_zero:
             log.info(
-                f"{steps_per_epoch} steps per epoch x {settings.epochs} epochs; optimizer "
+                f"{self.steps_per_epoch} steps per epoch x {settings.epochs} epochs; optimizer "
                 f"{type(self.lr_source).__name__}{' (offload)' if settings.optimizer_capabilities.offloads else ''}."
             )
 
