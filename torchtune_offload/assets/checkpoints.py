@@ -16,15 +16,14 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 from safetensors.torch import save_file
 from torchtune import training
+from torchtune.config._utils import _get_component_from_path
 from torchtune.models.convert_weights import tune_to_hf
-from torchtune.models.llama3_2 import llama3_2_1b, llama3_2_3b
 from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
-from torchtune.models.qwen2_5 import qwen2_5_0_5b
 
 from torchtune_offload.assets.files import CONFIG_FILE, WEIGHTS_FILE, log, write_json
 from torchtune_offload.models import tiny_llama
@@ -41,37 +40,28 @@ class RealArch:
     """A torchtune model builder plus the HF fields its shapes do not imply.
 
     Attributes:
-        builder: Dotted path of the torchtune model builder (for messages).
-        factory: That builder itself.
+        builder: Dotted path of the torchtune model builder.
         model_type: torchtune checkpointer ``ModelType`` name.
         hf_extra: Hugging Face ``config.json`` fields set on top of the shapes.
     """
 
     builder: str
-    factory: Callable[[], torch.nn.Module]
     model_type: str
     hf_extra: Mapping[str, Any]
 
 
 # The architectures ``--real-arch`` accepts, by name.
+_LLAMA3_2_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "bos_token_id": 128000, "eos_token_id": 128001}
 REAL_ARCHES: Dict[str, RealArch] = {
     "llama3_2_1b": RealArch(
-        builder="torchtune.models.llama3_2.llama3_2_1b",
-        factory=llama3_2_1b,
-        model_type="LLAMA3_2",
-        hf_extra={"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                  "bos_token_id": 128000, "eos_token_id": 128001},
+        builder="torchtune.models.llama3_2.llama3_2_1b", model_type="LLAMA3_2", hf_extra=_LLAMA3_2_HF,
     ),
     "llama3_2_3b": RealArch(
-        builder="torchtune.models.llama3_2.llama3_2_3b",
-        factory=llama3_2_3b,
-        model_type="LLAMA3_2",
-        hf_extra={"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                  "bos_token_id": 128000, "eos_token_id": 128001},
+        builder="torchtune.models.llama3_2.llama3_2_3b", model_type="LLAMA3_2", hf_extra=_LLAMA3_2_HF,
     ),
     "qwen2_5_0_5b": RealArch(
         builder="torchtune.models.qwen2_5.qwen2_5_0_5b",
-        factory=qwen2_5_0_5b,
         model_type="QWEN2",
         hf_extra={"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
                   "bos_token_id": 151643, "eos_token_id": 151645,
@@ -94,7 +84,7 @@ def build_meta_model(*, real_arch: Optional[str], num_layers: Optional[int]) -> 
         if real_arch is None:
             model = tiny_llama()
         else:
-            model = REAL_ARCHES[real_arch].factory()
+            model = _get_component_from_path(REAL_ARCHES[real_arch].builder)()
     if num_layers is not None:
         model.layers = model.layers[:num_layers]
     return model
