@@ -19,14 +19,24 @@ def _model_with_grads(seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def _plain_sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _offload_sgd(model):
+    return OffloadOptimizer(model.named_parameters(), "torch.optim.SGD", lr=0.1, minimal_size=64)
+
+
+# A plain optimizer is clipped on the model's .grad; one that holds its gradients clips them itself.
+@pytest.mark.parametrize("make_optimizer", [_plain_sgd, _offload_sgd], ids=["plain", "holds-gradients"])
 @pytest.mark.parametrize("clip", [None, 0.5])
-def test_plain_stepper_clips_as_torch_does_then_steps_and_zeroes(clip):
+def test_stepper_clips_as_torch_does_then_steps_and_zeroes(make_optimizer, clip):
     model = _model_with_grads()
     twin = _model_with_grads()  # the same seed: the same weights and gradients
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = make_optimizer(model)
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
     stepper = GradientStepper(optimizer=opt, params=model.parameters(),
-                              capabilities=capabilities_of(torch.optim.SGD), clip_grad_norm=clip)
+                              capabilities=capabilities_of(type(opt)), clip_grad_norm=clip)
     norm = stepper.step()
     expected = torch.nn.utils.clip_grad_norm_(twin.parameters(), clip if clip is not None else float("inf"))
     twin_opt.step()
@@ -34,22 +44,6 @@ def test_plain_stepper_clips_as_torch_does_then_steps_and_zeroes(clip):
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q)
         assert p.grad is None
-
-
-@pytest.mark.parametrize("clip", [None, 0.5])
-def test_a_stepper_asks_an_optimizer_that_holds_gradients(clip):
-    model = _model_with_grads()
-    twin = _model_with_grads()  # the same seed: the same weights and gradients
-    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.SGD", lr=0.1, minimal_size=64)
-    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
-    stepper = GradientStepper(optimizer=opt, params=model.parameters(),
-                              capabilities=capabilities_of(OffloadOptimizer), clip_grad_norm=clip)
-    norm = stepper.step()
-    expected = torch.nn.utils.clip_grad_norm_(twin.parameters(), clip if clip is not None else float("inf"))
-    twin_opt.step()
-    torch.testing.assert_close(norm, expected)
-    for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q)
 
 
 def test_a_stepper_without_optimizer_steps_nothing():
