@@ -31,7 +31,7 @@ class _Slot:
 
     __slots__ = (
         "key", "param", "group_index", "offloaded", "step_param", "host_grad",
-        "grad_event", "pending_add", "has_host_grad", "optimizer",
+        "grad_event", "has_host_grad", "optimizer",
     )
 
     def __init__(self, *, key: str, param: torch.Tensor, group_index: int) -> None:
@@ -44,8 +44,6 @@ class _Slot:
         # Offloaded only: the host gradient the step reads.
         self.host_grad: Optional[torch.Tensor] = None
         self.grad_event = None
-        # offload_gradients with accumulation: later micro-batches are in the staging ring.
-        self.pending_add = False
         # offload_gradients: host_grad holds at least one micro-batch since zero_grad().
         self.has_host_grad = False
         self.optimizer: Optional[Optimizer] = None
@@ -246,17 +244,15 @@ class OffloadOptimizer(Optimizer):
         else:
             # A later micro-batch: through the bounded staging ring into the sum.
             self._staging.add_into(slot.host_grad, grad)
-            slot.pending_add = True
         param.grad = None
 
     def _finish_host_grad(self, slot: _Slot) -> None:
         """Waits for the slot's gradient copies and folds its staged micro-batches into the sum."""
         self._transfer.wait(slot.grad_event)
         slot.grad_event = None
-        if slot.pending_add:
-            # The ring adds in the order chunks were issued, whichever slots they belong to.
-            self._staging.drain()
-            slot.pending_add = False
+        # The ring adds in the order chunks were issued, whichever slots they belong to; with
+        # nothing staged this is a no-op.
+        self._staging.drain()
 
     def _grads_to_step(self) -> List[torch.Tensor]:
         """The gradients the next step() will use, wherever they are, ready to read or modify."""
