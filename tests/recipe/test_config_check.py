@@ -111,3 +111,9 @@ def test_all_problems_in_one_error_each_naming_its_key():
 def test_a_misspelt_boolean_is_refused_not_taken_as_true(key):
     message = _problems("full", f"{key}=Flase")
     assert f"{key}='Flase': must be True or False." in message
+
+
+@pytest.mark.parametrize("key", ["fsdp_cpu_offload", "fsdp_reshard_after_forward"])
+def test_a_misspelt_fsdp_boolean_is_reported_once(key):
+    message = _problems("distributed", f"{key}=maybe")
+    assert message.count(f"{key}='maybe': must be True or False.") == 1, message

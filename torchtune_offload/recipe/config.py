@@ -133,6 +133,8 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
     flags = {key: flag(key, default) for key, default in (
         ("compile", False), ("log_peak_memory_stats", True), ("resume_from_checkpoint", False),
         ("shuffle", True), ("save_adapter_weights_only", False),
+        # Keys of the distributed recipe only; the others reject them as unknown above.
+        ("fsdp_cpu_offload", False), ("fsdp_reshard_after_forward", True),
     )}
     for key, value, low in (("batch_size", batch_size, 1), ("epochs", epochs, 1),
                             ("gradient_accumulation_steps", accum, 1), ("log_every_n_steps", log_every, 1)):
@@ -230,9 +232,8 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
         collate_fn=str(get("collate_fn", "torchtune.data.padded_collate_sft")),
         cudnn_deterministic_mode=cfg.get("cudnn_deterministic_mode"),
         save_adapter_weights_only=flags["save_adapter_weights_only"],
-        # Checked by _distributed_problems, the only recipe that knows these keys.
-        fsdp_cpu_offload=bool(get("fsdp_cpu_offload", False)),
-        fsdp_reshard_after_forward=bool(get("fsdp_reshard_after_forward", True)),
+        fsdp_cpu_offload=flags["fsdp_cpu_offload"],
+        fsdp_reshard_after_forward=flags["fsdp_reshard_after_forward"],
     )
 
 
@@ -279,9 +280,6 @@ def _distributed_problems(cfg: DictConfig, caps: Optional[OptimizerCapabilities]
     _, problems = policy_problems(
         cfg.get("fsdp_shard_policy"), custom_sharded_layers=cfg.get("custom_sharded_layers")
     )
-    for key in ("fsdp_cpu_offload", "fsdp_reshard_after_forward"):
-        if cfg.get(key) is not None and not isinstance(cfg.get(key), bool):
-            problems.append(f"{key}={cfg.get(key)!r}: must be True or False.")
     if cfg.get("fsdp_cpu_offload") is True and str(cfg.get("device", "")).split(":")[0] == "cpu":
         problems.append(
             "fsdp_cpu_offload=True with device=cpu: FSDP2's CPUOffloadPolicy moves shards between an "
