@@ -1,55 +1,37 @@
-"""Runs one config with each optimizer variant and prints tok/s and memory side by side.
+"""Runs one config with each optimizer variant and tabulates tok/s, memory and loss side by side.
 
 Usage:
     python scripts/benchmark_sweep.py --config configs/llama3_2/1B_full_paged_adamw.yaml --steps 20 \
-        [--variants adamw,paged_adamw,paged_adamw8bit,torchao,offload,offload_grads] \
-        [--output-dir outputs/sweep] [-- key=value ...]
+        [--variants adamw,paged_adamw,...] [--gpu-memory-gib 24] [--output-dir outputs/sweep] \
+        [--timeout-s 600] [-- key=value ...]
 
-Each variant is a real `tune run` of recipes/full_finetune_single_device.py with the optimizer
-swapped on the command line; everything after `--` is passed to every run (e.g. a random-init
-checkpoint: `checkpointer.checkpoint_dir=/tmp/llama3_2_1b_random`). Steps: `max_steps_per_epoch`,
-one epoch; the table's tok/s is the median over steps after the first (warm-up). Variants that
-cannot run on this machine (torchao without CUDA/XPU) are reported as skipped.
+Each variant is a real `tune run` of recipes/full_finetune_single_device.py with the optimizer swapped
+on the command line; everything after `--` goes to every run (e.g. a random-init checkpoint and
+synthetic data, see docs/gpu_results.md). One epoch of `--steps` steps; tok/s is the median over the
+steps after the first (warm-up). `--gpu-memory-gib N` leaves only N GiB of the GPU free, held by a
+ballast process, so bitsandbytes' unified memory is limited as on a smaller card. Writes
+results.md and results.json under the output directory, and each variant's log to <variant>/run.log.
 """
 
 import argparse
-import os
-import subprocess
+import contextlib
 import sys
+from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-from torchtune_offload.recipe.run_report import compare_runs
+from torchtune_offload.bench.ballast import GpuBallast
+from torchtune_offload.bench.sweep import VARIANTS, device_name, run_variant, write_results
 
-# Per variant: the optimizer keys it sets, and other overrides it needs.
-VARIANTS = {
-    "adamw": ({"_component_": "torch.optim.AdamW"}, []),
-    "paged_adamw": ({"_component_": "bitsandbytes.optim.PagedAdamW"}, []),
-    "paged_adamw8bit": ({"_component_": "bitsandbytes.optim.PagedAdamW8bit"}, []),
-    # torchao cannot clip; the recipe refuses clip_grad_norm with it.
-    "torchao": ({"_component_": "torchtune_offload.CPUOffloadOptimizer", "optimizer_class": "torch.optim.AdamW"},
-                ["clip_grad_norm=null"]),
-    "offload": ({"_component_": "torchtune_offload.OffloadOptimizer", "optimizer_class": "torch.optim.AdamW"}, []),
-    "offload_grads": ({"_component_": "torchtune_offload.OffloadOptimizer", "optimizer_class": "torch.optim.AdamW",
-                       "offload_gradients": True}, []),
-}
-OFFLOAD_ONLY_KEYS = ("optimizer_class", "offload_gradients", "minimal_size")
 OPTIONS = {
     "--config": dict(required=True, help="a full fine-tune config"),
     "--steps": dict(type=int, default=20, help="optimizer steps per run (>= 11: 10 measured after warm-up)"),
-    "--variants": dict(default="adamw,paged_adamw,paged_adamw8bit,torchao,offload,offload_grads"),
+    "--variants": dict(default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}"),
     "--output-dir": dict(default="outputs/sweep"),
+    "--gpu-memory-gib": dict(type=float, default=None,
+                             help="leave only this much GPU memory free (ballast in another process)"),
+    "--timeout-s": dict(type=float, default=None, help="stop a variant after this many seconds"),
 }
-
-
-def _overrides(config: str, name: str) -> list:
-    """Command-line overrides that turn ``config``'s optimizer into variant ``name``."""
-    keys, others = VARIANTS[name]
-    present = OmegaConf.load(config).optimizer
-    # Offload-only keys the variant does not set are deleted (plain optimizers reject them).
-    drop = [f"~optimizer.{k}" for k in OFFLOAD_ONLY_KEYS if k in present and k not in keys]
-    return drop + [f"optimizer.{k}={v}" for k, v in keys.items()] + others
 
 
 def main() -> None:
@@ -66,28 +48,31 @@ def main() -> None:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    if args.gpu_memory_gib is not None and not torch.cuda.is_available():
+        parser.error("--gpu-memory-gib needs a CUDA device")
 
-    has_accel = torch.accelerator.is_available()
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    done = []
-    for name in names:
-        if name == "torchao" and not has_accel:
-            print(f"[sweep] {name}: skipped (torchao's optimizer needs CUDA or XPU)")
-            continue
-        out = os.path.join(args.output_dir, name)
-        overrides = _overrides(args.config, name)
-        cmd = ["tune", "run", "recipes/full_finetune_single_device.py", "--config", args.config,
-               *overrides, f"max_steps_per_epoch={args.steps}", "epochs=1", f"output_dir={out}",
-               "log_peak_memory_stats=True", "log_every_n_steps=1", *extra]
-        print("[sweep] " + " ".join(cmd), flush=True)
-        result = subprocess.run(cmd)
-        if result.returncode != 0:
-            print(f"[sweep] {name}: failed with exit code {result.returncode}")
-            continue
-        done.append((name, out))
-    print(f"\nDevice: {device}; config {args.config}; {args.steps} steps per run")
-    if done:
-        print(compare_runs(dict(done)))
+    device = device_name()
+    output_dir = Path(args.output_dir)
+    results = []
+    ballast = GpuBallast(leave_gib=args.gpu_memory_gib) if args.gpu_memory_gib else contextlib.nullcontext()
+    with ballast:
+        limit = f"; {ballast.report}" if args.gpu_memory_gib else "; whole device"
+        print(f"[sweep] {device}{limit}", flush=True)
+        for i, name in enumerate(names, 1):
+            print(f"[sweep] {i}/{len(names)} {name}: running (log {output_dir / name / 'run.log'})", flush=True)
+            r = run_variant(name=name, config=args.config, steps=args.steps, output_dir=output_dir,
+                            extra=extra, timeout_s=args.timeout_s)
+            tps = f", {r.tokens_per_second:.0f} tok/s" if r.tokens_per_second else ""
+            print(f"[sweep] {i}/{len(names)} {name}: {r.status} in {r.seconds:.0f} s{tps}", flush=True)
+            results.append(r)
+            write_results(results, output_dir=output_dir, header=_header(device, limit, args, extra))
+    md = write_results(results, output_dir=output_dir, header=_header(device, limit, args, extra))
+    print(md.read_text())
+
+
+def _header(device: str, limit: str, args: argparse.Namespace, extra: list) -> str:
+    return (f"Device: {device}{limit}. Config {args.config}, {args.steps} steps per variant, "
+            f"overrides: `{' '.join(extra) or 'none'}`. Memory in GiB.")
 
 
 if __name__ == "__main__":

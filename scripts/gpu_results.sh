@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The runs behind docs/gpu_results.md, in stages, on a CUDA machine with the project's dependencies.
+#
+# Usage (from the repository root): bash scripts/gpu_results.sh OUT_DIR STAGE...
+#   tests           nvidia-smi, then `pytest -m gpu` (log: OUT_DIR/gpu-tests.log)
+#   demo            scripts/gradient_math_demo.py on the GPU (log: OUT_DIR/grad-math.log)
+#   sweep:MODEL:GIB the optimizer sweep of llama3_2 MODEL (1B or 3B) from a random-init checkpoint on
+#                   synthetic data; GIB: GPU memory left free by a ballast, or "all" for the whole GPU
+#                   (table and logs: OUT_DIR/sweep-MODEL-GIB.tgz, table also OUT_DIR/sweep-MODEL-GIB.md)
+# Environment: STEPS (default 20), VARIANTS (default: all), VARIANT_TIMEOUT_S (default 240).
+set -uo pipefail
+out=$1; shift
+mkdir -p "$out"
+steps=${STEPS:-20}
+variant_timeout=${VARIANT_TIMEOUT_S:-240}
+
+checkpoint() {  # a random-init checkpoint of llama3_2 $1, written once per machine
+  local dir=/tmp/llama3_2_${1,,}_random
+  [ -f "$dir/model.safetensors" ] || python -m torchtune_offload.assets --real-arch "llama3_2_${1,,}" \
+    --output-dir "$dir" --no-check >&2
+  echo "$dir"
+}
+
+for stage in "$@"; do
+  echo "=== $stage $(date -u +%H:%M:%S)"
+  case $stage in
+    tests)
+      python -m torchtune_offload.assets >/dev/null
+      { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+        python -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
+        python -m pytest -q -m gpu -p no:cacheprovider tests -rs; } 2>&1 | tee "$out/gpu-tests.log" | tail -25 ;;
+    demo)
+      python -m torchtune_offload.assets >/dev/null
+      python scripts/gradient_math_demo.py --device cuda --output-dir /tmp/grad_math > "$out/grad-math.log" 2>&1
+      tail -12 "$out/grad-math.log" ;;
+    sweep:*)
+      IFS=: read -r _ model gib <<< "$stage"
+      python -m torchtune_offload.assets >/dev/null
+      ckpt=$(checkpoint "$model")
+      name=sweep-$model-$gib
+      limit=(); [ "$gib" = all ] || limit=(--gpu-memory-gib "$gib")
+      python scripts/benchmark_sweep.py --config "configs/llama3_2/${model}_full_paged_adamw.yaml" \
+        --steps "$steps" --output-dir "/tmp/$name" --timeout-s "$variant_timeout" "${limit[@]}" \
+        ${VARIANTS:+--variants "$VARIANTS"} -- \
+        checkpointer.checkpoint_dir="$ckpt" "checkpointer.checkpoint_files=[model.safetensors]" \
+        checkpointer.output_dir=/tmp/sweep_checkpoints \
+        tokenizer.path=assets/tiny/tokenizer/tokenizer.model \
+        tokenizer.special_tokens_path=assets/tiny/tokenizer/special_tokens.json \
+        dataset._component_=torchtune_offload.data.synthetic_dataset dataset.seq_len=2048 \
+        dataset.num_samples=$((4 * steps + 8)) batch_size=4 gradient_accumulation_steps=1 clip_grad_norm=null \
+        dtype=bf16 enable_activation_checkpointing=True
+      cp "/tmp/$name/results.md" "$out/$name.md"
+      tar czf "$out/$name.tgz" -C /tmp "$name" ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done

@@ -1,0 +1,172 @@
+"""Run one config with each optimizer variant, one ``tune run`` after another, and tabulate the results.
+
+Every variant runs ``recipes/full_finetune_single_device.py`` with the same config and overrides; only
+the optimizer block (and, for ``paged_adamw8bit_in_bwd``, ``optimizer_in_bwd``) differs. A variant the
+config check refuses, that runs out of memory or that fails is reported as such and the sweep goes on.
+"""
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from omegaconf import OmegaConf
+
+from torchtune_offload.recipe.disk_log import read_disk_log
+
+RECIPE = "recipes/full_finetune_single_device.py"
+_ADAMW = "torch.optim.AdamW"
+#: Per variant: the optimizer keys it sets, the other overrides it needs, and what it is.
+VARIANTS: Dict[str, Tuple[Dict[str, object], List[str], str]] = {
+    "adamw": ({"_component_": _ADAMW}, [], "torch AdamW, all on the device"),
+    "paged_adamw": ({"_component_": "bitsandbytes.optim.PagedAdamW"}, [], "bitsandbytes, 32-bit paged states"),
+    "paged_adamw8bit": ({"_component_": "bitsandbytes.optim.PagedAdamW8bit"}, [],
+                        "bitsandbytes, 8-bit paged states"),
+    "paged_adamw8bit_in_bwd": ({"_component_": "bitsandbytes.optim.PagedAdamW8bit"}, ["optimizer_in_bwd=True"],
+                               "torchtune's 8B single-device setting: 8-bit paged, stepping in backward"),
+    "torchao": ({"_component_": "torchtune_offload.CPUOffloadOptimizer", "optimizer_class": _ADAMW}, [],
+                "torchao CPUOffloadOptimizer"),
+    "torchao_grads": ({"_component_": "torchtune_offload.CPUOffloadOptimizer", "optimizer_class": _ADAMW,
+                       "offload_gradients": True}, [], "torchao CPUOffloadOptimizer, offload_gradients"),
+    "offload": ({"_component_": "torchtune_offload.OffloadOptimizer", "optimizer_class": _ADAMW}, [],
+                "this project's OffloadOptimizer"),
+    "offload_grads": ({"_component_": "torchtune_offload.OffloadOptimizer", "optimizer_class": _ADAMW,
+                       "offload_gradients": True}, [], "OffloadOptimizer, offload_gradients"),
+}
+OFFLOAD_ONLY_KEYS = ("optimizer_class", "offload_gradients", "minimal_size")
+_OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
+GIB = 1024**3
+
+
+@dataclass
+class VariantResult:
+    """One variant's outcome; the figures are ``None`` when it did not train."""
+
+    name: str
+    status: str
+    seconds: float
+    output_dir: str
+    tokens_per_second: Optional[float] = None
+    first_loss: Optional[float] = None
+    last_loss: Optional[float] = None
+    steps: int = 0
+    peaks_gib: Dict[str, float] = field(default_factory=dict)
+
+
+def overrides_for(config: str, name: str) -> List[str]:
+    """Command-line overrides that turn ``config``'s optimizer into variant ``name``."""
+    keys, others, _ = VARIANTS[name]
+    present = OmegaConf.load(config).optimizer
+    # Offload-only keys the variant does not set are deleted (plain optimizers reject them).
+    drop = [f"~optimizer.{k}" for k in OFFLOAD_ONLY_KEYS if k in present and k not in keys]
+    return drop + [f"optimizer.{k}={v}" for k, v in keys.items()] + others
+
+
+def _nvml_gpu0() -> Optional[object]:
+    """(pynvml, handle of GPU 0), or None without NVML. NVML creates no CUDA context in this process."""
+    try:
+        import pynvml  # optional dependency (the `gpu` extra)
+
+        pynvml.nvmlInit()
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+    except Exception:
+        return None
+
+
+def _nvml_used_bytes() -> Optional[int]:
+    """Device-wide used memory of GPU 0 as NVML reports it, or None without NVML."""
+    nvml = _nvml_gpu0()
+    return None if nvml is None else nvml[0].nvmlDeviceGetMemoryInfo(nvml[1]).used
+
+
+def device_name() -> str:
+    """GPU 0's name from NVML (no CUDA context, which would hold device memory for the whole sweep), or CPU."""
+    nvml = _nvml_gpu0()
+    return "CPU" if nvml is None else str(nvml[0].nvmlDeviceGetName(nvml[1]))
+
+
+def _failure(log_text: str, returncode: int) -> str:
+    if any(m in log_text for m in _OOM_MARKERS):
+        return "out of memory"
+    if returncode in (-9, 137):
+        return "killed (host out of memory?)"
+    errors = [line.strip() for line in log_text.splitlines() if "Error:" in line]
+    return f"failed: {errors[-1][:200]}" if errors else f"failed with exit code {returncode}"
+
+
+def run_variant(
+    *, name: str, config: str, steps: int, output_dir: Path, extra: Sequence[str], timeout_s: Optional[float]
+) -> VariantResult:
+    """Runs one variant to completion (or failure) and reads back its DiskLogger metrics."""
+    out = output_dir / name
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", RECIPE, "--config", config,
+           *overrides_for(config, name), f"max_steps_per_epoch={steps}", "epochs=1", f"output_dir={out}",
+           "log_peak_memory_stats=True", "log_every_n_steps=1", *extra]
+    log_path = out / "run.log"
+    baseline = _nvml_used_bytes()
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        try:
+            returncode = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            returncode = None
+    seconds = time.perf_counter() - start
+    text = log_path.read_text()
+    if returncode is None:
+        return VariantResult(name, f"timed out after {timeout_s:.0f} s", seconds, str(out))
+    if returncode != 0:
+        return VariantResult(name, _failure(text, returncode), seconds, str(out))
+    rows = read_disk_log(out)
+    result = VariantResult(name, "ok", seconds, str(out), steps=len(rows))
+    if not rows:
+        result.status = "failed: no step logged"
+        return result
+    result.tokens_per_second = statistics.median(r["tokens_per_second"] for r in rows[1:] or rows)
+    result.first_loss, result.last_loss = rows[0]["loss"], rows[-1]["loss"]
+    for key in ("peak_memory_alloc", "peak_memory_reserved", "host_rss_peak", "nvml_device_used_peak"):
+        values = [r[key] for r in rows if key in r]
+        if values:
+            result.peaks_gib[key] = max(values)
+    if "nvml_device_used_peak" in result.peaks_gib and baseline is not None:
+        # NVML sees the whole device: what other processes (a ballast) held before the run is not the run's.
+        result.peaks_gib["nvml_run_peak"] = result.peaks_gib["nvml_device_used_peak"] - baseline / GIB
+    return result
+
+
+def _cell(value: Optional[float], fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def markdown_table(results: Sequence[VariantResult]) -> str:
+    """The results as a markdown table (memory in GiB, peaks over the run)."""
+    lines = [
+        "| variant | status | tok/s (median) | allocator peak | reserved peak | NVML peak (run) | host RSS peak "
+        "| loss first -> last | wall s |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in results:
+        p = r.peaks_gib
+        loss = "-" if r.first_loss is None else f"{r.first_loss:.4f} -> {r.last_loss:.4f}"
+        lines.append(
+            f"| {r.name} | {r.status} | {_cell(r.tokens_per_second, '.0f')} "
+            f"| {_cell(p.get('peak_memory_alloc'), '.2f')} | {_cell(p.get('peak_memory_reserved'), '.2f')} "
+            f"| {_cell(p.get('nvml_run_peak'), '.2f')} | {_cell(p.get('host_rss_peak'), '.2f')} "
+            f"| {loss} | {r.seconds:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_results(results: Sequence[VariantResult], *, output_dir: Path, header: str) -> Path:
+    """Writes ``results.md`` (header and table) and ``results.json`` under ``output_dir``; returns the former."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    md = output_dir / "results.md"
+    md.write_text(f"{header}\n\n{markdown_table(results)}\n")
+    return md
