@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.recipe_harness import working_tree_env
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,7 +44,7 @@ def tiny_assets(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_assets")
     # A fresh path per session, so tiktoken's cache (keyed by path string) cannot serve stale ranks.
     # PYTHONPATH: the working tree's package, never an installed copy.
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TIKTOKEN_CACHE_DIR": ""}
+    env = working_tree_env(TIKTOKEN_CACHE_DIR="")
     result = subprocess.run(
         [sys.executable, "-m", "torchtune_offload.assets", "--output-dir", str(out)],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,

@@ -2,10 +2,11 @@
 
 import functools
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import List
+from typing import Dict, List
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,3 +29,13 @@ def tiny_asset_overrides(assets: Path) -> List[str]:
         f"tokenizer.special_tokens_path={assets / 'tokenizer' / 'special_tokens.json'}",
         f"dataset.data_files={assets / 'data' / 'train.json'}",
     ]
+
+
+def working_tree_env(**extra: str) -> Dict[str, str]:
+    """This process's environment for a child that must import the working tree's package first.
+
+    The working tree goes in front of ``PYTHONPATH``; entries already there stay (a machine may
+    keep the dependencies on it, as the GPU machine's wheel folder does).
+    """
+    path = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), **extra}

@@ -8,7 +8,6 @@ rounding. The two-rank run also differs in everything that must not change the m
 policy (embedding and output units), activation checkpointing, and where it starts (resume).
 """
 
-import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from tests.recipe_harness import load_recipe_module, tiny_asset_overrides
+from tests.recipe_harness import load_recipe_module, tiny_asset_overrides, working_tree_env
 from torchtune_offload.recipe import read_disk_log
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,8 +63,7 @@ def _tune_run_two_ranks(*runs: List[str]) -> None:
     base = [tune] if tune else [sys.executable, "-m", "torchtune._cli.tune"]
     base += ["run", "--nproc_per_node", "2", "recipes/full_finetune_distributed.py", "--config",
              str(CONFIG.relative_to(REPO)), "device=cpu"]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", PYTHONPATH=os.pathsep.join(
-        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = working_tree_env(MASTER_ADDR="127.0.0.1")
     procs = [subprocess.Popen(base + overrides, cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for overrides in runs]
     outputs = [p.communicate(timeout=400)[0] for p in procs]

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 from torchtune.modules.peft import get_adapter_state_dict
 
-from tests.recipe_harness import load_recipe_module, tiny_asset_overrides
+from tests.recipe_harness import load_recipe_module, tiny_asset_overrides, working_tree_env
 from torchtune_offload.recipe import read_disk_log
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -301,7 +301,7 @@ def _tune_run(kind: str, assets: Path, output_dir: Path, *overrides: str) -> sub
         f"output_dir={output_dir}", *tiny_asset_overrides(assets), *overrides,
     ]
     # PYTHONPATH: the working tree's torchtune_offload, not an installed copy.
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TIKTOKEN_CACHE_DIR": ""}
+    env = working_tree_env(TIKTOKEN_CACHE_DIR="")
     return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 

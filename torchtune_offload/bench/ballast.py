@@ -41,14 +41,12 @@ class GpuBallast:
 
     Args:
         leave_gib: Device memory left free for other processes, in GiB.
-        timeout_s: How long to wait for the ballast to report ready.
     """
 
-    def __init__(self, *, leave_gib: float, timeout_s: float = 120.0) -> None:
+    def __init__(self, *, leave_gib: float) -> None:
         if leave_gib <= 0:
             raise ValueError(f"--gpu-memory-gib {leave_gib}: must be positive.")
         self.leave_gib = leave_gib
-        self.timeout_s = timeout_s
         self.report: Optional[str] = None
         self._proc: Optional[subprocess.Popen] = None
 
@@ -57,12 +55,15 @@ class GpuBallast:
             [sys.executable, "-m", __name__, "--leave-gib", str(self.leave_gib)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-        line = self._proc.stdout.readline().strip()
-        if not line.startswith(READY):
-            rest = self._proc.communicate(timeout=self.timeout_s)[0]
-            raise RuntimeError(f"the GPU ballast did not start: {line}\n{rest}")
-        self.report = line
-        return self
+        # Imports may print warnings first; the ready line, or the end of output, ends the wait.
+        seen = []
+        for line in self._proc.stdout:
+            if line.startswith(READY):
+                self.report = line.strip()
+                return self
+            seen.append(line)
+        self._proc.wait()
+        raise RuntimeError("the GPU ballast did not start:\n" + "".join(seen[-20:]))
 
     def __exit__(self, *exc) -> None:
         self._proc.stdin.close()
