@@ -5,8 +5,9 @@
 - :class:`CPUOffloadOptimizer`: torchao's implementation, configurable from YAML (CUDA/XPU only).
 
 The package has one folder per concern, each importing only the ones listed before it:
-``optim`` (the engine), ``models`` (tiny test architectures), ``distributed`` (FSDP2 sharding),
-``recipe`` (what the recipes share), ``assets`` (the offline asset generator).
+``optim`` (the engine), ``models`` (tiny test architectures), ``data`` (synthetic benchmark data),
+``distributed`` (FSDP2 sharding), ``assets`` (the offline asset generator), ``recipe`` (what the
+recipes share), ``bench`` (the optimizer sweep).
 """
 
 from torchtune_offload.optim import (

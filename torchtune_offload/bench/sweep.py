@@ -94,8 +94,14 @@ def _failure(log_text: str, returncode: int) -> str:
         return "out of memory"
     if returncode in (-9, 137):
         return "killed (host out of memory?)"
-    errors = [line.strip() for line in log_text.splitlines() if "Error:" in line]
-    return f"failed: {errors[-1][:200]}" if errors else f"failed with exit code {returncode}"
+    lines = log_text.splitlines()
+    starts = [i for i, line in enumerate(lines) if "Error:" in line]
+    if not starts:
+        return f"failed with exit code {returncode}"
+    # The last error and its indented continuation lines (the config check lists one problem per line).
+    i = starts[-1]
+    message = [lines[i].strip()] + [l.strip() for l in lines[i + 1:] if l.startswith("  ")][:5]
+    return "failed: " + " ".join(message)[:400]
 
 
 def run_variant(
@@ -155,7 +161,7 @@ def markdown_table(results: Sequence[VariantResult]) -> str:
         p = r.peaks_gib
         loss = "-" if r.first_loss is None else f"{r.first_loss:.4f} -> {r.last_loss:.4f}"
         lines.append(
-            f"| {r.name} | {r.status} | {_cell(r.tokens_per_second, '.0f')} "
+            f"| {r.name} | {r.status.replace('|', '/')} | {_cell(r.tokens_per_second, '.0f')} "
             f"| {_cell(p.get('peak_memory_alloc'), '.2f')} | {_cell(p.get('peak_memory_reserved'), '.2f')} "
             f"| {_cell(p.get('nvml_run_peak'), '.2f')} | {_cell(p.get('host_rss_peak'), '.2f')} "
             f"| {loss} | {r.seconds:.0f} |"

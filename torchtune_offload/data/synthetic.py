@@ -12,12 +12,8 @@ no tokenizer file or dataset download beyond the tokenizer the config already na
 
 from typing import Any, Dict, List, Optional
 
-import torch
+import numpy as np
 from torch.utils.data import Dataset
-
-#: Seeds of consecutive samples are this far apart, so (seed, index) pairs never collide.
-_SEED_STRIDE = 1 << 32
-
 
 class SyntheticTokens(Dataset):
     """``num_samples`` sequences of ``seq_len`` token ids drawn uniformly from ``[0, vocab_size)``.
@@ -29,15 +25,15 @@ class SyntheticTokens(Dataset):
         seq_len: Tokens per sample.
         num_samples: Samples in the dataset (one epoch).
         vocab_size: Ids are drawn below this.
-        seed: Seed of sample 0; sample ``i`` uses ``seed * 2**32 + i``.
+        seed: Seed of the data; sample ``i`` is drawn from numpy's generator seeded with ``(seed, i)``.
     """
 
     def __init__(self, *, seq_len: int, num_samples: int, vocab_size: int, seed: int = 0) -> None:
         for key, value in (("seq_len", seq_len), ("num_samples", num_samples), ("vocab_size", vocab_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"dataset.{key} must be a positive integer, got {value!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _SEED_STRIDE:
-            raise ValueError(f"dataset.seed must be an integer in [0, 2**32), got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"dataset.seed must be a non-negative integer, got {seed!r}")
         self.seq_len, self.num_samples, self.vocab_size, self.seed = seq_len, num_samples, vocab_size, seed
 
     def __len__(self) -> int:
@@ -46,8 +42,8 @@ class SyntheticTokens(Dataset):
     def __getitem__(self, index: int) -> Dict[str, List[int]]:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} of a synthetic dataset of {self.num_samples}")
-        gen = torch.Generator().manual_seed(self.seed * _SEED_STRIDE + index)
-        tokens = torch.randint(self.vocab_size, (self.seq_len,), generator=gen).tolist()
+        # A seed sequence of (seed, index) mixes both fully (torch's CPU generator keeps 32 bits of a seed).
+        tokens = np.random.default_rng((self.seed, index)).integers(self.vocab_size, size=self.seq_len).tolist()
         return {"tokens": tokens, "labels": list(tokens)}
 
 

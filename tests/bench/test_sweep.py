@@ -1,0 +1,65 @@
+"""The optimizer sweep on the tiny model with synthetic data, the gradient-norm probe, the ballast's checks."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.recipe_harness import REPO, tiny_asset_overrides
+from torchtune_offload.bench.ballast import GpuBallast
+from torchtune_offload.bench.grad_probe import ENV, GradNormProbeAdamW, read_probe
+from torchtune_offload.bench.sweep import markdown_table, overrides_for, run_variant, write_results
+
+SYNTHETIC = ["dataset._component_=torchtune_offload.data.synthetic_dataset", "~dataset.source",
+             "~dataset.data_files", "~dataset.split", "~dataset.train_on_input", "dataset.seq_len=64",
+             "dataset.num_samples=96", "batch_size=8", "clip_grad_norm=1.0"]
+CONFIG = str(REPO / "configs" / "tiny" / "full.yaml")
+
+
+def test_overrides_swap_only_the_optimizer():
+    assert overrides_for(CONFIG, "offload_grads") == [
+        "optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW",
+        "optimizer.offload_gradients=True"]
+    assert overrides_for(CONFIG, "paged_adamw8bit_in_bwd")[-1] == "optimizer_in_bwd=True"
+
+
+def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    # Data only from the synthetic dataset: the tiny data file is not named.
+    extra = [o for o in tiny_asset_overrides(tiny_assets) if not o.startswith("dataset.")] + SYNTHETIC
+    results = [run_variant(name=n, config=CONFIG, steps=11, output_dir=tmp_path, extra=extra, timeout_s=300)
+               for n in ("adamw", "offload", "paged_adamw8bit_in_bwd")]
+    adamw, offload, in_bwd = results
+    assert adamw.status == offload.status == "ok" and adamw.steps == offload.steps == 11
+    # Same math: the tiny model's losses agree (fp32, host against device order of operations).
+    assert offload.first_loss == pytest.approx(adamw.first_loss, rel=1e-6)
+    assert offload.last_loss == pytest.approx(adamw.last_loss, rel=1e-5)
+    assert adamw.tokens_per_second > 0 and adamw.peaks_gib["host_rss_peak"] > 0
+    # optimizer_in_bwd with the config's clip_grad_norm is refused by the config check, and said so.
+    assert in_bwd.status.startswith("failed") and "clip_grad_norm" in in_bwd.status
+    md = write_results(results, output_dir=tmp_path, header="tiny")
+    text = md.read_text()
+    assert "| adamw | ok |" in text and "| paged_adamw8bit_in_bwd | failed" in text
+    assert [r["name"] for r in json.loads((tmp_path / "results.json").read_text())] == [
+        "adamw", "offload", "paged_adamw8bit_in_bwd"]
+    assert markdown_table(results).count("\n") == 4
+
+
+def test_grad_probe_records_the_global_norm_per_step(tmp_path, monkeypatch):
+    path = tmp_path / "probe.jsonl"
+    monkeypatch.setenv(ENV, str(path))
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    # Two per-parameter optimizers, as offloading optimizers run them: their lines of a step add up.
+    optimizers = [GradNormProbeAdamW([p], lr=0.1) for p in params]
+    for grads in ([3.0, 0.0, 0.0], [4.0, 0.0]), ([1.0, 1.0, 1.0], [1.0, 0.0]):
+        for p, g, opt in zip(params, grads, optimizers):
+            p.grad = torch.tensor(g)
+            opt.step()
+    assert read_probe(path) == pytest.approx({1: 5.0, 2: 2.0})
+    assert math.isclose(read_probe(path)[2], 2.0)
+
+
+def test_ballast_needs_a_positive_limit():
+    with pytest.raises(ValueError, match="--gpu-memory-gib"):
+        GpuBallast(leave_gib=0)
