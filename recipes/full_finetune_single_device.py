@@ -26,6 +26,7 @@ from torchtune_offload.recipe import (
     build_metric_logger,
     build_optimizer,
     build_profiler,
+    check_host_memory,
     check_recipe_config,
     instantiate_model,
     load_checkpoint,
@@ -45,6 +46,8 @@ class FullFinetuneRecipeSingleDevice:
 
     def __init__(self, cfg: DictConfig) -> None:
         self.settings = check_recipe_config(cfg, recipe="full")
+        # Before anything is loaded: a run that cannot fit host memory fails here, with figures.
+        self.host_memory = check_host_memory(cfg, self.settings)
         self.progress = Progress.start(self.settings)
         # What cleanup() closes; set by setup(), which may fail part-way.
         self._metric_logger = None
@@ -58,7 +61,8 @@ class FullFinetuneRecipeSingleDevice:
         self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=self.progress)
         # 3. Model, then the optimizer that holds references to its parameters.
         self._model = instantiate_model(cfg.model, s)
-        self._model.load_state_dict(ckpt[training.MODEL_KEY])
+        # pop: the loaded weights are freed before the optimizer allocates its host memory.
+        self._model.load_state_dict(ckpt.pop(training.MODEL_KEY))
         training.validate_expected_param_dtype(self._model.named_parameters(), dtype=s.dtype)
         self._optimizer, self._in_bwd = build_optimizer(
             cfg.optimizer, self._model, s,

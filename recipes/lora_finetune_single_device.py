@@ -32,6 +32,7 @@ from torchtune_offload.recipe import (
     build_metric_logger,
     build_optimizer,
     build_profiler,
+    check_host_memory,
     check_recipe_config,
     instantiate_model,
     load_checkpoint,
@@ -51,6 +52,9 @@ class LoRAFinetuneRecipeSingleDevice:
 
     def __init__(self, cfg: DictConfig) -> None:
         self.settings = check_recipe_config(cfg, recipe="lora")
+        # Before anything is loaded: a run that cannot fit host memory fails here, with figures.
+        self.host_memory = check_host_memory(
+            cfg, self.settings, mark_trainable=lambda model: set_trainable_params(model, get_adapter_params(model)))
         self.progress = Progress.start(self.settings)
         self._lora = {
             "rank": cfg.model.lora_rank,
@@ -73,7 +77,8 @@ class LoRAFinetuneRecipeSingleDevice:
         self._model = instantiate_model(cfg.model, s)
         adapter_params = get_adapter_params(self._model)
         set_trainable_params(self._model, adapter_params)
-        base_missing, base_unexpected = self._model.load_state_dict(ckpt[training.MODEL_KEY], strict=False)
+        # pop: the loaded weights are freed before the optimizer allocates its host memory.
+        base_missing, base_unexpected = self._model.load_state_dict(ckpt.pop(training.MODEL_KEY), strict=False)
         lora_missing = lora_unexpected = None
         if s.resume_from_checkpoint:
             lora_missing, lora_unexpected = self._model.load_state_dict(ckpt[training.ADAPTER_KEY], strict=False)

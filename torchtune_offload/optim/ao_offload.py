@@ -13,6 +13,7 @@ import torchao.optim
 
 from torchtune_offload.optim.capabilities import OFFLOAD_STEPS_AFTER_BACKWARD, OptimizerCapabilities
 from torchtune_offload.optim.grad_norm import total_norm
+from torchtune_offload.optim.host_memory import HostMemoryPlan, offloaded_buffers_plan
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class
 
@@ -107,6 +108,32 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
             minimal_size=minimal_size,
             **kwargs,
         )
+
+    @classmethod
+    def plan_host_memory(
+        cls,
+        params: Any,
+        optimizer_class: OptimizerClassSpec = "torch.optim.AdamW",
+        *,
+        device: Union[str, torch.device],
+        gradient_accumulation_steps: int = 1,
+        offload_gradients: bool = False,
+        minimal_size: int = 4096,
+        **kwargs: Any,
+    ) -> HostMemoryPlan:
+        """The host memory torchao's optimizer would hold for ``params`` (meta tensors will do).
+
+        torchao pins a host copy and a gradient buffer per parameter of at least ``minimal_size``
+        elements, each its own (power-of-two rounded) allocation; the base optimizer's state is plain
+        host memory. ``offload_gradients`` and accumulation add nothing.
+        """
+        del gradient_accumulation_steps, offload_gradients  # no host memory of their own
+        params = _strip_names(params)
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        trainable = [p for g in groups for p in g["params"] if p.requires_grad]
+        return offloaded_buffers_plan(trainable, optimizer_class=resolve_optimizer_class(optimizer_class),
+                                      options=kwargs, minimal_size=minimal_size,
+                                      pinned=torch.device(device).type != "cpu")
 
     def _grads_to_step(self) -> List[torch.Tensor]:
         # torchao copies gradients to its host parameters during backward; wait for those copies.

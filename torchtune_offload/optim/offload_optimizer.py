@@ -18,9 +18,11 @@ from torch.optim import Optimizer
 
 from torchtune_offload.optim.capabilities import OFFLOAD_STEPS_AFTER_BACKWARD, OptimizerCapabilities
 from torchtune_offload.optim.grad_norm import clip_, total_norm
+from torchtune_offload.optim.host_allocator import release_freed_host_memory
+from torchtune_offload.optim.host_memory import HostMemoryPlan, offloaded_buffers_plan, pinned_allocation_bytes
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class
-from torchtune_offload.optim.staging import StagingRing
+from torchtune_offload.optim.staging import NUM_CHUNKS, StagingRing
 from torchtune_offload.optim.transfer import TransferEngine
 
 STATE_DICT_FORMAT = "torchtune_offload.OffloadOptimizer/1"
@@ -172,6 +174,8 @@ class OffloadOptimizer(Optimizer):
         self.offload_gradients = offload_gradients
         self.minimal_size = minimal_size
         self.device = trainable[0].device
+        # Gradients freed between our long-lived host buffers would otherwise stay resident.
+        release_freed_host_memory()
         self._transfer = TransferEngine(self.device)
         host_kwargs = dict(kwargs)
         if (
@@ -215,10 +219,49 @@ class OffloadOptimizer(Optimizer):
         # hyper-parameters they edit in self.param_groups reach the base optimizers at each step.
         super().__init__(outer_groups, defaults)
 
+    @classmethod
+    def plan_host_memory(
+        cls,
+        params: Any,
+        optimizer_class: OptimizerClassSpec = "torch.optim.AdamW",
+        *,
+        device: Union[str, torch.device],
+        gradient_accumulation_steps: int = 1,
+        offload_gradients: bool = False,
+        minimal_size: int = 4096,
+        **kwargs: Any,
+    ) -> HostMemoryPlan:
+        """The host memory this optimizer would hold for ``params``, allocating nothing.
+
+        Takes the constructor's arguments (``params`` may be meta tensors) plus where training runs.
+
+        Args:
+            params: as for the constructor.
+            optimizer_class: as for the constructor.
+            device: the training device; on an accelerator host buffers are pinned, and each
+                pinned allocation is rounded up to a power of two by torch's allocator.
+            gradient_accumulation_steps: with ``offload_gradients``, more than one adds the staging ring.
+            offload_gradients: as for the constructor.
+            minimal_size: as for the constructor.
+            **kwargs: the base optimizer's options.
+        """
+        base = resolve_optimizer_class(optimizer_class)
+        trainable = [p for g in _named_groups(params) for _, p in g["params"] if p.requires_grad]
+        pinned = torch.device(device).type != "cpu"
+        plan = offloaded_buffers_plan(trainable, optimizer_class=base, options=kwargs,
+                                      minimal_size=minimal_size, pinned=pinned)
+        offloaded = [p.numel() * p.element_size() for p in trainable if p.numel() >= minimal_size]
+        if offload_gradients and gradient_accumulation_steps > 1 and offloaded:
+            chunk = StagingRing.chunk_size(largest_bytes=max(offloaded))
+            plan.add("staging ring" + (" (pinned)" if pinned else ""),
+                     NUM_CHUNKS * pinned_allocation_bytes(chunk, pinned=pinned))
+        return plan
+
     # ----------------------------------------------------------------------------- construction
 
     def _place(self, slot: _Slot, *, options: Dict[str, Any], host_options: Dict[str, Any]) -> None:
         param = slot.param
+        # The same rule as plan_host_memory's (through offloaded_buffers_plan) and torchao's.
         if param.numel() >= self.minimal_size:
             slot.offloaded = True
             with torch.no_grad():

@@ -41,9 +41,7 @@ class StagingRing:
         num_chunks: Optional[int] = None,
         largest_bytes: Optional[int] = None,
     ) -> None:
-        chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-        if largest_bytes is not None:
-            chunk_bytes = max(16, min(chunk_bytes, largest_bytes))
+        chunk_bytes = self.chunk_size(chunk_bytes=chunk_bytes, largest_bytes=largest_bytes)
         num_chunks = NUM_CHUNKS if num_chunks is None else num_chunks
         if chunk_bytes < 16 or num_chunks < 1:
             raise ValueError(f"StagingRing: chunk_bytes={chunk_bytes} (>= 16) and num_chunks={num_chunks} (>= 1)")
@@ -55,6 +53,12 @@ class StagingRing:
         # Per chunk: (destination view, staged view, copy event) until it is added.
         self._pending: List[Optional[Tuple[torch.Tensor, torch.Tensor, object]]] = [None] * num_chunks
         self._next = 0
+
+    @staticmethod
+    def chunk_size(*, chunk_bytes: Optional[int] = None, largest_bytes: Optional[int] = None) -> int:
+        """The chunk size a ring takes: ``chunk_bytes`` (default :data:`CHUNK_BYTES`), at most ``largest_bytes``."""
+        chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        return chunk_bytes if largest_bytes is None else max(16, min(chunk_bytes, largest_bytes))
 
     @property
     def nbytes(self) -> int:

@@ -27,8 +27,8 @@ _SINGLE_DEVICE_KEYS = {
     "profiler", "resume_from_checkpoint", "seed", "shuffle", "tokenizer",
 }
 RECIPE_KEYS = {
-    "full": _SINGLE_DEVICE_KEYS | {"optimizer_in_bwd"},
-    "lora": _SINGLE_DEVICE_KEYS | {"save_adapter_weights_only", "low_cpu_ram"},
+    "full": _SINGLE_DEVICE_KEYS | {"optimizer_in_bwd", "host_memory_check"},
+    "lora": _SINGLE_DEVICE_KEYS | {"save_adapter_weights_only", "low_cpu_ram", "host_memory_check"},
     "distributed": _SINGLE_DEVICE_KEYS | {
         "optimizer_in_bwd", "fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_shard_policy",
         "custom_sharded_layers", "tensor_parallel_dim", "tensor_parallel_plan", "ac_mode", "ac_option",
@@ -66,6 +66,7 @@ class RecipeSettings:
     save_adapter_weights_only: bool
     fsdp_cpu_offload: bool
     fsdp_reshard_after_forward: bool
+    host_memory_check: bool
 
 
 def _is_int(v: Any, *, low: int) -> bool:
@@ -132,7 +133,7 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
     in_bwd = flag("optimizer_in_bwd", False)
     flags = {key: flag(key, default) for key, default in (
         ("compile", False), ("log_peak_memory_stats", True), ("resume_from_checkpoint", False),
-        ("shuffle", True), ("save_adapter_weights_only", False),
+        ("shuffle", True), ("save_adapter_weights_only", False), ("host_memory_check", True),
         # Keys of the distributed recipe only; the others reject them as unknown above.
         ("fsdp_cpu_offload", False), ("fsdp_reshard_after_forward", True),
     )}
@@ -234,6 +235,7 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
         save_adapter_weights_only=flags["save_adapter_weights_only"],
         fsdp_cpu_offload=flags["fsdp_cpu_offload"],
         fsdp_reshard_after_forward=flags["fsdp_reshard_after_forward"],
+        host_memory_check=flags["host_memory_check"],
     )
 
 

@@ -1,0 +1,97 @@
+"""The recipes' host-RAM pre-flight: sized from meta shapes before loading, checked against what runs hold."""
+
+import shutil
+import subprocess
+import time
+
+import pytest
+import torch
+
+from tests.recipe.test_recipes import FULL_OFFLOAD, REPO_ROOT, _config, _load_recipe_class, run_recipe
+from tests.recipe_harness import working_tree_env
+from torchtune_offload.recipe import host_preflight
+
+GIB = 1024**3
+OFFLOAD_ACCUM = [*FULL_OFFLOAD, "optimizer.offload_gradients=True", "gradient_accumulation_steps=2",
+                 "max_steps_per_epoch=2", "batch_size=4"]
+
+
+def _state_bytes(optimizer):
+    states = optimizer.state.values()
+    return sum(t.numel() * t.element_size() for st in states for t in st.values() if isinstance(t, torch.Tensor))
+
+
+def test_plain_adamw_on_cpu_is_sized_exactly(tiny_assets, tmp_path):
+    run = run_recipe("full", tiny_assets, tmp_path, "max_steps_per_epoch=2", "batch_size=4")
+    need = run.recipe.host_memory
+    model = run.recipe._model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights += sum(b.numel() * b.element_size() for b in model.buffers())
+    train = need.phases["training"]
+    assert train["model"] == weights
+    assert train["gradients"] == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert train["optimizer state"] == _state_bytes(run.recipe._optimizer)
+    ckpt = tiny_assets / "model" / "model.safetensors"
+    assert need.phases["loading the checkpoint"] == {"checkpoint files": ckpt.stat().st_size, "model": weights}
+    assert need.fits and need.peak == sum(train.values())
+
+
+def test_offload_optimizer_plan_matches_its_report(tiny_assets, tmp_path):
+    run = run_recipe("full", tiny_assets, tmp_path, *OFFLOAD_ACCUM)
+    train = run.recipe.host_memory.phases["training"]
+    report = run.recipe._optimizer.memory_report()
+    planned = train["parameter copies"] + train["gradient buffers"] + train["optimizer state"]
+    assert planned == report.host_bytes - run.recipe._optimizer._staging.nbytes
+    assert train["staging ring"] >= run.recipe._optimizer._staging.nbytes
+    assert "gradients" not in train  # offload_gradients: the model keeps none between micro-batches
+
+
+def test_lora_counts_the_adapters_state_only(tiny_assets, tmp_path):
+    run = run_recipe("lora", tiny_assets, tmp_path, "max_steps_per_epoch=2", "batch_size=4")
+    train = run.recipe.host_memory.phases["training"]
+    adapters = [p for p in run.recipe._model.parameters() if p.requires_grad]
+    assert train["gradients"] == sum(p.numel() * p.element_size() for p in adapters)
+    assert train["optimizer state"] == _state_bytes(run.recipe._optimizer)
+
+
+def test_a_run_that_does_not_fit_fails_in_init_with_figures(tiny_assets, tmp_path, monkeypatch):
+    monkeypatch.setattr(host_preflight, "available_host_memory", lambda: 1024)
+    cfg = _config("full", tiny_assets, tmp_path, [*FULL_OFFLOAD])
+    with pytest.raises(ValueError) as err:
+        _load_recipe_class("full")(cfg)
+    message = str(err.value)
+    assert message.startswith("host_memory_check: the run does not fit")
+    for part in ("loading the checkpoint:", "training:", "optimizer state", "0.00 GiB are available",
+                 "optimizer.optimizer_class=bitsandbytes.optim.AdamW8bit", "host_memory_check=False"):
+        assert part in message, message
+    assert not (tmp_path / "logs").exists()  # nothing was set up
+
+
+def test_the_check_can_be_turned_off(tiny_assets, tmp_path, monkeypatch):
+    monkeypatch.setattr(host_preflight, "available_host_memory", lambda: 1024)
+    cfg = _config("full", tiny_assets, tmp_path, ["host_memory_check=False"])
+    assert _load_recipe_class("full")(cfg).host_memory is None
+
+
+def test_the_key_is_a_strict_boolean(tiny_assets, tmp_path):
+    cfg = _config("full", tiny_assets, tmp_path, ["host_memory_check=1"])
+    with pytest.raises(ValueError, match="host_memory_check=1: must be True or False"):
+        _load_recipe_class("full")(cfg)
+
+
+@pytest.mark.skipif(host_preflight.available_host_memory() > 70 * GIB, reason="this machine could fit 8B on the CPU")
+def test_8b_on_the_cpu_fails_within_seconds_from_the_command_line():
+    tune = shutil.which("tune")
+    if tune is None:
+        pytest.skip("the tune command is not on PATH")
+    start = time.perf_counter()
+    out = subprocess.run(
+        [tune, "run", "recipes/full_finetune_single_device.py", "--config",
+         "configs/llama3_1/8B_full_offload_engine.yaml", "device=cpu", "output_dir=/nonexistent/never"],
+        cwd=REPO_ROOT, env=working_tree_env(), capture_output=True, text=True, timeout=120,
+    )
+    seconds = time.perf_counter() - start
+    assert out.returncode != 0
+    assert "host_memory_check: the run does not fit" in out.stderr, out.stderr[-3000:]
+    assert "training: " in out.stderr and "GiB are available" in out.stderr
+    assert seconds < 60

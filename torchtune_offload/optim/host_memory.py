@@ -1,0 +1,131 @@
+"""The host memory an optimizer will hold, computed from parameter shapes alone (meta tensors work).
+
+The recipes' host-RAM pre-flight asks this before anything large is allocated. Each offloading
+optimizer answers for itself through a ``plan_host_memory`` classmethod that takes its constructor's
+arguments; plain optimizers (``torch.optim.*``, bitsandbytes) are answered here. Optimizer state
+sizes are not tabulated: the base optimizer steps once on a meta tensor of each distinct shape and
+the state it creates is measured, so any optimizer that runs on meta tensors is sized exactly.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Sequence, Tuple
+
+import torch
+
+#: Options that select a kernel, not a state layout; the meta probe cannot run fused kernels.
+_KERNEL_OPTIONS = ("fused", "foreach", "capturable", "differentiable")
+
+
+@dataclass
+class HostMemoryPlan:
+    """Bytes of host memory by purpose, e.g. ``{"optimizer state": ..., "gradient buffers": ...}``.
+
+    Attributes:
+        parts: purpose -> bytes, as allocated (pinned buffers include the allocator's rounding).
+        notes: caveats of the estimate (a state size that could not be probed, say).
+    """
+
+    parts: Dict[str, int] = field(default_factory=dict)
+    notes: Tuple[str, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def add(self, purpose: str, nbytes: int) -> None:
+        if nbytes:
+            self.parts[purpose] = self.parts.get(purpose, 0) + int(nbytes)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def pinned_allocation_bytes(size: int, *, pinned: bool) -> int:
+    """What a host buffer of ``size`` bytes occupies: torch's pinned allocator rounds up to a power of two."""
+    if not pinned or size <= 0:
+        return max(size, 0)
+    return 1 << (size - 1).bit_length()
+
+
+def _probe_state_bytes(optimizer_class: type, shape: torch.Size, dtype: torch.dtype, options: Dict[str, Any]) -> int:
+    p = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
+    p.grad = torch.empty_like(p)
+    opt = optimizer_class([p], **{k: v for k, v in options.items() if k not in _KERNEL_OPTIONS})
+    opt.step()
+    return sum(nbytes(t) for t in opt.state[p].values() if isinstance(t, torch.Tensor))
+
+
+def optimizer_state_bytes(
+    optimizer_class: type, params: Iterable[torch.Tensor], options: Dict[str, Any]
+) -> Tuple[int, Tuple[str, ...]]:
+    """Bytes of ``optimizer_class`` state for ``params`` (one base optimizer per parameter).
+
+    Returns:
+        ``(bytes, notes)``; where the probe fails, two states of the parameter's size (Adam's) are
+        assumed and a note says so.
+    """
+    sizes: Dict[Tuple[torch.Size, torch.dtype], int] = {}
+    total, notes = 0, ()
+    for p in params:
+        key = (p.shape, p.dtype)
+        if key not in sizes:
+            try:
+                sizes[key] = _probe_state_bytes(optimizer_class, p.shape, p.dtype, options)
+            except Exception as err:  # any optimizer may fail on meta tensors; fall back to Adam's size
+                sizes[key] = 2 * nbytes(p)
+                notes = (f"{optimizer_class.__name__}'s state could not be measured on meta tensors "
+                         f"({type(err).__name__}); two states of the parameter's size assumed",)
+        total += sizes[key]
+    return total, notes
+
+
+def offloaded_buffers_plan(
+    params: Sequence[torch.Tensor],
+    *,
+    optimizer_class: type,
+    options: Dict[str, Any],
+    minimal_size: int,
+    pinned: bool,
+) -> HostMemoryPlan:
+    """The host memory of per-parameter offloading: a host copy and a gradient buffer per offloaded
+    parameter (each its own pinned allocation on an accelerator) and the base optimizer's state."""
+    plan = HostMemoryPlan()
+    offloaded = [p for p in params if p.numel() >= minimal_size]
+    for purpose in ("parameter copies", "gradient buffers"):
+        plan.add(purpose + (" (pinned)" if pinned else ""),
+                 sum(pinned_allocation_bytes(nbytes(p), pinned=pinned) for p in offloaded))
+    state, plan.notes = optimizer_state_bytes(optimizer_class, offloaded, options)
+    plan.add("optimizer state", state)
+    return plan
+
+
+def plan_host_memory(
+    optimizer_class: type,
+    params: Sequence[torch.Tensor],
+    *,
+    device: torch.device,
+    gradient_accumulation_steps: int,
+    options: Dict[str, Any],
+) -> HostMemoryPlan:
+    """The host memory ``optimizer_class(params, **options)`` will hold when training on ``device``.
+
+    Offloading optimizers answer through their ``plan_host_memory`` classmethod; a plain optimizer
+    holds its state on the host only when the device is the CPU (bitsandbytes' paged state lives in
+    device memory, paged out only under device memory pressure).
+
+    Args:
+        optimizer_class: the class the config names.
+        params: the trainable parameters (meta tensors will do).
+        device: the training device.
+        gradient_accumulation_steps: micro-batches per step.
+        options: the optimizer's keyword options from the config.
+    """
+    own = getattr(optimizer_class, "plan_host_memory", None)
+    if own is not None:
+        return own(params, device=device, gradient_accumulation_steps=gradient_accumulation_steps, **options)
+    plan = HostMemoryPlan()
+    if torch.device(device).type == "cpu":
+        state, plan.notes = optimizer_state_bytes(optimizer_class, params, options)
+        plan.add("optimizer state", state)
+    return plan

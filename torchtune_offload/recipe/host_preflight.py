@@ -1,0 +1,238 @@
+"""The host-RAM pre-flight: will this run fit the machine's memory? Answered before anything is loaded.
+
+Host memory is what our users run out of, and a run that does not fit is killed by the kernel
+minutes later, after loading, with no message. The recipes call :func:`check_host_memory` in their
+``__init__``: the model is built on the meta device (shapes only), the optimizer sizes its own host
+buffers and state (``torchtune_offload.optim.host_memory``), and the peak of the two phases below
+is compared with the memory available:
+
+- loading the checkpoint: the checkpoint files, plus the model itself when ``device=cpu``;
+- training: the model and its gradients when ``device=cpu``, and the optimizer's host memory.
+
+Not counted: activations of a ``device=cpu`` run, and the data loader. ``host_memory_check=False``
+turns the check off.
+"""
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import psutil
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torchtune import config, training, utils
+
+from torchtune_offload.optim.host_memory import HostMemoryPlan, nbytes, plan_host_memory
+from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
+from torchtune_offload.recipe.config import RecipeSettings
+
+GIB = 1024**3
+log = utils.get_logger("INFO")
+#: Optimizer keys that configure offloading, not the base optimizer.
+_OFFLOAD_KEYS = ("optimizer_class", "offload_gradients", "minimal_size")
+
+
+@dataclass
+class HostMemoryNeed:
+    """What a run needs on the host beyond what the process holds now, by phase, in bytes.
+
+    Attributes:
+        phases: phase -> (purpose -> bytes).
+        available: host memory available to the process now.
+        notes: what the figures leave out or assume.
+    """
+
+    phases: Dict[str, Dict[str, int]]
+    available: int
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max((sum(parts.values()) for parts in self.phases.values()), default=0)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.available
+
+    def describe(self) -> str:
+        lines = []
+        for phase, parts in self.phases.items():
+            items = ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items()) or "nothing"
+            lines.append(f"  {phase}: {sum(parts.values()) / GIB:.2f} GiB ({items})")
+        return "\n".join(lines)
+
+
+def available_host_memory() -> int:
+    """Bytes this process may still allocate: the system's available memory, or the cgroup's limit if lower."""
+    available = psutil.virtual_memory().available
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            used = int((cgroup / "memory.current").read_text())
+            available = min(available, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def _checkpoint_bytes(cfg_checkpointer: DictConfig) -> Tuple[int, Optional[str]]:
+    """Bytes of the checkpoint files the checkpointer will load, or a note when they cannot be sized."""
+    files = cfg_checkpointer.get("checkpoint_files")
+    directory = Path(str(cfg_checkpointer.get("checkpoint_dir", ".")))
+    if not OmegaConf.is_list(files) and not isinstance(files, list):
+        return 0, "the checkpoint files are given as a pattern: their size is not counted"
+    paths = [directory / str(f) for f in files]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        return 0, f"checkpoint files not found ({missing[0]}{', ...' if len(missing) > 1 else ''}): not counted"
+    return sum(p.stat().st_size for p in paths), None
+
+
+def meta_model(cfg_model: DictConfig, settings: RecipeSettings) -> nn.Module:
+    """The configured model on the meta device, in the run's dtype: shapes without memory."""
+    with training.set_default_dtype(settings.dtype), torch.device("meta"):
+        return config.instantiate(cfg_model)
+
+
+def optimizer_plan(
+    cfg_optimizer: DictConfig,
+    model: nn.Module,
+    settings: RecipeSettings,
+    *,
+    optimizer_class: Optional[str] = None,
+) -> HostMemoryPlan:
+    """The host memory of the configured optimizer (or of ``optimizer_class`` as its base) for ``model``."""
+    options = {k: v for k, v in OmegaConf.to_container(cfg_optimizer, resolve=True).items() if k != "_component_"}
+    if optimizer_class is not None:
+        options["optimizer_class"] = optimizer_class
+    component = settings.optimizer_class
+    if not settings.optimizer_capabilities.offloads:
+        options = {k: v for k, v in options.items() if k not in _OFFLOAD_KEYS}
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if settings.optimizer_capabilities.offloads:
+        return plan_host_memory(component, trainable, device=settings.device,
+                                gradient_accumulation_steps=settings.gradient_accumulation_steps, options=options)
+    return plan_host_memory(component, [p for _, p in trainable], device=settings.device,
+                            gradient_accumulation_steps=settings.gradient_accumulation_steps, options=options)
+
+
+def host_memory_need(
+    cfg: DictConfig,
+    settings: RecipeSettings,
+    *,
+    mark_trainable: Optional[Callable[[nn.Module], Any]] = None,
+    optimizer_class: Optional[str] = None,
+    device: Optional[torch.device] = None,
+) -> HostMemoryNeed:
+    """The host memory the run ``cfg`` describes will need, computed on the meta device.
+
+    Args:
+        cfg: the recipe config.
+        settings: its checked settings.
+        mark_trainable: sets ``requires_grad`` on the meta model as the recipe will (LoRA: adapters only).
+        optimizer_class: size the run with this base optimizer instead (for suggestions).
+        device: size the run on this device instead (for suggestions).
+    """
+    if device is not None:
+        settings = replace(settings, device=device)
+    model = meta_model(cfg.model, settings)
+    if mark_trainable is not None:
+        mark_trainable(model)
+    on_cpu = settings.device.type == "cpu"
+    weights = sum(nbytes(t) for t in model.parameters()) + sum(nbytes(b) for b in model.buffers())
+    trainable = sum(nbytes(p) for p in model.parameters() if p.requires_grad)
+    notes = ["activations of a device=cpu run are not counted"] if on_cpu else []
+
+    load: Dict[str, int] = {}
+    ckpt, note = _checkpoint_bytes(cfg.checkpointer)
+    notes += [note] if note else []
+    load["checkpoint files"] = ckpt
+    train: Dict[str, int] = {}
+    if on_cpu:
+        load["model"] = train["model"] = weights
+        grads_freed = settings.optimizer_capabilities.offloads and OmegaConf.select(
+            cfg, "optimizer.offload_gradients", default=False)
+        if not grads_freed:
+            train["gradients"] = trainable
+    plan = optimizer_plan(cfg.optimizer, model, settings, optimizer_class=optimizer_class)
+    train.update(plan.parts)
+    notes += list(plan.notes)
+    if settings.resume_from_checkpoint:
+        state = Path(str(cfg.checkpointer.get("checkpoint_dir", "."))) / str(
+            cfg.checkpointer.get("recipe_checkpoint") or "recipe_state.pt")
+        if state.is_file():
+            # torch.load holds the saved optimizer state while it is copied in.
+            train["optimizer state being loaded"] = state.stat().st_size
+    return HostMemoryNeed(
+        phases={"loading the checkpoint": {k: v for k, v in load.items() if v},
+                "training": {k: v for k, v in train.items() if v}},
+        available=available_host_memory(),
+        notes=notes,
+    )
+
+
+def _suggestions(cfg: DictConfig, settings: RecipeSettings, need: HostMemoryNeed,
+                 mark_trainable: Optional[Callable[[nn.Module], Any]]) -> List[str]:
+    """Settings that would change the figure, each with its peak and whether it fits."""
+    out = []
+    candidates = []
+    if settings.optimizer_capabilities.offloads:
+        base = resolve_optimizer_class(OmegaConf.select(cfg, "optimizer.optimizer_class", default="torch.optim.AdamW"))
+        if base in (torch.optim.AdamW, torch.optim.Adam):
+            candidates.append(("optimizer.optimizer_class=bitsandbytes.optim.AdamW8bit (8-bit states)",
+                               dict(optimizer_class="bitsandbytes.optim.AdamW8bit")))
+    if settings.device.type == "cpu" and torch.accelerator.is_available():
+        accel = torch.accelerator.current_accelerator()
+        candidates.append((f"device={accel.type} (the model on the GPU)", dict(device=accel)))
+    for label, changes in candidates:
+        try:
+            other = host_memory_need(cfg, settings, mark_trainable=mark_trainable, **changes)
+        except Exception as err:  # e.g. bitsandbytes missing: say so instead of the figure
+            out.append(f"  {label}: cannot be sized here ({type(err).__name__}: {err})")
+            continue
+        verdict = "fits" if other.peak <= need.available else "does not fit either"
+        out.append(f"  {label}: {other.peak / GIB:.2f} GiB, {verdict}")
+    if mark_trainable is None:
+        out.append("  a LoRA recipe (configs/<model>/*_lora_offload.yaml): optimizer state for the adapters only")
+    out.append("  host_memory_check=False: run anyway (the kernel may kill the run when memory runs out)")
+    return out
+
+
+def check_host_memory(
+    cfg: DictConfig,
+    settings: RecipeSettings,
+    *,
+    mark_trainable: Optional[Callable[[nn.Module], Any]] = None,
+) -> Optional[HostMemoryNeed]:
+    """Raises before anything is loaded if the run will not fit the host's memory; logs the figures.
+
+    Args:
+        cfg: the recipe config.
+        settings: its checked settings (``host_memory_check=False`` skips the check).
+        mark_trainable: sets ``requires_grad`` on the meta model as the recipe will.
+
+    Returns:
+        The computed need, or ``None`` when the check is off.
+
+    Raises:
+        ValueError: with the figures and the settings that would fit, when the peak exceeds the
+            available memory.
+    """
+    if not settings.host_memory_check:
+        log.info("Host memory check skipped (host_memory_check=False).")
+        return None
+    need = host_memory_need(cfg, settings, mark_trainable=mark_trainable)
+    summary = (f"Host memory: this run needs about {need.peak / GIB:.2f} GiB beyond what the process holds "
+               f"now ({psutil.Process(os.getpid()).memory_info().rss / GIB:.2f} GiB); "
+               f"{need.available / GIB:.2f} GiB are available.\n{need.describe()}")
+    notes = "".join(f"\n  note: {n}" for n in need.notes)
+    if need.fits:
+        log.info(summary + notes)
+        return need
+    raise ValueError(
+        f"host_memory_check: the run does not fit this machine's memory. {summary}{notes}\n"
+        "Settings that change the figure:\n" + "\n".join(_suggestions(cfg, settings, need, mark_trainable))
+    )
