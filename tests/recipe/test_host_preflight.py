@@ -95,3 +95,27 @@ def test_8b_on_the_cpu_fails_within_seconds_from_the_command_line():
     assert "host_memory_check: the run does not fit" in out.stderr, out.stderr[-3000:]
     assert "training: " in out.stderr and "GiB are available" in out.stderr
     assert seconds < 60
+
+
+# ---------------------------------------------------------------- precision policy in the recipe
+
+
+def test_fp32_masters_train_a_bf16_model_in_the_recipe(tiny_assets, tmp_path):
+    run = run_recipe("full", tiny_assets, tmp_path, *FULL_OFFLOAD, "dtype=bf16", "optimizer.master_dtype=fp32",
+                     "max_steps_per_epoch=30", "batch_size=8")
+    opt = run.recipe._optimizer
+    assert all(s.step_param.dtype == torch.float32 and s.param.dtype == torch.bfloat16 for s in opt._slots)
+    assert sum(run.losses[-5:]) / 5 < run.losses[0] - 1.0, run.losses
+    # The pre-flight sized the fp32 masters: 4-byte copies of the offloaded weights.
+    offloaded = sum(s.param.numel() for s in opt._slots if s.offloaded)
+    assert run.recipe.host_memory.phases["training"]["parameter copies"] == 4 * offloaded
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["optimizer.master_dtype=fp32"], "optimizer.master_dtype=fp32 with torch.optim.AdamW: a plain optimizer"),
+    ([*FULL_OFFLOAD, "optimizer.grad_sum_dtype=fp16"], "optimizer.grad_sum_dtype='fp16': use fp32"),
+])
+def test_precision_keys_are_checked_up_front(tiny_assets, tmp_path, overrides, expected):
+    cfg = _config("full", tiny_assets, tmp_path, overrides)
+    with pytest.raises(ValueError, match=expected):
+        _load_recipe_class("full")(cfg)

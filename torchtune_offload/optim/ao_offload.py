@@ -58,6 +58,7 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         device_types=("cuda", "xpu"),
         reasons={
             "can_clip": "torchao steps on gradients copied during backward and cannot clip them",
+            "precision_policy": "torchao steps on host copies in the parameters' own dtype",
             "accumulates_offloaded_grads": "with offload_gradients=True torchao keeps only the last "
             "micro-batch's gradients",
             "runs_under_fsdp2": "its checkpoint is its own list of per-tensor host states, which "

@@ -30,6 +30,8 @@ class OptimizerCapabilities:
             distributed state-dict API.
         steps_in_backward: can serve as one of ``optimizer_in_bwd``'s per-parameter optimizers.
         device_types: the device types it runs on; ``None`` for any.
+        precision_policy: takes ``master_dtype`` (fp32 master weights and state for bf16
+            parameters) and ``grad_sum_dtype`` (the dtype gradients are summed in).
         reasons: for a capability it lacks (by attribute name), why; named in error messages.
     """
 
@@ -41,6 +43,7 @@ class OptimizerCapabilities:
     runs_under_fsdp2: bool = True
     steps_in_backward: bool = True
     device_types: Optional[Tuple[str, ...]] = None
+    precision_policy: bool = False
     reasons: Mapping[str, str] = field(default_factory=dict)
 
     def why_not(self, capability: str) -> str:
@@ -52,7 +55,10 @@ class OptimizerCapabilities:
 OFFLOAD_STEPS_AFTER_BACKWARD = "an offloading optimizer cannot step inside backward with exact gradient math"
 
 #: torch's optimizers: they step on the model's ``.grad`` tensors, wherever the model is.
-PLAIN_CAPABILITIES = OptimizerCapabilities()
+PLAIN_CAPABILITIES = OptimizerCapabilities(reasons={
+    "precision_policy": "a plain optimizer steps on the parameters in their own dtype; "
+    "optimizer._component_=torchtune_offload.OffloadOptimizer keeps fp32 masters on the host",
+})
 
 #: Plain optimizers whose module starts with a prefix here differ from the defaults so.
 _PLAIN_BY_MODULE_PREFIX: Mapping[str, OptimizerCapabilities] = {
@@ -60,6 +66,7 @@ _PLAIN_BY_MODULE_PREFIX: Mapping[str, OptimizerCapabilities] = {
         PLAIN_CAPABILITIES,
         runs_under_fsdp2=False,
         reasons={
+            **PLAIN_CAPABILITIES.reasons,
             "runs_under_fsdp2": "bitsandbytes' update kernels have no DTensor sharding rules, so "
             "they cannot step FSDP2 shards",
         },

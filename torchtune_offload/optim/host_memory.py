@@ -8,7 +8,7 @@ the state it creates is measured, so any optimizer that runs on meta tensors is 
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Sequence, Tuple
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,6 +46,10 @@ def pinned_allocation_bytes(size: int, *, pinned: bool) -> int:
     if not pinned or size <= 0:
         return max(size, 0)
     return 1 << (size - 1).bit_length()
+
+
+def _bytes_as(p: torch.Tensor, dtype: Optional[torch.dtype]) -> int:
+    return p.numel() * (dtype or p.dtype).itemsize
 
 
 def _probe_state_bytes(optimizer_class: type, shape: torch.Size, dtype: torch.dtype, options: Dict[str, Any]) -> int:
@@ -87,15 +91,26 @@ def offloaded_buffers_plan(
     options: Dict[str, Any],
     minimal_size: int,
     pinned: bool,
+    master_dtype: Optional[torch.dtype] = None,
+    grad_dtype: Optional[torch.dtype] = None,
 ) -> HostMemoryPlan:
-    """The host memory of per-parameter offloading: a host copy and a gradient buffer per offloaded
-    parameter (each its own pinned allocation on an accelerator) and the base optimizer's state."""
+    """The host memory of per-parameter offloading: a host copy (``master_dtype``, default the
+    parameter's) and a gradient buffer (``grad_dtype``) per offloaded parameter, each its own pinned
+    allocation on an accelerator, a buffer in the parameter's dtype for the step's result when the
+    master's dtype differs and the gradient buffer cannot hold it, and the base optimizer's state."""
     plan = HostMemoryPlan()
     offloaded = [p for p in params if p.numel() >= minimal_size]
-    for purpose in ("parameter copies", "gradient buffers"):
-        plan.add(purpose + (" (pinned)" if pinned else ""),
-                 sum(pinned_allocation_bytes(nbytes(p), pinned=pinned) for p in offloaded))
-    state, plan.notes = optimizer_state_bytes(optimizer_class, offloaded, options)
+    suffix = " (pinned)" if pinned else ""
+
+    def add(purpose: str, sizes: Iterable[int]) -> None:
+        plan.add(purpose + suffix, sum(pinned_allocation_bytes(n, pinned=pinned) for n in sizes))
+
+    add("parameter copies", (_bytes_as(p, master_dtype) for p in offloaded))
+    add("gradient buffers", (_bytes_as(p, grad_dtype) for p in offloaded))
+    add("device-dtype copies", (nbytes(p) for p in offloaded
+                                if (master_dtype or p.dtype) != p.dtype and (grad_dtype or p.dtype) != p.dtype))
+    masters = [torch.empty(p.shape, dtype=master_dtype or p.dtype, device="meta") for p in offloaded]
+    state, plan.notes = optimizer_state_bytes(optimizer_class, masters, options)
     plan.add("optimizer state", state)
     return plan
 

@@ -33,7 +33,7 @@ class _Slot:
 
     __slots__ = (
         "key", "param", "group_index", "offloaded", "step_param", "host_grad",
-        "grad_event", "has_host_grad", "optimizer",
+        "grad_event", "has_host_grad", "optimizer", "out",
     )
 
     def __init__(self, *, key: str, param: torch.Tensor, group_index: int) -> None:
@@ -49,6 +49,29 @@ class _Slot:
         # offload_gradients: host_grad holds at least one micro-batch since zero_grad().
         self.has_host_grad = False
         self.optimizer: Optional[Optimizer] = None
+        # Master weights in another dtype: the buffer holding the step's result in the parameter's
+        # dtype, copied to the parameter (offloaded: a host buffer, the gradient buffer when the
+        # dtypes allow; on the device: the parameter itself). None when step_param is the result.
+        self.out: Optional[torch.Tensor] = None
+
+    @property
+    def has_master(self) -> bool:
+        return self.step_param.dtype != self.param.dtype
+
+
+#: Spellings accepted for the precision options (torch dtypes are accepted too).
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32}
+
+
+def precision_option(value: Any, *, key: str) -> Optional[torch.dtype]:
+    """``None`` (the parameter's own dtype) or fp32, from a config string or a torch dtype."""
+    if value is None:
+        return None
+    dtype = value if isinstance(value, torch.dtype) else _DTYPES.get(str(value).lower())
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"optimizer.{key}={value!r}: use fp32, or leave it unset (null) for the "
+                         "parameter's own dtype.")
+    return dtype
 
 
 def _named_groups(params: Any) -> List[Dict[str, Any]]:
@@ -116,6 +139,14 @@ class OffloadOptimizer(Optimizer):
             the device copy, so gradients take no device memory between micro-batches. Gradient
             accumulation still works: micro-batches are summed in host buffers.
         minimal_size: parameters with fewer elements stay on the device and step there.
+        master_dtype: ``None`` (default): the base optimizer steps on a copy in the parameter's
+            dtype, plain-optimizer math. ``"fp32"``: it steps on fp32 master weights (fp32 state
+            too), on the host for offloaded parameters and on the device for the others, and the
+            parameter becomes the master rounded to its dtype after each step; pure-bf16 training
+            loses small updates to rounding, this does not. The masters are checkpointed.
+        grad_sum_dtype: the dtype of host gradient buffers, in which ``offload_gradients`` sums
+            micro-batches. ``None`` (default): the parameter's dtype, as plain training sums;
+            ``"fp32"``: fp32 sums.
         **kwargs: passed to the base optimizer, e.g. ``lr``, ``weight_decay``, ``betas``.
 
     Raises:
@@ -129,6 +160,7 @@ class OffloadOptimizer(Optimizer):
         named_parameters=True,
         runs_under_fsdp2=False,
         steps_in_backward=False,
+        precision_policy=True,
         reasons={
             "runs_under_fsdp2": "its state lives in per-parameter base optimizers over host copies of "
             "each rank's shards, which torch's distributed state-dict API (used to gather a full "
@@ -144,9 +176,13 @@ class OffloadOptimizer(Optimizer):
         *,
         offload_gradients: bool = False,
         minimal_size: int = 4096,
+        master_dtype: Optional[Union[str, torch.dtype]] = None,
+        grad_sum_dtype: Optional[Union[str, torch.dtype]] = None,
         **kwargs: Any,
     ) -> None:
         base_class = resolve_optimizer_class(optimizer_class)
+        self.master_dtype = precision_option(master_dtype, key="master_dtype")
+        self.grad_sum_dtype = precision_option(grad_sum_dtype, key="grad_sum_dtype")
         if not isinstance(offload_gradients, bool):
             raise ValueError(
                 f"optimizer.offload_gradients={offload_gradients!r} must be True or False."
@@ -229,6 +265,8 @@ class OffloadOptimizer(Optimizer):
         gradient_accumulation_steps: int = 1,
         offload_gradients: bool = False,
         minimal_size: int = 4096,
+        master_dtype: Optional[Union[str, torch.dtype]] = None,
+        grad_sum_dtype: Optional[Union[str, torch.dtype]] = None,
         **kwargs: Any,
     ) -> HostMemoryPlan:
         """The host memory this optimizer would hold for ``params``, allocating nothing.
@@ -243,13 +281,18 @@ class OffloadOptimizer(Optimizer):
             gradient_accumulation_steps: with ``offload_gradients``, more than one adds the staging ring.
             offload_gradients: as for the constructor.
             minimal_size: as for the constructor.
+            master_dtype: as for the constructor (masters of small parameters live on the device).
+            grad_sum_dtype: as for the constructor.
             **kwargs: the base optimizer's options.
         """
         base = resolve_optimizer_class(optimizer_class)
         trainable = [p for g in _named_groups(params) for _, p in g["params"] if p.requires_grad]
         pinned = torch.device(device).type != "cpu"
-        plan = offloaded_buffers_plan(trainable, optimizer_class=base, options=kwargs,
-                                      minimal_size=minimal_size, pinned=pinned)
+        plan = offloaded_buffers_plan(
+            trainable, optimizer_class=base, options=kwargs, minimal_size=minimal_size, pinned=pinned,
+            master_dtype=precision_option(master_dtype, key="master_dtype"),
+            grad_dtype=precision_option(grad_sum_dtype, key="grad_sum_dtype"),
+        )
         offloaded = [p.numel() * p.element_size() for p in trainable if p.numel() >= minimal_size]
         if offload_gradients and gradient_accumulation_steps > 1 and offloaded:
             chunk = StagingRing.chunk_size(largest_bytes=max(offloaded))
@@ -262,14 +305,24 @@ class OffloadOptimizer(Optimizer):
     def _place(self, slot: _Slot, *, options: Dict[str, Any], host_options: Dict[str, Any]) -> None:
         param = slot.param
         # The same rule as plan_host_memory's (through offloaded_buffers_plan) and torchao's.
+        master = self.master_dtype or param.dtype
         if param.numel() >= self.minimal_size:
             slot.offloaded = True
             with torch.no_grad():
-                slot.step_param = self._transfer.host_empty_like(param).copy_(param.detach())
-            slot.host_grad = self._transfer.host_empty_like(param)
+                slot.step_param = self._transfer.host_empty_like(param, dtype=master).copy_(param.detach())
+            slot.host_grad = self._transfer.host_empty_like(param, dtype=self.grad_sum_dtype or param.dtype)
+            if slot.has_master:
+                # The step's result in the parameter's dtype: written over the gradient it has
+                # consumed when the dtypes match, so a master costs no extra buffer then.
+                same = slot.host_grad.dtype == param.dtype
+                slot.out = slot.host_grad if same else self._transfer.host_empty_like(param)
             if self.offload_gradients:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._offload_grad))
             slot.optimizer = self.base_class([slot.step_param], **host_options)
+        elif master != param.dtype:
+            slot.step_param = param.detach().to(master)
+            slot.out = param
+            slot.optimizer = self.base_class([slot.step_param], **options)
         else:
             slot.optimizer = self.base_class([param], **options)
 
@@ -389,17 +442,27 @@ class OffloadOptimizer(Optimizer):
         # On an accelerator these kernels run while the host works on the offloaded slots.
         for slot in self._slots:
             if not slot.offloaded and slot.param.grad is not None:
-                slot.optimizer.step()
+                if slot.has_master:
+                    self._step_slot(slot, slot.param.grad)
+                else:
+                    slot.optimizer.step()
 
         for slot in ready:
             self._finish_host_grad(slot)
-            slot.step_param.grad = slot.host_grad
-            slot.optimizer.step()
-            slot.step_param.grad = None
-            self._transfer.to_device(slot.param, slot.step_param)
+            self._step_slot(slot, slot.host_grad)
+            self._transfer.to_device(slot.param, slot.out if slot.has_master else slot.step_param)
         # The next forward must see the new parameters.
         self._transfer.compute_waits_for_copies()
         return loss
+
+    def _step_slot(self, slot: _Slot, grad: torch.Tensor) -> None:
+        """One base-optimizer step of ``slot`` on ``grad``; with a master, the result rounded into ``slot.out``."""
+        # A master is fed the gradient widened to its dtype, as plain fp32 training would be.
+        slot.step_param.grad = grad if grad.dtype == slot.step_param.dtype else grad.to(slot.step_param.dtype)
+        slot.optimizer.step()
+        slot.step_param.grad = None
+        if slot.has_master:
+            slot.out.copy_(slot.step_param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients on the device and marks host gradient sums empty."""
@@ -437,6 +500,8 @@ class OffloadOptimizer(Optimizer):
                     "shape": list(s.param.shape),
                     "dtype": str(s.param.dtype),
                     "optimizer": s.optimizer.state_dict(),
+                    # The master weights: the model checkpoint holds only their rounding.
+                    **({"master": s.step_param} if s.has_master else {}),
                 }
                 for s in self._slots
             },
@@ -461,7 +526,13 @@ class OffloadOptimizer(Optimizer):
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         for slot in self._slots:
-            slot.optimizer.load_state_dict(state_dict["state"][slot.key]["optimizer"])
+            saved = state_dict["state"][slot.key]
+            slot.optimizer.load_state_dict(saved["optimizer"])
+            if slot.has_master:
+                with torch.no_grad():
+                    slot.step_param.copy_(saved["master"])
+                    # The parameter becomes the master's rounding, as after a step.
+                    slot.param.copy_(slot.step_param)
         self._sync_hyperparameters()
 
     def _mismatches(self, sd: Any) -> List[str]:
@@ -491,6 +562,12 @@ class OffloadOptimizer(Optimizer):
                 problems.append(
                     f"{slot.key}: checkpoint {saved['dtype']}{list(saved['shape'])}, "
                     f"model {slot.param.dtype}{list(slot.param.shape)}"
+                )
+            elif ("master" in saved) != slot.has_master:
+                problems.append(
+                    f"{slot.key}: {'has' if 'master' in saved else 'has no'} master weights in the "
+                    f"checkpoint, {'needs' if slot.has_master else 'takes none'} now "
+                    f"(master_dtype={self.master_dtype})"
                 )
             elif saved["offloaded"] != slot.offloaded:
                 problems.append(
@@ -523,13 +600,13 @@ class OffloadOptimizer(Optimizer):
                 if isinstance(t, torch.Tensor)
             )
             grad_bytes = slot.host_grad.numel() * slot.host_grad.element_size()
-            param_bytes = slot.step_param.numel() * slot.step_param.element_size()
-            host += state_bytes + grad_bytes + param_bytes
+            buffer_bytes = sum(t.numel() * t.element_size() for t in self._host_buffers(slot))
+            host += state_bytes + buffer_bytes
             saved += state_bytes + (grad_bytes if self.offload_gradients else 0)
         num_offloaded = sum(s.offloaded for s in self._slots)
         # Only buffers made by the transfer engine are pinned; states are plain host memory.
         pinned = self._staging.nbytes + sum(
-            (s.step_param.numel() + s.host_grad.numel()) * s.param.element_size() for s in self._slots if s.offloaded
+            sum(t.numel() * t.element_size() for t in self._host_buffers(s)) for s in self._slots if s.offloaded
         )
         return OffloadMemoryReport(
             num_offloaded=num_offloaded,
@@ -538,6 +615,12 @@ class OffloadOptimizer(Optimizer):
             host_bytes=host + self._staging.nbytes,
             pinned_bytes=pinned if self._transfer.is_accelerator else 0,
         )
+
+    @staticmethod
+    def _host_buffers(slot: _Slot) -> List[torch.Tensor]:
+        """The host buffers the transfer engine made for an offloaded slot (pinned on an accelerator)."""
+        extra = [slot.out] if slot.out is not None and slot.out is not slot.host_grad else []
+        return [slot.step_param, slot.host_grad, *extra]
 
     def close(self) -> None:
         """Removes the backward hooks (offload_gradients), leaving the model as it was."""

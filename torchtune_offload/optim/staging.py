@@ -85,9 +85,10 @@ class StagingRing:
 
         Args:
             dst: a contiguous host tensor (a gradient sum).
-            src: a device tensor of the same shape and dtype; the caller may drop it at once.
+            src: a device tensor of the same shape (the sum may be kept in a wider dtype); the
+                caller may drop it at once.
         """
-        if dst.shape != src.shape or dst.dtype != src.dtype:
+        if dst.shape != src.shape:
             raise ValueError(f"StagingRing.add_into: {src.dtype}{list(src.shape)} into {dst.dtype}{list(dst.shape)}")
         dst_flat = dst.view(-1)
         src_flat = src.reshape(-1)

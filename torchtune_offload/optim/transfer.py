@@ -27,9 +27,9 @@ class TransferEngine:
         # always finished before the next device-to-host gradient copy lands in its buffers.
         self.stream = self._module.Stream(device=self.device) if self.is_accelerator else None
 
-    def host_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
-        """An uninitialised host tensor shaped like ``tensor``; pinned on an accelerator."""
-        return torch.empty_like(tensor, device="cpu", pin_memory=self.is_accelerator)
+    def host_empty_like(self, tensor: torch.Tensor, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """An uninitialised host tensor shaped like ``tensor`` (in ``dtype`` if given); pinned on an accelerator."""
+        return torch.empty_like(tensor, dtype=dtype, device="cpu", pin_memory=self.is_accelerator)
 
     def _side_stream(self):
         return self._module.stream(self.stream) if self.is_accelerator else nullcontext()

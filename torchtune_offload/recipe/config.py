@@ -16,6 +16,7 @@ from torchtune import training, utils
 
 from torchtune_offload.distributed.policies import policy_problems
 from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
+from torchtune_offload.optim.offload_optimizer import precision_option
 from torchtune_offload.optim.optimizer_class import resolve_optimizer, resolve_optimizer_class
 
 # Keys of torchtune 0.6.1's single-device configs, which our recipes accept unchanged.
@@ -269,6 +270,18 @@ def _optimizer_problems(
             f"{caps.why_not('accumulates_offloaded_grads')}. Set gradient_accumulation_steps=1, "
             "optimizer.offload_gradients=False, or optimizer._component_=torchtune_offload.OffloadOptimizer."
         )
+    for key in ("master_dtype", "grad_sum_dtype"):
+        value = cfg.optimizer.get(key)
+        if value is None:
+            continue
+        if not caps.precision_policy:
+            problems.append(f"optimizer.{key}={value} with {component}: {caps.why_not('precision_policy')}. "
+                            f"Remove it (~optimizer.{key}).")
+            continue
+        try:
+            precision_option(value, key=key)
+        except ValueError as err:
+            problems.append(str(err))
     if caps.device_types is not None and device_type not in caps.device_types:
         problems.append(
             f"device={cfg.device} with {component}: {caps.why_not('device_types')}. Use "

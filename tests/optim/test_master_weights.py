@@ -1,0 +1,138 @@
+"""fp32 master weights for a bf16 model: the masters follow plain fp32 AdamW fed the same gradients,
+the model's weights are their bf16 rounding, and checkpoints carry the masters."""
+
+import pytest
+import torch
+
+from tests.optim.side_by_side import batches, tiny_model, train
+from torchtune_offload import OffloadOptimizer
+from torchtune_offload.optim.offload_optimizer import _Slot
+
+MINIMAL_SIZE = 1000  # the three weights step on the host, the biases on the device
+
+
+def _bf16_model():
+    return tiny_model().to(torch.bfloat16)
+
+
+def _record_fed_gradients(monkeypatch):
+    """Records, per parameter, the fp32 gradient each master is fed (what plain AdamW gets below)."""
+    fed = {}
+    original = OffloadOptimizer._step_slot
+
+    def recording(self, slot: _Slot, grad: torch.Tensor) -> None:
+        fed.setdefault(slot.key, []).append(grad.detach().float().cpu().clone())
+        fed.setdefault("lr", {})[len(fed[slot.key]) - 1] = self.param_groups[slot.group_index]["lr"]
+        original(self, slot, grad)
+
+    monkeypatch.setattr(OffloadOptimizer, "_step_slot", recording)
+    return fed
+
+
+def _plain_fp32_adamw(initial, fed, *, steps, lr_at):
+    """Plain AdamW on fp32 copies of the initial weights, fed the recorded gradients."""
+    masters = {n: p.detach().float().clone().requires_grad_() for n, p in initial.items()}
+    opt = torch.optim.AdamW(masters.values(), lr=lr_at(0), weight_decay=0.1)
+    for i in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(i)
+        for name, p in masters.items():
+            p.grad = fed[name][i].to(p.device)
+        opt.step()
+    return masters
+
+
+@pytest.mark.parametrize("grad_sum_dtype", [None, "fp32"])
+@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("grad_accum", [1, 3])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_masters_follow_plain_fp32_adamw(monkeypatch, grad_sum_dtype, offload_gradients, grad_accum, clip):
+    fed = _record_fed_gradients(monkeypatch)
+    model = _bf16_model()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", master_dtype="fp32",
+                           grad_sum_dtype=grad_sum_dtype, offload_gradients=offload_gradients,
+                           minimal_size=MINIMAL_SIZE, lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)
+    data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(num=4 * grad_accum)]
+    train(model, opt, data, grad_accum=grad_accum, clip=clip, scheduler=sched,
+          scale_grads=opt.scale_grads_, clip_grads=opt.clip_grad_norm_)
+    report = opt.memory_report()
+    assert report.num_offloaded == 3 and report.num_on_device == 3
+
+    reference = _plain_fp32_adamw(initial, fed, steps=4, lr_at=lambda i: fed["lr"][i])
+    for slot in opt._slots:
+        assert slot.step_param.dtype == torch.float32 and slot.param.dtype == torch.bfloat16
+        torch.testing.assert_close(slot.step_param.cpu(), reference[slot.key].detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(slot.param, slot.step_param.to(slot.param.device, torch.bfloat16))
+        assert not torch.equal(slot.param, initial[slot.key])  # training moved it
+    if grad_sum_dtype == "fp32":
+        assert all(s.host_grad.dtype == torch.float32 for s in opt._slots if s.offloaded)
+
+
+def test_small_updates_survive_in_the_master_and_are_lost_without_it():
+    # An update far below bf16's resolution at 1.0 (2**-8): pure bf16 AdamW rounds it away.
+    def run(master_dtype):
+        p = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+        opt = OffloadOptimizer([("w", p)], "torch.optim.SGD", master_dtype=master_dtype, lr=1e-4)
+        for _ in range(100):
+            p.grad = torch.ones_like(p)
+            opt.step()
+            opt.zero_grad()
+        return p
+    assert torch.equal(run(None), torch.ones(4096, dtype=torch.bfloat16))  # 100 steps of 1e-4 lost
+    # With the master: 1 - 100 * 1e-4 = 0.99, which bf16 represents as 0.98828125 or 0.9921875.
+    assert run("fp32").float().sub(0.99).abs().max() < 2**-8
+
+
+def test_checkpoint_carries_the_masters_and_resumes_exactly():
+    data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(num=6)]
+
+    def make():
+        model = _bf16_model()
+        return model, OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", master_dtype="fp32",
+                                       minimal_size=MINIMAL_SIZE, lr=1e-2)
+
+    noop = lambda f: None  # noqa: E731
+    straight_model, straight = make()
+    train(straight_model, straight, data, grad_accum=1, clip=None, scale_grads=noop, clip_grads=None)
+
+    first_model, first = make()
+    train(first_model, first, data[:3], grad_accum=1, clip=None, scale_grads=noop, clip_grads=None)
+    saved = first.state_dict()
+    assert all(entry["master"].dtype == torch.float32 for entry in saved["state"].values())
+    resumed_model, resumed = make()
+    resumed_model.load_state_dict(first_model.state_dict())
+    resumed.load_state_dict(saved)
+    train(resumed_model, resumed, data[3:], grad_accum=1, clip=None, scale_grads=noop, clip_grads=None)
+    for a, b in zip(resumed._slots, straight._slots):
+        assert torch.equal(a.step_param, b.step_param) and torch.equal(a.param, b.param)
+
+    # A checkpoint without masters does not load into an optimizer with them, and says why.
+    plain_model = _bf16_model()
+    plain = OffloadOptimizer(plain_model.named_parameters(), "torch.optim.AdamW", minimal_size=MINIMAL_SIZE, lr=1e-2)
+    with pytest.raises(ValueError, match="master weights"):
+        make()[1].load_state_dict(plain.state_dict())
+
+
+@pytest.mark.parametrize("key", ["master_dtype", "grad_sum_dtype"])
+def test_only_fp32_or_unset_is_accepted(key):
+    with pytest.raises(ValueError, match=f"optimizer.{key}='fp16': use fp32"):
+        OffloadOptimizer(_bf16_model().named_parameters(), **{key: "fp16"})
+
+
+def test_plan_counts_fp32_masters_and_states():
+    model = _bf16_model().to("meta")
+    plan = OffloadOptimizer.plan_host_memory(model.named_parameters(), device="cpu", master_dtype="fp32",
+                                             grad_sum_dtype="fp32", minimal_size=MINIMAL_SIZE, lr=1.0)
+    real = OffloadOptimizer(_bf16_model().named_parameters(), master_dtype="fp32", grad_sum_dtype="fp32",
+                            minimal_size=MINIMAL_SIZE, lr=1.0)
+    big = [p for p in model.parameters() if p.numel() >= MINIMAL_SIZE]
+    n = sum(p.numel() for p in big)
+    assert plan.parts == {"parameter copies": 4 * n, "gradient buffers": 4 * n, "device-dtype copies": 2 * n,
+                          "optimizer state": 8 * n + 4 * len(big)}
+    for slot in real._slots:
+        if slot.offloaded:
+            slot.step_param.grad = torch.zeros_like(slot.step_param)
+            slot.optimizer.step()
+    assert real.memory_report().host_bytes == plan.total
