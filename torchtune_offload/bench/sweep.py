@@ -37,7 +37,8 @@ VARIANTS: Dict[str, Tuple[Dict[str, object], List[str], str]] = {
     "offload_grads": ({"_component_": "torchtune_offload.OffloadOptimizer", "optimizer_class": _ADAMW,
                        "offload_gradients": True}, [], "OffloadOptimizer, offload_gradients"),
 }
-OFFLOAD_ONLY_KEYS = ("optimizer_class", "offload_gradients", "minimal_size")
+OFFLOAD_ONLY_KEYS = ("optimizer_class", "offload_gradients", "minimal_size", "master_dtype", "grad_sum_dtype",
+                    "fused_master_step")
 _OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 GIB = 1024**3
 

@@ -17,6 +17,7 @@ import torch
 from torch.optim import Optimizer
 
 from torchtune_offload.optim.capabilities import OFFLOAD_STEPS_AFTER_BACKWARD, OptimizerCapabilities
+import torchtune_offload.optim.fused_step as fused_step
 from torchtune_offload.optim.grad_norm import clip_, total_norm
 from torchtune_offload.optim.host_allocator import release_freed_host_memory
 from torchtune_offload.optim.host_memory import HostMemoryPlan, offloaded_buffers_plan, pinned_allocation_bytes
@@ -147,6 +148,9 @@ class OffloadOptimizer(Optimizer):
         grad_sum_dtype: the dtype of host gradient buffers, in which ``offload_gradients`` sums
             micro-batches. ``None`` (default): the parameter's dtype, as plain training sums;
             ``"fp32"``: fp32 sums.
+        fused_master_step: with fp32 masters and an Adam/AdamW base, step each offloaded master in
+            one compiled pass that also writes the rounded copy (``optim/fused_step.py``); False, or
+            no compiler, takes the unfused path (widen the gradient, the base step, round).
         **kwargs: passed to the base optimizer, e.g. ``lr``, ``weight_decay``, ``betas``.
 
     Raises:
@@ -178,11 +182,15 @@ class OffloadOptimizer(Optimizer):
         minimal_size: int = 4096,
         master_dtype: Optional[Union[str, torch.dtype]] = None,
         grad_sum_dtype: Optional[Union[str, torch.dtype]] = None,
+        fused_master_step: bool = True,
         **kwargs: Any,
     ) -> None:
         base_class = resolve_optimizer_class(optimizer_class)
         self.master_dtype = precision_option(master_dtype, key="master_dtype")
         self.grad_sum_dtype = precision_option(grad_sum_dtype, key="grad_sum_dtype")
+        if not isinstance(fused_master_step, bool):
+            raise ValueError(f"optimizer.fused_master_step={fused_master_step!r} must be True or False.")
+        self.fused_master_step = fused_master_step
         if not isinstance(offload_gradients, bool):
             raise ValueError(
                 f"optimizer.offload_gradients={offload_gradients!r} must be True or False."
@@ -267,6 +275,7 @@ class OffloadOptimizer(Optimizer):
         minimal_size: int = 4096,
         master_dtype: Optional[Union[str, torch.dtype]] = None,
         grad_sum_dtype: Optional[Union[str, torch.dtype]] = None,
+        fused_master_step: bool = True,
         **kwargs: Any,
     ) -> HostMemoryPlan:
         """The host memory this optimizer would hold for ``params``, allocating nothing.
@@ -283,8 +292,10 @@ class OffloadOptimizer(Optimizer):
             minimal_size: as for the constructor.
             master_dtype: as for the constructor (masters of small parameters live on the device).
             grad_sum_dtype: as for the constructor.
+            fused_master_step: as for the constructor (it allocates nothing).
             **kwargs: the base optimizer's options.
         """
+        del fused_master_step
         base = resolve_optimizer_class(optimizer_class)
         trainable = [p for g in _named_groups(params) for _, p in g["params"] if p.requires_grad]
         pinned = torch.device(device).type != "cpu"
@@ -457,6 +468,9 @@ class OffloadOptimizer(Optimizer):
 
     def _step_slot(self, slot: _Slot, grad: torch.Tensor) -> None:
         """One base-optimizer step of ``slot`` on ``grad``; with a master, the result rounded into ``slot.out``."""
+        if (slot.has_master and slot.offloaded and self.fused_master_step and fused_step.supports(slot.optimizer)
+                and fused_step.fused_adamw_step(slot.optimizer, grad, slot.out)):
+            return
         # A master is fed the gradient widened to its dtype, as plain fp32 training would be.
         slot.step_param.grad = grad if grad.dtype == slot.step_param.dtype else grad.to(slot.step_param.dtype)
         slot.optimizer.step()

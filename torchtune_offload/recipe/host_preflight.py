@@ -31,7 +31,8 @@ from torchtune_offload.recipe.config import RecipeSettings
 GIB = 1024**3
 log = utils.get_logger("INFO")
 #: Optimizer keys that configure offloading, not the base optimizer.
-_OFFLOAD_KEYS = ("optimizer_class", "offload_gradients", "minimal_size")
+_OFFLOAD_KEYS = ("optimizer_class", "offload_gradients", "minimal_size", "master_dtype", "grad_sum_dtype",
+                    "fused_master_step")
 
 
 @dataclass

@@ -1,0 +1,144 @@
+"""Host optimizer-step throughput of each precision policy, side by side with torch's fused AdamW.
+
+Usage: python scripts/bench_host_step.py [--params 200e6] [--steps 10] [--threads N]
+
+Tensors are Llama 3.2 1B-shaped layers (attention 2048x2048 and 512x2048, MLP 8192x2048, norms),
+repeated until --params is reached, with random gradients. Each row times one whole host step over
+all of them (median of --steps after two warm-up steps, which include any compilation) and reports
+millions of parameters per second. The engine's rows time exactly the per-parameter step the
+offload engine runs on the host (`OffloadOptimizer._step_slot`), without the copies to and from a
+device. Prints a markdown table naming the CPU and the thread count.
+"""
+
+import argparse
+import platform
+import statistics
+import time
+from typing import Callable, List, Optional
+
+import torch
+
+from torchtune_offload import OffloadOptimizer
+
+LAYER = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192),
+         (2048,), (2048,)]
+
+
+def shapes(target: float) -> List[tuple]:
+    out = []
+    while sum(torch.Size(s).numel() for s in out) < target:
+        out.extend(LAYER)
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def params_of(dims: List[tuple], dtype: torch.dtype) -> List[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for s in dims:
+        p = torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype))
+        p.grad = (torch.randn(s, generator=gen) * 1e-3).to(dtype)
+        params.append(p)
+    return params
+
+
+def time_steps(step: Callable[[], None], steps: int) -> float:
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def torch_fused(dims, dtype):
+    params = params_of(dims, dtype)
+    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=True)
+    return opt.step
+
+
+def engine(dims, dtype, *, optimizer_class="torch.optim.AdamW", **options):
+    params = params_of(dims, dtype)
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    kwargs = {"fused": True} if optimizer_class == "torch.optim.AdamW" else {}
+    opt = OffloadOptimizer([(f"p{i}", p) for i, p in enumerate(params)], optimizer_class, minimal_size=0,
+                           lr=1e-5, weight_decay=0.01, **kwargs, **options)
+    for slot, g in zip(opt._slots, grads):
+        slot.host_grad.copy_(g)
+
+    def step():
+        for slot in opt._slots:
+            # With masters the rounded result overwrites the gradient buffer, as in training.
+            opt._step_slot(slot, slot.host_grad)
+
+    return step
+
+
+def deepspeed_cpu_adam(dims, dtype) -> Optional[Callable[[], None]]:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # optional: only where DeepSpeed installs
+
+    params = params_of(dims, dtype)
+    opt = DeepSpeedCPUAdam(params, lr=1e-5, weight_decay=0.01, adamw_mode=True)
+    return opt.step
+
+
+ROWS = {
+    "torch fused AdamW, fp32": lambda d: torch_fused(d, torch.float32),
+    "torch fused AdamW, bf16": lambda d: torch_fused(d, torch.bfloat16),
+    "engine, fp32 (default policy)": lambda d: engine(d, torch.float32),
+    "engine, bf16 (default policy)": lambda d: engine(d, torch.bfloat16),
+    "engine, fp32 master / bf16 device, fused pass": lambda d: engine(d, torch.bfloat16, master_dtype="fp32"),
+    "engine, fp32 master / bf16 device, unfused": lambda d: engine(d, torch.bfloat16, master_dtype="fp32",
+                                                                  fused_master_step=False),
+    "engine, bf16, bitsandbytes AdamW8bit states": lambda d: engine(d, torch.bfloat16,
+                                                                   optimizer_class="bitsandbytes.optim.AdamW8bit"),
+    "DeepSpeed CPUAdam, fp32": lambda d: deepspeed_cpu_adam(d, torch.float32),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=float, default=200e6, help="parameters to step (default 200e6)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per row, after 2 warm-up (default 10)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args()
+    if args.steps < 10:
+        parser.error("--steps must be at least 10")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dims = shapes(args.params)
+    numel = sum(torch.Size(s).numel() for s in dims)
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+          f"{numel / 1e6:.1f}M parameters in {len(dims)} Llama-shaped tensors; median of {args.steps} steps\n")
+    print("| host step | Mparam/s | vs torch fused fp32 |")
+    print("|---|---:|---:|")
+    baseline = None
+    for name, build in ROWS.items():
+        try:
+            step = build(dims)
+            seconds = time_steps(step, args.steps)
+        except Exception as err:  # a row whose library is missing or fails here is reported, not fatal
+            print(f"| {name} | n/a: {type(err).__name__}: {str(err).splitlines()[0][:80]} | |", flush=True)
+            continue
+        finally:
+            step = None
+        rate = numel / seconds / 1e6
+        baseline = baseline or rate
+        print(f"| {name} | {rate:.0f} | {rate / baseline:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
