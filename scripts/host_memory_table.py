@@ -24,6 +24,8 @@ POLICIES = {
     "OffloadOptimizer, AdamW (bf16 states)": (OffloadOptimizer, dict(optimizer_class=ADAMW), 1),
     "OffloadOptimizer, AdamW, offload_gradients + accumulation":
         (OffloadOptimizer, dict(optimizer_class=ADAMW, offload_gradients=True), 4),
+    "OffloadOptimizer, AdamW, master_dtype fp32 (fp32 masters and states)":
+        (OffloadOptimizer, dict(optimizer_class=ADAMW, master_dtype="fp32"), 1),
     "OffloadOptimizer, bitsandbytes AdamW8bit": (OffloadOptimizer, dict(optimizer_class="bitsandbytes.optim.AdamW8bit"), 1),
     "torchao CPUOffloadOptimizer, AdamW": (CPUOffloadOptimizer, dict(optimizer_class=ADAMW), 1),
 }
