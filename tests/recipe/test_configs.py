@@ -188,8 +188,8 @@ def test_config_passes_its_recipes_own_check(path, monkeypatch):
     kinds = {RECIPE_KIND[r] for r in recipes if r in RECIPE_KIND}
     if not kinds:
         pytest.skip(f"{_rel(path)} launches {sorted(recipes)}, which this test does not map")
-    # Only the final device/dtype lookup needs the configured hardware: stub it on this machine.
-    monkeypatch.setattr(torchtune.utils, "get_device", lambda device=None: torch.device("cpu"))
+    # Only the device/dtype lookups need the configured hardware: stub them as if it were here.
+    monkeypatch.setattr(torchtune.utils, "get_device", lambda device=None: torch.device(device or "cpu"))
     monkeypatch.setattr(torchtune.training, "get_dtype", lambda dtype=None, device=None: torch.float32)
     cfg = _load(path)
     expected_class = _get_component_from_path(cfg.optimizer._component_)

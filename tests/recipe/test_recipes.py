@@ -389,7 +389,25 @@ BAD_CONFIGS = [
           ["enable_activation_offloading=True", "enable_activation_checkpointing=True"],
           "enable_activation_offloading=True needs device=cuda", kind="lora"),
     _case("low_cpu_ram", ["low_cpu_ram=True"], "low_cpu_ram=True", kind="lora"),
+    _case("offload_option_typo", [*OFFLOAD, "optimizer.offload_gradient=True"],
+          "optimizer.offload_gradient: not an option of OffloadOptimizer (base AdamW)",
+          "Did you mean 'offload_gradients'"),
+    _case("base_option_typo", [*OFFLOAD, "optimizer.weight_decy=0.1"], "Did you mean 'weight_decay'"),
+    _case("plain_option_typo", ["optimizer.betas1=0.9"], "optimizer.betas1: not an option of AdamW",
+          "Did you mean 'betas'"),
+    _case("lr_not_a_number", ["optimizer.lr=fast"], "optimizer: AdamW refuses its options"),
+    _case("negative_lr", [*OFFLOAD, "optimizer.lr=-1"], "OffloadOptimizer refuses its options",
+          "Invalid learning rate"),
+    _case("negative_minimal_size", [*OFFLOAD, "optimizer.minimal_size=-1"],
+          "optimizer.minimal_size=-1 must be a non-negative integer"),
+    _case("lora_option_typo", ["optimizer.lrr=1e-3"], "Did you mean 'lr'", kind="lora"),
 ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_device_cuda_without_one_is_refused_not_run_on_the_cpu(tiny_assets, tmp_path):
+    message = _bad("full", tiny_assets, tmp_path, "device=cuda")
+    assert "device=cuda: this machine has no cuda device" in message and "Set device=cpu" in message
 
 
 @pytest.mark.parametrize("kind, overrides, delete, expected", BAD_CONFIGS)

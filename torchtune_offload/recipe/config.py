@@ -6,12 +6,13 @@ problem found is reported in one ``ValueError`` that names the key and the fix.
 """
 
 import difflib
+import inspect
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import torch
 import torchao.optim
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torchtune import training, utils
 
 from torchtune_offload.distributed.policies import policy_problems
@@ -171,11 +172,20 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
     device_name = str(cfg.device)
     if device_name.split(":")[0] not in ("cpu", "cuda", "xpu", "npu", "mps"):
         problems.append(f"device={device_name!r}: use cpu, cuda or xpu.")
+    requested = device_name.split(":")[0]
+    if requested in ("cuda", "xpu", "npu", "mps") and utils.get_device(device=device_name).type != requested:
+        # torchtune's get_device falls back to the CPU without a word; a run meant for a GPU must not.
+        problems.append(f"device={device_name}: this machine has no {requested} device that PyTorch can use. "
+                        "Set device=cpu to train on the CPU, or check the driver and the torch build.")
     dtype_name = str(cfg.dtype)
     if dtype_name not in ("fp32", "bf16"):
         problems.append(f"dtype={dtype_name!r}: use bf16 or fp32 (fp16 full training is not supported).")
     is_cuda = device_name.startswith("cuda")
 
+    if caps is not None and optimizer_class is not None:
+        # Building the optimizer on a probe repeats the checks above: only when they passed.
+        probe = not any(p.startswith("optimizer.") for p in problems)
+        problems.extend(_optimizer_option_problems(cfg.optimizer, optimizer_class, caps, probe=probe))
     if caps is not None:
         problems.extend(_optimizer_problems(
             cfg, caps, in_bwd=in_bwd, clip=clip, accum=accum,
@@ -238,6 +248,64 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
         fsdp_reshard_after_forward=flags["fsdp_reshard_after_forward"],
         host_memory_check=flags["host_memory_check"],
     )
+
+
+def _keyword_names(cls: type, *, kwargs_go_elsewhere: bool = False) -> Optional[set]:
+    """The keyword options ``cls(params, ...)`` takes, or None if it takes any (``**kwargs``).
+
+    Args:
+        kwargs_go_elsewhere: ``**kwargs`` are forwarded to another class (an offloader's base
+            optimizer), whose own names are checked separately.
+    """
+    names = set()
+    for name, param in list(inspect.signature(cls.__init__).parameters.items())[2:]:  # self, params
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            if kwargs_go_elsewhere:
+                continue
+            return None
+        if param.kind is not inspect.Parameter.VAR_POSITIONAL:
+            names.add(name)
+    return names
+
+
+def _optimizer_option_problems(
+    cfg_optimizer: DictConfig, component: type, caps: OptimizerCapabilities, *, probe: bool
+) -> List[str]:
+    """Unknown ``optimizer:`` keys (with the closest valid name) and values the optimizer refuses.
+
+    The optimizer is built on a one-element CPU parameter, so its own checks run before any weight
+    is read; only the base optimizer is built for an offloader that needs an accelerator (torchao's).
+    """
+    options = {k: v for k, v in OmegaConf.to_container(cfg_optimizer, resolve=True).items() if k != "_component_"}
+    base = None
+    if caps.offloads:
+        try:
+            base = resolve_optimizer_class(options.get("optimizer_class", "torch.optim.AdamW"))
+        except ValueError:
+            return []  # reported by the optimizer_class check
+    own = _keyword_names(component, kwargs_go_elsewhere=base is not None)
+    theirs = _keyword_names(base) if base is not None else set()
+    problems = []
+    if own is not None and theirs is not None:
+        valid = own | theirs
+        for key in sorted(set(options) - valid):
+            close = difflib.get_close_matches(key, sorted(valid), n=1)
+            hint = f"Did you mean '{close[0]}'?" if close else f"Valid options: {', '.join(sorted(valid))}."
+            name = component.__name__ + (f" (base {base.__name__})" if base is not None else "")
+            problems.append(f"optimizer.{key}: not an option of {name}. {hint}")
+    if problems or not probe:
+        return problems
+    param = torch.nn.Parameter(torch.zeros(1))
+    try:
+        if caps.offloads and caps.device_types is not None:
+            base([param], **{k: v for k, v in options.items() if k not in (own or ())})
+        elif caps.named_parameters:
+            component([("probe", param)], **options)
+        else:
+            component([param], **options)
+    except (ValueError, TypeError, RuntimeError) as err:
+        problems.append(f"optimizer: {component.__name__} refuses its options: {err}")
+    return problems
 
 
 def _optimizer_problems(
