@@ -49,6 +49,7 @@ from torchtune_offload.recipe import (
     build_metric_logger,
     build_optimizer,
     build_profiler,
+    check_files,
     check_recipe_config,
     instantiate_model,
     load_checkpoint,
@@ -79,6 +80,7 @@ class FullFinetuneRecipeDistributed:
 
     def __init__(self, cfg: DictConfig) -> None:
         self.settings = s = check_recipe_config(cfg, recipe="distributed")
+        check_files(cfg)  # missing or damaged files fail here, not after the weights load
         self._policy = parse_shard_policy(
             cfg.get("fsdp_shard_policy"), custom_sharded_layers=cfg.get("custom_sharded_layers")
         )

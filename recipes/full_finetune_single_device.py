@@ -27,6 +27,7 @@ from torchtune_offload.recipe import (
     build_optimizer,
     build_profiler,
     check_host_memory,
+    check_files,
     check_recipe_config,
     instantiate_model,
     load_checkpoint,
@@ -48,6 +49,7 @@ class FullFinetuneRecipeSingleDevice:
         self.settings = check_recipe_config(cfg, recipe="full")
         # Before anything is loaded: a run that cannot fit host memory fails here, with figures.
         self.host_memory = check_host_memory(cfg, self.settings)
+        check_files(cfg)  # missing or damaged files fail here, not after the weights load
         self.progress = Progress.start(self.settings)
         # What cleanup() closes; set by setup(), which may fail part-way.
         self._metric_logger = None

@@ -18,6 +18,7 @@ from torchtune_offload.recipe.builders import (
 )
 from torchtune_offload.recipe.config import RecipeSettings, check_recipe_config, resolve_optimizer_component
 from torchtune_offload.recipe.disk_log import read_disk_log
+from torchtune_offload.recipe.file_checks import check_files
 from torchtune_offload.recipe.host_preflight import HostMemoryNeed, check_host_memory, host_memory_need
 from torchtune_offload.recipe.grad_math import GradientStepper, loss_scale, sum_over_ranks
 from torchtune_offload.recipe.memory import MemoryMonitor
@@ -37,6 +38,7 @@ __all__ = [
     "build_metric_logger",
     "build_optimizer",
     "build_profiler",
+    "check_files",
     "check_host_memory",
     "check_recipe_config",
     "host_memory_need",

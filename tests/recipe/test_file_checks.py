@@ -1,0 +1,89 @@
+"""Missing or damaged files are refused in the recipe's __init__, naming the key, the file and the fix."""
+
+import shutil
+
+import pytest
+
+from tests.recipe.test_recipes import _config, _load_recipe_class
+from torchtune_offload.recipe.file_checks import file_problems, safetensors_problem
+
+
+@pytest.fixture
+def assets_copy(tiny_assets, tmp_path):
+    """A private copy of the tiny assets, to damage."""
+    return shutil.copytree(tiny_assets, tmp_path / "assets")
+
+
+def _refusal(kind, assets, tmp_path, *overrides):
+    cfg = _config(kind, assets, tmp_path / "out", list(overrides))
+    with pytest.raises(ValueError) as err:
+        _load_recipe_class(kind)(cfg)
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+    return str(err.value)
+
+
+def _truncate(path, keep):
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])
+
+
+def test_missing_checkpoint_dir(assets_copy, tmp_path):
+    message = _refusal("full", assets_copy, tmp_path, f"checkpointer.checkpoint_dir={tmp_path / 'nope'}")
+    assert f"checkpointer.checkpoint_dir={tmp_path / 'nope'}: no such directory" in message
+
+
+def test_missing_checkpoint_file(assets_copy, tmp_path):
+    message = _refusal("lora", assets_copy, tmp_path, "checkpointer.checkpoint_files=[model-2.safetensors]")
+    assert "checkpointer.checkpoint_files: model-2.safetensors is not in" in message
+
+
+@pytest.mark.parametrize("keep, why", [(5000, "truncated"), (1000, "header claims"), (4, "no readable safetensors header")])
+def test_damaged_safetensors(assets_copy, tmp_path, keep, why):
+    _truncate(assets_copy / "model" / "model.safetensors", keep)
+    message = _refusal("full", assets_copy, tmp_path)
+    assert "is not a complete safetensors file" in message and why in message and "Download it again" in message
+
+
+def test_the_intact_file_passes(tiny_assets):
+    assert safetensors_problem(tiny_assets / "model" / "model.safetensors") is None
+
+
+@pytest.mark.parametrize("key", ["path", "special_tokens_path"])
+def test_missing_tokenizer_files(assets_copy, tmp_path, key):
+    message = _refusal("full", assets_copy, tmp_path, f"tokenizer.{key}={tmp_path / 'tok.model'}")
+    assert f"tokenizer.{key}={tmp_path / 'tok.model'}: no such file" in message
+
+
+@pytest.mark.parametrize("content, why", [
+    ("", "it is empty"),
+    ('{"input": "a", "output": "b"}\nnot json\n', "line 2 is not JSON"),
+])
+def test_bad_dataset_file(assets_copy, tmp_path, content, why):
+    (assets_copy / "data" / "train.json").write_text(content)
+    message = _refusal("full", assets_copy, tmp_path)
+    assert "dataset.data_files:" in message and why in message
+
+
+def test_missing_dataset_file(assets_copy, tmp_path):
+    message = _refusal("full", assets_copy, tmp_path, f"dataset.data_files={tmp_path / 'd.json'}")
+    assert f"dataset.data_files: {tmp_path / 'd.json'} not found" in message
+
+
+def test_every_file_problem_is_listed_at_once(assets_copy, tmp_path):
+    (assets_copy / "data" / "train.json").write_text("")
+    cfg = _config("full", assets_copy, tmp_path, [f"tokenizer.path={tmp_path / 'x'}",
+                                                  f"checkpointer.checkpoint_dir={tmp_path / 'y'}"])
+    assert len(file_problems(cfg)) == 3
+
+
+def test_the_distributed_recipe_checks_files_too(assets_copy, tmp_path):
+    from omegaconf import OmegaConf
+
+    from tests.distributed.test_distributed_recipe import CONFIG
+    from tests.recipe_harness import load_recipe_module, tiny_asset_overrides
+
+    cfg = OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(
+        [*tiny_asset_overrides(assets_copy), "device=cpu", f"output_dir={tmp_path}",
+         f"tokenizer.path={tmp_path / 'gone'}"]))
+    with pytest.raises(ValueError, match="tokenizer.path=.*: no such file"):
+        load_recipe_module("full_finetune_distributed").FullFinetuneRecipeDistributed(cfg)

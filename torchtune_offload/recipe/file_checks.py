@@ -1,0 +1,118 @@
+"""The files a run will read, checked before any of them is loaded.
+
+A missing or damaged file otherwise surfaces minutes into a run, after the weights are loaded, as a
+library's error that names no config key. Here each problem names its key, the file and the fix.
+Checks are cheap: existence, the safetensors header against the file's size (a truncated download),
+and that a JSON dataset is not empty and parses.
+"""
+
+import json
+import struct
+from pathlib import Path
+from typing import Any, Iterable, List, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+#: Dataset sources read from local files (``datasets.load_dataset(source, data_files=...)``).
+_LOCAL_SOURCES = ("json", "csv", "text", "parquet", "arrow")
+
+
+def _listed(value: Any) -> List[str]:
+    if value is None:
+        return []
+    if isinstance(value, (list, ListConfig)):
+        return [str(v) for v in value]
+    return [str(value)]
+
+
+def safetensors_problem(path: Path) -> Optional[str]:
+    """Why ``path`` is not a complete safetensors file, or None: its header must parse and the data
+    it describes must end where the file does."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                return f"its header claims {header_len} bytes but the file has {size}"
+            header = json.loads(f.read(header_len))
+    except (struct.error, ValueError, UnicodeDecodeError) as err:
+        return f"it has no readable safetensors header ({type(err).__name__})"
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    expected = 8 + header_len + max(ends, default=0)
+    if size < expected:
+        return f"it is truncated: {size} bytes of {expected}"
+    return None
+
+
+def _json_problem(path: Path) -> Optional[str]:
+    text = path.read_text(errors="replace")
+    if not text.strip():
+        return "it is empty"
+    try:
+        json.loads(text)  # one JSON document (a list of records)
+        return None
+    except ValueError:
+        pass
+    for number, line in enumerate(text.splitlines(), 1):  # else JSON Lines: one record per line
+        if line.strip():
+            try:
+                json.loads(line)
+            except ValueError as err:
+                return f"line {number} is not JSON ({err.msg})"
+    return None
+
+
+def _checkpoint_problems(ck: DictConfig) -> Iterable[str]:
+    directory = Path(str(ck.get("checkpoint_dir", "")))
+    if not directory.is_dir():
+        yield (f"checkpointer.checkpoint_dir={directory}: no such directory. Point it at the downloaded "
+               "checkpoint (tune download ...) or a random-init one (python -m torchtune_offload.assets "
+               "--real-arch ...).")
+        return
+    files = ck.get("checkpoint_files")
+    if not isinstance(files, (list, ListConfig)):
+        return  # a filename pattern: torchtune expands it
+    for name in _listed(files):
+        path = directory / name
+        if not path.is_file():
+            yield f"checkpointer.checkpoint_files: {name} is not in {directory}. List the files that are there."
+        elif path.suffix == ".safetensors":
+            why = safetensors_problem(path)
+            if why:
+                yield f"checkpointer.checkpoint_files: {path} is not a complete safetensors file: {why}. Download it again."
+
+
+def _dataset_problems(cfg_dataset: Any, key: str) -> Iterable[str]:
+    if isinstance(cfg_dataset, (list, ListConfig)):
+        for i, entry in enumerate(cfg_dataset):
+            yield from _dataset_problems(entry, f"{key}[{i}]")
+        return
+    if not isinstance(cfg_dataset, DictConfig) or str(cfg_dataset.get("source", "")) not in _LOCAL_SOURCES:
+        return  # a Hub dataset or a component with its own inputs
+    for name in _listed(cfg_dataset.get("data_files")):
+        path = Path(name)
+        if not path.is_file():
+            yield f"{key}.data_files: {path} not found. Build it or point the key at your data file."
+        elif cfg_dataset.source == "json":
+            why = _json_problem(path)
+            if why:
+                yield f"{key}.data_files: {path} cannot be read as JSON or JSON Lines: {why}."
+
+
+def file_problems(cfg: DictConfig) -> List[str]:
+    """Every problem with the files ``cfg`` names: checkpoint, tokenizer, local dataset files."""
+    problems = list(_checkpoint_problems(cfg.checkpointer))
+    for key in ("path", "special_tokens_path", "merges_file"):
+        value = OmegaConf.select(cfg, f"tokenizer.{key}")
+        if value is not None and not Path(str(value)).is_file():
+            problems.append(f"tokenizer.{key}={value}: no such file. Point it at the tokenizer files of "
+                            "the checkpoint (original/tokenizer.model for Llama 3).")
+    problems.extend(_dataset_problems(cfg.dataset, "dataset"))
+    return problems
+
+
+def check_files(cfg: DictConfig) -> None:
+    """Raises one ``ValueError`` listing every problem of :func:`file_problems`, if any."""
+    problems = file_problems(cfg)
+    if problems:
+        raise ValueError("Files the config names cannot be used:\n  - " + "\n  - ".join(problems))
