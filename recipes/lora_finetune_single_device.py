@@ -56,7 +56,7 @@ class LoRAFinetuneRecipeSingleDevice:
         # Before anything is loaded: a run that cannot fit host memory fails here, with figures.
         self.host_memory = check_host_memory(
             cfg, self.settings, mark_trainable=lambda model: set_trainable_params(model, get_adapter_params(model)))
-        check_files(cfg)  # missing or damaged files fail here, not after the weights load
+        check_files(cfg, adapter=True)  # missing or damaged files fail here, not after the weights load
         self.progress = Progress.start(self.settings)
         self._lora = {
             "rank": cfg.model.lora_rank,

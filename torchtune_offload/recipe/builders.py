@@ -58,6 +58,40 @@ def instantiate_model(cfg_model: DictConfig, settings: RecipeSettings, *, device
     return model
 
 
+def _saved_optimizer_kind(state_dict: Any) -> str:
+    """Which kind of optimizer wrote ``state_dict``, read from its layout."""
+    if not isinstance(state_dict, dict):
+        return f"something that is not an optimizer state ({type(state_dict).__name__})"
+    if str(state_dict.get("format", "")).startswith("torchtune_offload.OffloadOptimizer"):
+        return "torchtune_offload.OffloadOptimizer"
+    if "offloaded" in state_dict:
+        return "torchao's CPUOffloadOptimizer (torchtune_offload.CPUOffloadOptimizer)"
+    if {"state", "param_groups"} <= set(state_dict):
+        return "a plain optimizer (torch.optim, bitsandbytes)"
+    return "per-parameter optimizers (optimizer_in_bwd=True)"
+
+
+def _load_optimizer_state(target: Any, state_dict: Dict[str, Any], cfg_optimizer: DictConfig, settings: RecipeSettings) -> None:
+    """Loads a saved optimizer state, refusing one written by another kind of optimizer with how to go on."""
+    if settings.optimizer_in_bwd:
+        mine = "per-parameter optimizers (optimizer_in_bwd=True)"
+    elif settings.optimizer_class.__name__ == "OffloadOptimizer":
+        mine = "torchtune_offload.OffloadOptimizer"
+    elif settings.optimizer_capabilities.offloads:
+        mine = "torchao's CPUOffloadOptimizer (torchtune_offload.CPUOffloadOptimizer)"
+    else:
+        mine = "a plain optimizer (torch.optim, bitsandbytes)"
+    saved = _saved_optimizer_kind(state_dict)
+    if saved != mine:
+        raise ValueError(
+            f"resume_from_checkpoint=True: the checkpoint's optimizer state was written by {saved}, and this "
+            f"run's optimizer is {mine} (optimizer._component_={cfg_optimizer._component_}, "
+            f"optimizer_in_bwd={settings.optimizer_in_bwd}). Resume with the optimizer settings that wrote "
+            "it, or start fresh from the saved weights with resume_from_checkpoint=False."
+        )
+    target.load_state_dict(state_dict)
+
+
 def build_optimizer(
     cfg_optimizer: DictConfig,
     model: nn.Module,
@@ -75,7 +109,7 @@ def build_optimizer(
         training.register_optim_in_bwd_hooks(model=model, optim_dict=optim_dict)
         wrapper = training.create_optim_in_bwd_wrapper(model=model, optim_dict=optim_dict)
         if state_dict is not None:
-            wrapper.load_state_dict(state_dict)
+            _load_optimizer_state(wrapper, state_dict, cfg_optimizer, settings)
         return None, wrapper
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if settings.optimizer_capabilities.named_parameters:
@@ -85,7 +119,7 @@ def build_optimizer(
         # Plain, bitsandbytes and torchao's optimizers take tensors, as in torchtune's recipes.
         optimizer = config.instantiate(cfg_optimizer, [p for _, p in trainable])
     if state_dict is not None:
-        optimizer.load_state_dict(state_dict)
+        _load_optimizer_state(optimizer, state_dict, cfg_optimizer, settings)
     return optimizer, None
 
 

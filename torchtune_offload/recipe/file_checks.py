@@ -62,7 +62,7 @@ def _json_problem(path: Path) -> Optional[str]:
     return None
 
 
-def _checkpoint_problems(ck: DictConfig) -> Iterable[str]:
+def _checkpoint_problems(ck: DictConfig, *, resume: bool, adapter: bool) -> Iterable[str]:
     directory = Path(str(ck.get("checkpoint_dir", "")))
     if not directory.is_dir():
         yield (f"checkpointer.checkpoint_dir={directory}: no such directory. Point it at the downloaded "
@@ -72,6 +72,9 @@ def _checkpoint_problems(ck: DictConfig) -> Iterable[str]:
     files = ck.get("checkpoint_files")
     if not isinstance(files, (list, ListConfig)):
         return  # a filename pattern: torchtune expands it
+    if resume and not adapter:
+        # As torchtune resolves them: a full fine-tune resumes from the weights it saved.
+        directory = Path(str(ck.get("output_dir", directory)))
     for name in _listed(files):
         path = directory / name
         if not path.is_file():
@@ -99,9 +102,16 @@ def _dataset_problems(cfg_dataset: Any, key: str) -> Iterable[str]:
                 yield f"{key}.data_files: {path} cannot be read as JSON or JSON Lines: {why}."
 
 
-def file_problems(cfg: DictConfig) -> List[str]:
-    """Every problem with the files ``cfg`` names: checkpoint, tokenizer, local dataset files."""
-    problems = list(_checkpoint_problems(cfg.checkpointer))
+def file_problems(cfg: DictConfig, *, adapter: bool = False) -> List[str]:
+    """Every problem with the files ``cfg`` names: checkpoint, tokenizer, local dataset files.
+
+    Args:
+        cfg: the recipe config.
+        adapter: the recipe trains adapters (LoRA), whose resume reads the base weights from
+            ``checkpoint_dir`` rather than from the run's output.
+    """
+    resume = cfg.get("resume_from_checkpoint") is True
+    problems = list(_checkpoint_problems(cfg.checkpointer, resume=resume, adapter=adapter))
     for key in ("path", "special_tokens_path", "merges_file"):
         value = OmegaConf.select(cfg, f"tokenizer.{key}")
         if value is not None and not Path(str(value)).is_file():
@@ -111,8 +121,8 @@ def file_problems(cfg: DictConfig) -> List[str]:
     return problems
 
 
-def check_files(cfg: DictConfig) -> None:
+def check_files(cfg: DictConfig, *, adapter: bool = False) -> None:
     """Raises one ``ValueError`` listing every problem of :func:`file_problems`, if any."""
-    problems = file_problems(cfg)
+    problems = file_problems(cfg, adapter=adapter)
     if problems:
         raise ValueError("Files the config names cannot be used:\n  - " + "\n  - ".join(problems))

@@ -1,0 +1,19 @@
+"""Resuming with another kind of optimizer than the one that saved the state is refused, saying how to go on."""
+
+import pytest
+
+from tests.recipe.test_recipes import FULL_OFFLOAD, RESUME, WEIGHTS, run_recipe
+
+
+@pytest.mark.parametrize("saved_with, resumed_with, saved_kind", [
+    ([], FULL_OFFLOAD, "a plain optimizer"),
+    (FULL_OFFLOAD, [], "torchtune_offload.OffloadOptimizer"),
+])
+def test_resume_with_another_optimizer_is_refused(tiny_assets, tmp_path, saved_with, resumed_with, saved_kind):
+    run_recipe("full", tiny_assets, tmp_path, *RESUME, *saved_with, stop_after_epoch=0)
+    resume = ["resume_from_checkpoint=True", f"checkpointer.checkpoint_files=[epoch_0/{WEIGHTS}]"]
+    with pytest.raises(ValueError) as err:
+        run_recipe("full", tiny_assets, tmp_path, *RESUME, *resumed_with, *resume)
+    message = str(err.value)
+    assert f"the checkpoint's optimizer state was written by {saved_kind}" in message
+    assert "resume_from_checkpoint=False" in message
