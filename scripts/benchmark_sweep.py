@@ -3,14 +3,17 @@
 Usage:
     python scripts/benchmark_sweep.py --config configs/llama3_2/1B_full_paged_adamw.yaml --steps 20 \
         [--variants adamw,paged_adamw,...] [--gpu-memory-gib 24] [--output-dir outputs/sweep] \
-        [--timeout-s 600] [-- key=value ...]
+        [--timeout-s 600] [--wandb PROJECT [--wandb-group NAME]] [-- key=value ...]
 
 Each variant is a real `tune run` of recipes/full_finetune_single_device.py with the optimizer swapped
 on the command line; everything after `--` goes to every run (e.g. a random-init checkpoint and
 synthetic data, see docs/gpu_results.md). One epoch of `--steps` steps; tok/s is the median over the
 steps after the first (warm-up). `--gpu-memory-gib N` leaves only N GiB of the GPU free, held by a
 ballast process, so bitsandbytes' unified memory is limited as on a smaller card. Writes
-results.md and results.json under the output directory, and each variant's log to <variant>/run.log.
+results.md, results.json and results.png (tok/s against peak memory, and the loss curves; needs
+matplotlib) under the output directory, and each variant's log to <variant>/run.log. With --wandb,
+each variant becomes one W&B run in one group, its steps and peaks included (WANDB_MODE=offline
+keeps them on disk).
 """
 
 import argparse
@@ -21,7 +24,7 @@ from pathlib import Path
 import torch
 
 from torchtune_offload.bench.ballast import GpuBallast
-from torchtune_offload.bench.sweep import VARIANTS, device_name, run_variant, write_results
+from torchtune_offload.bench.sweep import VARIANTS, device_name, log_to_wandb, run_variant, write_plot, write_results
 
 OPTIONS = {
     "--config": dict(required=True, help="a full fine-tune config"),
@@ -31,6 +34,8 @@ OPTIONS = {
     "--gpu-memory-gib": dict(type=float, default=None,
                              help="leave only this much GPU memory free (ballast in another process)"),
     "--timeout-s": dict(type=float, default=None, help="stop a variant after this many seconds"),
+    "--wandb": dict(default=None, metavar="PROJECT", help="log each variant as a W&B run of this project"),
+    "--wandb-group": dict(default=None, help="the runs' W&B group (default: the output directory's name)"),
 }
 
 
@@ -66,8 +71,19 @@ def main() -> None:
             print(f"[sweep] {i}/{len(names)} {name}: {r.status} in {r.seconds:.0f} s{tps}", flush=True)
             results.append(r)
             write_results(results, output_dir=output_dir, header=_header(device, limit, args, extra))
-    md = write_results(results, output_dir=output_dir, header=_header(device, limit, args, extra))
+    header = _header(device, limit, args, extra)
+    md = write_results(results, output_dir=output_dir, header=header)
     print(md.read_text())
+    try:
+        print(f"[sweep] plot: {write_plot(results, path=output_dir / 'results.png', title=header)}")
+    except ImportError:
+        print("[sweep] no plot: matplotlib is not installed (pip install 'torchtune-offload[bench]')")
+    if args.wandb:
+        group = args.wandb_group or output_dir.resolve().name
+        runs = log_to_wandb(results, project=args.wandb, group=group,
+                            config={"config": args.config, "steps": args.steps, "device": device,
+                                    "gpu_memory_gib": args.gpu_memory_gib, "overrides": " ".join(extra)})
+        print(f"[sweep] W&B project {args.wandb}, group {group}: {len(runs)} runs")
 
 
 def _header(device: str, limit: str, args: argparse.Namespace, extra: list) -> str:

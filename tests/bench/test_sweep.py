@@ -9,7 +9,14 @@ import torch
 from tests.recipe_harness import REPO, tiny_asset_overrides
 from torchtune_offload.bench.ballast import GpuBallast
 from torchtune_offload.bench.grad_probe import ENV, GradNormProbeAdamW, read_probe
-from torchtune_offload.bench.sweep import markdown_table, overrides_for, run_variant, write_results
+from torchtune_offload.bench.sweep import (
+    log_to_wandb,
+    markdown_table,
+    overrides_for,
+    run_variant,
+    write_plot,
+    write_results,
+)
 
 SYNTHETIC = ["dataset._component_=torchtune_offload.data.synthetic_dataset", "~dataset.source",
              "~dataset.data_files", "~dataset.split", "~dataset.train_on_input", "dataset.seq_len=64",
@@ -44,6 +51,20 @@ def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, mo
     assert [r["name"] for r in json.loads((tmp_path / "results.json").read_text())] == [
         "adamw", "offload", "paged_adamw8bit_in_bwd"]
     assert markdown_table(results).count("\n") == 4
+
+    # The plot: a PNG with both panels, the refused variant named in its title.
+    pytest.importorskip("matplotlib")
+    png = write_plot(results, path=tmp_path / "results.png", title="tiny")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+    # W&B: one offline run per variant, all in one group.
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    runs = log_to_wandb(results, project="tiny-sweep", group="g1", config={"config": CONFIG})
+    assert [r["name"] for r in runs] == ["adamw", "offload", "paged_adamw8bit_in_bwd"]
+    assert {r["group"] for r in runs} == {"g1"}
+    offline = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(offline) == 3 and all(any(d.glob("*.wandb")) for d in offline)
 
 
 def test_grad_probe_records_the_global_norm_per_step(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import json
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -177,3 +178,65 @@ def write_results(results: Sequence[VariantResult], *, output_dir: Path, header:
     md = output_dir / "results.md"
     md.write_text(f"{header}\n\n{markdown_table(results)}\n")
     return md
+
+
+def write_plot(results: Sequence[VariantResult], *, path: Path, title: str) -> Path:
+    """A PNG: tok/s against peak device memory per variant, and the loss curves.
+
+    The memory axis is NVML's peak for the run where there is one (it sees bitsandbytes' unified
+    memory), else the allocator's reserved peak, else (on a CPU device) the host RSS peak.
+    """
+    import matplotlib  # optional dependency (the `bench` extra)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in results if r.tokens_per_second is not None]
+    fig, (ax_speed, ax_loss) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, label in (("nvml_run_peak", "NVML peak, GiB"), ("peak_memory_reserved", "allocator reserved peak, GiB"),
+                       ("host_rss_peak", "host RSS peak, GiB (CPU device)")):
+        if ran and all(key in r.peaks_gib for r in ran):
+            break
+    for r in ran:
+        ax_speed.scatter(r.peaks_gib.get(key, 0.0), r.tokens_per_second)
+        ax_speed.annotate(r.name, (r.peaks_gib.get(key, 0.0), r.tokens_per_second), fontsize=8,
+                          xytext=(4, 4), textcoords="offset points")
+        rows = read_disk_log(r.output_dir)
+        ax_loss.plot([row["step"] for row in rows], [row["loss"] for row in rows], label=r.name)
+    ax_speed.set(xlabel=label, ylabel="tok/s (median)", title="speed against device memory")
+    ax_loss.set(xlabel="step", ylabel="loss", title="loss")
+    if ran:
+        ax_loss.legend(fontsize=8)
+    failed = [f"{r.name}: {r.status}" for r in results if r.tokens_per_second is None]
+    text = title + (" Not run: " + "; ".join(failed) if failed else "")
+    fig.suptitle("\n".join(textwrap.wrap(text, 150)), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def log_to_wandb(
+    results: Sequence[VariantResult], *, project: str, group: str, config: Dict[str, object]
+) -> List[Dict[str, str]]:
+    """One W&B run per variant in ``group``: its logged steps replayed, peaks and tok/s in the summary.
+
+    The runs log what the recipe wrote to its DiskLogger file, after the fact, so the sweep's
+    timings are not disturbed by W&B. ``WANDB_MODE=offline`` keeps them on disk.
+
+    Returns:
+        Per run: its ``id``, ``name`` and ``group``.
+    """
+    import wandb  # a dependency of the project, imported here to keep the sweep's start fast
+
+    ids = []
+    for r in results:
+        run = wandb.init(project=project, group=group, name=r.name, job_type="sweep", reinit="create_new",
+                         config={**config, "variant": r.name, "status": r.status})
+        for row in read_disk_log(r.output_dir) if r.steps else []:
+            run.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+        run.summary.update({"status": r.status, "tokens_per_second_median": r.tokens_per_second,
+                            **{f"{k}_gib": v for k, v in r.peaks_gib.items()}})
+        ids.append({"id": run.id, "name": run.name, "group": run.group})
+        run.finish()
+    return ids
