@@ -59,9 +59,10 @@ def main() -> None:
     device = device_name()
     output_dir = Path(args.output_dir)
     results = []
-    ballast = GpuBallast(leave_gib=args.gpu_memory_gib) if args.gpu_memory_gib else contextlib.nullcontext()
+    limited = args.gpu_memory_gib is not None
+    ballast = GpuBallast(leave_gib=args.gpu_memory_gib) if limited else contextlib.nullcontext()
     with ballast:
-        limit = f"; {ballast.report}" if args.gpu_memory_gib else "; whole device"
+        limit = f"; {ballast.report}" if limited else "; whole device"
         print(f"[sweep] {device}{limit}", flush=True)
         for i, name in enumerate(names, 1):
             print(f"[sweep] {i}/{len(names)} {name}: running (log {output_dir / name / 'run.log'})", flush=True)

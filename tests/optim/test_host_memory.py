@@ -138,3 +138,12 @@ def test_rss_growth_of_a_100m_parameter_model_matches_the_report(accum):
     assert figures["report"] == 16 * params + 4 * 24 + figures["staging"]
     assert figures["staging"] <= NUM_CHUNKS * CHUNK_BYTES
     assert figures["grown"] == pytest.approx(figures["report"], rel=0.05)
+
+
+def test_paged_optimizers_are_sized_without_probing():
+    bnb = pytest.importorskip("bitsandbytes")
+    params = [torch.empty(1000, device="meta")]
+    size, notes = optimizer_state_bytes(bnb.optim.PagedAdamW8bit, params, {"lr": 1.0})
+    assert size == 2000 and "not probed" in notes[0]
+    size, _ = optimizer_state_bytes(bnb.optim.PagedAdamW, params, {"lr": 1.0})
+    assert size == 8000

@@ -165,3 +165,42 @@ def test_the_fused_pass_runs_and_agrees_with_the_unfused_path(monkeypatch):
             torch.testing.assert_close(a.optimizer.state[a.step_param][key], b.optimizer.state[b.step_param][key],
                                        rtol=1e-4, atol=1e-8)  # fused multiply-adds round differently
         assert float(a.optimizer.state[a.step_param]["step"]) == float(b.optimizer.state[b.step_param]["step"]) == 4
+
+
+def test_after_a_step_the_reused_gradient_buffer_is_not_taken_for_a_gradient():
+    # master fp32, bf16 gradient buffers: the step writes the rounded weights over the gradient.
+    model = _bf16_model()
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", master_dtype="fp32",
+                           offload_gradients=True, minimal_size=MINIMAL_SIZE, lr=1e-2)
+    (x, y), = [(x.bfloat16(), y.bfloat16()) for x, y in batches(num=1)]
+    ((model(x) - y) ** 2).sum().backward()
+    assert opt.grad_norm() > 0
+    opt.step()
+    offloaded = [s for s in opt._slots if s.offloaded]
+    assert all(s.out is s.host_grad and not s.has_host_grad for s in offloaded)
+    opt.zero_grad(set_to_none=False)  # must not zero the buffer the new weights are copied from
+    assert all(torch.equal(s.host_grad, s.param.detach()) for s in offloaded)
+    # A backward without zero_grad starts a fresh host sum instead of adding onto the weights.
+    ((model(x) - y) ** 2).sum().backward()
+    grads = {s.key: s.host_grad.clone() for s in offloaded}
+    reference = _bf16_model()
+    reference.load_state_dict(model.state_dict())
+    ((reference(x) - y) ** 2).sum().backward()
+    for s in offloaded:
+        assert torch.equal(grads[s.key], dict(reference.named_parameters())[s.key].grad)
+
+
+def test_adam_with_decoupled_weight_decay_takes_adamw_math_in_the_fused_pass():
+    def masters(cls, **extra):
+        model = _bf16_model()
+        opt = OffloadOptimizer(model.named_parameters(), cls, master_dtype="fp32", minimal_size=MINIMAL_SIZE,
+                               lr=1e-2, weight_decay=0.1, **extra)
+        noop = lambda f: None  # noqa: E731
+        train(model, opt, [(x.bfloat16(), y.bfloat16()) for x, y in batches(num=3)], grad_accum=1, clip=None,
+              scale_grads=noop, clip_grads=None)
+        return [s.step_param for s in opt._slots]
+
+    if "decoupled_weight_decay" not in torch.optim.Adam.__init__.__code__.co_varnames:
+        pytest.skip("this torch's Adam has no decoupled_weight_decay")
+    for a, b in zip(masters("torch.optim.Adam", decoupled_weight_decay=True), masters("torch.optim.AdamW")):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -117,3 +117,10 @@ def test_a_misspelt_boolean_is_refused_not_taken_as_true(key):
 def test_a_misspelt_fsdp_boolean_is_reported_once(key):
     message = _problems("distributed", f"{key}=maybe")
     assert message.count(f"{key}='maybe': must be True or False.") == 1, message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_a_gpu_device_without_one_is_a_listed_problem(device):
+    message = _problems("full", f"device={device}")
+    assert f"device={device}: this machine has no cuda device" in message

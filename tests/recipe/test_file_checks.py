@@ -87,3 +87,24 @@ def test_the_distributed_recipe_checks_files_too(assets_copy, tmp_path):
          f"tokenizer.path={tmp_path / 'gone'}"]))
     with pytest.raises(ValueError, match="tokenizer.path=.*: no such file"):
         load_recipe_module("full_finetune_distributed").FullFinetuneRecipeDistributed(cfg)
+
+
+def test_dataset_paths_that_datasets_resolves_itself_are_not_refused(tmp_path):
+    from omegaconf import OmegaConf
+
+    good = tmp_path / "data"
+    good.mkdir()
+    (good / "a.json").write_text('{"input": "x", "output": "y"}\n')
+    (good / "b.json.gz").write_bytes(b"\x1f\x8b not checked")
+    cfg = OmegaConf.create({"checkpointer": {"checkpoint_dir": str(tmp_path), "checkpoint_files": {"filename_format": "x"}},
+                            "dataset": [
+                                {"source": "json", "data_files": {"train": str(good / "a.json")}},
+                                {"source": "json", "data_files": str(good / "*.json")},
+                                {"source": "json", "data_files": "hf://datasets/x/y.json"},
+                                {"source": "json", "data_files": "b.json.gz", "data_dir": str(good)},
+                                {"source": "tatsu-lab/alpaca"},
+                            ]})
+    assert file_problems(cfg) == []
+    cfg.dataset[0].data_files = {"train": str(good / "missing.json")}
+    assert file_problems(cfg) == [f"dataset[0].data_files: {good / 'missing.json'} not found. Build it or point the "
+                                  "key at your data file."]

@@ -17,3 +17,20 @@ def test_resume_with_another_optimizer_is_refused(tiny_assets, tmp_path, saved_w
     message = str(err.value)
     assert f"the checkpoint's optimizer state was written by {saved_kind}" in message
     assert "resume_from_checkpoint=False" in message
+
+
+def test_another_plain_optimizer_class_is_refused_too(tiny_assets, tmp_path):
+    run_recipe("full", tiny_assets, tmp_path, *RESUME, stop_after_epoch=0)
+    resume = ["resume_from_checkpoint=True", f"checkpointer.checkpoint_files=[epoch_0/{WEIGHTS}]"]
+    with pytest.raises(ValueError, match="a plain optimizer with the options"):
+        run_recipe("full", tiny_assets, tmp_path, *RESUME, *resume, "optimizer._component_=torch.optim.SGD")
+
+
+def test_the_preflight_counts_what_a_resume_loads(tiny_assets, tmp_path):
+    run_recipe("full", tiny_assets, tmp_path, *RESUME, *FULL_OFFLOAD, stop_after_epoch=0)
+    resume = ["resume_from_checkpoint=True", f"checkpointer.checkpoint_files=[epoch_0/{WEIGHTS}]"]
+    resumed = run_recipe("full", tiny_assets, tmp_path, *RESUME, *FULL_OFFLOAD, *resume)
+    need = resumed.recipe.host_memory
+    assert need.phases["loading the checkpoint"]["checkpoint files"] == (tmp_path / "epoch_0" / WEIGHTS).stat().st_size
+    state = tmp_path / "recipe_state" / "recipe_state.pt"
+    assert need.phases["training"]["optimizer state being loaded"] == state.stat().st_size

@@ -61,6 +61,11 @@ def supports(optimizer: torch.optim.Optimizer) -> bool:
     return all(bool(group.get(k, default)) == default for k, default in _UNSUPPORTED.items())
 
 
+def _decoupled(optimizer: torch.optim.Optimizer) -> bool:
+    """AdamW's decay, or Adam's when built with ``decoupled_weight_decay=True`` (torch >= 2.6)."""
+    return type(optimizer) is torch.optim.AdamW or bool(optimizer.param_groups[0].get("decoupled_weight_decay", False))
+
+
 def _state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Dict[str, Any]:
     """The parameter's state as torch's Adam keeps it (created as torch would on its first step)."""
     state = optimizer.state[param]
@@ -98,7 +103,7 @@ def fused_adamw_step(optimizer: torch.optim.Optimizer, grad: torch.Tensor, out: 
     flat = [t.detach().view(-1) for t in tensors]
     try:
         with torch.no_grad():
-            _compiled(type(optimizer) is torch.optim.AdamW, into_grad)(*flat, *scalars)
+            _compiled(_decoupled(optimizer), into_grad)(*flat, *scalars)
     except Exception as err:  # no C++ compiler, unsupported platform: fall back for good
         _broken = True
         warnings.warn(f"the fused master-weight AdamW step could not be compiled ({type(err).__name__}: "

@@ -144,7 +144,10 @@ class OffloadOptimizer(Optimizer):
             dtype, plain-optimizer math. ``"fp32"``: it steps on fp32 master weights (fp32 state
             too), on the host for offloaded parameters and on the device for the others, and the
             parameter becomes the master rounded to its dtype after each step; pure-bf16 training
-            loses small updates to rounding, this does not. The masters are checkpointed.
+            loses small updates to rounding, this does not. The masters are checkpointed. When the
+            gradient buffer has the parameter's dtype, the rounded weights are written over the
+            consumed gradient (no extra host buffer), so with ``offload_gradients`` a step leaves
+            no host gradient behind: the next backward starts a fresh sum, as after ``zero_grad()``.
         grad_sum_dtype: the dtype of host gradient buffers, in which ``offload_gradients`` sums
             micro-batches. ``None`` (default): the parameter's dtype, as plain training sums;
             ``"fp32"``: fp32 sums.
@@ -462,6 +465,10 @@ class OffloadOptimizer(Optimizer):
             self._finish_host_grad(slot)
             self._step_slot(slot, slot.host_grad)
             self._transfer.to_device(slot.param, slot.out if slot.has_master else slot.step_param)
+            if slot.out is slot.host_grad:
+                # The buffer now holds the new weights, not a gradient: nothing may read, scale,
+                # zero or add into it as one until the next backward writes a fresh gradient.
+                slot.has_host_grad = False
         # The next forward must see the new parameters.
         self._transfer.compute_waits_for_copies()
         return loss

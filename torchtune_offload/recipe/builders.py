@@ -82,6 +82,12 @@ def _load_optimizer_state(target: Any, state_dict: Dict[str, Any], cfg_optimizer
     else:
         mine = "a plain optimizer (torch.optim, bitsandbytes)"
     saved = _saved_optimizer_kind(state_dict)
+    if saved == mine and mine.startswith("a plain optimizer"):
+        # Plain optimizers of different classes differ in their options (AdamW's betas, SGD's momentum).
+        saved_options = set(state_dict["param_groups"][0]) - {"params"} if state_dict["param_groups"] else set()
+        my_options = set(target.param_groups[0]) - {"params"}
+        if saved_options != my_options:
+            saved = f"a plain optimizer with the options {sorted(saved_options)}, not {sorted(my_options)}"
     if saved != mine:
         raise ValueError(
             f"resume_from_checkpoint=True: the checkpoint's optimizer state was written by {saved}, and this "

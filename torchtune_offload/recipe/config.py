@@ -173,10 +173,15 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
     if device_name.split(":")[0] not in ("cpu", "cuda", "xpu", "npu", "mps"):
         problems.append(f"device={device_name!r}: use cpu, cuda or xpu.")
     requested = device_name.split(":")[0]
-    if requested in ("cuda", "xpu", "npu", "mps") and utils.get_device(device=device_name).type != requested:
-        # torchtune's get_device falls back to the CPU without a word; a run meant for a GPU must not.
-        problems.append(f"device={device_name}: this machine has no {requested} device that PyTorch can use. "
-                        "Set device=cpu to train on the CPU, or check the driver and the torch build.")
+    if requested in ("cuda", "xpu", "npu", "mps"):
+        try:
+            available = utils.get_device(device=device_name).type == requested
+        except (AssertionError, RuntimeError):  # e.g. cuda:0 on a torch built without CUDA
+            available = False
+        if not available:
+            # torchtune's get_device falls back to the CPU without a word; a run meant for a GPU must not.
+            problems.append(f"device={device_name}: this machine has no {requested} device that PyTorch can use. "
+                            "Set device=cpu to train on the CPU, or check the driver and the torch build.")
     dtype_name = str(cfg.dtype)
     if dtype_name not in ("fp32", "bf16"):
         problems.append(f"dtype={dtype_name!r}: use bf16 or fp32 (fp16 full training is not supported).")

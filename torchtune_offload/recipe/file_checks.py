@@ -17,12 +17,25 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 _LOCAL_SOURCES = ("json", "csv", "text", "parquet", "arrow")
 
 
+#: Compressed files ``datasets`` decompresses itself: their content is not checked here.
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4")
+#: Only JSON files up to this size are parsed whole; larger ones are checked by their first record.
+_PARSE_WHOLE_BYTES = 64 * 2**20
+
+
 def _listed(value: Any) -> List[str]:
     if value is None:
         return []
+    if isinstance(value, (dict, DictConfig)):  # split -> file(s)
+        return [f for v in value.values() for f in _listed(v)]
     if isinstance(value, (list, ListConfig)):
-        return [str(v) for v in value]
+        return [f for v in value for f in _listed(v)]
     return [str(value)]
+
+
+def _is_local_path(name: str) -> bool:
+    """A plain path: no URL scheme (hf://, https://) and no glob pattern, which ``datasets`` resolves."""
+    return "://" not in name and not any(c in name for c in "*?[")
 
 
 def safetensors_problem(path: Path) -> Optional[str]:
@@ -45,6 +58,21 @@ def safetensors_problem(path: Path) -> Optional[str]:
 
 
 def _json_problem(path: Path) -> Optional[str]:
+    if path.name.endswith(_COMPRESSED):
+        return None
+    if path.stat().st_size > _PARSE_WHOLE_BYTES:
+        # Large: cheap checks only, the first line of JSON Lines or the start of one document.
+        with open(path, errors="replace") as f:
+            first = next((line for line in f if line.strip()), "")
+        if not first:
+            return "it is empty"
+        if first.lstrip()[:1] in "[":
+            return None
+        try:
+            json.loads(first)
+        except ValueError as err:
+            return f"its first line is not JSON ({err.msg})"
+        return None
     text = path.read_text(errors="replace")
     if not text.strip():
         return "it is empty"
@@ -92,8 +120,11 @@ def _dataset_problems(cfg_dataset: Any, key: str) -> Iterable[str]:
         return
     if not isinstance(cfg_dataset, DictConfig) or str(cfg_dataset.get("source", "")) not in _LOCAL_SOURCES:
         return  # a Hub dataset or a component with its own inputs
+    data_dir = cfg_dataset.get("data_dir")
     for name in _listed(cfg_dataset.get("data_files")):
-        path = Path(name)
+        if not _is_local_path(name):
+            continue
+        path = Path(name) if data_dir is None else Path(str(data_dir)) / name
         if not path.is_file():
             yield f"{key}.data_files: {path} not found. Build it or point the key at your data file."
         elif cfg_dataset.source == "json":

@@ -79,10 +79,13 @@ def available_host_memory() -> int:
     return available
 
 
-def _checkpoint_bytes(cfg_checkpointer: DictConfig) -> Tuple[int, Optional[str]]:
+def _checkpoint_bytes(cfg_checkpointer: DictConfig, *, resume: bool, adapter: bool) -> Tuple[int, Optional[str]]:
     """Bytes of the checkpoint files the checkpointer will load, or a note when they cannot be sized."""
     files = cfg_checkpointer.get("checkpoint_files")
     directory = Path(str(cfg_checkpointer.get("checkpoint_dir", ".")))
+    if resume and not adapter:
+        # torchtune resumes a full fine-tune from the weights it saved in its output_dir.
+        directory = Path(str(cfg_checkpointer.get("output_dir", directory)))
     if not OmegaConf.is_list(files) and not isinstance(files, list):
         return 0, "the checkpoint files are given as a pattern: their size is not counted"
     paths = [directory / str(f) for f in files]
@@ -148,7 +151,8 @@ def host_memory_need(
     notes = ["activations of a device=cpu run are not counted"] if on_cpu else []
 
     load: Dict[str, int] = {}
-    ckpt, note = _checkpoint_bytes(cfg.checkpointer)
+    adapter = mark_trainable is not None
+    ckpt, note = _checkpoint_bytes(cfg.checkpointer, resume=settings.resume_from_checkpoint, adapter=adapter)
     notes += [note] if note else []
     load["checkpoint files"] = ckpt
     train: Dict[str, int] = {}
@@ -162,8 +166,10 @@ def host_memory_need(
     train.update(plan.parts)
     notes += list(plan.notes)
     if settings.resume_from_checkpoint:
-        state = Path(str(cfg.checkpointer.get("checkpoint_dir", "."))) / str(
-            cfg.checkpointer.get("recipe_checkpoint") or "recipe_state.pt")
+        # Where torchtune 0.6.1's checkpointers read the recipe state from.
+        out = Path(str(cfg.checkpointer.get("output_dir", ".")))
+        named = cfg.checkpointer.get("recipe_checkpoint")
+        state = out / str(named) if named else out / "recipe_state" / "recipe_state.pt"
         if state.is_file():
             # torch.load holds the saved optimizer state while it is copied in.
             train["optimizer state being loaded"] = state.stat().st_size
