@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import wandb
 from omegaconf import OmegaConf
 
 from torchtune_offload.recipe.disk_log import read_disk_log
@@ -227,8 +228,6 @@ def log_to_wandb(
     Returns:
         Per run: its ``id``, ``name`` and ``group``.
     """
-    import wandb  # a dependency of the project, imported here to keep the sweep's start fast
-
     ids = []
     for r in results:
         run = wandb.init(project=project, group=group, name=r.name, job_type="sweep", reinit="create_new",
