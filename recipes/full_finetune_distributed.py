@@ -53,6 +53,7 @@ from torchtune_offload.recipe import (
     check_recipe_config,
     instantiate_model,
     load_checkpoint,
+    save_atomically,
 )
 
 log = utils.get_logger("INFO")
@@ -222,7 +223,7 @@ class FullFinetuneRecipeDistributed:
             # epoch; the loader state is stored for torchtune's tools, not read back.
             ckpt[training.DATALOADER_KEY] = self._dataloader.state_dict()
         if self._is_rank_zero:
-            self._checkpointer.save_checkpoint(ckpt, epoch=epoch, intermediate_checkpoint=intermediate)
+            save_atomically(self._checkpointer, ckpt, epoch=epoch, intermediate_checkpoint=intermediate)
         dist.barrier()
 
     # ------------------------------------------------------------------------------------ run

@@ -32,6 +32,7 @@ from torchtune_offload.recipe import (
     instantiate_model,
     load_checkpoint,
     optimizer_state,
+    save_atomically,
 )
 
 
@@ -96,7 +97,7 @@ class FullFinetuneRecipeSingleDevice:
             # Resume restarts at an epoch boundary, where the sampler's order depends only on
             # the epoch; the loader state is stored for torchtune's tools, not read back.
             ckpt[training.DATALOADER_KEY] = self._dataloader.state_dict()
-        self._checkpointer.save_checkpoint(ckpt, epoch=epoch, intermediate_checkpoint=intermediate)
+        save_atomically(self._checkpointer, ckpt, epoch=epoch, intermediate_checkpoint=intermediate)
 
     def train(self) -> None:
         self.progress.epochs_run = self._loop.run(epochs_run=self.progress.epochs_run, save_checkpoint=self.save_checkpoint)

@@ -38,6 +38,7 @@ from torchtune_offload.recipe import (
     instantiate_model,
     load_checkpoint,
     optimizer_state,
+    save_atomically,
 )
 
 
@@ -135,8 +136,8 @@ class LoRAFinetuneRecipeSingleDevice:
             "target_modules": get_lora_module_names(self._lora["attn_modules"], self._lora["mlp"], self._lora["output"]),
             "peft_type": "LORA",
         }
-        self._checkpointer.save_checkpoint(
-            ckpt, epoch=epoch, intermediate_checkpoint=intermediate,
+        save_atomically(
+            self._checkpointer, ckpt, epoch=epoch, intermediate_checkpoint=intermediate,
             adapter_only=self.settings.save_adapter_weights_only,
         )
 

@@ -4,6 +4,7 @@ gradient stepping, memory figures, progress, and reading the metrics a run logge
 Each recipe in ``recipes/`` reads top to bottom as calls of these; none copies them.
 """
 
+from torchtune_offload.recipe.atomic_save import save_atomically
 from torchtune_offload.recipe.builders import (
     build_dataloader,
     build_loss,
@@ -48,6 +49,7 @@ __all__ = [
     "optimizer_state",
     "read_disk_log",
     "resolve_optimizer_component",
+    "save_atomically",
     "steps_per_epoch",
     "sum_over_ranks",
 ]

@@ -1,0 +1,74 @@
+"""Checkpoint saves that a crash cannot half-write.
+
+torchtune's checkpointers write into ``output_dir`` in place: a crash (or a full disk) during a save
+leaves a half-written ``epoch_<N>`` folder and, worse, a half-written ``recipe_state.pt``, the only
+state a run resumes from. :func:`save_atomically` lets the checkpointer write everything into a
+staging folder inside ``output_dir``, flushes it to disk, and only then moves each piece into place
+with renames: the weights folder first, then the recipe state (an atomic file replace), so at every
+moment the previous complete checkpoint stays loadable. A marker file ``.complete`` is written last
+into the epoch folder.
+"""
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict
+
+#: Written into each epoch folder once everything of that save is in place.
+COMPLETE_MARKER = ".complete"
+_STAGING_PREFIX = ".saving_epoch_"
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    for path in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def save_atomically(checkpointer: Any, state_dict: Dict[str, Any], *, epoch: int, **save_options: Any) -> None:
+    """``checkpointer.save_checkpoint(state_dict, epoch=epoch, **save_options)``, moved into place only when complete.
+
+    Args:
+        checkpointer: a torchtune checkpointer (it keeps its destination in ``_output_dir``).
+        state_dict: what the recipe saves.
+        epoch: the epoch being saved.
+        **save_options: passed on (``intermediate_checkpoint``, ``adapter_only``).
+    """
+    output_dir = Path(checkpointer._output_dir)
+    staging = output_dir / f"{_STAGING_PREFIX}{epoch}"
+    shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier attempt at this save
+    staging.mkdir(parents=True)
+    checkpointer._output_dir = staging
+    try:
+        checkpointer.save_checkpoint(state_dict, epoch=epoch, **save_options)
+    finally:
+        checkpointer._output_dir = output_dir
+    _fsync_tree(staging)
+    # The weights folder: a previous folder of the same epoch is set aside, not overwritten.
+    epoch_dir = staging / f"epoch_{epoch}"
+    if epoch_dir.is_dir():
+        target = output_dir / epoch_dir.name
+        old = output_dir / f"{_STAGING_PREFIX}{epoch}.old"
+        if target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            target.rename(old)
+        epoch_dir.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    # Everything else (the recipe state) file by file, each replace atomic.
+    for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+        target = output_dir / path.relative_to(staging)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+    shutil.rmtree(staging)
+    if (output_dir / f"epoch_{epoch}").is_dir():
+        marker = output_dir / f"epoch_{epoch}" / COMPLETE_MARKER
+        marker.write_text("complete\n")
+        with open(marker, "rb") as f:
+            os.fsync(f.fileno())
