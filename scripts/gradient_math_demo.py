@@ -25,7 +25,7 @@ from torchtune_offload.recipe.disk_log import read_disk_log
 
 PROBE = "torchtune_offload.bench.grad_probe.GradNormProbeAdamW"
 SETTINGS = ["gradient_accumulation_steps=4", "clip_grad_norm=1.0", "max_steps_per_epoch=6", "epochs=1",
-            "batch_size=8", "dtype=fp32", "log_every_n_steps=1", "seed=0"]
+            "batch_size=8", "dtype=fp32", "log_every_n_steps=1", "seed=0", "overwrite_checkpoints=True"]
 RUNS = {
     # name: (recipe for `tune run`, optimizer overrides)
     "plain": ("full_finetune_single_device", [f"optimizer._component_={PROBE}"]),

@@ -108,3 +108,16 @@ def test_dataset_paths_that_datasets_resolves_itself_are_not_refused(tmp_path):
     cfg.dataset[0].data_files = {"train": str(good / "missing.json")}
     assert file_problems(cfg) == [f"dataset[0].data_files: {good / 'missing.json'} not found. Build it or point the "
                                   "key at your data file."]
+
+
+def test_a_fresh_run_does_not_replace_an_earlier_runs_checkpoints(tiny_assets, tmp_path):
+    from tests.recipe.test_recipes import run_recipe
+
+    run_recipe("full", tiny_assets, tmp_path, "max_steps_per_epoch=1", "batch_size=4")
+    before = (tmp_path / "epoch_0" / "model-00001-of-00001.safetensors").read_bytes()
+    cfg = _config("full", tiny_assets, tmp_path, ["max_steps_per_epoch=1", "batch_size=4"])
+    with pytest.raises(ValueError, match=r"holds the checkpoints of an earlier run \(epoch_0\).*overwrite_checkpoints=True"):
+        _load_recipe_class("full")(cfg)
+    assert (tmp_path / "epoch_0" / "model-00001-of-00001.safetensors").read_bytes() == before
+    # Told to, it replaces them.
+    run_recipe("full", tiny_assets, tmp_path, "max_steps_per_epoch=1", "batch_size=4", "overwrite_checkpoints=True")

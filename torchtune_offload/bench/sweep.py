@@ -115,7 +115,9 @@ def run_variant(
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", RECIPE, "--config", config,
            *overrides_for(config, name), f"max_steps_per_epoch={steps}", "epochs=1", f"output_dir={out}",
-           "log_peak_memory_stats=True", "log_every_n_steps=1", *extra]
+           "log_peak_memory_stats=True", "log_every_n_steps=1",
+           # Benchmarks keep no checkpoint worth protecting: variants may share a checkpoint folder.
+           "overwrite_checkpoints=True", *extra]
     log_path = out / "run.log"
     baseline = _nvml_used_bytes()
     start = time.perf_counter()

@@ -26,7 +26,7 @@ _SINGLE_DEVICE_KEYS = {
     "dataset", "device", "dtype", "enable_activation_checkpointing", "enable_activation_offloading",
     "epochs", "gradient_accumulation_steps", "log_every_n_steps", "log_peak_memory_stats", "loss",
     "lr_scheduler", "max_steps_per_epoch", "metric_logger", "model", "optimizer", "output_dir",
-    "profiler", "resume_from_checkpoint", "seed", "shuffle", "tokenizer",
+    "profiler", "resume_from_checkpoint", "seed", "shuffle", "tokenizer", "overwrite_checkpoints",
 }
 RECIPE_KEYS = {
     "full": _SINGLE_DEVICE_KEYS | {"optimizer_in_bwd", "host_memory_check"},
@@ -136,6 +136,7 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
     flags = {key: flag(key, default) for key, default in (
         ("compile", False), ("log_peak_memory_stats", True), ("resume_from_checkpoint", False),
         ("shuffle", True), ("save_adapter_weights_only", False), ("host_memory_check", True),
+        ("overwrite_checkpoints", False),
         # Keys of the distributed recipe only; the others reject them as unknown above.
         ("fsdp_cpu_offload", False), ("fsdp_reshard_after_forward", True),
     )}

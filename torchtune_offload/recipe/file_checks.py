@@ -7,6 +7,7 @@ and that a JSON dataset is not empty and parses.
 """
 
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Any, Iterable, List, Optional
@@ -133,6 +134,20 @@ def _dataset_problems(cfg_dataset: Any, key: str) -> Iterable[str]:
                 yield f"{key}.data_files: {path} cannot be read as JSON or JSON Lines: {why}."
 
 
+def _earlier_run_problems(cfg: DictConfig) -> Iterable[str]:
+    """A fresh run must not replace the checkpoints an earlier run left in its output folder."""
+    if cfg.get("resume_from_checkpoint") is True or cfg.get("overwrite_checkpoints") is True:
+        return
+    out = Path(str(OmegaConf.select(cfg, "checkpointer.output_dir", default=None) or cfg.get("output_dir", ".")))
+    if not out.is_dir():
+        return
+    found = sorted(p.name for p in out.iterdir() if re.match(r"^epoch_\d+$", p.name) or p.name == "recipe_state")
+    if found:
+        yield (f"output_dir: {out} holds the checkpoints of an earlier run ({', '.join(found[:4])}). Resume it "
+               "with resume_from_checkpoint=True, write elsewhere with output_dir=..., or replace them with "
+               "overwrite_checkpoints=True.")
+
+
 def file_problems(cfg: DictConfig, *, adapter: bool = False) -> List[str]:
     """Every problem with the files ``cfg`` names: checkpoint, tokenizer, local dataset files.
 
@@ -149,6 +164,7 @@ def file_problems(cfg: DictConfig, *, adapter: bool = False) -> List[str]:
             problems.append(f"tokenizer.{key}={value}: no such file. Point it at the tokenizer files of "
                             "the checkpoint (original/tokenizer.model for Llama 3).")
     problems.extend(_dataset_problems(cfg.dataset, "dataset"))
+    problems.extend(_earlier_run_problems(cfg))
     return problems
 
 
