@@ -147,3 +147,14 @@ def test_paged_optimizers_are_sized_without_probing():
     assert size == 2000 and "not probed" in notes[0]
     size, _ = optimizer_state_bytes(bnb.optim.PagedAdamW, params, {"lr": 1.0})
     assert size == 8000
+
+
+def test_the_report_counts_pinned_buffers_as_allocated():
+    params = [("w", nn.Parameter(torch.zeros(1000, 3)))]  # 12000 bytes -> 16384 when pinned
+    opt = OffloadOptimizer(params, minimal_size=1, lr=1.0)
+    opt._transfer.is_accelerator = True  # the report's arithmetic as on a GPU (nothing is pinned here)
+    report = opt.memory_report()
+    assert report.pinned_bytes == 2 * 16384  # the host copy and the gradient buffer
+    plan = OffloadOptimizer.plan_host_memory([("w", nn.Parameter(torch.empty(1000, 3, device="meta")))],
+                                             device="cuda", minimal_size=1, lr=1.0)
+    assert report.pinned_bytes == plan.parts["parameter copies (pinned)"] + plan.parts["gradient buffers (pinned)"]

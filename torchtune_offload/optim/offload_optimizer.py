@@ -609,8 +609,13 @@ class OffloadOptimizer(Optimizer):
     # ---------------------------------------------------------------------------------- report
 
     def memory_report(self) -> OffloadMemoryReport:
-        """Counts the bytes this optimizer keeps on the host and spares the device."""
-        saved = host = 0
+        """Counts the bytes this optimizer keeps on the host and spares the device.
+
+        Host buffers are counted as allocated: on an accelerator each pinned buffer takes its size
+        rounded up to a power of two (torch's pinned allocator), as :meth:`plan_host_memory` plans.
+        """
+        pinned = self._transfer.is_accelerator
+        saved = host = pinned_total = 0
         for slot in self._slots:
             if not slot.offloaded:
                 continue
@@ -621,20 +626,20 @@ class OffloadOptimizer(Optimizer):
                 if isinstance(t, torch.Tensor)
             )
             grad_bytes = slot.host_grad.numel() * slot.host_grad.element_size()
-            buffer_bytes = sum(t.numel() * t.element_size() for t in self._host_buffers(slot))
+            buffer_bytes = sum(pinned_allocation_bytes(t.numel() * t.element_size(), pinned=pinned)
+                               for t in self._host_buffers(slot))
             host += state_bytes + buffer_bytes
+            pinned_total += buffer_bytes
             saved += state_bytes + (grad_bytes if self.offload_gradients else 0)
         num_offloaded = sum(s.offloaded for s in self._slots)
         # Only buffers made by the transfer engine are pinned; states are plain host memory.
-        pinned = self._staging.nbytes + sum(
-            sum(t.numel() * t.element_size() for t in self._host_buffers(s)) for s in self._slots if s.offloaded
-        )
+        staging = self._staging.num_allocated * pinned_allocation_bytes(self._staging.chunk_bytes, pinned=pinned)
         return OffloadMemoryReport(
             num_offloaded=num_offloaded,
             num_on_device=len(self._slots) - num_offloaded,
             device_bytes_saved=saved,
-            host_bytes=host + self._staging.nbytes,
-            pinned_bytes=pinned if self._transfer.is_accelerator else 0,
+            host_bytes=host + staging,
+            pinned_bytes=pinned_total + staging if pinned else 0,
         )
 
     @staticmethod

@@ -61,6 +61,11 @@ class StagingRing:
         return chunk_bytes if largest_bytes is None else max(16, min(chunk_bytes, largest_bytes))
 
     @property
+    def num_allocated(self) -> int:
+        """Chunks allocated so far (they are allocated on first use)."""
+        return len(self._chunks)
+
+    @property
     def nbytes(self) -> int:
         """Host bytes the ring holds (pinned on an accelerator)."""
         return len(self._chunks) * self.chunk_bytes
