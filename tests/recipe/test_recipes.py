@@ -42,7 +42,8 @@ RESUME = ["epochs=2", "max_steps_per_epoch=4", "batch_size=4", "gradient_accumul
 FULL_OFFLOAD = [*OFFLOAD, "optimizer.minimal_size=1024"]  # most tiny-model weights go to the host
 LORA_OFFLOAD = [*OFFLOAD, "optimizer.minimal_size=256"]  # every LoRA matrix goes to the host
 CPU_LOG_KEYS = {"loss", "lr", "tokens_per_second", "grad_norm", "host_rss", "host_rss_peak"}
-OFFLOAD_LOG_KEYS = {"optimizer_host", "optimizer_pinned", "optimizer_device_saved"}
+OFFLOAD_LOG_KEYS = {"optimizer_host", "optimizer_pinned", "optimizer_device_saved",
+                    "offload_wait_s", "host_step_s", "offload_step_s"}
 
 
 def _load_recipe_class(kind: str) -> type:
@@ -286,6 +287,7 @@ def test_logged_metrics_on_cpu(runs):
         assert row["host_rss_peak"] >= row["host_rss"] > 0 and row["tokens_per_second"] > 0
         assert row["optimizer_device_saved"] > 0 and row["optimizer_host"] > row["optimizer_device_saved"]
         assert row["optimizer_pinned"] == 0  # nothing to pin for on a CPU-only machine
+        assert 0 <= row["host_step_s"] <= row["offload_step_s"] and row["offload_wait_s"] >= 0
     assert [r["loss"] for r in off.log] == pytest.approx(off.losses, rel=1e-12)
 
 

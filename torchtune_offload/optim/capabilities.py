@@ -30,6 +30,7 @@ class OptimizerCapabilities:
             distributed state-dict API.
         steps_in_backward: can serve as one of ``optimizer_in_bwd``'s per-parameter optimizers.
         device_types: the device types it runs on; ``None`` for any.
+        step_timings: reports, through ``step_timings()``, where its last ``step()`` spent its time.
         precision_policy: takes ``master_dtype`` (fp32 master weights and state for bf16
             parameters) and ``grad_sum_dtype`` (the dtype gradients are summed in).
         reasons: for a capability it lacks (by attribute name), why; named in error messages.
@@ -44,6 +45,7 @@ class OptimizerCapabilities:
     steps_in_backward: bool = True
     device_types: Optional[Tuple[str, ...]] = None
     precision_policy: bool = False
+    step_timings: bool = False
     reasons: Mapping[str, str] = field(default_factory=dict)
 
     def why_not(self, capability: str) -> str:

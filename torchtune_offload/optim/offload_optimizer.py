@@ -11,6 +11,7 @@ copy can be kept in another dtype (fp32 master weights for bf16 device weights, 
 ``to_device`` copy, which casts), and a different placement strategy only changes how a slot is built.
 """
 
+import time
 from typing import Any, Dict, List, Optional, Union
 
 import torch
@@ -168,6 +169,7 @@ class OffloadOptimizer(Optimizer):
         runs_under_fsdp2=False,
         steps_in_backward=False,
         precision_policy=True,
+        step_timings=True,
         reasons={
             "runs_under_fsdp2": "its state lives in per-parameter base optimizers over host copies of "
             "each rank's shards, which torch's distributed state-dict API (used to gather a full "
@@ -261,6 +263,9 @@ class OffloadOptimizer(Optimizer):
             self._transfer,
             largest_bytes=max((s.param.numel() * s.param.element_size() for s in self._slots if s.offloaded), default=16),
         )
+        # Seconds spent since the last step() waiting for gradient copies, and the last step's figures.
+        self._wait_s = 0.0
+        self._timings: Dict[str, float] = {}
         defaults = {k: v for k, v in self._slots[0].optimizer.defaults.items() if k != "fused"}
         # Inheriting Optimizer lets torch's LR schedulers and torchtune's get_lr accept us; the
         # hyper-parameters they edit in self.param_groups reach the base optimizers at each step.
@@ -358,11 +363,13 @@ class OffloadOptimizer(Optimizer):
 
     def _finish_host_grad(self, slot: _Slot) -> None:
         """Waits for the slot's gradient copies and folds its staged micro-batches into the sum."""
+        start = time.perf_counter()
         self._transfer.wait(slot.grad_event)
         slot.grad_event = None
         # The ring adds in the order chunks were issued, whichever slots they belong to; with
         # nothing staged this is a no-op.
         self._staging.drain()
+        self._wait_s += time.perf_counter() - start
 
     def _grads_to_step(self) -> List[torch.Tensor]:
         """The gradients the next step() will use, wherever they are, ready to read or modify."""
@@ -439,6 +446,7 @@ class OffloadOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        start = time.perf_counter()
         self._sync_hyperparameters()
 
         ready = []
@@ -461,9 +469,12 @@ class OffloadOptimizer(Optimizer):
                 else:
                     slot.optimizer.step()
 
+        host_step_s = 0.0
         for slot in ready:
             self._finish_host_grad(slot)
+            t0 = time.perf_counter()
             self._step_slot(slot, slot.host_grad)
+            host_step_s += time.perf_counter() - t0
             self._transfer.to_device(slot.param, slot.out if slot.has_master else slot.step_param)
             if slot.out is slot.host_grad:
                 # The buffer now holds the new weights, not a gradient: nothing may read, scale,
@@ -471,7 +482,19 @@ class OffloadOptimizer(Optimizer):
                 slot.has_host_grad = False
         # The next forward must see the new parameters.
         self._transfer.compute_waits_for_copies()
+        self._timings = {"offload_wait_s": self._wait_s, "host_step_s": host_step_s,
+                         "offload_step_s": time.perf_counter() - start}
+        self._wait_s = 0.0
         return loss
+
+    def step_timings(self) -> Dict[str, float]:
+        """Where the last ``step()`` spent its time, in seconds.
+
+        ``offload_wait_s``: waiting for gradient copies to reach the host (since the previous step,
+        so a wait inside ``clip_grad_norm_`` counts too); ``host_step_s``: the base optimizer's
+        steps on the host; ``offload_step_s``: the whole ``step()`` call. Empty before the first step.
+        """
+        return dict(self._timings)
 
     def _step_slot(self, slot: _Slot, grad: torch.Tensor) -> None:
         """One base-optimizer step of ``slot`` on ``grad``; with a master, the result rounded into ``slot.out``."""

@@ -8,7 +8,7 @@ is divided by that count, so the gradients are normalised when they are produced
 logged norm then act on the gradients the optimizer will actually step on.
 """
 
-from typing import Iterable, Optional
+from typing import Dict, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,12 @@ class GradientStepper:
         return norm
 
     @torch.no_grad()
+    def timings(self) -> Dict[str, float]:
+        """The optimizer's own figures for its last step, if it declares any (``step_timings``)."""
+        if self.optimizer is None or not self.capabilities.step_timings:
+            return {}
+        return self.optimizer.step_timings()
+
     def _norm_and_clip(self) -> torch.Tensor:
         clip = self.clip_grad_norm
         if self.capabilities.holds_gradients:

@@ -143,6 +143,7 @@ class TrainLoop:
                     }
                     if grad_norm is not None:
                         metrics["grad_norm"] = float(grad_norm)
+                    metrics.update(self.stepper.timings())
                     if s.log_peak_memory_stats:
                         metrics.update(self.memory.stats(reset=True))
                     self.metric_logger.log_dict(metrics, step=global_step)
