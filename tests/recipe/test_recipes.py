@@ -403,6 +403,8 @@ BAD_CONFIGS = [
     _case("negative_minimal_size", [*OFFLOAD, "optimizer.minimal_size=-1"],
           "optimizer.minimal_size=-1 must be a non-negative integer"),
     _case("lora_option_typo", ["optimizer.lrr=1e-3"], "Did you mean 'lr'", kind="lora"),
+    _case("lora_module_typo", ["model.lora_attn_modules=[q_proj,v_prj]"],
+          "model.lora_attn_modules: 'v_prj' is not a layer LoRA can adapt", "Did you mean 'v_proj'", kind="lora"),
 ]
 
 

@@ -7,6 +7,7 @@ problem found is reported in one ``ValueError`` that names the key and the fix.
 
 import difflib
 import inspect
+import typing
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -14,6 +15,7 @@ import torch
 import torchao.optim
 from omegaconf import DictConfig, OmegaConf
 from torchtune import training, utils
+from torchtune.modules.peft import LORA_ATTN_MODULES
 
 from torchtune_offload.distributed.policies import policy_problems
 from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
@@ -212,6 +214,8 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
     if act_offload and not ac:
         problems.append("enable_activation_offloading=True needs enable_activation_checkpointing=True.")
 
+    if recipe == "lora":
+        problems.extend(_lora_module_problems(cfg.model))
     if recipe == "lora" and flag("low_cpu_ram", False):
         problems.append("low_cpu_ram=True is not supported by this recipe. Set low_cpu_ram=False.")
     if recipe == "distributed":
@@ -254,6 +258,23 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
         fsdp_reshard_after_forward=flags["fsdp_reshard_after_forward"],
         host_memory_check=flags["host_memory_check"],
     )
+
+
+def _lora_module_problems(cfg_model: DictConfig) -> List[str]:
+    """``model.lora_attn_modules`` names only layers torchtune can adapt; a typo is found now, not at the first save."""
+    valid = list(typing.get_args(LORA_ATTN_MODULES))
+    modules = cfg_model.get("lora_attn_modules")
+    if modules is None:
+        return []
+    if isinstance(modules, str) or not OmegaConf.is_list(modules):
+        return [f"model.lora_attn_modules={modules!r}: must be a list drawn from {valid}."]
+    problems = []
+    for name in modules:
+        if name not in valid:
+            close = difflib.get_close_matches(str(name), valid, n=1)
+            hint = f"Did you mean '{close[0]}'?" if close else f"Use names from {valid}."
+            problems.append(f"model.lora_attn_modules: {name!r} is not a layer LoRA can adapt. {hint}")
+    return problems
 
 
 def _keyword_names(cls: type, *, kwargs_go_elsewhere: bool = False) -> Optional[set]:
