@@ -19,7 +19,6 @@ from torchtune.modules.peft import LORA_ATTN_MODULES
 
 from torchtune_offload.distributed.policies import policy_problems
 from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
-from torchtune_offload.optim.offload_optimizer import precision_option
 from torchtune_offload.optim.optimizer_class import resolve_optimizer, resolve_optimizer_class
 
 # Keys of torchtune 0.6.1's single-device configs, which our recipes accept unchanged.
@@ -190,15 +189,16 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
         problems.append(f"dtype={dtype_name!r}: use bf16 or fp32 (fp16 full training is not supported).")
     is_cuda = device_name.startswith("cuda")
 
-    if caps is not None and optimizer_class is not None:
-        # Building the optimizer on a probe repeats the checks above: only when they passed.
-        probe = not any(p.startswith("optimizer.") for p in problems)
-        problems.extend(_optimizer_option_problems(cfg.optimizer, optimizer_class, caps, probe=probe))
     if caps is not None:
         problems.extend(_optimizer_problems(
             cfg, caps, in_bwd=in_bwd, clip=clip, accum=accum,
             offload_gradients=offload_gradients is True, device_type=device_name.split(":")[0],
         ))
+    if caps is not None and optimizer_class is not None:
+        # One problem per key: keys the rules above reported are not listed again, and the probe,
+        # which would repeat those rules, is built only when they all passed.
+        reported = {p.split("=")[0].split(":")[0] for p in problems if p.startswith("optimizer.")}
+        problems.extend(_optimizer_option_problems(cfg.optimizer, optimizer_class, caps, reported=reported))
     if in_bwd:
         if clip is not None:
             problems.append("optimizer_in_bwd=True with clip_grad_norm set: clipping needs all gradients "
@@ -296,7 +296,7 @@ def _keyword_names(cls: type, *, kwargs_go_elsewhere: bool = False) -> Optional[
 
 
 def _optimizer_option_problems(
-    cfg_optimizer: DictConfig, component: type, caps: OptimizerCapabilities, *, probe: bool
+    cfg_optimizer: DictConfig, component: type, caps: OptimizerCapabilities, *, reported: set
 ) -> List[str]:
     """Unknown ``optimizer:`` keys (with the closest valid name) and values the optimizer refuses.
 
@@ -315,12 +315,12 @@ def _optimizer_option_problems(
     problems = []
     if own is not None and theirs is not None:
         valid = own | theirs
-        for key in sorted(set(options) - valid):
+        for key in sorted(set(options) - valid - {k.split(".", 1)[1] for k in reported}):
             close = difflib.get_close_matches(key, sorted(valid), n=1)
             hint = f"Did you mean '{close[0]}'?" if close else f"Valid options: {', '.join(sorted(valid))}."
             name = component.__name__ + (f" (base {base.__name__})" if base is not None else "")
             problems.append(f"optimizer.{key}: not an option of {name}. {hint}")
-    if problems or not probe:
+    if problems or reported:
         return problems
     param = torch.nn.Parameter(torch.zeros(1))
     try:
@@ -369,14 +369,10 @@ def _optimizer_problems(
         value = cfg.optimizer.get(key)
         if value is None:
             continue
+        # Values are checked where the optimizer is built on a probe (_optimizer_option_problems).
         if not caps.precision_policy:
             problems.append(f"optimizer.{key}={value} with {component}: {caps.why_not('precision_policy')}. "
                             f"Remove it (~optimizer.{key}).")
-            continue
-        try:
-            precision_option(value, key=key)
-        except ValueError as err:
-            problems.append(str(err))
     if caps.device_types is not None and device_type not in caps.device_types:
         problems.append(
             f"device={cfg.device} with {component}: {caps.why_not('device_types')}. Use "
