@@ -6,7 +6,6 @@ config check refuses, that runs out of memory or that fails is reported as such 
 """
 
 import json
-import statistics
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ import wandb
 from omegaconf import OmegaConf
 
 from torchtune_offload.recipe.disk_log import read_disk_log
+from torchtune_offload.recipe.run_report import median_tokens_per_second, peak
 
 RECIPE = "recipes/full_finetune_single_device.py"
 _ADAMW = "torch.optim.AdamW"
@@ -139,12 +139,12 @@ def run_variant(
     if not rows:
         result.status = "failed: no step logged"
         return result
-    result.tokens_per_second = statistics.median(r["tokens_per_second"] for r in rows[1:] or rows)
+    result.tokens_per_second = median_tokens_per_second(rows)
     result.first_loss, result.last_loss = rows[0]["loss"], rows[-1]["loss"]
     for key in ("peak_memory_alloc", "peak_memory_reserved", "host_rss_peak", "nvml_device_used_peak"):
-        values = [r[key] for r in rows if key in r]
-        if values:
-            result.peaks_gib[key] = max(values)
+        value = peak(rows, key)
+        if value is not None:
+            result.peaks_gib[key] = value
     if "nvml_device_used_peak" in result.peaks_gib and baseline is not None:
         # NVML sees the whole device: what other processes (a ballast) held before the run is not the run's.
         result.peaks_gib["nvml_run_peak"] = result.peaks_gib["nvml_device_used_peak"] - baseline / GIB

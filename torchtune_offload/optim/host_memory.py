@@ -37,6 +37,11 @@ class HostMemoryPlan:
             self.parts[purpose] = self.parts.get(purpose, 0) + int(nbytes)
 
 
+def offloads(param: torch.Tensor, minimal_size: int) -> bool:
+    """The placement rule of per-parameter offloaders (ours and torchao's): smaller tensors stay on the device."""
+    return param.numel() >= minimal_size
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -105,7 +110,7 @@ def offloaded_buffers_plan(
     allocation on an accelerator, a buffer in the parameter's dtype for the step's result when the
     master's dtype differs and the gradient buffer cannot hold it, and the base optimizer's state."""
     plan = HostMemoryPlan()
-    offloaded = [p for p in params if p.numel() >= minimal_size]
+    offloaded = [p for p in params if offloads(p, minimal_size)]
     suffix = " (pinned)" if pinned else ""
 
     def add(purpose: str, sizes: Iterable[int]) -> None:

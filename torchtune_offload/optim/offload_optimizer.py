@@ -21,7 +21,12 @@ from torchtune_offload.optim.capabilities import OFFLOAD_STEPS_AFTER_BACKWARD, O
 import torchtune_offload.optim.fused_step as fused_step
 from torchtune_offload.optim.grad_norm import clip_, total_norm
 from torchtune_offload.optim.host_allocator import release_freed_host_memory
-from torchtune_offload.optim.host_memory import HostMemoryPlan, offloaded_buffers_plan, pinned_allocation_bytes
+from torchtune_offload.optim.host_memory import (
+    HostMemoryPlan,
+    offloaded_buffers_plan,
+    offloads,
+    pinned_allocation_bytes,
+)
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class
 from torchtune_offload.optim.staging import NUM_CHUNKS, StagingRing
@@ -312,7 +317,7 @@ class OffloadOptimizer(Optimizer):
             master_dtype=precision_option(master_dtype, key="master_dtype"),
             grad_dtype=precision_option(grad_sum_dtype, key="grad_sum_dtype"),
         )
-        offloaded = [p.numel() * p.element_size() for p in trainable if p.numel() >= minimal_size]
+        offloaded = [p.numel() * p.element_size() for p in trainable if offloads(p, minimal_size)]
         if offload_gradients and gradient_accumulation_steps > 1 and offloaded:
             chunk = StagingRing.chunk_size(largest_bytes=max(offloaded))
             plan.add("staging ring" + (" (pinned)" if pinned else ""),
@@ -323,9 +328,8 @@ class OffloadOptimizer(Optimizer):
 
     def _place(self, slot: _Slot, *, options: Dict[str, Any], host_options: Dict[str, Any]) -> None:
         param = slot.param
-        # The same rule as plan_host_memory's (through offloaded_buffers_plan) and torchao's.
         master = self.master_dtype or param.dtype
-        if param.numel() >= self.minimal_size:
+        if offloads(param, self.minimal_size):
             slot.offloaded = True
             with torch.no_grad():
                 slot.step_param = self._transfer.host_empty_like(param, dtype=master).copy_(param.detach())

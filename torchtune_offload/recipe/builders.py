@@ -21,6 +21,7 @@ from torchtune.datasets import ConcatDataset
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
 from torchtune_offload.distributed.loss import RowChunkedLoss
+from torchtune_offload.optim.offload_optimizer import STATE_DICT_FORMAT, OffloadOptimizer
 from torchtune_offload.recipe.config import RecipeSettings
 from torchtune_offload.recipe.progress import Progress
 
@@ -62,7 +63,7 @@ def _saved_optimizer_kind(state_dict: Any) -> str:
     """Which kind of optimizer wrote ``state_dict``, read from its layout."""
     if not isinstance(state_dict, dict):
         return f"something that is not an optimizer state ({type(state_dict).__name__})"
-    if str(state_dict.get("format", "")).startswith("torchtune_offload.OffloadOptimizer"):
+    if state_dict.get("format") == STATE_DICT_FORMAT:
         return "torchtune_offload.OffloadOptimizer"
     if "offloaded" in state_dict:
         return "torchao's CPUOffloadOptimizer (torchtune_offload.CPUOffloadOptimizer)"
@@ -75,7 +76,7 @@ def _load_optimizer_state(target: Any, state_dict: Dict[str, Any], cfg_optimizer
     """Loads a saved optimizer state, refusing one written by another kind of optimizer with how to go on."""
     if settings.optimizer_in_bwd:
         mine = "per-parameter optimizers (optimizer_in_bwd=True)"
-    elif settings.optimizer_class.__name__ == "OffloadOptimizer":
+    elif issubclass(settings.optimizer_class, OffloadOptimizer):
         mine = "torchtune_offload.OffloadOptimizer"
     elif settings.optimizer_capabilities.offloads:
         mine = "torchao's CPUOffloadOptimizer (torchtune_offload.CPUOffloadOptimizer)"

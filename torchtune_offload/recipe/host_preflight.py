@@ -30,10 +30,6 @@ from torchtune_offload.recipe.config import RecipeSettings
 
 GIB = 1024**3
 log = utils.get_logger("INFO")
-#: Optimizer keys that configure offloading, not the base optimizer.
-_OFFLOAD_KEYS = ("optimizer_class", "offload_gradients", "minimal_size", "master_dtype", "grad_sum_dtype",
-                    "fused_master_step")
-
 
 @dataclass
 class HostMemoryNeed:
@@ -112,14 +108,10 @@ def optimizer_plan(
     options = {k: v for k, v in OmegaConf.to_container(cfg_optimizer, resolve=True).items() if k != "_component_"}
     if optimizer_class is not None:
         options["optimizer_class"] = optimizer_class
-    component = settings.optimizer_class
-    if not settings.optimizer_capabilities.offloads:
-        options = {k: v for k, v in options.items() if k not in _OFFLOAD_KEYS}
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if settings.optimizer_capabilities.offloads:
-        return plan_host_memory(component, trainable, device=settings.device,
-                                gradient_accumulation_steps=settings.gradient_accumulation_steps, options=options)
-    return plan_host_memory(component, [p for _, p in trainable], device=settings.device,
+    # As build_optimizer passes them: offloaders take names, plain optimizers tensors.
+    params = trainable if settings.optimizer_capabilities.named_parameters else [p for _, p in trainable]
+    return plan_host_memory(settings.optimizer_class, params, device=settings.device,
                             gradient_accumulation_steps=settings.gradient_accumulation_steps, options=options)
 
 

@@ -1,7 +1,7 @@
 """Side-by-side loss curves and a tok/s + memory summary of runs read from their DiskLogger files."""
 
 import statistics
-from typing import Dict, List, Mapping
+from typing import Dict, List, Mapping, Optional
 
 from torchtune_offload.recipe.disk_log import read_disk_log
 
@@ -10,6 +10,17 @@ SUMMARY_KEYS = (
     "peak_memory_alloc", "peak_memory_reserved", "nvml_device_used_peak", "host_rss_peak",
     "optimizer_host", "optimizer_device_saved",
 )
+
+
+def median_tokens_per_second(rows: List[Dict[str, float]]) -> float:
+    """The run's speed: the median tok/s over its logged steps after the first (warm-up)."""
+    return statistics.median(r["tokens_per_second"] for r in rows[1:] or rows)
+
+
+def peak(rows: List[Dict[str, float]], key: str) -> Optional[float]:
+    """The largest value of ``key`` over the logged steps, or None where no step logged it."""
+    values = [r[key] for r in rows if key in r]
+    return max(values) if values else None
 
 
 def sparkline(values: List[float]) -> str:
@@ -46,8 +57,8 @@ def compare_runs(output_dirs: Mapping[str, str]) -> str:
         f"{'run':>14}  {'tok/s':>9}  {'first loss':>10}  {'last loss':>9}  " + "  ".join(f"{k:>22}" for k in present)
     )
     for n, steps in runs.items():
-        tps = statistics.median(s["tokens_per_second"] for s in steps[1:] or steps)
-        cells = [f"{max(s.get(k, 0.0) for s in steps):>22.4f}" for k in present]
+        tps = median_tokens_per_second(steps)
+        cells = [f"{peak(steps, k) or 0.0:>22.4f}" for k in present]
         lines.append(
             f"{n:>14}  {tps:>9.0f}  {steps[0]['loss']:>10.4f}  {steps[-1]['loss']:>9.4f}  " + "  ".join(cells)
         )
