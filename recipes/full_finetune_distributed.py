@@ -100,6 +100,7 @@ class FullFinetuneRecipeDistributed:
         # What cleanup() closes; set by setup(), which may fail part-way.
         self._metric_logger = None
         self._memory = None
+        self._trained = False
 
     def _log(self, msg: str) -> None:
         utils.log_rank_zero(log, msg)
@@ -232,6 +233,7 @@ class FullFinetuneRecipeDistributed:
         self.progress.epochs_run = self._loop.run(
             epochs_run=self.progress.epochs_run, save_checkpoint=self.save_checkpoint
         )
+        self._trained = True
 
     def cleanup(self) -> None:
         if self._memory is not None:
@@ -239,6 +241,11 @@ class FullFinetuneRecipeDistributed:
         if self._metric_logger is not None:
             self._metric_logger.close()
         if dist.is_initialized():
+            if self._trained:
+                # Every rank leaves together: a rank that tore its group down while a peer was
+                # still closing files aborted at exit now and then (gloo, torch 2.13). After a
+                # failure a peer may never arrive, so then each rank just leaves.
+                dist.barrier()
             dist.destroy_process_group()
 
 
