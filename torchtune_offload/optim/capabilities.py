@@ -33,6 +33,10 @@ class OptimizerCapabilities:
         step_timings: reports, through ``step_timings()``, where its last ``step()`` spent its time.
         precision_policy: takes ``master_dtype`` (fp32 master weights and state for bf16
             parameters) and ``grad_sum_dtype`` (the dtype gradients are summed in).
+        overlaps_host_step: takes ``overlap`` and can run its host steps beside GPU work, told
+            through ``expect_final_backward(clipping=...)`` which backward ends a window, through
+            ``register_forward_waits(model)`` that the next forward waits per module, and
+            ``synchronize()`` before the weights are read.
         reasons: for a capability it lacks (by attribute name), why; named in error messages.
     """
 
@@ -46,6 +50,7 @@ class OptimizerCapabilities:
     device_types: Optional[Tuple[str, ...]] = None
     precision_policy: bool = False
     step_timings: bool = False
+    overlaps_host_step: bool = False
     reasons: Mapping[str, str] = field(default_factory=dict)
 
     def why_not(self, capability: str) -> str:
@@ -58,6 +63,8 @@ OFFLOAD_STEPS_AFTER_BACKWARD = "an offloading optimizer cannot step inside backw
 
 #: torch's optimizers: they step on the model's ``.grad`` tensors, wherever the model is.
 PLAIN_CAPABILITIES = OptimizerCapabilities(reasons={
+    "overlaps_host_step": "a plain optimizer steps where the parameters are, after backward; "
+    "optimizer._component_=torchtune_offload.OffloadOptimizer overlaps its host step",
     "precision_policy": "a plain optimizer steps on the parameters in their own dtype; "
     "optimizer._component_=torchtune_offload.OffloadOptimizer keeps fp32 masters on the host",
 })

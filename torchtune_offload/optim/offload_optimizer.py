@@ -11,6 +11,7 @@ copy can be kept in another dtype (fp32 master weights for bf16 device weights, 
 ``to_device`` copy, which casts), and a different placement strategy only changes how a slot is built.
 """
 
+import threading
 import time
 from typing import Any, Dict, List, Optional, Union
 
@@ -19,7 +20,13 @@ from torch.optim import Optimizer
 
 from torchtune_offload.optim.capabilities import OFFLOAD_STEPS_AFTER_BACKWARD, OptimizerCapabilities
 import torchtune_offload.optim.fused_step as fused_step
-from torchtune_offload.optim.grad_norm import clip_, total_norm
+from torchtune_offload.optim.grad_norm import (
+    clip_,
+    clip_coefficient,
+    combine_norms,
+    tensor_norm,
+    total_norm,
+)
 from torchtune_offload.optim.host_allocator import release_freed_host_memory
 from torchtune_offload.optim.host_memory import (
     HostMemoryPlan,
@@ -29,6 +36,7 @@ from torchtune_offload.optim.host_memory import (
 )
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class
+from torchtune_offload.optim.overlap import HostWorkers, Window, changed_hyperparameters, hyperparameters
 from torchtune_offload.optim.staging import NUM_CHUNKS, StagingRing
 from torchtune_offload.optim.transfer import TransferEngine
 
@@ -39,11 +47,13 @@ class _Slot:
     """One trainable parameter and what the optimizer keeps for it."""
 
     __slots__ = (
-        "key", "param", "group_index", "offloaded", "step_param", "host_grad",
+        "index", "key", "param", "group_index", "offloaded", "step_param", "host_grad",
         "grad_event", "has_host_grad", "optimizer", "out",
+        "staged_token", "norm", "landed", "done", "param_event",
     )
 
-    def __init__(self, *, key: str, param: torch.Tensor, group_index: int) -> None:
+    def __init__(self, *, index: int, key: str, param: torch.Tensor, group_index: int) -> None:
+        self.index = index
         self.key = key
         self.param = param
         self.group_index = group_index
@@ -60,6 +70,14 @@ class _Slot:
         # dtype, copied to the parameter (offloaded: a host buffer, the gradient buffer when the
         # dtypes allow; on the device: the parameter itself). None when step_param is the result.
         self.out: Optional[torch.Tensor] = None
+        # Overlap only. The staging ring's token for the window's last staged micro-batch; the
+        # window gradient's norm; the host workers' futures (gradient landed, step done); the
+        # upload's event, which the compute stream waits for before the next forward uses it.
+        self.staged_token: Optional[int] = None
+        self.norm: Optional[torch.Tensor] = None
+        self.landed = None
+        self.done = None
+        self.param_event = None
 
     @property
     def has_master(self) -> bool:
@@ -160,6 +178,11 @@ class OffloadOptimizer(Optimizer):
         fused_master_step: with fp32 masters and an Adam/AdamW base, step each offloaded master in
             one compiled pass that also writes the rounded copy (``optim/fused_step.py``); False, or
             no compiler, takes the unfused path (widen the gradient, the base step, round).
+        overlap: run host steps on worker threads beside GPU work, with the same results. Takes
+            effect for windows announced with :meth:`expect_final_backward`; a caller that
+            announces nothing gets the serial step-after-backward behaviour. With
+            :meth:`register_forward_waits` ``step()`` returns at once and the next forward waits
+            module by module; without it ``step()`` waits for the host work before returning.
         **kwargs: passed to the base optimizer, e.g. ``lr``, ``weight_decay``, ``betas``.
 
     Raises:
@@ -175,6 +198,7 @@ class OffloadOptimizer(Optimizer):
         steps_in_backward=False,
         precision_policy=True,
         step_timings=True,
+        overlaps_host_step=True,
         reasons={
             "runs_under_fsdp2": "its state lives in per-parameter base optimizers over host copies of "
             "each rank's shards, which torch's distributed state-dict API (used to gather a full "
@@ -193,6 +217,7 @@ class OffloadOptimizer(Optimizer):
         master_dtype: Optional[Union[str, torch.dtype]] = None,
         grad_sum_dtype: Optional[Union[str, torch.dtype]] = None,
         fused_master_step: bool = True,
+        overlap: bool = False,
         **kwargs: Any,
     ) -> None:
         base_class = resolve_optimizer_class(optimizer_class)
@@ -201,6 +226,9 @@ class OffloadOptimizer(Optimizer):
         if not isinstance(fused_master_step, bool):
             raise ValueError(f"optimizer.fused_master_step={fused_master_step!r} must be True or False.")
         self.fused_master_step = fused_master_step
+        if not isinstance(overlap, bool):
+            raise ValueError(f"optimizer.overlap={overlap!r} must be True or False.")
+        self.overlap = overlap
         if not isinstance(offload_gradients, bool):
             raise ValueError(
                 f"optimizer.offload_gradients={offload_gradients!r} must be True or False."
@@ -254,7 +282,8 @@ class OffloadOptimizer(Optimizer):
                 if key in seen:
                     raise ValueError(f"params: parameter {key!r} is given twice.")
                 seen.add(key)
-                slot = _Slot(key=key, param=param, group_index=len(outer_groups))
+                slot = _Slot(index=len(self._slots) + len(members), key=key, param=param,
+                             group_index=len(outer_groups))
                 self._place(slot, options={**kwargs, **options}, host_options={**host_kwargs, **options})
                 members.append(slot)
             if not members:
@@ -268,8 +297,18 @@ class OffloadOptimizer(Optimizer):
             self._transfer,
             largest_bytes=max((s.param.numel() * s.param.element_size() for s in self._slots if s.offloaded), default=16),
         )
-        # Seconds spent since the last step() waiting for gradient copies, and the last step's figures.
+        if offload_gradients or overlap:
+            self._hooks.extend(s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self._slots)
+        # Overlap: the announced window, the host worker threads (started on first use), and
+        # whether the next forward waits per module (register_forward_waits) or step() waits.
+        self._window: Optional[Window] = None
+        self._workers: Optional[HostWorkers] = None
+        self._forward_waits = False
+        # Since the last step(): seconds the training thread waited for host work or copies, and
+        # seconds of host steps (summed by the step thread too, hence the lock).
         self._wait_s = 0.0
+        self._host_step_s = 0.0
+        self._stats_lock = threading.Lock()
         self._timings: Dict[str, float] = {}
         defaults = {k: v for k, v in self._slots[0].optimizer.defaults.items() if k != "fused"}
         # Inheriting Optimizer lets torch's LR schedulers and torchtune's get_lr accept us; the
@@ -289,6 +328,7 @@ class OffloadOptimizer(Optimizer):
         master_dtype: Optional[Union[str, torch.dtype]] = None,
         grad_sum_dtype: Optional[Union[str, torch.dtype]] = None,
         fused_master_step: bool = True,
+        overlap: bool = False,
         **kwargs: Any,
     ) -> HostMemoryPlan:
         """The host memory this optimizer would hold for ``params``, allocating nothing.
@@ -306,9 +346,10 @@ class OffloadOptimizer(Optimizer):
             master_dtype: as for the constructor (masters of small parameters live on the device).
             grad_sum_dtype: as for the constructor.
             fused_master_step: as for the constructor (it allocates nothing).
+            overlap: as for the constructor (it allocates nothing on the host).
             **kwargs: the base optimizer's options.
         """
-        del fused_master_step
+        del fused_master_step, overlap
         base = resolve_optimizer_class(optimizer_class)
         trainable = [p for g in _named_groups(params) for _, p in g["params"] if p.requires_grad]
         pinned = torch.device(device).type != "cpu"
@@ -339,8 +380,6 @@ class OffloadOptimizer(Optimizer):
                 # consumed when the dtypes match, so a master costs no extra buffer then.
                 same = slot.host_grad.dtype == param.dtype
                 slot.out = slot.host_grad if same else self._transfer.host_empty_like(param)
-            if self.offload_gradients:
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._offload_grad))
             slot.optimizer = self.base_class([slot.step_param], **host_options)
         elif master != param.dtype:
             slot.step_param = param.detach().to(master)
@@ -351,19 +390,110 @@ class OffloadOptimizer(Optimizer):
 
     # ------------------------------------------------------------------------------- gradients
 
-    def _offload_grad(self, param: torch.Tensor) -> None:
-        """Backward hook (offload_gradients): moves a fresh gradient into the host sum."""
+    @torch.no_grad()
+    def _on_grad(self, param: torch.Tensor) -> None:
+        """Backward hook: a parameter's gradient for this backward is complete.
+
+        With ``offload_gradients`` it moves into the host sum and the device copy is freed. In an
+        announced final backward (overlap) the window's gradient is also measured and handed to
+        the host workers.
+        """
         slot = self._slot_of[param]
         grad = param.grad
         if grad is None:
             return
-        if not slot.has_host_grad:
+        # The previous window's host work on this slot; finished by now unless no forward ran.
+        self._wait_done(slot)
+        window = self._window
+        if window is not None:
+            if slot.index in window.seen:
+                raise RuntimeError(
+                    f"{slot.key}: a second backward after expect_final_backward(); call it before "
+                    "the last backward of the window only, then step()."
+                )
+            window.seen.add(slot.index)
+            window.order.append(slot.index)
+            # Where the window's whole gradient is on the device, measure it there before it leaves.
+            summed_on_host = slot.offloaded and self.offload_gradients and slot.has_host_grad
+            slot.norm = None if summed_on_host else tensor_norm(grad)
+        if slot.offloaded and self.offload_gradients:
+            slot.staged_token = None
+            if not slot.has_host_grad:
+                slot.grad_event = self._transfer.to_host(slot.host_grad, grad, release_source=True)
+                slot.has_host_grad = True
+            else:
+                # A later micro-batch: through the bounded staging ring into the sum.
+                slot.staged_token = self._staging.add_into(slot.host_grad, grad)
+            param.grad = None
+        elif window is not None and slot.offloaded:
+            # The device copy stays (offload_gradients=False); the host gets the window's sum now.
+            slot.staged_token = None
             slot.grad_event = self._transfer.to_host(slot.host_grad, grad, release_source=True)
-            slot.has_host_grad = True
-        else:
-            # A later micro-batch: through the bounded staging ring into the sum.
-            self._staging.add_into(slot.host_grad, grad)
-        param.grad = None
+        if window is not None and slot.offloaded:
+            self._hand_over(slot, window)
+
+    def _hand_over(self, slot: _Slot, window: Window) -> None:
+        """Queues a window gradient's landing, and without clipping its step too."""
+        if self._workers is None:
+            self._workers = HostWorkers()
+        slot.landed = self._workers.land(self._land, slot)
+        if not window.clipping:
+            slot.done = self._workers.step(self._host_step, slot, None)
+
+    @torch.no_grad()  # grad mode is per thread: the workers start in the default mode
+    def _land(self, slot: _Slot) -> None:
+        """Landing thread: the window's gradient is complete in ``slot.host_grad`` when this returns."""
+        self._transfer.wait(slot.grad_event)
+        if slot.staged_token is not None:
+            self._staging.drain_until(slot.staged_token)
+        if slot.norm is None:
+            slot.norm = tensor_norm(slot.host_grad)
+
+    @torch.no_grad()
+    def _host_step(self, slot: _Slot, coef: Optional[torch.Tensor]) -> None:
+        """Step thread: steps one landed slot on the host and sends its new weights up."""
+        slot.landed.result()
+        if coef is not None:
+            slot.host_grad.mul_(coef)
+        start = time.perf_counter()
+        self._step_slot(slot, slot.host_grad)
+        with self._stats_lock:
+            self._host_step_s += time.perf_counter() - start
+        slot.param_event = self._transfer.to_device(slot.param, slot.out if slot.has_master else slot.step_param)
+        # The window's sum is consumed: the next backward starts a fresh one.
+        slot.has_host_grad = False
+
+    def _wait_done(self, slot: _Slot) -> None:
+        """Blocks until the slot's queued step is done, and orders the compute stream after its upload."""
+        if slot.done is None:
+            return
+        start = time.perf_counter()
+        try:
+            slot.done.result()
+        finally:
+            self._wait_s += time.perf_counter() - start
+        slot.done = slot.landed = None
+        self._transfer.compute_waits_for(slot.param_event)
+        slot.param_event = None
+
+    def _wait_landed(self, slot: _Slot) -> None:
+        if slot.landed is not None:
+            start = time.perf_counter()
+            try:
+                slot.landed.result()
+            finally:
+                self._wait_s += time.perf_counter() - start
+
+    def synchronize(self) -> None:
+        """Waits for every queued host step and upload; errors raised in a worker are raised here.
+
+        Needed before reading the model's weights outside a forward that
+        :meth:`register_forward_waits` covers (``state_dict`` and this optimizer's checkpoint
+        methods call it themselves).
+        """
+        for slot in self._slots:
+            self._wait_done(slot)
+            self._wait_landed(slot)
 
     def _finish_host_grad(self, slot: _Slot) -> None:
         """Waits for the slot's gradient copies and folds its staged micro-batches into the sum."""
@@ -377,6 +507,7 @@ class OffloadOptimizer(Optimizer):
 
     def _grads_to_step(self) -> List[torch.Tensor]:
         """The gradients the next step() will use, wherever they are, ready to read or modify."""
+        self.synchronize()
         grads = []
         for slot in self._slots:
             if slot.offloaded and self.offload_gradients:
@@ -387,9 +518,102 @@ class OffloadOptimizer(Optimizer):
                 grads.append(slot.param.grad)
         return grads
 
+    # -------------------------------------------------------------------------------- overlap
+
+    def expect_final_backward(self, *, clipping: bool) -> None:
+        """Announces that the next ``backward()`` ends the accumulation window (overlap).
+
+        Call it right before the window's last backward, then ``step()`` after it. Host steps
+        then start as gradients land (``clipping=False``), or as soon as ``step()`` is called
+        after ``clip_grad_norm_``/``grad_norm`` (``clipping=True``). The hyper-parameters are
+        read here; with ``clipping=False`` ``step()`` refuses a window whose hyper-parameters
+        changed since. A no-op unless the optimizer was built with ``overlap=True``.
+
+        Args:
+            clipping: the gradients will be clipped (or their norm used) before ``step()``.
+
+        Raises:
+            RuntimeError: if the previous announced window was not stepped.
+        """
+        if not self.overlap:
+            return
+        if self._window is not None:
+            raise RuntimeError("expect_final_backward() twice without step() in between.")
+        # The previous window's steps: done by now, as the forward before this backward waited.
+        self.synchronize()
+        self._window = Window(clipping=bool(clipping), hyper=hyperparameters(self.param_groups))
+        if not clipping:
+            self._sync_hyperparameters()
+
+    def register_forward_waits(self, model: torch.nn.Module) -> None:
+        """Lets ``step()`` return at once (overlap): each module of ``model`` waits, right before
+        its forward, for its own parameters' host steps and uploads, and ``model.state_dict()``
+        waits for all of them.
+
+        A parameter read outside the forward of the module that owns it (before that module
+        runs) needs :meth:`synchronize` first.
+
+        Args:
+            model: the module whose parameters this optimizer steps.
+        """
+        owned: Dict[torch.nn.Module, List[_Slot]] = {}
+        for module in model.modules():
+            slots = [self._slot_of[p] for p in module.parameters(recurse=False)
+                     if p in self._slot_of and self._slot_of[p].offloaded]
+            if slots:
+                owned[module] = slots
+        for module, slots in owned.items():
+            self._hooks.append(module.register_forward_pre_hook(
+                lambda _module, _args, slots=slots: self._wait_for(slots)))
+        self._hooks.append(model.register_state_dict_pre_hook(lambda *_args, **_kwargs: self.synchronize()))
+        self._forward_waits = True
+
+    def _wait_for(self, slots: List[_Slot]) -> None:
+        for slot in slots:
+            self._wait_done(slot)
+
+    def _land_stragglers(self, window: Window) -> None:
+        """Hands over the gradients of parameters the final backward did not reach (used only in
+        earlier micro-batches), so that the window's record is complete."""
+        for slot in self._slots:
+            if slot.index in window.seen:
+                continue
+            if slot.offloaded and self.offload_gradients:
+                if not slot.has_host_grad:
+                    continue
+                slot.norm = None
+                slot.staged_token = self._staging.issued
+            elif slot.param.grad is None:
+                continue
+            else:
+                slot.norm = tensor_norm(slot.param.grad)
+                if slot.offloaded:
+                    slot.staged_token = None
+                    slot.grad_event = self._transfer.to_host(slot.host_grad, slot.param.grad, release_source=True)
+            window.seen.add(slot.index)
+            window.stragglers.append(slot.index)
+            if slot.offloaded:
+                self._hand_over(slot, window)
+
+    def _window_norms(self, window: Window) -> List[torch.Tensor]:
+        """Each window gradient's norm, in slot order, once landed."""
+        self._land_stragglers(window)
+        norms = []
+        for slot in self._slots:
+            if slot.index in window.seen:
+                self._wait_landed(slot)
+                norms.append(slot.norm)
+        return norms
+
+    # ----------------------------------------------------------------------------- norms, clip
+
     @torch.no_grad()
     def grad_norm(self, norm_type: Union[float, str] = 2.0) -> torch.Tensor:
         """The total norm of the gradients the next step() will use, on the model's device."""
+        if self._window is not None:
+            if float(norm_type) != 2.0:
+                raise ValueError(f"norm_type={norm_type}: an overlapped window measures the 2-norm only.")
+            return combine_norms(self._window_norms(self._window), device=self.device)
         return total_norm(self._grads_to_step(), norm_type=norm_type, device=self.device)
 
     @torch.no_grad()
@@ -410,7 +634,26 @@ class OffloadOptimizer(Optimizer):
         Returns:
             The total norm before clipping, on the model's device: the value
             ``torch.nn.utils.clip_grad_norm_`` returns for the same model trained without offload.
+
+        Raises:
+            RuntimeError: in a window announced with ``clipping=False``, whose steps have started.
         """
+        window = self._window
+        if window is not None:
+            if not window.clipping:
+                raise RuntimeError(
+                    "clip_grad_norm_() in a window announced with expect_final_backward(clipping=False): "
+                    "its host steps have already started. Announce clipping=True to clip."
+                )
+            if float(norm_type) != 2.0:
+                raise ValueError(f"norm_type={norm_type}: an overlapped window clips by the 2-norm only.")
+            norm = combine_norms(self._window_norms(window), device=self.device,
+                                 error_if_nonfinite=error_if_nonfinite)
+            window.coef = clip_coefficient(max_norm=max_norm, norm=norm)
+            # Gradients on the device are scaled now, host ones by the step thread before stepping.
+            clip_([s.param.grad for s in self._slots if not s.offloaded and s.param.grad is not None],
+                  max_norm=max_norm, norm=norm)
+            return norm
         grads = self._grads_to_step()
         norm = total_norm(
             grads, norm_type=norm_type, device=self.device, error_if_nonfinite=error_if_nonfinite
@@ -424,7 +667,16 @@ class OffloadOptimizer(Optimizer):
 
         For recipes that normalise after backward (torchtune scales by ``1 / num_tokens``): with
         ``offload_gradients`` the device gradients are already gone, so scaling them does nothing.
+
+        Raises:
+            RuntimeError: in an overlapped window, whose gradients are already on their way to
+                the host steps; scale the loss before backward instead.
         """
+        if self._window is not None:
+            raise RuntimeError(
+                "scale_grads_() after expect_final_backward(): the window's gradients are already "
+                "with the host steps. Scale the loss before backward instead."
+            )
         for g in self._grads_to_step():
             g.mul_(factor.to(g.device) if isinstance(factor, torch.Tensor) else factor)
 
@@ -443,16 +695,52 @@ class OffloadOptimizer(Optimizer):
     def step(self, closure=None):
         """Steps every parameter that has a gradient; offloaded ones on the host.
 
+        In an announced window (overlap) the host steps run on worker threads and this returns
+        without waiting for them (see :meth:`expect_final_backward`).
+
         Args:
             closure: re-evaluates the model and returns the loss (optional).
+
+        Raises:
+            RuntimeError: in a window announced with ``clipping=False`` whose hyper-parameters
+                changed after the announcement (its steps used the announced ones).
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         start = time.perf_counter()
-        self._sync_hyperparameters()
+        if self._window is not None:
+            self._step_window(self._window)
+        else:
+            self._step_serial()
+        copies = self._transfer.copy_seconds()
+        with self._stats_lock:
+            host_step_s, self._host_step_s = self._host_step_s, 0.0
+        wait_s, self._wait_s = self._wait_s, 0.0
+        self._timings = {
+            "offload_wait_s": wait_s,
+            "host_step_s": host_step_s,
+            "grad_copy_s": copies["grad"],
+            "param_copy_s": copies["param"],
+            "offload_step_s": time.perf_counter() - start,
+        }
+        if host_step_s > 0:
+            self._timings["host_step_hidden"] = min(1.0, max(0.0, 1.0 - wait_s / host_step_s))
+        return loss
 
+    def _step_on_device(self) -> None:
+        """Steps the parameters that stay on the device (on an accelerator, beside the host work)."""
+        for slot in self._slots:
+            if not slot.offloaded and slot.param.grad is not None:
+                if slot.has_master:
+                    self._step_slot(slot, slot.param.grad)
+                else:
+                    slot.optimizer.step()
+
+    def _step_serial(self) -> None:
+        self.synchronize()
+        self._sync_hyperparameters()
         ready = []
         for slot in self._slots:
             if not slot.offloaded:
@@ -464,21 +752,16 @@ class OffloadOptimizer(Optimizer):
                 # Issue every copy first, so later copies stream while earlier slots step.
                 slot.grad_event = self._transfer.to_host(slot.host_grad, slot.param.grad)
                 ready.append(slot)
-
-        # On an accelerator these kernels run while the host works on the offloaded slots.
-        for slot in self._slots:
-            if not slot.offloaded and slot.param.grad is not None:
-                if slot.has_master:
-                    self._step_slot(slot, slot.param.grad)
-                else:
-                    slot.optimizer.step()
-
-        host_step_s = 0.0
+        self._step_on_device()
         for slot in ready:
             self._finish_host_grad(slot)
             t0 = time.perf_counter()
             self._step_slot(slot, slot.host_grad)
-            host_step_s += time.perf_counter() - t0
+            # The training thread runs the host step itself here: all of it is waited for.
+            seconds = time.perf_counter() - t0
+            with self._stats_lock:
+                self._host_step_s += seconds
+            self._wait_s += seconds
             self._transfer.to_device(slot.param, slot.out if slot.has_master else slot.step_param)
             if slot.out is slot.host_grad:
                 # The buffer now holds the new weights, not a gradient: nothing may read, scale,
@@ -486,17 +769,45 @@ class OffloadOptimizer(Optimizer):
                 slot.has_host_grad = False
         # The next forward must see the new parameters.
         self._transfer.compute_waits_for_copies()
-        self._timings = {"offload_wait_s": self._wait_s, "host_step_s": host_step_s,
-                         "offload_step_s": time.perf_counter() - start}
-        self._wait_s = 0.0
-        return loss
+
+    def _step_window(self, window: Window) -> None:
+        self._land_stragglers(window)
+        if window.clipping:
+            self._sync_hyperparameters()
+        else:
+            changed = changed_hyperparameters(window.hyper, hyperparameters(self.param_groups))
+            if changed:
+                self._window = None
+                self.synchronize()
+                raise RuntimeError(
+                    "hyper-parameters changed between expect_final_backward(clipping=False) and step(), "
+                    "after the host steps had used them: " + "; ".join(changed)
+                    + ". Change them after step() (as LR schedulers do), or announce clipping=True."
+                )
+        self._step_on_device()
+        if window.clipping:
+            coef = None if window.coef is None else window.coef.to("cpu")
+            # The next forward uses the parameters in the reverse of backward's order.
+            for index in window.stragglers + window.order[::-1]:
+                slot = self._slots[index]
+                if slot.offloaded:
+                    slot.done = self._workers.step(self._host_step, slot, coef)
+        self._window = None
+        if not self._forward_waits:
+            # Nothing makes the next forward wait per module: wait here, still after backward.
+            self.synchronize()
 
     def step_timings(self) -> Dict[str, float]:
-        """Where the last ``step()`` spent its time, in seconds.
+        """Where the time of host work went since the previous ``step()``, in seconds.
 
-        ``offload_wait_s``: waiting for gradient copies to reach the host (since the previous step,
-        so a wait inside ``clip_grad_norm_`` counts too); ``host_step_s``: the base optimizer's
-        steps on the host; ``offload_step_s``: the whole ``step()`` call. Empty before the first step.
+        ``offload_wait_s``: the training thread blocked on host work: waiting for copies, running
+        host steps itself (serial), or waiting for the host workers (overlap); ``host_step_s``:
+        the base optimizer's steps on the host; ``grad_copy_s`` / ``param_copy_s``: gradient
+        downloads and weight uploads; ``offload_step_s``: the ``step()`` call itself;
+        ``host_step_hidden``: ``1 - offload_wait_s / host_step_s`` clamped to [0, 1], the share of
+        the host step the training thread did not wait for. With overlap the host work of a window
+        finishes during the next one, so the figures describe the steady state over steps, not
+        one window. Empty before the first step.
         """
         return dict(self._timings)
 
@@ -513,13 +824,28 @@ class OffloadOptimizer(Optimizer):
             slot.out.copy_(slot.step_param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears gradients on the device and marks host gradient sums empty."""
+        """Clears gradients on the device and marks host gradient sums empty.
+
+        Host sums a queued step still reads are left to it (it marks them empty when done), so
+        this does not wait for host steps.
+
+        Raises:
+            RuntimeError: between :meth:`expect_final_backward` and ``step()``.
+        """
+        if self._window is not None:
+            raise RuntimeError("zero_grad() after expect_final_backward() and before step(): the "
+                               "window's gradients are with the host steps; call step() first.")
+        if not set_to_none:
+            # Device gradients may still be being copied down; zeroing must come after.
+            self._transfer.compute_waits_for_copies()
         for slot in self._slots:
             if slot.param.grad is not None:
                 if set_to_none:
                     slot.param.grad = None
                 else:
                     slot.param.grad.zero_()
+            if slot.done is not None:
+                continue
             if slot.has_host_grad:
                 self._finish_host_grad(slot)
                 if not set_to_none:
@@ -531,8 +857,10 @@ class OffloadOptimizer(Optimizer):
     def state_dict(self) -> Dict[str, Any]:
         """A checkpoint keyed by parameter name (or position), with each slot's placement.
 
-        Tensors are on the host for offloaded parameters and on the device otherwise.
+        Tensors are on the host for offloaded parameters and on the device otherwise. Waits for
+        queued host steps first.
         """
+        self.synchronize()
         groups = []
         for gi, group in enumerate(self.param_groups):
             hyper = {k: v for k, v in group.items() if k != "params"}
@@ -563,6 +891,7 @@ class OffloadOptimizer(Optimizer):
                 optimizer, for other parameters (names, shapes, dtypes, groups), or with another
                 on-host/on-device split (``minimal_size``). Nothing is loaded in that case.
         """
+        self.synchronize()
         problems = self._mismatches(state_dict)
         if problems:
             raise ValueError(
@@ -676,7 +1005,15 @@ class OffloadOptimizer(Optimizer):
         return [slot.step_param, slot.host_grad, *extra]
 
     def close(self) -> None:
-        """Removes the backward hooks (offload_gradients), leaving the model as it was."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        """Finishes queued host work, stops the host worker threads and removes every hook
+        (backward, forward waits), leaving the model as it was."""
+        try:
+            self.synchronize()
+        finally:
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks.clear()
+            self._forward_waits = False
+            if self._workers is not None:
+                self._workers.shutdown()
+                self._workers = None

@@ -9,8 +9,10 @@ into its sum when the ring comes back round to it, or when :meth:`StagingRing.dr
 
 The ring is retired in the order chunks were issued, so the additions into any element happen in
 the order of the micro-batches, as the device's own accumulation does: the result is the same bits.
+The ring may be used from the training thread (adding) and a host worker (draining) at once.
 """
 
+import threading
 from typing import List, Optional, Tuple
 
 import torch
@@ -50,9 +52,11 @@ class StagingRing:
         self.num_chunks = num_chunks
         # Allocated on first use: a run without accumulation never needs them.
         self._chunks: List[torch.Tensor] = []
-        # Per chunk: (destination view, staged view, copy event) until it is added.
-        self._pending: List[Optional[Tuple[torch.Tensor, torch.Tensor, object]]] = [None] * num_chunks
+        # Per chunk: (sequence number, destination view, staged view, copy event) until it is added.
+        self._pending: List[Optional[Tuple[int, torch.Tensor, torch.Tensor, object]]] = [None] * num_chunks
         self._next = 0
+        self._issued = 0
+        self._lock = threading.Lock()
 
     @staticmethod
     def chunk_size(*, chunk_bytes: Optional[int] = None, largest_bytes: Optional[int] = None) -> int:
@@ -64,6 +68,11 @@ class StagingRing:
     def num_allocated(self) -> int:
         """Chunks allocated so far (they are allocated on first use)."""
         return len(self._chunks)
+
+    @property
+    def issued(self) -> int:
+        """The token of the newest addition started (see :meth:`add_into`)."""
+        return self._issued
 
     @property
     def nbytes(self) -> int:
@@ -79,20 +88,27 @@ class StagingRing:
     def _retire(self, index: int) -> None:
         pending = self._pending[index]
         if pending is not None:
-            dst, staged, event = pending
+            _, dst, staged, event = pending
             self._transfer.wait(event)
             dst.add_(staged)
             self._pending[index] = None
 
     @torch.no_grad()
-    def add_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def add_into(self, dst: torch.Tensor, src: torch.Tensor) -> int:
         """Starts adding device tensor ``src`` into host tensor ``dst``; :meth:`drain` finishes it.
 
         Args:
             dst: a contiguous host tensor (a gradient sum).
             src: a device tensor of the same shape (the sum may be kept in a wider dtype); the
                 caller may drop it at once.
+
+        Returns:
+            A token for :meth:`drain_until`: the addition is complete once that returns.
         """
+        with self._lock:
+            return self._add_into(dst, src)
+
+    def _add_into(self, dst: torch.Tensor, src: torch.Tensor) -> int:
         if dst.shape != src.shape:
             raise ValueError(f"StagingRing.add_into: {src.dtype}{list(src.shape)} into {dst.dtype}{list(dst.shape)}")
         dst_flat = dst.view(-1)
@@ -105,9 +121,21 @@ class StagingRing:
             self._retire(index)
             staged = self._chunk(index).view(src.dtype)[:length]
             event = self._transfer.to_host(staged, src_flat[start : start + length], release_source=True)
-            self._pending[index] = (dst_flat[start : start + length], staged, event)
+            self._issued += 1
+            self._pending[index] = (self._issued, dst_flat[start : start + length], staged, event)
+        return self._issued
 
     def drain(self) -> None:
         """Finishes every addition started, oldest first."""
-        for offset in range(self.num_chunks):
-            self._retire((self._next + offset) % self.num_chunks)
+        self.drain_until(None)
+
+    def drain_until(self, token: Optional[int]) -> None:
+        """Finishes the additions started up to the one :meth:`add_into` returned ``token`` for
+        (every one if ``None``), oldest first."""
+        with self._lock:
+            for offset in range(self.num_chunks):
+                index = (self._next + offset) % self.num_chunks
+                pending = self._pending[index]
+                if pending is not None and token is not None and pending[0] > token:
+                    break
+                self._retire(index)

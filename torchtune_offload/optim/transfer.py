@@ -1,13 +1,19 @@
 """Host <-> device copies for the offload engine, the same code on every device type.
 
 On an accelerator (CUDA, XPU, or any backend ``torch.get_device_module`` knows) host buffers are
-pinned and copies run on one side stream, so they overlap with compute and with the host step.
-On a CPU-only machine the "device" is the CPU itself: copies are synchronous and events are
-``None``, which keeps every other line of the engine identical and testable without a GPU.
+pinned and copies run on two side streams, one per direction (a PCIe link copies both ways at
+once), so they overlap with compute and with the host step. On a CPU-only machine the "device" is
+the CPU itself: copies are synchronous and events are ``None``, which keeps every other line of the
+engine identical and testable without a GPU.
+
+Copies may be issued from the engine's host worker threads as well as from the training thread;
+the time they take is summed per direction for the engine's step timings.
 """
 
+import threading
+import time
 from contextlib import nullcontext
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -23,19 +29,52 @@ class TransferEngine:
         self.device = torch.device(device)
         self.is_accelerator = self.device.type != "cpu"
         self._module = torch.get_device_module(self.device) if self.is_accelerator else None
-        # One side stream orders every copy: a parameter's host-to-device copy after a step is
-        # always finished before the next device-to-host gradient copy lands in its buffers.
+        # Gradients go down on one stream, weights up on the other. A weight's upload is always
+        # finished before the next gradient lands in the same host buffer: the compute stream
+        # waits for the upload before the next forward, and every download waits for compute.
         self.stream = self._module.Stream(device=self.device) if self.is_accelerator else None
+        self.h2d_stream = self._module.Stream(device=self.device) if self.is_accelerator else None
+        self._lock = threading.Lock()
+        # Copy durations per direction: seconds (CPU), or timing-event pairs not yet read.
+        self._seconds = {"grad": 0.0, "param": 0.0}
+        self._timed: List[Tuple[str, object, object]] = []
 
     def host_empty_like(self, tensor: torch.Tensor, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """An uninitialised host tensor shaped like ``tensor`` (in ``dtype`` if given); pinned on an accelerator."""
         return torch.empty_like(tensor, dtype=dtype, device="cpu", pin_memory=self.is_accelerator)
 
-    def _side_stream(self):
-        return self._module.stream(self.stream) if self.is_accelerator else nullcontext()
+    def _side_stream(self, stream=None):
+        return self._module.stream(stream or self.stream) if self.is_accelerator else nullcontext()
+
+    def _timing_event(self):
+        return self._module.Event(enable_timing=True)
+
+    def _add_seconds(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[kind] += seconds
+
+    def copy_seconds(self) -> Dict[str, float]:
+        """Seconds spent copying gradients down (``grad``) and weights up (``param``) since the last call.
+
+        On an accelerator, copies still in flight are counted at a later call.
+        """
+        with self._lock:
+            timed, self._timed = self._timed, []
+            result, self._seconds = self._seconds, {"grad": 0.0, "param": 0.0}
+        for kind, start, end in timed:
+            if end.query():
+                result[kind] += start.elapsed_time(end) / 1000
+            else:
+                with self._lock:
+                    self._timed.append((kind, start, end))
+        return result
 
     def to_host(
-        self, dst: torch.Tensor, src: torch.Tensor, *, release_source: bool = False
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        release_source: bool = False,
     ) -> Optional[object]:
         """Copies device ``src`` into host ``dst`` without blocking the compute stream.
 
@@ -49,31 +88,55 @@ class TransferEngine:
             An event to wait on before reading ``dst``, or ``None`` when the copy is complete.
         """
         if not self.is_accelerator:
+            start = time.perf_counter()
             dst.copy_(src)
+            self._add_seconds("grad", time.perf_counter() - start)
             return None
         self.stream.wait_stream(self._module.current_stream(self.device))
+        begin, end = self._timing_event(), self._timing_event()
         with self._side_stream():
+            begin.record()
             dst.copy_(src, non_blocking=True)
-            event = self.stream.record_event()
+            end.record()
+        with self._lock:
+            self._timed.append(("grad", begin, end))
         if release_source:
             src.record_stream(self.stream)
-        return event
+        return end
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copies host ``src`` into device ``dst`` on the side stream.
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Optional[object]:
+        """Copies host ``src`` into device ``dst`` on the upload stream; safe from any thread.
 
-        The compute stream does not see the result until :meth:`compute_waits_for_copies`.
+        The compute stream does not see the result until :meth:`compute_waits_for_copies` or
+        :meth:`compute_waits_for` the returned event.
+
+        Returns:
+            The copy's event on an accelerator, else ``None`` (the copy is complete).
         """
         if not self.is_accelerator:
+            start = time.perf_counter()
             dst.copy_(src)
-            return
-        with self._side_stream():
+            self._add_seconds("param", time.perf_counter() - start)
+            return None
+        begin, end = self._timing_event(), self._timing_event()
+        with self._side_stream(self.h2d_stream):
+            begin.record()
             dst.copy_(src, non_blocking=True)
+            end.record()
+        with self._lock:
+            self._timed.append(("param", begin, end))
+        return end
+
+    def compute_waits_for(self, event: Optional[object]) -> None:
+        """Makes later work on the compute stream wait for one copy (an event from :meth:`to_device`)."""
+        if event is not None:
+            self._module.current_stream(self.device).wait_event(event)
 
     def compute_waits_for_copies(self) -> None:
         """Makes later work on the compute stream wait for every copy issued so far."""
         if self.is_accelerator:
             self._module.current_stream(self.device).wait_stream(self.stream)
+            self._module.current_stream(self.device).wait_stream(self.h2d_stream)
 
     @staticmethod
     def wait(event: Optional[object]) -> None:

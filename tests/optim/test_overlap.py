@@ -1,0 +1,292 @@
+"""Overlapped host steps (``OffloadOptimizer(overlap=True)``) give the serial path's results.
+
+Two copies of a tiny model train side by side, the way the recipes train: the loss is divided by
+the window size before backward, the window's last backward is announced, then clip and step.
+The CPU emulation runs the real pipeline (worker threads, futures, per-module waits), so a missing
+wait shows up here as a wrong weight; the stress test widens every race with random delays.
+"""
+
+import io
+import random
+import threading
+import time
+from typing import List, Optional
+
+import pytest
+import torch
+from torch import nn
+
+from tests.optim.side_by_side import assert_same_params, batches, tiny_model, twin
+from torchtune_offload import OffloadOptimizer
+from torchtune_offload.optim.transfer import TransferEngine
+
+MINIMAL_SIZE = 1000  # weights step on the host, biases on the device
+
+
+def train_windows(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    data: List[tuple],
+    *,
+    grad_accum: int,
+    clip: Optional[float],
+    scheduler=None,
+    announce: bool = True,
+) -> List[float]:
+    """Trains len(data) // grad_accum windows; returns the norms clipping saw."""
+    norms = []
+    ours = isinstance(opt, OffloadOptimizer)
+    for start in range(0, len(data) - grad_accum + 1, grad_accum):
+        window = data[start : start + grad_accum]
+        for i, (x, y) in enumerate(window):
+            loss = ((model(x) - y) ** 2).sum() / grad_accum
+            if ours and announce and i == len(window) - 1:
+                opt.expect_final_backward(clipping=clip is not None)
+            loss.backward()
+        if clip is not None:
+            clip_fn = opt.clip_grad_norm_ if ours else (
+                lambda c: torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], c))
+            norms.append(float(clip_fn(clip)))
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        opt.zero_grad(set_to_none=True)
+    return norms
+
+
+def cosine(opt):
+    return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5, eta_min=1e-4)
+
+
+def offload(model, *, overlap: bool, forward_waits: bool = True, **kwargs) -> OffloadOptimizer:
+    options = dict(minimal_size=MINIMAL_SIZE, lr=1e-2, weight_decay=0.1)
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", overlap=overlap, **{**options, **kwargs})
+    if forward_waits:
+        opt.register_forward_waits(model)
+    return opt
+
+
+@pytest.mark.parametrize("master_dtype", [None, "fp32"])
+@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("grad_accum", [1, 3])
+@pytest.mark.parametrize("clip", [None, 0.5])
+@pytest.mark.parametrize("with_scheduler", [False, True])
+def test_overlap_gives_the_serial_results(master_dtype, offload_gradients, grad_accum, clip, with_scheduler):
+    dtype = torch.bfloat16 if master_dtype else torch.float32
+    base = tiny_model().to(dtype)
+    data = [(x.to(dtype), y.to(dtype)) for x, y in batches(num=5 * grad_accum)]
+    runs = {}
+    for overlap in (False, True):
+        model = twin(base)
+        opt = offload(model, overlap=overlap, offload_gradients=offload_gradients, master_dtype=master_dtype)
+        norms = train_windows(model, opt, data, grad_accum=grad_accum, clip=clip,
+                              scheduler=cosine(opt) if with_scheduler else None)
+        opt.synchronize()
+        runs[overlap] = (model, norms, opt)
+    serial, overlapped = runs[False], runs[True]
+    # The same operations on the same tensors: the same bits.
+    for a, b in zip(serial[0].parameters(), overlapped[0].parameters()):
+        assert torch.equal(a, b)
+    assert overlapped[1] == serial[1]
+    assert overlapped[2].step_timings()["host_step_s"] > 0
+    if master_dtype is None:
+        ref = twin(base)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+        ref_norms = train_windows(ref, ref_opt, data, grad_accum=grad_accum, clip=clip,
+                                  scheduler=cosine(ref_opt) if with_scheduler else None)
+        assert_same_params(ref, overlapped[0])
+        assert overlapped[1] == pytest.approx(ref_norms, rel=1e-6)
+        if clip is not None:
+            assert max(ref_norms) > clip, "the clip threshold must bite for this test to mean anything"
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("master_dtype", [None, "fp32"])
+def test_overlapped_resume_is_bit_identical(offload_gradients, master_dtype):
+    dtype = torch.bfloat16 if master_dtype else torch.float32
+    data = [(x.to(dtype), y.to(dtype)) for x, y in batches(num=12)]
+    kwargs = dict(overlap=True, offload_gradients=offload_gradients, master_dtype=master_dtype)
+
+    straight = tiny_model().to(dtype)
+    opt = offload(straight, **kwargs)
+    sched = cosine(opt)
+    train_windows(straight, opt, data, grad_accum=2, clip=0.5, scheduler=sched)
+    opt.synchronize()
+
+    first = tiny_model().to(dtype)
+    opt = offload(first, **kwargs)
+    sched = cosine(opt)
+    train_windows(first, opt, data[:6], grad_accum=2, clip=0.5, scheduler=sched)
+    buf = io.BytesIO()
+    # Neither call is preceded by synchronize(): both wait for the queued host steps themselves.
+    torch.save({"model": first.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+
+    resumed = tiny_model(seed=123).to(dtype)
+    resumed.load_state_dict(ckpt["model"])
+    opt = offload(resumed, **{**kwargs, "lr": 5.0})
+    sched = cosine(opt)
+    opt.load_state_dict(ckpt["opt"])
+    sched.load_state_dict(ckpt["sched"])
+    train_windows(resumed, opt, data[6:], grad_accum=2, clip=0.5, scheduler=sched)
+    opt.synchronize()
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_without_forward_waits_step_waits_and_results_match():
+    base, data = tiny_model(), batches(num=6)
+    ref, model = twin(base), twin(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = offload(model, overlap=True, forward_waits=False)
+    train_windows(ref, ref_opt, data, grad_accum=2, clip=None)
+    train_windows(model, opt, data, grad_accum=2, clip=None)
+    assert all(s.done is None for s in opt._slots)
+    assert_same_params(ref, model)
+
+
+def test_unannounced_windows_take_the_serial_path():
+    base, data = tiny_model(), batches(num=6)
+    ref, model = twin(base), twin(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = offload(model, overlap=True, offload_gradients=True, lr=1e-2, weight_decay=0.01)
+    train_windows(ref, ref_opt, data, grad_accum=3, clip=0.5)
+    train_windows(model, opt, data, grad_accum=3, clip=0.5, announce=False)
+    assert opt._workers is None, "no window was announced, so no host work may have been queued"
+    assert_same_params(ref, model)
+
+
+class _Delays:
+    """Random sleeps in every copy and host step, to widen the windows of any missing wait."""
+
+    def __init__(self, monkeypatch, *, seed: int, max_s: float = 2e-3) -> None:
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self.max_s = max_s
+        for name in ("to_host", "to_device"):
+            self._wrap(monkeypatch, TransferEngine, name)
+        self._wrap(monkeypatch, OffloadOptimizer, "_step_slot")
+
+    def _sleep(self) -> None:
+        with self._lock:
+            seconds = self._rng.uniform(0, self.max_s)
+        time.sleep(seconds)
+
+    def _wrap(self, monkeypatch, cls, name):
+        original = getattr(cls, name)
+
+        def delayed(*args, **kwargs):
+            self._sleep()
+            result = original(*args, **kwargs)
+            self._sleep()
+            return result
+
+        monkeypatch.setattr(cls, name, delayed)
+
+
+def _many_small(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(24):
+        layers += [nn.Linear(12, 12), nn.Tanh()]
+    return nn.Sequential(nn.Linear(6, 12), *layers, nn.Linear(12, 3))
+
+
+@pytest.mark.parametrize("run", range(20))
+def test_stress_many_small_parameters_with_random_delays(monkeypatch, run):
+    """20 runs in a row, each with other delays and another corner of the matrix."""
+    offload_gradients, grad_accum, clip = bool(run % 2), 1 + 2 * (run // 2 % 2), (None, 0.05)[run // 4 % 2]
+    base = _many_small(run)
+    g = torch.Generator().manual_seed(run)
+    data = [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(4 * grad_accum)]
+    ref = twin(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_norms = train_windows(ref, ref_opt, data, grad_accum=grad_accum, clip=clip)
+
+    _Delays(monkeypatch, seed=run)
+    model = twin(base)
+    # minimal_size=0: every parameter, bias included, steps on the host through the workers.
+    opt = offload(model, overlap=True, minimal_size=0, offload_gradients=offload_gradients)
+    norms = train_windows(model, opt, data, grad_accum=grad_accum, clip=clip)
+    opt.close()
+    assert_same_params(ref, model)
+    assert norms == pytest.approx(ref_norms, rel=1e-6)
+    if clip is not None:
+        assert max(ref_norms) > clip
+
+
+def test_step_returns_before_the_host_steps_end(monkeypatch):
+    _Delays(monkeypatch, seed=0, max_s=0.02)
+    model = tiny_model()
+    opt = offload(model, overlap=True)
+    x, y = batches(num=1)[0]
+    opt.expect_final_backward(clipping=False)
+    ((model(x) - y) ** 2).sum().backward()
+    opt.step()
+    pending = [s for s in opt._slots if s.done is not None and not s.done.done()]
+    assert pending, "step() waited for every host step"
+    model(x)  # the forward waits for each module's own parameters
+    assert all(s.done is None for s in opt._slots)
+    assert opt.step_timings()["host_step_s"] >= 0
+
+
+def test_worker_errors_reach_the_caller(monkeypatch):
+    model = tiny_model()
+    opt = offload(model, overlap=True)
+    x, y = batches(num=1)[0]
+
+    def broken(self, slot, grad):
+        raise ValueError(f"host step failed for {slot.key}")
+
+    monkeypatch.setattr(OffloadOptimizer, "_step_slot", broken)
+    opt.expect_final_backward(clipping=False)
+    ((model(x) - y) ** 2).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match="host step failed"):
+        model(x)
+
+
+def test_misuse_of_an_announced_window_is_refused():
+    model = tiny_model()
+    opt = offload(model, overlap=True)
+    x, y = batches(num=1)[0]
+    opt.expect_final_backward(clipping=False)
+    with pytest.raises(RuntimeError, match="twice"):
+        opt.expect_final_backward(clipping=False)
+    ((model(x) - y) ** 2).sum().backward()
+    with pytest.raises(RuntimeError, match="clipping=True"):
+        opt.clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match="Scale the loss"):
+        opt.scale_grads_(0.5)
+    with pytest.raises(RuntimeError, match="step\\(\\) first"):
+        opt.zero_grad()
+    opt.param_groups[0]["lr"] = 0.5
+    with pytest.raises(RuntimeError, match="lr"):
+        opt.step()
+
+
+def test_a_second_backward_after_the_announcement_is_refused():
+    model = tiny_model()
+    opt = offload(model, overlap=True)
+    x, y = batches(num=1)[0]
+    opt.expect_final_backward(clipping=True)
+    ((model(x) - y) ** 2).sum().backward()
+    with pytest.raises(RuntimeError, match="second backward"):
+        ((model(x) - y) ** 2).sum().backward()
+
+
+def test_announcing_without_overlap_does_nothing():
+    base, data = tiny_model(), batches(num=4)
+    ref, model = twin(base), twin(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = offload(model, overlap=False)
+    train_windows(ref, ref_opt, data, grad_accum=2, clip=0.5)
+    train_windows(model, opt, data, grad_accum=2, clip=0.5)
+    assert opt._workers is None
+    assert_same_params(ref, model)
+
+
+def test_bad_overlap_value():
+    with pytest.raises(ValueError, match="optimizer.overlap"):
+        OffloadOptimizer(tiny_model().named_parameters(), overlap="yes")

@@ -1,0 +1,89 @@
+"""The machinery that lets ``OffloadOptimizer(overlap=True)`` run host steps beside GPU work.
+
+A caller announces the backward that ends an accumulation window
+(``OffloadOptimizer.expect_final_backward``). During that backward each offloaded parameter's
+final gradient is sent to the host as soon as autograd has produced it, and two host worker
+threads take over from there:
+
+- the *landing* thread waits for the copy, folds staged micro-batches into the host sum, and
+  measures the gradient's norm where it was not measured on the device;
+- the *step* thread runs the base optimizer on the host copy and sends the new weights back.
+
+Without clipping a parameter's step is queued as soon as it has landed, while backward goes on.
+With clipping the total norm is known only when every gradient has landed, so the steps are
+queued by ``step()``, in the order the next forward uses the parameters (the reverse of the order
+backward produced them). Either way ``step()`` returns at once and the next forward waits, module
+by module, for its own parameters only (``OffloadOptimizer.register_forward_waits``).
+
+The math is that of the serial path: the same tensors, the same operations, in the same order
+per tensor. Only the moment each runs changes.
+"""
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Set
+
+import torch
+
+
+class HostWorkers:
+    """The two host worker threads: one lands gradients, one steps. Each runs its queue in order."""
+
+    def __init__(self) -> None:
+        self._landing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-landing")
+        self._stepping = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-host-step")
+
+    def land(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queues ``fn(*args)`` on the landing thread."""
+        return self._landing.submit(fn, *args)
+
+    def step(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queues ``fn(*args)`` on the step thread."""
+        return self._stepping.submit(fn, *args)
+
+    def shutdown(self) -> None:
+        """Finishes what is queued and stops both threads."""
+        self._landing.shutdown(wait=True)
+        self._stepping.shutdown(wait=True)
+
+
+def hyperparameters(param_groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """A snapshot of every group's options, without the parameters."""
+    return [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params"}
+            for g in param_groups]
+
+
+def changed_hyperparameters(before: List[Dict[str, Any]], after: List[Dict[str, Any]]) -> List[str]:
+    """``group[i].key`` for every option that differs between two snapshots."""
+    changed = []
+    for i, (old, new) in enumerate(zip(before, after)):
+        for key in sorted(set(old) | set(new)):
+            a, b = old.get(key), new.get(key)
+            same = (torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                    else type(a) is type(b) and a == b)
+            if not same:
+                changed.append(f"param_groups[{i}].{key}: {a!r} -> {b!r}")
+    return changed
+
+
+@dataclass
+class Window:
+    """The accumulation window whose final backward was announced, until its ``step()``.
+
+    Attributes:
+        clipping: the caller will clip (or measure) the gradients before ``step()``, so host steps
+            wait for ``step()`` instead of starting as gradients land.
+        hyper: the hyper-parameters when the window was announced; without clipping the steps
+            use these, and ``step()`` checks that nothing changed them.
+        order: slot indices in the order the final backward produced their gradients.
+        seen: slot indices whose gradients are part of the window's record (hooked or stragglers).
+        stragglers: slot indices with gradients from earlier micro-batches only.
+        coef: the clipping factor, once ``clip_grad_norm_`` has computed it.
+    """
+
+    clipping: bool
+    hyper: List[Dict[str, Any]]
+    order: List[int] = field(default_factory=list)
+    seen: Set[int] = field(default_factory=set)
+    stragglers: List[int] = field(default_factory=list)
+    coef: Optional[torch.Tensor] = None
