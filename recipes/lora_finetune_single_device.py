@@ -31,6 +31,7 @@ from torchtune_offload.recipe import (
     build_lr_scheduler,
     build_metric_logger,
     build_optimizer,
+    close_optimizer,
     build_profiler,
     check_host_memory,
     check_files,
@@ -69,6 +70,7 @@ class LoRAFinetuneRecipeSingleDevice:
         # What cleanup() closes; set by setup(), which may fail part-way.
         self._metric_logger = None
         self._memory = None
+        self._optimizer = None
 
     def setup(self, cfg: DictConfig) -> None:
         s = self.settings
@@ -145,6 +147,7 @@ class LoRAFinetuneRecipeSingleDevice:
         self.progress.epochs_run = self._loop.run(epochs_run=self.progress.epochs_run, save_checkpoint=self.save_checkpoint)
 
     def cleanup(self) -> None:
+        close_optimizer(self._optimizer, self.settings)
         if self._memory is not None:
             self._memory.close()
         if self._metric_logger is not None:

@@ -39,7 +39,6 @@ OFFLOAD_COMPONENTS = {
 }
 PAGED_COMPONENTS = {"bitsandbytes.optim.PagedAdamW", "bitsandbytes.optim.PagedAdamW8bit"}
 # Keys the offload wrappers consume themselves; the rest go to the base optimizer.
-OFFLOAD_OWN_KEYS = {"optimizer_class", "offload_gradients", "minimal_size"}
 
 # (family, size) -> (output_dir slug, input/output embeddings tied)
 MODELS = {
@@ -215,7 +214,8 @@ def test_optimizer_resolves_and_its_keywords_reach_the_base_optimizer(path):
         # The wrappers take **kwargs, so tune validate cannot see a typo there: bind the rest
         # to the base optimizer instead.
         base = resolve_optimizer_class(opt.get("optimizer_class", "torch.optim.AdamW"))
-        kwargs = {k: v for k, v in opt.items() if k not in OFFLOAD_OWN_KEYS}
+        own = {n for n, p in inspect.signature(component).parameters.items() if p.kind is not p.VAR_KEYWORD}
+        kwargs = {k: v for k, v in opt.items() if k not in own}
         inspect.signature(base).bind([], **kwargs)
         assert isinstance(opt.get("offload_gradients", False), bool)
         assert isinstance(opt.get("minimal_size", 4096), int) and opt.get("minimal_size", 4096) >= 0

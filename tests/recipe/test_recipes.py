@@ -42,8 +42,8 @@ RESUME = ["epochs=2", "max_steps_per_epoch=4", "batch_size=4", "gradient_accumul
 FULL_OFFLOAD = [*OFFLOAD, "optimizer.minimal_size=1024"]  # most tiny-model weights go to the host
 LORA_OFFLOAD = [*OFFLOAD, "optimizer.minimal_size=256"]  # every LoRA matrix goes to the host
 CPU_LOG_KEYS = {"loss", "lr", "tokens_per_second", "grad_norm", "host_rss", "host_rss_peak"}
-OFFLOAD_LOG_KEYS = {"optimizer_host", "optimizer_pinned", "optimizer_device_saved",
-                    "offload_wait_s", "host_step_s", "offload_step_s"}
+OFFLOAD_LOG_KEYS = {"optimizer_host", "optimizer_pinned", "optimizer_device_saved", "offload_wait_s",
+                    "host_step_s", "grad_copy_s", "param_copy_s", "offload_step_s", "host_step_hidden"}
 
 
 def _load_recipe_class(kind: str) -> type:
@@ -147,10 +147,13 @@ def _assert_same_tensors(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor],
 # ------------------------------------------------------------------------- full: equivalence
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("offload_gradients", [False, True])
-def test_full_offload_matches_plain_adamw(runs, tiny_assets, offload_gradients):
+def test_full_offload_matches_plain_adamw(runs, tiny_assets, offload_gradients, overlap):
     plain = runs("full", *FULL_EQUIV)
-    off = runs("full", *FULL_EQUIV, *FULL_OFFLOAD, f"optimizer.offload_gradients={offload_gradients}")
+    off = runs("full", *FULL_EQUIV, *FULL_OFFLOAD, f"optimizer.offload_gradients={offload_gradients}",
+               f"optimizer.overlap={overlap}")
+    assert off.recipe._optimizer.overlap is overlap
 
     report = off.recipe._optimizer.memory_report()
     assert report.num_offloaded > 0 and report.num_on_device > 0  # both step paths are exercised
@@ -199,9 +202,10 @@ def test_bitsandbytes_paged_adamw_on_cpu(runs):
 # ------------------------------------------------------------------------------------- LoRA
 
 
-def test_lora_offload_matches_plain_adamw(runs, tiny_assets):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_lora_offload_matches_plain_adamw(runs, tiny_assets, overlap):
     plain = runs("lora", *LORA_EQUIV)
-    off = runs("lora", *LORA_EQUIV, *LORA_OFFLOAD, "optimizer.offload_gradients=True")
+    off = runs("lora", *LORA_EQUIV, *LORA_OFFLOAD, "optimizer.offload_gradients=True", f"optimizer.overlap={overlap}")
 
     optimizer = off.recipe._optimizer
     report = optimizer.memory_report()
@@ -246,7 +250,8 @@ def test_lora_checkpoint_leaves_base_weights_alone(tiny_assets, tmp_path):
     "kind, overrides",
     [
         ("full", [*FULL_OFFLOAD, "optimizer.offload_gradients=True"]),
-        ("lora", [*LORA_OFFLOAD, "optimizer.offload_gradients=True"]),
+        ("full", [*FULL_OFFLOAD, "optimizer.offload_gradients=False", "optimizer.overlap=True"]),
+        ("lora", [*LORA_OFFLOAD, "optimizer.offload_gradients=True", "optimizer.overlap=True"]),
     ],
 )
 def test_resume_after_epoch_is_exact(kind, overrides, tiny_assets, tmp_path):
@@ -277,7 +282,8 @@ def test_resume_after_epoch_is_exact(kind, overrides, tiny_assets, tmp_path):
 
 def test_logged_metrics_on_cpu(runs):
     plain = runs("full", *FULL_EQUIV)
-    off = runs("full", *FULL_EQUIV, *FULL_OFFLOAD, "optimizer.offload_gradients=True")
+    off = runs("full", *FULL_EQUIV, *FULL_OFFLOAD, "optimizer.offload_gradients=True", "optimizer.overlap=False")
+    overlapped = runs("full", *FULL_EQUIV, *FULL_OFFLOAD, "optimizer.offload_gradients=True", "optimizer.overlap=True")
     assert [r["step"] for r in plain.log] == [1, 2, 3, 4, 5]
     for row in plain.log:
         assert set(row) - {"step"} == CPU_LOG_KEYS
@@ -287,8 +293,17 @@ def test_logged_metrics_on_cpu(runs):
         assert row["host_rss_peak"] >= row["host_rss"] > 0 and row["tokens_per_second"] > 0
         assert row["optimizer_device_saved"] > 0 and row["optimizer_host"] > row["optimizer_device_saved"]
         assert row["optimizer_pinned"] == 0  # nothing to pin for on a CPU-only machine
-        assert 0 <= row["host_step_s"] <= row["offload_step_s"] and row["offload_wait_s"] >= 0
+        # Serial: the training thread runs the host step inside step() and waits for all of it.
+        assert 0 <= row["host_step_s"] <= row["offload_wait_s"] <= row["offload_step_s"]
+        assert row["host_step_hidden"] == 0 and row["grad_copy_s"] > 0 and row["param_copy_s"] > 0
     assert [r["loss"] for r in off.log] == pytest.approx(off.losses, rel=1e-12)
+    for i, row in enumerate(overlapped.log):
+        # Overlapped: host steps run on the step thread and a window's finish during the next one,
+        # so the first step() has no host step behind it to report a hidden share of.
+        keys = CPU_LOG_KEYS | OFFLOAD_LOG_KEYS
+        assert set(row) - {"step"} == (keys - {"host_step_hidden"} if i == 0 else keys)
+        if i > 0:
+            assert row["host_step_s"] > 0 and 0 <= row["host_step_hidden"] <= 1 and row["offload_wait_s"] >= 0
 
 
 # --------------------------------------------------------------------------------- tune run

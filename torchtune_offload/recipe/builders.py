@@ -125,9 +125,18 @@ def build_optimizer(
     else:
         # Plain, bitsandbytes and torchao's optimizers take tensors, as in torchtune's recipes.
         optimizer = config.instantiate(cfg_optimizer, [p for _, p in trainable])
+    if settings.optimizer_capabilities.overlaps_host_step:
+        # With overlap on, step() returns at once and each module waits for its own weights.
+        optimizer.register_forward_waits(model)
     if state_dict is not None:
         _load_optimizer_state(optimizer, state_dict, cfg_optimizer, settings)
     return optimizer, None
+
+
+def close_optimizer(optimizer: Optional[torch.optim.Optimizer], settings: RecipeSettings) -> None:
+    """Finishes an overlapping optimizer's host work and stops its worker threads (cleanup)."""
+    if optimizer is not None and settings.optimizer_capabilities.overlaps_host_step:
+        optimizer.close()
 
 
 def build_loss(cfg_loss: DictConfig, model: nn.Module, settings: RecipeSettings, *, verbose: bool = True) -> nn.Module:

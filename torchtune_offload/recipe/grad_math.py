@@ -72,6 +72,16 @@ class GradientStepper:
         self.capabilities = capabilities
         self.clip_grad_norm = clip_grad_norm
 
+    def before_final_backward(self) -> None:
+        """Tells an optimizer that overlaps its host step that the next backward ends the window."""
+        if self.optimizer is not None and self.capabilities.overlaps_host_step:
+            self.optimizer.expect_final_backward(clipping=self.clip_grad_norm is not None)
+
+    def synchronize(self) -> None:
+        """Waits for an overlapping optimizer's pending host steps (before saves, at the end)."""
+        if self.optimizer is not None and self.capabilities.overlaps_host_step:
+            self.optimizer.synchronize()
+
     def step(self) -> Optional[torch.Tensor]:
         """Steps; returns the total norm of the gradients stepped on (before clipping)."""
         if self.optimizer is None:

@@ -118,9 +118,12 @@ class TrainLoop:
                 num_tokens = sum_over_ranks(sum(counts))
                 scale = loss_scale(num_tokens=num_tokens)
                 running = torch.zeros((), device=s.device)
-                for batch, count in zip(window, counts):
+                for i, (batch, count) in enumerate(zip(window, counts)):
                     loss = self._summed_loss(batch, count)
                     running += loss.detach()
+                    if i == len(window) - 1:
+                        # An overlapping optimizer starts host steps during this backward.
+                        self.stepper.before_final_backward()
                     (loss * scale).backward()
                     del loss
                 grad_norm = self.stepper.step()
@@ -150,6 +153,8 @@ class TrainLoop:
                 self.profiler.step()
             pbar.close()
             epochs_run += 1
+            self.stepper.synchronize()
             save_checkpoint(epoch)
+        self.stepper.synchronize()
         self.profiler.stop()
         return epochs_run
