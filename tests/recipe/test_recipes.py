@@ -387,6 +387,8 @@ BAD_CONFIGS = [
     _case("in_bwd_with_clip", ["optimizer_in_bwd=True", CLIP1], "optimizer_in_bwd=True with clip_grad_norm"),
     _case("in_bwd_with_accum", ["optimizer_in_bwd=True", ACCUM2],
           "optimizer_in_bwd=True with gradient_accumulation_steps"),
+    _case("overlap_not_bool", [*OFFLOAD, "optimizer.overlap=maybe"], "optimizer.overlap='maybe' must be True or False"),
+    _case("overlap_on_plain_adamw", ["optimizer.overlap=True"], "optimizer.overlap: not an option of AdamW"),
     _case("torchao_on_cpu", [CPU_AO], "device=cpu with torchtune_offload.CPUOffloadOptimizer"),
     _case("torchao_with_clip", [CPU_AO, CLIP1], "clip_grad_norm is set but"),
     _case("torchao_offload_grads_with_accum", [CPU_AO, "optimizer.offload_gradients=True", ACCUM2],
