@@ -290,3 +290,18 @@ def test_announcing_without_overlap_does_nothing():
 def test_bad_overlap_value():
     with pytest.raises(ValueError, match="optimizer.overlap"):
         OffloadOptimizer(tiny_model().named_parameters(), overlap="yes")
+
+
+def test_compiled_modules_wait_for_their_parameters():
+    """compile=True compiles modules; their forward waits run eagerly and still order every read."""
+    base, data = tiny_model(), batches(num=6)
+    serial, overlapped = twin(base), twin(base)
+    for model in (serial, overlapped):
+        for layer in model:
+            layer.compile()
+    for overlap, model in ((False, serial), (True, overlapped)):
+        opt = offload(model, overlap=overlap, offload_gradients=True)
+        train_windows(model, opt, data, grad_accum=2, clip=0.5)
+        opt.close()
+    for a, b in zip(serial.parameters(), overlapped.parameters()):
+        assert torch.equal(a, b)

@@ -11,6 +11,7 @@ copy can be kept in another dtype (fp32 master weights for bf16 device weights, 
 ``to_device`` copy, which casts), and a different placement strategy only changes how a slot is built.
 """
 
+import functools
 import threading
 import time
 from typing import Any, Dict, List, Optional, Union
@@ -563,12 +564,13 @@ class OffloadOptimizer(Optimizer):
             if slots:
                 owned[module] = slots
         for module, slots in owned.items():
-            self._hooks.append(module.register_forward_pre_hook(
-                lambda _module, _args, slots=slots: self._wait_for(slots)))
+            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._forward_wait, slots)))
         self._hooks.append(model.register_state_dict_pre_hook(lambda *_args, **_kwargs: self.synchronize()))
         self._forward_waits = True
 
-    def _wait_for(self, slots: List[_Slot]) -> None:
+    # A compiled module (compile=True) runs this eagerly instead of tracing waits on threads.
+    @torch.compiler.disable
+    def _forward_wait(self, slots: List[_Slot], _module: torch.nn.Module, _args: Any) -> None:
         for slot in slots:
             self._wait_done(slot)
 
