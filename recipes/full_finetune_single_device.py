@@ -9,6 +9,8 @@ offload from the command line::
 
 Unlike torchtune's recipe, gradients are normalised by the window's token count before backward,
 so clipping, accumulation and the logged grad_norm apply to the gradients the optimizer steps on.
+Checkpoints to resume from are written every ``save_every_n_steps`` steps and at each epoch's end
+into ``output_dir/checkpoints``; ``resume_from_checkpoint=True`` continues from the newest one.
 """
 
 import sys
@@ -20,6 +22,7 @@ from torchtune_offload.recipe import (
     MemoryMonitor,
     Progress,
     TrainLoop,
+    TrainingCheckpoints,
     build_dataloader,
     build_loss,
     build_lr_scheduler,
@@ -51,8 +54,10 @@ class FullFinetuneRecipeSingleDevice:
         self.settings = check_recipe_config(cfg, recipe="full")
         # Before anything is loaded: a run that cannot fit host memory fails here, with figures.
         self.host_memory = check_host_memory(cfg, self.settings)
-        check_files(cfg)  # missing or damaged files fail here, not after the weights load
+        check_files(cfg, step_resume=True)  # missing or damaged files fail here, not after the weights load
         self.progress = Progress.start(self.settings)
+        # With resume_from_checkpoint=True: the newest checkpoint, checked; progress takes its position.
+        self._checkpoints = TrainingCheckpoints(cfg, self.settings, self.progress)
         # What cleanup() closes; set by setup(), which may fail part-way.
         self._metric_logger = None
         self._memory = None
@@ -62,47 +67,57 @@ class FullFinetuneRecipeSingleDevice:
         s = self.settings
         # 1. Logging first, so that the config is recorded even if a later step fails.
         self._metric_logger = build_metric_logger(cfg)
-        # 2. Weights (and, when resuming, the recipe state) from the checkpointer.
-        self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=self.progress)
-        # 3. Model, then the optimizer that holds references to its parameters.
+        # 2. The configured weights from the checkpointer.
+        self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=None)
+        # 3. Model (with the trained weights when resuming), then the optimizer that copies them.
         self._model = instantiate_model(cfg.model, s)
         # pop: the loaded weights are freed before the optimizer allocates its host memory.
         self._model.load_state_dict(ckpt.pop(training.MODEL_KEY))
+        self._checkpoints.restore_weights(self._model, names=list(self._model.state_dict()))
         training.validate_expected_param_dtype(self._model.named_parameters(), dtype=s.dtype)
         self._optimizer, self._in_bwd = build_optimizer(
-            cfg.optimizer, self._model, s,
-            state_dict=ckpt.get(training.OPT_KEY) if s.resume_from_checkpoint else None,
+            cfg.optimizer, self._model, s, state_dict=self._checkpoints.optimizer_state,
         )
         # 4. Loss and data.
         loss_fn = build_loss(cfg.loss, self._model, s)
         self._dataloader = build_dataloader(cfg.dataset, cfg.tokenizer, s, ignore_index=loss_fn.ignore_index)
         # 5. Schedule, profiler and memory figures, wired into the shared loop.
-        lr_scheduler = build_lr_scheduler(
+        self._lr_scheduler = build_lr_scheduler(
             cfg.get("lr_scheduler"), optimizer=self._optimizer, in_bwd_wrapper=self._in_bwd,
             dataloader=self._dataloader, settings=s, epochs_run=self.progress.epochs_run,
+            steps_run_in_epoch=self.progress.steps_run_in_epoch,
         )
         profiler = build_profiler(cfg.get("profiler"))
         self._memory = MemoryMonitor(s.device, optimizer=self._optimizer)
         self._loop = TrainLoop(
             model=self._model, loss_fn=loss_fn, dataloader=self._dataloader, optimizer=self._optimizer,
-            in_bwd_wrapper=self._in_bwd, lr_scheduler=lr_scheduler, profiler=profiler,
+            in_bwd_wrapper=self._in_bwd, lr_scheduler=self._lr_scheduler, profiler=profiler,
             metric_logger=self._metric_logger, memory=self._memory, settings=s,
+        )
+        # 6. Last, so nothing drawn during setup moves them: data position, schedule, RNGs.
+        self._checkpoints.restore_position(dataloader=self._dataloader, lr_scheduler=self._lr_scheduler,
+                                           steps_per_epoch=self._loop.steps_per_epoch)
+
+    def save_step_checkpoint(self, epoch: int, step_in_epoch: int, global_step: int) -> None:
+        """A checkpoint to resume from: continue epoch ``epoch`` after ``step_in_epoch`` steps."""
+        self._checkpoints.save(
+            epoch=epoch, step_in_epoch=step_in_epoch, global_step=global_step,
+            weights=self._model.state_dict(), optimizer_state=optimizer_state(self._optimizer, self._in_bwd),
+            dataloader=self._dataloader, lr_scheduler=self._lr_scheduler,
         )
 
     def save_checkpoint(self, epoch: int) -> None:
-        ckpt = {training.MODEL_KEY: self._model.state_dict()}
-        intermediate = epoch + 1 < self.settings.epochs
-        if intermediate:
-            self.progress.epochs_run = epoch + 1
-            ckpt.update(self.progress.state())
-            ckpt[training.OPT_KEY] = optimizer_state(self._optimizer, self._in_bwd)
-            # Resume restarts at an epoch boundary, where the sampler's order depends only on
-            # the epoch; the loader state is stored for torchtune's tools, not read back.
-            ckpt[training.DATALOADER_KEY] = self._dataloader.state_dict()
-        save_atomically(self._checkpointer, ckpt, epoch=epoch, intermediate_checkpoint=intermediate)
+        # The epoch's weights in the checkpoint's own format, for inference and export.
+        save_atomically(self._checkpointer, {training.MODEL_KEY: self._model.state_dict()}, epoch=epoch,
+                        intermediate_checkpoint=False)
+        if epoch + 1 < self.settings.epochs:
+            self.save_step_checkpoint(epoch + 1, 0, (epoch + 1) * self._loop.steps_per_epoch)
 
     def train(self) -> None:
-        self.progress.epochs_run = self._loop.run(epochs_run=self.progress.epochs_run, save_checkpoint=self.save_checkpoint)
+        self.progress.epochs_run = self._loop.run(
+            epochs_run=self.progress.epochs_run, steps_run_in_epoch=self.progress.steps_run_in_epoch,
+            save_checkpoint=self.save_checkpoint, save_step_checkpoint=self.save_step_checkpoint,
+        )
 
     def cleanup(self) -> None:
         close_optimizer(self._optimizer, self.settings)

@@ -7,6 +7,9 @@ offload from the command line::
         optimizer._component_=torchtune_offload.OffloadOptimizer optimizer.minimal_size=256
 
 Only the adapter parameters train; the offload optimizer keeps their state on the host.
+Checkpoints to resume from (the adapters and the training state) are written every
+``save_every_n_steps`` steps and at each epoch's end into ``output_dir/checkpoints``;
+``resume_from_checkpoint=True`` continues from the newest one.
 """
 
 import sys
@@ -26,6 +29,7 @@ from torchtune_offload.recipe import (
     MemoryMonitor,
     Progress,
     TrainLoop,
+    TrainingCheckpoints,
     build_dataloader,
     build_loss,
     build_lr_scheduler,
@@ -58,8 +62,10 @@ class LoRAFinetuneRecipeSingleDevice:
         # Before anything is loaded: a run that cannot fit host memory fails here, with figures.
         self.host_memory = check_host_memory(
             cfg, self.settings, mark_trainable=lambda model: set_trainable_params(model, get_adapter_params(model)))
-        check_files(cfg, adapter=True)  # missing or damaged files fail here, not after the weights load
+        check_files(cfg, step_resume=True)  # missing or damaged files fail here, not after the weights load
         self.progress = Progress.start(self.settings)
+        # With resume_from_checkpoint=True: the newest checkpoint, checked; progress takes its position.
+        self._checkpoints = TrainingCheckpoints(cfg, self.settings, self.progress)
         self._lora = {
             "rank": cfg.model.lora_rank,
             "alpha": cfg.model.lora_alpha,
@@ -76,55 +82,57 @@ class LoRAFinetuneRecipeSingleDevice:
         s = self.settings
         # 1. Logging first, so that the config is recorded even if a later step fails.
         self._metric_logger = build_metric_logger(cfg)
-        # 2. Base weights, and when resuming the adapter weights and recipe state.
-        self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=self.progress)
+        # 2. Base weights from the checkpointer.
+        self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=None)
         # 3. Model with only the adapters trainable, then the optimizer over them.
         self._model = instantiate_model(cfg.model, s)
         adapter_params = get_adapter_params(self._model)
         set_trainable_params(self._model, adapter_params)
         # pop: the loaded weights are freed before the optimizer allocates its host memory.
         base_missing, base_unexpected = self._model.load_state_dict(ckpt.pop(training.MODEL_KEY), strict=False)
-        lora_missing = lora_unexpected = None
-        if s.resume_from_checkpoint:
-            lora_missing, lora_unexpected = self._model.load_state_dict(ckpt[training.ADAPTER_KEY], strict=False)
         validate_missing_and_unexpected_for_lora(
             lora_attn_modules=self._lora["attn_modules"],
             apply_lora_to_mlp=self._lora["mlp"],
             apply_lora_to_output=self._lora["output"],
             base_missing=base_missing,
             base_unexpected=base_unexpected,
-            lora_missing=lora_missing,
-            lora_unexpected=lora_unexpected,
         )
+        # Resuming: the trained adapters, which the checkpoint holds exactly.
+        self._checkpoints.restore_weights(self._model, names=list(adapter_params))
         training.validate_expected_param_dtype(adapter_params.items(), dtype=s.dtype)
-        self._optimizer, _ = build_optimizer(
-            cfg.optimizer, self._model, s,
-            state_dict=ckpt.get(training.OPT_KEY) if s.resume_from_checkpoint else None,
-        )
+        self._optimizer, _ = build_optimizer(cfg.optimizer, self._model, s, state_dict=self._checkpoints.optimizer_state)
         # 4. Loss and data.
         loss_fn = build_loss(cfg.loss, self._model, s)
         self._dataloader = build_dataloader(cfg.dataset, cfg.tokenizer, s, ignore_index=loss_fn.ignore_index)
         # 5. Schedule, profiler and memory figures, wired into the shared loop.
-        lr_scheduler = build_lr_scheduler(
+        self._lr_scheduler = build_lr_scheduler(
             cfg.get("lr_scheduler"), optimizer=self._optimizer, in_bwd_wrapper=None,
             dataloader=self._dataloader, settings=s, epochs_run=self.progress.epochs_run,
+            steps_run_in_epoch=self.progress.steps_run_in_epoch,
         )
         profiler = build_profiler(cfg.get("profiler"))
         self._memory = MemoryMonitor(s.device, optimizer=self._optimizer)
         self._loop = TrainLoop(
             model=self._model, loss_fn=loss_fn, dataloader=self._dataloader, optimizer=self._optimizer,
-            in_bwd_wrapper=None, lr_scheduler=lr_scheduler, profiler=profiler,
+            in_bwd_wrapper=None, lr_scheduler=self._lr_scheduler, profiler=profiler,
             metric_logger=self._metric_logger, memory=self._memory, settings=s,
+        )
+        # 6. Last, so nothing drawn during setup moves them: data position, schedule, RNGs.
+        self._checkpoints.restore_position(dataloader=self._dataloader, lr_scheduler=self._lr_scheduler,
+                                           steps_per_epoch=self._loop.steps_per_epoch)
+
+    def save_step_checkpoint(self, epoch: int, step_in_epoch: int, global_step: int) -> None:
+        """A checkpoint to resume from: the adapters and the training state."""
+        self._checkpoints.save(
+            epoch=epoch, step_in_epoch=step_in_epoch, global_step=global_step,
+            weights=get_adapter_state_dict(self._model.state_dict()),
+            optimizer_state=optimizer_state(self._optimizer, None),
+            dataloader=self._dataloader, lr_scheduler=self._lr_scheduler,
         )
 
     def save_checkpoint(self, epoch: int) -> None:
-        intermediate = epoch + 1 < self.settings.epochs
+        # The epoch's adapters (and merged weights) in the checkpoint's own format.
         ckpt = {}
-        if intermediate:
-            self.progress.epochs_run = epoch + 1
-            ckpt.update(self.progress.state())
-            ckpt[training.OPT_KEY] = optimizer_state(self._optimizer, None)
-            ckpt[training.DATALOADER_KEY] = self._dataloader.state_dict()
         state = self._model.state_dict()
         ckpt[training.ADAPTER_KEY] = get_adapter_state_dict(state)
         if not self.settings.save_adapter_weights_only:
@@ -139,12 +147,17 @@ class LoRAFinetuneRecipeSingleDevice:
             "peft_type": "LORA",
         }
         save_atomically(
-            self._checkpointer, ckpt, epoch=epoch, intermediate_checkpoint=intermediate,
+            self._checkpointer, ckpt, epoch=epoch, intermediate_checkpoint=False,
             adapter_only=self.settings.save_adapter_weights_only,
         )
+        if epoch + 1 < self.settings.epochs:
+            self.save_step_checkpoint(epoch + 1, 0, (epoch + 1) * self._loop.steps_per_epoch)
 
     def train(self) -> None:
-        self.progress.epochs_run = self._loop.run(epochs_run=self.progress.epochs_run, save_checkpoint=self.save_checkpoint)
+        self.progress.epochs_run = self._loop.run(
+            epochs_run=self.progress.epochs_run, steps_run_in_epoch=self.progress.steps_run_in_epoch,
+            save_checkpoint=self.save_checkpoint, save_step_checkpoint=self.save_step_checkpoint,
+        )
 
     def cleanup(self) -> None:
         close_optimizer(self._optimizer, self.settings)

@@ -260,14 +260,11 @@ def test_resume_after_epoch_is_exact(kind, overrides, tiny_assets, tmp_path):
 
     killed = run_recipe(kind, tiny_assets, tmp_path / "killed", *RESUME, *overrides, stop_after_epoch=0)
     assert killed.losses == straight.losses[:4]
-    assert (tmp_path / "killed" / "recipe_state" / "recipe_state.pt").is_file()
+    assert (tmp_path / "killed" / "checkpoints" / "step_00000004" / "complete.json").is_file()
     assert not (tmp_path / "killed" / "epoch_1").exists()
 
-    resume = ["resume_from_checkpoint=True"]
-    if kind == "full":
-        # Full weights come back from the epoch folder (the LoRA checkpointer finds its adapter itself).
-        resume.append(f"checkpointer.checkpoint_files=[epoch_0/{WEIGHTS}]")
-    resumed = run_recipe(kind, tiny_assets, tmp_path / "killed", *RESUME, *overrides, *resume)
+    # No path to edit: the newest complete checkpoint in output_dir is found.
+    resumed = run_recipe(kind, tiny_assets, tmp_path / "killed", *RESUME, *overrides, "resume_from_checkpoint=True")
     assert resumed.recipe.progress.epochs_run == 2
     assert resumed.losses == straight.losses[4:]
     assert [r["step"] for r in resumed.log] == [5, 6, 7, 8]

@@ -25,6 +25,7 @@ from torchtune_offload.recipe.host_preflight import HostMemoryNeed, check_host_m
 from torchtune_offload.recipe.grad_math import GradientStepper, loss_scale, sum_over_ranks
 from torchtune_offload.recipe.memory import MemoryMonitor
 from torchtune_offload.recipe.progress import Progress
+from torchtune_offload.recipe.resume import TrainingCheckpoints
 from torchtune_offload.recipe.train_loop import TrainLoop
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "Progress",
     "RecipeSettings",
     "TrainLoop",
+    "TrainingCheckpoints",
     "build_dataloader",
     "build_loss",
     "build_lr_scheduler",

@@ -19,11 +19,13 @@ COMPLETE_MARKER = ".complete"
 _STAGING_PREFIX = ".saving_epoch_"
 
 
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
+def fsync_tree(root: Path, *, files: bool = True) -> None:
+    """Flushes ``root`` to disk: every file under it (unless ``files=False``), then every folder."""
+    if files:
+        for path in sorted(root.rglob("*")):
+            if path.is_file():
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
     for path in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -50,7 +52,7 @@ def save_atomically(checkpointer: Any, state_dict: Dict[str, Any], *, epoch: int
         checkpointer.save_checkpoint(state_dict, epoch=epoch, **save_options)
     finally:
         checkpointer._output_dir = output_dir
-    _fsync_tree(staging)
+    fsync_tree(staging)
     # The weights folder: a previous folder of the same epoch is set aside, not overwritten.
     epoch_dir = staging / f"epoch_{epoch}"
     if epoch_dir.is_dir():

@@ -34,16 +34,24 @@ def build_metric_logger(cfg: DictConfig) -> Any:
 
 
 def load_checkpoint(
-    cfg_checkpointer: DictConfig, settings: RecipeSettings, *, progress: Progress
+    cfg_checkpointer: DictConfig, settings: RecipeSettings, *, progress: Optional[Progress]
 ) -> Tuple[Any, Dict[str, Any]]:
-    """The checkpointer and what it loads; when resuming, ``progress`` takes the recipe state.
+    """The checkpointer and what it loads.
+
+    Args:
+        cfg_checkpointer: the checkpointer's config.
+        settings: the recipe's settings.
+        progress: when resuming through torchtune's recipe state (the distributed recipe), takes
+            it; ``None`` for recipes that resume from step checkpoints, whose checkpointer loads the
+            configured weights only.
 
     Returns:
         ``(checkpointer, checkpoint_dict)``.
     """
-    checkpointer = config.instantiate(cfg_checkpointer, should_load_recipe_state=settings.resume_from_checkpoint)
+    torchtune_resume = settings.resume_from_checkpoint and progress is not None
+    checkpointer = config.instantiate(cfg_checkpointer, should_load_recipe_state=torchtune_resume)
     ckpt = checkpointer.load_checkpoint()
-    if settings.resume_from_checkpoint:
+    if torchtune_resume:
         progress.restore(ckpt)
     return checkpointer, ckpt
 
@@ -85,8 +93,10 @@ def _load_optimizer_state(target: Any, state_dict: Dict[str, Any], cfg_optimizer
     saved = _saved_optimizer_kind(state_dict)
     if saved == mine and mine.startswith("a plain optimizer"):
         # Plain optimizers of different classes differ in their options (AdamW's betas, SGD's momentum).
-        saved_options = set(state_dict["param_groups"][0]) - {"params"} if state_dict["param_groups"] else set()
-        my_options = set(target.param_groups[0]) - {"params"}
+        # initial_lr is an LR scheduler's bookkeeping, added once one is built.
+        ignored = {"params", "initial_lr"}
+        saved_options = set(state_dict["param_groups"][0]) - ignored if state_dict["param_groups"] else set()
+        my_options = set(target.param_groups[0]) - ignored
         if saved_options != my_options:
             saved = f"a plain optimizer with the options {sorted(saved_options)}, not {sorted(my_options)}"
     if saved != mine:
@@ -205,8 +215,10 @@ def build_lr_scheduler(
     dataloader: StatefulDataLoader,
     settings: RecipeSettings,
     epochs_run: int,
+    steps_run_in_epoch: int = 0,
 ) -> Optional[Any]:
-    """The LR scheduler over the whole run, positioned after ``epochs_run`` epochs, or ``None``.
+    """The LR scheduler over the whole run, positioned after ``epochs_run`` epochs and
+    ``steps_run_in_epoch`` more steps, or ``None``.
 
     With ``optimizer_in_bwd`` it is built on one per-parameter optimizer and drives all of them.
     """
@@ -216,7 +228,7 @@ def build_lr_scheduler(
     source = optimizer if optimizer is not None else next(iter(in_bwd_wrapper.optim_map.values()))
     scheduler = config.instantiate(
         cfg_lr_scheduler, source,
-        num_training_steps=settings.epochs * num_steps, last_epoch=epochs_run * num_steps - 1,
+        num_training_steps=settings.epochs * num_steps, last_epoch=epochs_run * num_steps + steps_run_in_epoch - 1,
     )
     if in_bwd_wrapper is not None:
         in_bwd_wrapper.set_lr_scheduler(scheduler)

@@ -29,9 +29,12 @@ _SINGLE_DEVICE_KEYS = {
     "lr_scheduler", "max_steps_per_epoch", "metric_logger", "model", "optimizer", "output_dir",
     "profiler", "resume_from_checkpoint", "seed", "shuffle", "tokenizer", "overwrite_checkpoints",
 }
+# Resumable checkpoints at any step (recipe/step_checkpoints.py): the single-device recipes.
+_STEP_CHECKPOINT_KEYS = ("save_every_n_steps", "keep_last_n_checkpoints")
 RECIPE_KEYS = {
-    "full": _SINGLE_DEVICE_KEYS | {"optimizer_in_bwd", "host_memory_check"},
-    "lora": _SINGLE_DEVICE_KEYS | {"save_adapter_weights_only", "low_cpu_ram", "host_memory_check"},
+    "full": _SINGLE_DEVICE_KEYS | {"optimizer_in_bwd", "host_memory_check", *_STEP_CHECKPOINT_KEYS},
+    "lora": _SINGLE_DEVICE_KEYS | {"save_adapter_weights_only", "low_cpu_ram", "host_memory_check",
+                                   *_STEP_CHECKPOINT_KEYS},
     "distributed": _SINGLE_DEVICE_KEYS | {
         "optimizer_in_bwd", "fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_shard_policy",
         "custom_sharded_layers", "tensor_parallel_dim", "tensor_parallel_plan", "ac_mode", "ac_option",
@@ -70,6 +73,8 @@ class RecipeSettings:
     fsdp_cpu_offload: bool
     fsdp_reshard_after_forward: bool
     host_memory_check: bool
+    save_every_n_steps: Optional[int] = None
+    keep_last_n_checkpoints: int = 2
 
 
 def _is_int(v: Any, *, low: int) -> bool:
@@ -145,6 +150,14 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
                             ("gradient_accumulation_steps", accum, 1), ("log_every_n_steps", log_every, 1)):
         if not _is_int(value, low=low):
             problems.append(f"{key}={value!r}: must be an integer >= {low}.")
+    save_every = get("save_every_n_steps", None)
+    keep_last = get("keep_last_n_checkpoints", 2)
+    if save_every is not None and not _is_int(save_every, low=1):
+        problems.append(f"save_every_n_steps={save_every!r}: must be null (checkpoints at epoch ends only) or an "
+                        "integer >= 1.")
+    if not _is_int(keep_last, low=1):
+        problems.append(f"keep_last_n_checkpoints={keep_last!r}: must be an integer >= 1 (the newest checkpoints "
+                        "kept in output_dir/checkpoints; older ones are removed).")
     if max_steps is not None and not _is_int(max_steps, low=1):
         problems.append(f"max_steps_per_epoch={max_steps!r}: must be null or an integer >= 1.")
     if clip is not None:
@@ -257,6 +270,8 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
         fsdp_cpu_offload=flags["fsdp_cpu_offload"],
         fsdp_reshard_after_forward=flags["fsdp_reshard_after_forward"],
         host_memory_check=flags["host_memory_check"],
+        save_every_n_steps=save_every,
+        keep_last_n_checkpoints=keep_last,
     )
 
 

@@ -14,6 +14,9 @@ from typing import Any, Iterable, List, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from torchtune_offload.recipe.resume import no_checkpoint_problem
+from torchtune_offload.recipe.step_checkpoints import CHECKPOINTS_DIR, checkpoint_folders
+
 #: Dataset sources read from local files (``datasets.load_dataset(source, data_files=...)``).
 _LOCAL_SOURCES = ("json", "csv", "text", "parquet", "arrow")
 
@@ -91,7 +94,7 @@ def _json_problem(path: Path) -> Optional[str]:
     return None
 
 
-def _checkpoint_problems(ck: DictConfig, *, resume: bool, adapter: bool) -> Iterable[str]:
+def _checkpoint_problems(ck: DictConfig, *, resume: bool, step_resume: bool) -> Iterable[str]:
     directory = Path(str(ck.get("checkpoint_dir", "")))
     if not directory.is_dir():
         yield (f"checkpointer.checkpoint_dir={directory}: no such directory. Point it at the downloaded "
@@ -101,8 +104,8 @@ def _checkpoint_problems(ck: DictConfig, *, resume: bool, adapter: bool) -> Iter
     files = ck.get("checkpoint_files")
     if not isinstance(files, (list, ListConfig)):
         return  # a filename pattern: torchtune expands it
-    if resume and not adapter:
-        # As torchtune resolves them: a full fine-tune resumes from the weights it saved.
+    if resume and not step_resume:
+        # As torchtune resolves them: its full fine-tune resumes from the weights it saved.
         directory = Path(str(ck.get("output_dir", directory)))
     for name in _listed(files):
         path = directory / name
@@ -142,22 +145,28 @@ def _earlier_run_problems(cfg: DictConfig) -> Iterable[str]:
     if not out.is_dir():
         return
     found = sorted(p.name for p in out.iterdir() if re.match(r"^epoch_\d+$", p.name) or p.name == "recipe_state")
+    found += [f"{CHECKPOINTS_DIR}/{name}" for name in checkpoint_folders(out)]
     if found:
         yield (f"output_dir: {out} holds the checkpoints of an earlier run ({', '.join(found[:4])}). Resume it "
                "with resume_from_checkpoint=True, write elsewhere with output_dir=..., or replace them with "
                "overwrite_checkpoints=True.")
 
 
-def file_problems(cfg: DictConfig, *, adapter: bool = False) -> List[str]:
+def file_problems(cfg: DictConfig, *, step_resume: bool = False) -> List[str]:
     """Every problem with the files ``cfg`` names: checkpoint, tokenizer, local dataset files.
 
     Args:
         cfg: the recipe config.
-        adapter: the recipe trains adapters (LoRA), whose resume reads the base weights from
-            ``checkpoint_dir`` rather than from the run's output.
+        step_resume: the recipe resumes from step checkpoints (``output_dir/checkpoints``) and
+            reads the configured weights from ``checkpoint_dir`` even then; else it resumes as
+            torchtune does, from the weights and recipe state saved in ``output_dir``.
     """
     resume = cfg.get("resume_from_checkpoint") is True
-    problems = list(_checkpoint_problems(cfg.checkpointer, resume=resume, adapter=adapter))
+    problems = list(_checkpoint_problems(cfg.checkpointer, resume=resume, step_resume=step_resume))
+    if resume and step_resume:
+        missing = no_checkpoint_problem(cfg)
+        if missing:
+            problems.append(missing)
     for key in ("path", "special_tokens_path", "merges_file"):
         value = OmegaConf.select(cfg, f"tokenizer.{key}")
         if value is not None and not Path(str(value)).is_file():
@@ -168,8 +177,8 @@ def file_problems(cfg: DictConfig, *, adapter: bool = False) -> List[str]:
     return problems
 
 
-def check_files(cfg: DictConfig, *, adapter: bool = False) -> None:
+def check_files(cfg: DictConfig, *, step_resume: bool = False) -> None:
     """Raises one ``ValueError`` listing every problem of :func:`file_problems`, if any."""
-    problems = file_problems(cfg, adapter=adapter)
+    problems = file_problems(cfg, step_resume=step_resume)
     if problems:
         raise ValueError("Files the config names cannot be used:\n  - " + "\n  - ".join(problems))

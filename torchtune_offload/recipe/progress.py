@@ -8,16 +8,19 @@ from torchtune import training, utils
 from torchtune_offload.recipe.config import RecipeSettings
 
 log = utils.get_logger("INFO")
+_STEPS_IN_EPOCH_KEY = "steps_run_in_epoch"
 
 
 @dataclass
 class Progress:
-    """Where training stands; saved in intermediate checkpoints to resume at an epoch boundary."""
+    """Where training stands; saved in checkpoints to resume at an epoch boundary or mid-epoch."""
 
     seed: int
     epochs_run: int
     total_epochs: int
     max_steps_per_epoch: Optional[int]
+    #: Optimizer steps already done in epoch ``epochs_run`` (a mid-epoch checkpoint).
+    steps_run_in_epoch: int = 0
 
     @classmethod
     def start(cls, settings: RecipeSettings, *, seed: Optional[int] = None) -> "Progress":
@@ -31,6 +34,7 @@ class Progress:
         """Takes the saved state of a checkpoint, warning where the config disagrees."""
         try:
             self.epochs_run = ckpt[training.EPOCHS_KEY]
+            self.steps_run_in_epoch = ckpt.get(_STEPS_IN_EPOCH_KEY, 0)
             for key, attr in ((training.SEED_KEY, "seed"), (training.MAX_STEPS_KEY, "max_steps_per_epoch")):
                 if getattr(self, attr) != ckpt[key]:
                     log.warning(f"config {attr}={getattr(self, attr)} differs from the checkpoint's "
@@ -48,4 +52,5 @@ class Progress:
             training.EPOCHS_KEY: self.epochs_run,
             training.TOTAL_EPOCHS_KEY: self.total_epochs,
             training.MAX_STEPS_KEY: self.max_steps_per_epoch,
+            _STEPS_IN_EPOCH_KEY: self.steps_run_in_epoch,
         }

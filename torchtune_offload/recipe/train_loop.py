@@ -99,16 +99,35 @@ class TrainLoop:
         # The loss is a mean over this micro-batch's tokens; times their count gives the sum.
         return self.loss_fn(logits, labels) * num_tokens
 
-    def run(self, *, epochs_run: int, save_checkpoint: Callable[[int], None]) -> int:
-        """Trains from epoch ``epochs_run`` to the last; returns the number of epochs run."""
+    def run(
+        self,
+        *,
+        epochs_run: int,
+        save_checkpoint: Callable[[int], None],
+        steps_run_in_epoch: int = 0,
+        save_step_checkpoint: Optional[Callable[[int, int, int], None]] = None,
+    ) -> int:
+        """Trains from epoch ``epochs_run`` to the last; returns the number of epochs run.
+
+        Args:
+            epochs_run: epochs already done.
+            save_checkpoint: called with the epoch after each epoch.
+            steps_run_in_epoch: optimizer steps already done in epoch ``epochs_run`` (a mid-epoch
+                resume; the dataloader has been put back where they left it).
+            save_step_checkpoint: called as ``(epoch, steps done in it, global step)`` every
+                ``save_every_n_steps`` optimizer steps (not at an epoch's end, where
+                ``save_checkpoint`` saves).
+        """
         s = self.settings
-        global_step = epochs_run * self.steps_per_epoch
+        global_step = epochs_run * self.steps_per_epoch + steps_run_in_epoch
+        start_epoch = epochs_run
         self.profiler.start()
-        for epoch in range(epochs_run, s.epochs):
+        for epoch in range(start_epoch, s.epochs):
             self.dataloader.sampler.set_epoch(epoch)
             batches = iter(self.dataloader)
-            pbar = tqdm(total=self.steps_per_epoch, disable=not self.is_rank_zero)
-            for _ in range(self.steps_per_epoch):
+            first = steps_run_in_epoch if epoch == start_epoch else 0
+            pbar = tqdm(total=self.steps_per_epoch, initial=first, disable=not self.is_rank_zero)
+            for step_in_epoch in range(first, self.steps_per_epoch):
                 t0 = time.perf_counter()
                 window = [next(batches) for _ in range(s.gradient_accumulation_steps)]
                 for batch in window:
@@ -151,6 +170,11 @@ class TrainLoop:
                         metrics.update(self.memory.stats(reset=True))
                     self.metric_logger.log_dict(metrics, step=global_step)
                 self.profiler.step()
+                every = s.save_every_n_steps
+                if (save_step_checkpoint is not None and every is not None and global_step % every == 0
+                        and step_in_epoch + 1 < self.steps_per_epoch):
+                    self.stepper.synchronize()
+                    save_step_checkpoint(epoch, step_in_epoch + 1, global_step)
             pbar.close()
             epochs_run += 1
             self.stepper.synchronize()

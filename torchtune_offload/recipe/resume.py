@@ -1,0 +1,119 @@
+"""Step checkpoints in the single-device recipes: resume where a run stood, save where it stands.
+
+With ``resume_from_checkpoint=True`` the newest complete checkpoint in ``output_dir/checkpoints``
+is found without any path in the config, checked (its files must come from one save), and the run
+continues from it, mid-epoch if it was saved mid-epoch: weights, optimizer state, LR schedule,
+dataloader position and RNG states are put back, so the result is the one of a run that was never
+interrupted. ``save_every_n_steps`` adds checkpoints between epoch ends; ``keep_last_n_checkpoints``
+bounds how many stay on disk.
+"""
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torchtune import utils
+
+from torchtune_offload.recipe.config import RecipeSettings
+from torchtune_offload.recipe.progress import Progress
+from torchtune_offload.recipe.step_checkpoints import (
+    CHECKPOINTS_DIR,
+    ResumePoint,
+    StepCheckpoints,
+    describe,
+    restore_rng_states,
+    rng_states,
+)
+
+log = utils.get_logger("INFO")
+
+
+def run_output_dir(cfg: DictConfig) -> Path:
+    """Where the run writes its checkpoints: ``checkpointer.output_dir``, else ``output_dir``."""
+    return Path(str(OmegaConf.select(cfg, "checkpointer.output_dir", default=None) or cfg.get("output_dir", ".")))
+
+
+def no_checkpoint_problem(cfg: DictConfig) -> Optional[str]:
+    """Why ``resume_from_checkpoint=True`` cannot resume (no complete checkpoint), else ``None``."""
+    out = run_output_dir(cfg)
+    if StepCheckpoints(out, keep_last=1).newest() is not None:
+        return None
+    return (f"resume_from_checkpoint=True: {out / CHECKPOINTS_DIR} holds no complete checkpoint to resume from. "
+            "Start without resume_from_checkpoint (add overwrite_checkpoints=True if output_dir holds an earlier "
+            "run's files), or point output_dir at the run to resume.")
+
+
+class TrainingCheckpoints:
+    """Finds the checkpoint to resume from, puts a recipe back where it stood, and saves new ones.
+
+    Args:
+        cfg: the recipe config.
+        settings: its checked settings.
+        progress: where training stands; takes the checkpoint's position when resuming.
+
+    Raises:
+        ValueError: with ``resume_from_checkpoint=True``, if there is no complete checkpoint or the
+            newest one's files do not belong together.
+    """
+
+    def __init__(self, cfg: DictConfig, settings: RecipeSettings, progress: Progress) -> None:
+        out = run_output_dir(cfg)
+        self.progress = progress
+        self.point: Optional[ResumePoint] = None
+        if settings.resume_from_checkpoint:
+            problem = no_checkpoint_problem(cfg)
+            if problem:
+                raise ValueError(problem)
+            self.point = StepCheckpoints.load(StepCheckpoints(out, keep_last=1).newest())
+            progress.restore(self.point.state["progress"])
+        self.store = StepCheckpoints(out, keep_last=settings.keep_last_n_checkpoints,
+                                     run_id=self.point.run_id if self.point else None)
+
+    @property
+    def optimizer_state(self) -> Optional[Dict[str, Any]]:
+        """The optimizer state to load, when resuming."""
+        return self.point.state["optimizer"] if self.point is not None else None
+
+    def restore_weights(self, model: torch.nn.Module, *, names: List[str]) -> None:
+        """Puts the trained weights back (before the optimizer copies them), when resuming."""
+        if self.point is not None:
+            self.point.load_weights_into(model, names=names)
+
+    def restore_position(self, *, dataloader: Any, lr_scheduler: Optional[Any], steps_per_epoch: int) -> None:
+        """Puts the data position, the LR schedule and the RNG states back, last in setup()."""
+        if self.point is None:
+            return
+        state = self.point.state
+        if self.point.step_in_epoch > 0:
+            # At an epoch's start the sampler's order depends on the epoch alone.
+            dataloader.load_state_dict(state["dataloader"])
+        if lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            lr_scheduler.load_state_dict(state["lr_scheduler"])
+        restore_rng_states(state["rng"])
+        log.info(describe(self.point, steps_per_epoch=steps_per_epoch))
+
+    def save(
+        self,
+        *,
+        epoch: int,
+        step_in_epoch: int,
+        global_step: int,
+        weights: Dict[str, torch.Tensor],
+        optimizer_state: Dict[str, Any],
+        dataloader: Any,
+        lr_scheduler: Optional[Any],
+    ) -> Path:
+        """Saves a checkpoint to continue epoch ``epoch`` after ``step_in_epoch`` steps."""
+        self.progress.epochs_run, self.progress.steps_run_in_epoch = epoch, step_in_epoch
+        state = {
+            "progress": self.progress.state(),
+            "optimizer": optimizer_state,
+            "dataloader": dataloader.state_dict(),
+            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+            "rng": rng_states(),
+        }
+        path = self.store.save(global_step=global_step, epoch=epoch, step_in_epoch=step_in_epoch,
+                               weights=weights, state=state)
+        log.info(f"Checkpoint saved to {path}: resume_from_checkpoint=True continues from here.")
+        return path
