@@ -56,7 +56,7 @@ class FullFinetuneRecipeSingleDevice:
         self.host_memory = check_host_memory(cfg, self.settings)
         check_files(cfg, step_resume=True)  # missing or damaged files fail here, not after the weights load
         self.progress = Progress.start(self.settings)
-        # With resume_from_checkpoint=True: the newest checkpoint, checked; progress takes its position.
+        # With resume_from_checkpoint=True: the newest complete checkpoint, read in setup().
         self._checkpoints = TrainingCheckpoints(cfg, self.settings, self.progress)
         # What cleanup() closes; set by setup(), which may fail part-way.
         self._metric_logger = None
@@ -76,7 +76,7 @@ class FullFinetuneRecipeSingleDevice:
         self._checkpoints.restore_weights(self._model, names=list(self._model.state_dict()))
         training.validate_expected_param_dtype(self._model.named_parameters(), dtype=s.dtype)
         self._optimizer, self._in_bwd = build_optimizer(
-            cfg.optimizer, self._model, s, state_dict=self._checkpoints.optimizer_state,
+            cfg.optimizer, self._model, s, state_dict=self._checkpoints.take_optimizer_state(),
         )
         # 4. Loss and data.
         loss_fn = build_loss(cfg.loss, self._model, s)

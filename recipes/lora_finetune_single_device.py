@@ -64,7 +64,7 @@ class LoRAFinetuneRecipeSingleDevice:
             cfg, self.settings, mark_trainable=lambda model: set_trainable_params(model, get_adapter_params(model)))
         check_files(cfg, step_resume=True)  # missing or damaged files fail here, not after the weights load
         self.progress = Progress.start(self.settings)
-        # With resume_from_checkpoint=True: the newest checkpoint, checked; progress takes its position.
+        # With resume_from_checkpoint=True: the newest complete checkpoint, read in setup().
         self._checkpoints = TrainingCheckpoints(cfg, self.settings, self.progress)
         self._lora = {
             "rank": cfg.model.lora_rank,
@@ -100,7 +100,7 @@ class LoRAFinetuneRecipeSingleDevice:
         # Resuming: the trained adapters, which the checkpoint holds exactly.
         self._checkpoints.restore_weights(self._model, names=list(adapter_params))
         training.validate_expected_param_dtype(adapter_params.items(), dtype=s.dtype)
-        self._optimizer, _ = build_optimizer(cfg.optimizer, self._model, s, state_dict=self._checkpoints.optimizer_state)
+        self._optimizer, _ = build_optimizer(cfg.optimizer, self._model, s, state_dict=self._checkpoints.take_optimizer_state())
         # 4. Loss and data.
         loss_fn = build_loss(cfg.loss, self._model, s)
         self._dataloader = build_dataloader(cfg.dataset, cfg.tokenizer, s, ignore_index=loss_fn.ignore_index)

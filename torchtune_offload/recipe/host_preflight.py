@@ -27,6 +27,8 @@ from torchtune import config, training, utils
 from torchtune_offload.optim.host_memory import HostMemoryPlan, nbytes, plan_host_memory
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
 from torchtune_offload.recipe.config import RecipeSettings
+from torchtune_offload.recipe.resume import run_output_dir
+from torchtune_offload.recipe.step_checkpoints import STATE_FILE, StepCheckpoints
 
 GIB = 1024**3
 log = utils.get_logger("INFO")
@@ -75,13 +77,14 @@ def available_host_memory() -> int:
     return available
 
 
-def _checkpoint_bytes(cfg_checkpointer: DictConfig, *, resume: bool, adapter: bool) -> Tuple[int, Optional[str]]:
-    """Bytes of the checkpoint files the checkpointer will load, or a note when they cannot be sized."""
+def _checkpoint_bytes(cfg_checkpointer: DictConfig) -> Tuple[int, Optional[str]]:
+    """Bytes of the checkpoint files the checkpointer will load, or a note when they cannot be sized.
+
+    The single-device recipes read the configured weights from ``checkpoint_dir`` even when they
+    resume (the trained ones then come from a step checkpoint, tensor by tensor).
+    """
     files = cfg_checkpointer.get("checkpoint_files")
     directory = Path(str(cfg_checkpointer.get("checkpoint_dir", ".")))
-    if resume and not adapter:
-        # torchtune resumes a full fine-tune from the weights it saved in its output_dir.
-        directory = Path(str(cfg_checkpointer.get("output_dir", directory)))
     if not OmegaConf.is_list(files) and not isinstance(files, list):
         return 0, "the checkpoint files are given as a pattern: their size is not counted"
     paths = [directory / str(f) for f in files]
@@ -143,8 +146,7 @@ def host_memory_need(
     notes = ["activations of a device=cpu run are not counted"] if on_cpu else []
 
     load: Dict[str, int] = {}
-    adapter = mark_trainable is not None
-    ckpt, note = _checkpoint_bytes(cfg.checkpointer, resume=settings.resume_from_checkpoint, adapter=adapter)
+    ckpt, note = _checkpoint_bytes(cfg.checkpointer)
     notes += [note] if note else []
     load["checkpoint files"] = ckpt
     train: Dict[str, int] = {}
@@ -157,14 +159,10 @@ def host_memory_need(
     plan = optimizer_plan(cfg.optimizer, model, settings, optimizer_class=optimizer_class)
     train.update(plan.parts)
     notes += list(plan.notes)
-    if settings.resume_from_checkpoint:
-        # Where torchtune 0.6.1's checkpointers read the recipe state from.
-        out = Path(str(cfg.checkpointer.get("output_dir", ".")))
-        named = cfg.checkpointer.get("recipe_checkpoint")
-        state = out / str(named) if named else out / "recipe_state" / "recipe_state.pt"
-        if state.is_file():
-            # torch.load holds the saved optimizer state while it is copied in.
-            train["optimizer state being loaded"] = state.stat().st_size
+    newest = StepCheckpoints(run_output_dir(cfg), keep_last=1).newest() if settings.resume_from_checkpoint else None
+    if newest is not None:
+        # torch.load holds the saved training state (the optimizer's) while it is copied in.
+        train["optimizer state being loaded"] = (newest / STATE_FILE).stat().st_size
     return HostMemoryNeed(
         phases={"loading the checkpoint": {k: v for k, v in load.items() if v},
                 "training": {k: v for k, v in train.items() if v}},

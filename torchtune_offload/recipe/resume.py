@@ -53,32 +53,40 @@ class TrainingCheckpoints:
         progress: where training stands; takes the checkpoint's position when resuming.
 
     Raises:
-        ValueError: with ``resume_from_checkpoint=True``, if there is no complete checkpoint or the
-            newest one's files do not belong together.
+        ValueError: with ``resume_from_checkpoint=True``, if there is no complete checkpoint.
     """
 
     def __init__(self, cfg: DictConfig, settings: RecipeSettings, progress: Progress) -> None:
-        out = run_output_dir(cfg)
+        self._out = run_output_dir(cfg)
+        self._settings = settings
         self.progress = progress
         self.point: Optional[ResumePoint] = None
         if settings.resume_from_checkpoint:
             problem = no_checkpoint_problem(cfg)
             if problem:
                 raise ValueError(problem)
-            self.point = StepCheckpoints.load(StepCheckpoints(out, keep_last=1).newest())
-            progress.restore(self.point.state["progress"])
-        self.store = StepCheckpoints(out, keep_last=settings.keep_last_n_checkpoints,
-                                     run_id=self.point.run_id if self.point else None)
-
-    @property
-    def optimizer_state(self) -> Optional[Dict[str, Any]]:
-        """The optimizer state to load, when resuming."""
-        return self.point.state["optimizer"] if self.point is not None else None
+        self.store = StepCheckpoints(self._out, keep_last=settings.keep_last_n_checkpoints)
 
     def restore_weights(self, model: torch.nn.Module, *, names: List[str]) -> None:
-        """Puts the trained weights back (before the optimizer copies them), when resuming."""
-        if self.point is not None:
-            self.point.load_weights_into(model, names=names)
+        """When resuming: loads the newest checkpoint (checked), takes its position into ``progress``
+        and puts its trained weights back. Call it once the configured weights are loaded and freed
+        (the training state, optimizer state included, is held from here until the optimizer takes it).
+
+        Raises:
+            ValueError: if the checkpoint's files do not belong together, or do not fit the model.
+        """
+        if not self._settings.resume_from_checkpoint:
+            return
+        self.point = StepCheckpoints.load(StepCheckpoints(self._out, keep_last=1).newest())
+        self.progress.restore(self.point.state["progress"])
+        # This run continues the resumed one: its later saves replace that run's checkpoints in turn.
+        self.store = StepCheckpoints(self._out, keep_last=self._settings.keep_last_n_checkpoints,
+                                     run_id=self.point.run_id)
+        self.point.load_weights_into(model, names=names)
+
+    def take_optimizer_state(self) -> Optional[Dict[str, Any]]:
+        """The optimizer state to load when resuming (handed over once, then no longer held)."""
+        return self.point.state.pop("optimizer") if self.point is not None else None
 
     def restore_position(self, *, dataloader: Any, lr_scheduler: Optional[Any], steps_per_epoch: int) -> None:
         """Puts the data position, the LR schedule and the RNG states back, last in setup()."""
@@ -92,6 +100,7 @@ class TrainingCheckpoints:
             lr_scheduler.load_state_dict(state["lr_scheduler"])
         restore_rng_states(state["rng"])
         log.info(describe(self.point, steps_per_epoch=steps_per_epoch))
+        self.point = None  # nothing of it is needed any more
 
     def save(
         self,

@@ -1,0 +1,92 @@
+"""Step checkpoints: complete or absent, tied together, pruned, and checked when loaded."""
+
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from torchtune_offload.recipe.step_checkpoints import (
+    MANIFEST_FILE,
+    STATE_FILE,
+    WEIGHTS_FILE,
+    StepCheckpoints,
+    restore_rng_states,
+    rng_states,
+)
+
+
+def _save(store, step, value=0.0):
+    return store.save(global_step=step, epoch=0, step_in_epoch=step,
+                      weights={"w": torch.full((3,), float(value))}, state={"progress": {"step": step}})
+
+
+def test_newest_complete_checkpoint_is_found_and_loaded(tmp_path):
+    store = StepCheckpoints(tmp_path, keep_last=3)
+    for step in (1, 2, 10):
+        _save(store, step, value=step)
+    # An interrupted save leaves a staging folder and a folder without its manifest: neither counts.
+    (tmp_path / "checkpoints" / ".saving_step_00000011").mkdir()
+    half = tmp_path / "checkpoints" / "step_00000012"
+    shutil.copytree(tmp_path / "checkpoints" / "step_00000010", half)
+    (half / MANIFEST_FILE).unlink()
+    assert store.newest().name == "step_00000010"
+    point = StepCheckpoints.load(store.newest())
+    assert (point.global_step, point.epoch, point.step_in_epoch) == (10, 0, 10)
+    assert point.state["progress"] == {"step": 10}
+    model = nn.Module()
+    model.w = nn.Parameter(torch.zeros(3))
+    point.load_weights_into(model, names=["w"])
+    assert torch.equal(model.w.detach(), torch.full((3,), 10.0))
+
+
+def test_only_the_newest_are_kept_and_other_runs_are_replaced(tmp_path):
+    old_run = StepCheckpoints(tmp_path, keep_last=5)
+    for step in (1, 2, 3):
+        _save(old_run, step)
+    new_run = StepCheckpoints(tmp_path, keep_last=2)  # a fresh run told to overwrite
+    assert [p.name for p in new_run.complete()] == ["step_00000001", "step_00000002", "step_00000003"]
+    _save(new_run, 1)
+    _save(new_run, 2)
+    _save(new_run, 3)
+    names = [p.name for p in new_run.complete()]
+    assert names == ["step_00000002", "step_00000003"]
+    assert {json.loads((tmp_path / "checkpoints" / n / MANIFEST_FILE).read_text())["run_id"] for n in names} == {
+        new_run.run_id}
+
+
+def test_files_of_different_saves_are_refused(tmp_path):
+    store = StepCheckpoints(tmp_path, keep_last=3)
+    a, b = _save(store, 1), _save(store, 2)
+    shutil.copy(a / STATE_FILE, b / STATE_FILE)
+    manifest = json.loads((b / MANIFEST_FILE).read_text())
+    manifest["files"][STATE_FILE] = (b / STATE_FILE).stat().st_size
+    (b / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="come from different saves"):
+        StepCheckpoints.load(b)
+
+
+def test_a_truncated_file_is_refused(tmp_path):
+    path = _save(StepCheckpoints(tmp_path, keep_last=1), 1)
+    data = (path / WEIGHTS_FILE).read_bytes()
+    (path / WEIGHTS_FILE).write_bytes(data[:-8])
+    with pytest.raises(ValueError, match=f"{WEIGHTS_FILE} has .* bytes, the save wrote"):
+        StepCheckpoints.load(path)
+
+
+def test_weights_of_another_model_are_refused(tmp_path):
+    point = StepCheckpoints.load(_save(StepCheckpoints(tmp_path, keep_last=1), 1))
+    model = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="does not hold this model's trained weights"):
+        point.load_weights_into(model, names=["weight", "bias"])
+
+
+def test_rng_states_round_trip():
+    saved = rng_states()
+    first = (torch.rand(3), random.random(), np.random.rand())
+    restore_rng_states(saved)
+    again = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(first[0], again[0]) and first[1:] == again[1:]
