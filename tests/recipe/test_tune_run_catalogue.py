@@ -1,0 +1,158 @@
+"""A catalogue of bad inputs, each given to ``tune run`` as a user would.
+
+Every case runs in an ``output_dir`` that holds an earlier run's files (weights, step
+checkpoints, logs). Each must fail in the recipe's constructor, before ``setup()`` reads any
+weight, with a ``ValueError`` naming the key and the fix, and must leave every file of the
+earlier run as it was. The runs are independent processes, started a few at a time.
+"""
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import pytest
+import torch
+
+from tests.recipe.test_recipes import run_recipe
+from tests.recipe_harness import tiny_asset_overrides, working_tree_env
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = {"full": "recipes/full_finetune_single_device.py", "lora": "recipes/lora_finetune_single_device.py"}
+OFFLOAD = ["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW"]
+CPU_AO = "optimizer._component_=torchtune_offload.CPUOffloadOptimizer"
+PARALLEL = 4
+
+
+class Case(NamedTuple):
+    overrides: List[str]
+    expected: Tuple[str, ...]  # fragments: the key, and the fix
+    kind: str = "full"
+    damage: Optional[Callable[[Path], None]] = None  # edits the case's private copy of the assets
+    overwrite: bool = True  # False: the earlier run's files themselves are the problem
+
+
+def _truncate(name: str) -> Callable[[Path], None]:
+    def damage(assets: Path) -> None:
+        path = assets / name
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return damage
+
+
+def _write(name: str, text: str) -> Callable[[Path], None]:
+    return lambda assets: (assets / name).write_text(text)
+
+
+def _remove(name: str) -> Callable[[Path], None]:
+    return lambda assets: (assets / name).unlink()
+
+
+CASES: Dict[str, Case] = {
+    # Keys and values.
+    "unknown_key": Case(["gradient_acumulation_steps=2"], ("gradient_acumulation_steps", "Did you mean 'gradient_accumulation_steps'")),
+    "key_of_another_recipe": Case(["optimizer_in_bwd=True"], ("optimizer_in_bwd: unknown config key",), kind="lora"),
+    "batch_size_0": Case(["batch_size=0"], ("batch_size=0", "integer >= 1")),
+    "epochs_word": Case(["epochs=two"], ("epochs='two'", "integer >= 1")),
+    "negative_clip": Case(["clip_grad_norm=-1"], ("clip_grad_norm=-1", "positive number")),
+    "misspelt_boolean": Case(["compile=Ture"], ("compile='Ture'", "True or False")),
+    "fp16": Case(["dtype=fp16"], ("dtype='fp16'", "use bf16 or fp32")),
+    "save_every_0": Case(["save_every_n_steps=0"], ("save_every_n_steps=0", "integer >= 1")),
+    "keep_last_0": Case(["keep_last_n_checkpoints=0"], ("keep_last_n_checkpoints=0", "integer >= 1")),
+    "step_checkpoints_key_typo": Case(["save_every_n_step=5"], ("save_every_n_step", "Did you mean 'save_every_n_steps'")),
+    # Optimizer options.
+    "optimizer_unresolvable": Case(["optimizer._component_=torch.optim.AdamWW"], ("optimizer._component_", "does not resolve")),
+    "optimizer_class_unresolvable": Case([OFFLOAD[0], "optimizer.optimizer_class=torch.optim.Nope"],
+                                         ("optimizer.optimizer_class", "does not resolve")),
+    "offload_option_typo": Case([*OFFLOAD, "optimizer.offload_gradient=True"],
+                                ("optimizer.offload_gradient", "Did you mean 'offload_gradients'")),
+    "base_option_typo": Case([*OFFLOAD, "optimizer.weight_decy=0.1"], ("optimizer.weight_decy", "Did you mean 'weight_decay'")),
+    "lr_word": Case(["optimizer.lr=fast"], ("optimizer", "AdamW refuses its options")),
+    "negative_lr": Case([*OFFLOAD, "optimizer.lr=-1"], ("OffloadOptimizer refuses its options", "Invalid learning rate")),
+    "negative_minimal_size": Case([*OFFLOAD, "optimizer.minimal_size=-1"], ("optimizer.minimal_size=-1", "non-negative integer")),
+    "offload_gradients_number": Case([*OFFLOAD, "optimizer.offload_gradients=2"], ("optimizer.offload_gradients=2", "True or False")),
+    "overlap_word": Case([*OFFLOAD, "optimizer.overlap=maybe"], ("optimizer.overlap='maybe'", "True or False")),
+    "master_dtype_on_plain": Case(["optimizer.master_dtype=fp32"], ("optimizer.master_dtype",)),
+    "master_dtype_bad": Case([*OFFLOAD, "optimizer.master_dtype=fp8"], ("master_dtype", "use fp32")),
+    "in_bwd_with_clip": Case(["optimizer_in_bwd=True", "clip_grad_norm=1.0"], ("optimizer_in_bwd=True with clip_grad_norm", "Set")),
+    "in_bwd_with_offload": Case([*OFFLOAD, "optimizer_in_bwd=True"], ("optimizer_in_bwd=True with optimizer._component_", "Set optimizer_in_bwd=False")),
+    "torchao_on_cpu": Case([CPU_AO], ("device=cpu with torchtune_offload.CPUOffloadOptimizer", "torchtune_offload.OffloadOptimizer")),
+    "torchao_with_clip": Case([CPU_AO, "clip_grad_norm=1.0"], ("clip_grad_norm is set", "Set clip_grad_norm=null")),
+    "lora_module_typo": Case(["model.lora_attn_modules=[q_proj,v_prj]"], ("model.lora_attn_modules", "Did you mean 'v_proj'"), kind="lora"),
+    "lora_option_typo": Case(["optimizer.lrr=1e-3"], ("optimizer.lrr", "Did you mean 'lr'"), kind="lora"),
+    # Files.
+    "checkpoint_dir_missing": Case(["checkpointer.checkpoint_dir=/nonexistent/model"],
+                                   ("checkpointer.checkpoint_dir=/nonexistent/model", "Point it at")),
+    "checkpoint_file_missing": Case(["checkpointer.checkpoint_files=[nope.safetensors]"],
+                                    ("checkpointer.checkpoint_files", "nope.safetensors")),
+    "checkpoint_truncated": Case([], ("checkpointer.checkpoint_files", "not a complete safetensors file", "Download it again"),
+                                 damage=_truncate("model/model.safetensors")),
+    "tokenizer_missing": Case([], ("tokenizer.path", "no such file"), damage=_remove("tokenizer/tokenizer.model")),
+    "dataset_not_json": Case([], ("dataset.data_files", "cannot be read as JSON"), damage=_write("data/train.json", "{not json\n")),
+    "dataset_missing": Case([], ("dataset.data_files", "not found"), damage=_remove("data/train.json")),
+    "lora_checkpoint_truncated": Case([], ("checkpointer.checkpoint_files", "not a complete safetensors file"), kind="lora",
+                                      damage=_truncate("model/model.safetensors")),
+    # Runs.
+    "earlier_run_would_be_replaced": Case([], ("holds the checkpoints of an earlier run", "overwrite_checkpoints=True"),
+                                          overwrite=False),
+}
+if not torch.cuda.is_available():
+    CASES["device_cuda_without_one"] = Case(["device=cuda"], ("device=cuda: this machine has no cuda device", "Set device=cpu"))
+
+
+def _snapshot(root: Path) -> Dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def earlier_run(tiny_assets, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("earlier") / "run"
+    run_recipe("full", tiny_assets, out, "epochs=2", "max_steps_per_epoch=2", "batch_size=4", "save_every_n_steps=1")
+    assert (out / "epoch_1").is_dir() and list((out / "checkpoints").glob("step_*"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tiny_assets, earlier_run, tmp_path_factory):
+    """Runs every case through ``tune run``; per case: (return code, output, files before, files after)."""
+    root = tmp_path_factory.mktemp("catalogue")
+    tune = shutil.which("tune")
+    base = [tune] if tune else [sys.executable, "-m", "torchtune._cli.tune"]
+
+    def run(name: str):
+        case = CASES[name]
+        assets = tiny_assets
+        if case.damage is not None:
+            assets = shutil.copytree(tiny_assets, root / name / "assets")
+            case.damage(assets)
+        out = shutil.copytree(earlier_run, root / name / "out")
+        before = _snapshot(out)
+        cmd = [*base, "run", RECIPES[case.kind], "--config", f"configs/tiny/{case.kind}.yaml", f"output_dir={out}",
+               *tiny_asset_overrides(assets), *(["overwrite_checkpoints=True"] if case.overwrite else []),
+               *case.overrides]
+        proc = subprocess.run(cmd, cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True,
+                              text=True, timeout=300)
+        return proc.returncode, proc.stdout + proc.stderr, before, _snapshot(out)
+
+    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        return dict(zip(CASES, pool.map(run, CASES)))
+
+
+def test_the_catalogue_has_at_least_30_cases():
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_refused_before_any_weight_is_read_and_nothing_changed(name, results):
+    returncode, output, before, after = results[name]
+    assert returncode != 0, output[-3000:]
+    error = output[output.rfind("ValueError"):]
+    assert "ValueError" in output, output[-3000:]
+    for fragment in CASES[name].expected:
+        assert fragment in error, error[-3000:]
+    # Raised by the recipe's constructor: setup(), where weights are read, never ran.
+    assert "__init__" in output and "in setup" not in output, output[-3000:]
+    assert after == before, "a file of the earlier run was changed, added or removed"
