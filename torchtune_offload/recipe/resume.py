@@ -82,6 +82,8 @@ class TrainingCheckpoints:
         # This run continues the resumed one: its later saves replace that run's checkpoints in turn.
         self.store = StepCheckpoints(self._out, keep_last=self._settings.keep_last_n_checkpoints,
                                      run_id=self.point.run_id)
+        # A run killed between a save and its pruning may have left one checkpoint too many.
+        self.store.prune()
         self.point.load_weights_into(model, names=names)
 
     def take_optimizer_state(self) -> Optional[Dict[str, Any]]:

@@ -170,10 +170,12 @@ class StepCheckpoints:
             shutil.rmtree(final)
         staging.rename(final)
         fsync_tree(self.root, files=False)
-        self._prune()
+        self.prune()
         return final
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
+        """Removes other runs' checkpoints, this run's beyond ``keep_last`` (oldest first), and
+        staging folders of interrupted saves."""
         mine = []
         for path in self.complete():
             if json.loads((path / MANIFEST_FILE).read_text()).get("run_id") == self.run_id:
