@@ -38,9 +38,12 @@ VARIANTS: Dict[str, Tuple[Dict[str, object], List[str], str]] = {
                 "this project's OffloadOptimizer"),
     "offload_grads": ({"_component_": "torchtune_offload.OffloadOptimizer", "optimizer_class": _ADAMW,
                        "offload_gradients": True}, [], "OffloadOptimizer, offload_gradients"),
+    "offload_grads_8bit": ({"_component_": "torchtune_offload.OffloadOptimizer",
+                            "optimizer_class": "bitsandbytes.optim.AdamW8bit", "offload_gradients": True}, [],
+                           "OffloadOptimizer, offload_gradients, 8-bit AdamW states on the host"),
 }
 OFFLOAD_ONLY_KEYS = ("optimizer_class", "offload_gradients", "minimal_size", "master_dtype", "grad_sum_dtype",
-                    "fused_master_step")
+                    "fused_master_step", "overlap")
 _OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 GIB = 1024**3
 

@@ -76,9 +76,10 @@ def optimizer_state_bytes(
     """
     sizes: Dict[Tuple[torch.Size, torch.dtype], int] = {}
     total, notes = 0, ()
-    if optimizer_class.__name__.startswith("Paged"):
-        # bitsandbytes' paged optimizers allocate real CUDA managed memory even for meta
-        # tensors, which would never be freed: sized from their state width instead.
+    if optimizer_class.__module__.startswith("bitsandbytes"):
+        # bitsandbytes' paged optimizers allocate real CUDA managed memory even for meta tensors,
+        # which would never be freed, and its 8-bit kernels cannot step meta tensors: sized from
+        # their state width instead (quantization statistics, under 1%, not counted).
         width = 2 if "8bit" in optimizer_class.__name__ else 8
         return sum(p.numel() for p in params) * width, (
             f"{optimizer_class.__name__}'s state sized as {width} bytes per parameter (not probed)",)

@@ -101,8 +101,14 @@ def resolve_optimizer_component(cfg_optimizer: Any) -> Tuple[type, OptimizerCapa
     return component, capabilities
 
 
-def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
+def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = True) -> RecipeSettings:
     """Validates ``cfg`` for ``recipe`` ("full", "lora" or "distributed") and reads its settings.
+
+    Args:
+        cfg: the recipe config.
+        recipe: which recipe reads it.
+        device_present: require the configured device on this machine (a run does); the memory
+            planner, which plans a GPU run on any machine, passes False.
 
     Raises:
         ValueError: listing every problem found, each naming its key and the fix.
@@ -188,7 +194,7 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
     if device_name.split(":")[0] not in ("cpu", "cuda", "xpu", "npu", "mps"):
         problems.append(f"device={device_name!r}: use cpu, cuda or xpu.")
     requested = device_name.split(":")[0]
-    if requested in ("cuda", "xpu", "npu", "mps"):
+    if requested in ("cuda", "xpu", "npu", "mps") and device_present:
         try:
             available = utils.get_device(device=device_name).type == requested
         except (AssertionError, RuntimeError):  # e.g. cuda:0 on a torch built without CUDA
@@ -244,10 +250,14 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str) -> RecipeSettings:
     if problems:
         raise ValueError(_format(problems))
 
-    device = utils.get_device(device=device_name)
+    if device_present:
+        device = utils.get_device(device=device_name)
+        dtype = training.get_dtype(dtype_name, device=device)
+    else:
+        device, dtype = torch.device(device_name), {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     return RecipeSettings(
         device=device,
-        dtype=training.get_dtype(dtype_name, device=device),
+        dtype=dtype,
         batch_size=batch_size,
         epochs=epochs,
         max_steps_per_epoch=max_steps,

@@ -125,6 +125,7 @@ def host_memory_need(
     mark_trainable: Optional[Callable[[nn.Module], Any]] = None,
     optimizer_class: Optional[str] = None,
     device: Optional[torch.device] = None,
+    step_bytes: Optional[int] = None,
 ) -> HostMemoryNeed:
     """The host memory the run ``cfg`` describes will need, computed on the meta device.
 
@@ -134,6 +135,9 @@ def host_memory_need(
         mark_trainable: sets ``requires_grad`` on the meta model as the recipe will (LoRA: adapters only).
         optimizer_class: size the run with this base optimizer instead (for suggestions).
         device: size the run on this device instead (for suggestions).
+        step_bytes: for a ``device=cpu`` run, the traced peak of its training step (weights,
+            gradients, activations: ``torchtune_offload.plan``), counted in place of the weights
+            and gradients; without it activations are not counted.
     """
     if device is not None:
         settings = replace(settings, device=device)
@@ -143,7 +147,7 @@ def host_memory_need(
     on_cpu = settings.device.type == "cpu"
     weights = sum(nbytes(t) for t in model.parameters()) + sum(nbytes(b) for b in model.buffers())
     trainable = sum(nbytes(p) for p in model.parameters() if p.requires_grad)
-    notes = ["activations of a device=cpu run are not counted"] if on_cpu else []
+    notes = ["activations of a device=cpu run are not counted"] if on_cpu and step_bytes is None else []
 
     load: Dict[str, int] = {}
     ckpt, note = _checkpoint_bytes(cfg.checkpointer)
@@ -154,7 +158,10 @@ def host_memory_need(
         load["model"] = train["model"] = weights
         grads_freed = settings.optimizer_capabilities.offloads and OmegaConf.select(
             cfg, "optimizer.offload_gradients", default=False)
-        if not grads_freed:
+        if step_bytes is not None:
+            del train["model"]
+            train["training step (traced: weights, gradients, activations)"] = step_bytes
+        elif not grads_freed:
             train["gradients"] = trainable
     plan = optimizer_plan(cfg.optimizer, model, settings, optimizer_class=optimizer_class)
     train.update(plan.parts)

@@ -1,0 +1,116 @@
+"""The memory planner's predictions against measurement, for a ``device=cpu`` run of a config.
+
+Usage (from the repository root):
+
+    python scripts/plan_accuracy.py --config configs/tiny/full.yaml [key=value ...] [--steps 3]
+
+Three fresh processes, so that none inherits another's memory:
+
+1. the planner (``python -m torchtune_offload.plan --variants config --json ...``): the predicted
+   peak host memory of the run, and the traced peak of its training step;
+2. the recipe (``tune run``, ``device=cpu``, ``--steps`` steps): the measured peak RSS, the largest
+   ``host_rss_peak`` it logs;
+3. one training step of the same model, built for real with random weights: the RSS growth from
+   before the model is built to the peak of a forward and backward (sampled every millisecond),
+   the measured counterpart of the traced step.
+
+Prints a markdown table with the relative errors.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from torchtune_offload.plan.planner import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 1024**3
+
+# Child 3: one real forward and backward, RSS sampled from a thread.
+_STEP = """
+import os, sys, threading, time, psutil, torch
+from omegaconf import OmegaConf
+from torchtune_offload.recipe import check_recipe_config, instantiate_model, build_loss
+from torchtune_offload.plan.planner import sequence_length, _mark_lora, load_config
+from dataclasses import replace
+cfg = load_config(sys.argv[1], sys.argv[4:])
+recipe, seq = sys.argv[2], sequence_length(cfg, int(sys.argv[3]) if sys.argv[3] != "-" else None)
+settings = replace(check_recipe_config(cfg, recipe=recipe), compile=False)
+proc = psutil.Process(os.getpid())
+x = torch.randn(64, 64, requires_grad=True)  # PyTorch's CPU runtime started, as in the planner
+torch.nn.functional.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None]).sum().backward()
+peak, stop = [proc.memory_info().rss], threading.Event()
+def sample():
+    while not stop.is_set():
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        time.sleep(0.001)
+before = proc.memory_info().rss
+thread = threading.Thread(target=sample, daemon=True); thread.start()
+model = instantiate_model(cfg.model, settings)
+if recipe == "lora":
+    _mark_lora(model)
+loss_fn = build_loss(cfg.loss, model, settings, verbose=False)
+vocab = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)][0].num_embeddings
+for _ in range(min(settings.gradient_accumulation_steps, 2)):
+    tokens = torch.randint(0, vocab, (settings.batch_size, seq))
+    labels = torch.randint(0, vocab, (settings.batch_size, seq))
+    logits = model(tokens)
+    if not isinstance(logits, list):
+        logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
+    loss_fn(logits, labels).backward()
+    del logits
+stop.set(); thread.join()
+print("STEP_BYTES", max(peak[0], proc.memory_info().rss) - before)
+"""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--recipe", choices=["full", "lora"], default=None)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seq-len", type=int, default=None)
+    args = p.parse_args()
+    overrides = [*args.overrides, "device=cpu"]
+    recipe = args.recipe or ("lora" if "lora" in Path(args.config).name else "full")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        plan_json = Path(tmp) / "plan.json"
+        plan_cmd = [sys.executable, "-m", "torchtune_offload.plan", "--config", args.config, "--recipe", recipe,
+                    "--variants", "config", "--json", str(plan_json), *overrides,
+                    *(["--seq-len", str(args.seq_len)] if args.seq_len else [])]
+        subprocess.run(plan_cmd, cwd=REPO, check=True, capture_output=True, text=True)
+        plan = json.loads(plan_json.read_text())["plans"][0]
+        if plan["problem"]:
+            sys.exit(f"the planner refused the config: {plan['problem']}")
+        recipe_file = {"full": "full_finetune_single_device", "lora": "lora_finetune_single_device"}[recipe]
+        run = subprocess.run(["tune", "run", f"recipes/{recipe_file}.py", "--config", args.config, *overrides,
+                              f"output_dir={out}", f"max_steps_per_epoch={args.steps}", "epochs=1",
+                              "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
+                              f"metric_logger.log_dir={out}/logs", "log_peak_memory_stats=True"],
+                             cwd=REPO, capture_output=True, text=True)
+        if run.returncode != 0:
+            sys.exit(f"the run failed:\n{run.stderr[-3000:]}")
+        from torchtune_offload.recipe import read_disk_log
+
+        measured_host = max(row["host_rss_peak"] for row in read_disk_log(out)) * GIB
+        step = subprocess.run([sys.executable, "-c", _STEP, args.config, recipe, str(args.seq_len or "-"),
+                               *overrides], cwd=REPO, capture_output=True, text=True, check=True)
+        measured_step = int(step.stdout.split("STEP_BYTES")[-1])
+    predicted_host, predicted_step = plan["host_bytes"], plan["device_bytes"]
+    cfg = load_config(args.config, overrides)
+    print(f"{args.config} {' '.join(args.overrides)} (device=cpu, {cfg.dtype}, batch {cfg.batch_size}, "
+          f"{args.steps} steps)\n")
+    print("| figure | predicted GiB | measured GiB | error |")
+    print("|---|---:|---:|---:|")
+    for label, pred, meas in (("peak host memory (RSS)", predicted_host, measured_host),
+                              ("training step (weights, gradients, activations)", predicted_step, measured_step)):
+        print(f"| {label} | {pred / GIB:.3f} | {meas / GIB:.3f} | {100 * (pred - meas) / meas:+.1f}% |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The memory planner: one traced step per shape of run, variants side by side, the pre-flight's host figure."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.recipe_harness import tiny_asset_overrides, working_tree_env
+from torchtune_offload.plan.planner import load_config, plan_variant, process_baseline
+from torchtune_offload.plan.trace import trace_training_step
+from torchtune_offload.recipe import check_recipe_config, host_memory_need
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = "configs/tiny/full.yaml"
+
+
+def _plan_cli(tmp_path, *args):
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "torchtune_offload.plan", "--config", CONFIG, "--json", str(out), *args],
+                          cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, {p["name"]: p for p in json.loads(out.read_text())["plans"]}
+
+
+def test_a_gpu_run_planned_on_a_cpu_machine_orders_the_variants(tiny_assets, tmp_path):
+    stdout, plans = _plan_cli(tmp_path, *tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "device=cuda",
+                              "--device-gib", "1", "--host-gib", "64")
+    assert "| variant | device peak GiB | + paged GiB | fits device | host peak GiB | fits host |" in stdout
+    for name, plan in plans.items():
+        assert plan["problem"] is None or name.startswith("paged"), (name, plan["problem"])
+    adamw, offload, grads = plans["adamw"], plans["offload"], plans["offload_grads"]
+    # AdamW's state is on the device; the offloaders keep it (and with offload_gradients the
+    # gradients too) on the host. The tiny model peaks in the loss, before gradients exist.
+    assert adamw["device_bytes"] > offload["device_bytes"] >= grads["device_bytes"]
+    assert not any("gradient" in k for k in grads["device_parts"])
+    assert any("optstate" in k for k in adamw["device_parts"])
+    assert offload["host_bytes"] > adamw["host_bytes"]
+    assert plans["torchao"]["device_bytes"] == offload["device_bytes"]
+
+
+def test_refused_variants_say_why(tiny_assets, tmp_path):
+    _, plans = _plan_cli(tmp_path, *tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}",
+                         "--variants", "config,torchao")
+    assert plans["config"]["problem"] is None and plans["config"]["host_bytes"] > 0
+    assert "torchao's optimizer needs CUDA or XPU" in plans["torchao"]["problem"]
+
+
+def test_the_host_figure_is_the_preflight_calculation(tiny_assets, tmp_path):
+    overrides = [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "device=cuda",
+                 "optimizer._component_=torchtune_offload.OffloadOptimizer",
+                 "optimizer.optimizer_class=torch.optim.AdamW", "optimizer.minimal_size=1024"]
+    plan = plan_variant(CONFIG, overrides, "config", recipe="full", seq_len=None, baseline=123)
+    cfg = load_config(CONFIG, overrides)
+    need = host_memory_need(cfg, check_recipe_config(cfg, recipe="full", device_present=False))
+    assert plan.host_bytes == 123 + need.peak
+
+
+def test_gradients_freed_in_backward_lower_the_traced_peak(tiny_assets, tmp_path):
+    # Two tokens: activations are small next to the weights, so the peak holds the gradients.
+    cfg = load_config(CONFIG, [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "batch_size=1"])
+    settings = check_recipe_config(cfg, recipe="full")
+    kept = trace_training_step(cfg, settings, seq_len=2)
+    freed = trace_training_step(cfg, settings, seq_len=2, free_gradients=True)
+    assert kept.by_kind["Gradient"] > 0 and freed.by_kind.get("Gradient", 0) == 0
+    assert freed.peak_bytes < kept.peak_bytes
+    weights = sum(p.numel() * p.element_size() for p in torch.nn.Module.parameters(_tiny(cfg, settings)))
+    assert kept.by_kind["Parameter"] == weights
+
+
+def _tiny(cfg, settings):
+    from torchtune_offload.recipe.host_preflight import meta_model
+    return meta_model(cfg.model, settings)
+
+
+def test_the_baseline_counts_the_built_tokenizer_and_dataset(tiny_assets, tmp_path):
+    cfg = load_config(CONFIG, [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}"])
+    baseline, notes = process_baseline(cfg)
+    assert baseline > 0 and notes == []
+    cfg.tokenizer.path = str(tmp_path / "missing.model")
+    _, notes = process_baseline(cfg)
+    assert notes and "not counted" in notes[0]

@@ -1,0 +1,258 @@
+"""Will it fit? The peak device and host memory of a configured run, for each optimizer variant.
+
+For each variant (the configured optimizer, and those of the benchmark sweep: plain AdamW,
+bitsandbytes' paged optimizers, torchao's and this project's offload) the config is changed as the
+sweep changes it and checked as the recipe checks it. Then:
+
+- device: one training step traced on fake tensors (:mod:`torchtune_offload.plan.trace`), with
+  gradients freed during backward where the variant frees them, plus the optimizer state the
+  variant keeps on the device (traced with the step for torch's optimizers, counted from its
+  width for bitsandbytes' paged ones, which page out to host memory only under pressure);
+- host: this process's own memory (Python, PyTorch, torchtune: what any run holds) plus the
+  recipes' host-RAM pre-flight calculation (:func:`torchtune_offload.recipe.host_memory_need`),
+  the one the recipes run before loading, with the traced step in place of weights and gradients
+  for a ``device=cpu`` run.
+"""
+
+import json
+import os
+from argparse import Namespace
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import psutil
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torchtune import config
+from torchtune.config._utils import _merge_yaml_and_cli_args
+from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+from torchtune_offload.bench.sweep import VARIANTS, overrides_for
+from torchtune_offload.optim.host_memory import offloads, optimizer_state_bytes
+from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
+from torchtune_offload.plan.trace import StepTrace, trace_training_step
+from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
+from torchtune_offload.recipe.host_preflight import available_host_memory, meta_model
+
+GIB = 1024**3
+#: torchtune's own 8B single-device setting cannot clip or accumulate: its variant turns both off.
+_IN_BWD_SETTINGS = ["clip_grad_norm=null", "gradient_accumulation_steps=1"]
+
+
+@dataclass
+class VariantPlan:
+    """The predicted peaks of one optimizer variant; figures are ``None`` where it cannot run."""
+
+    name: str
+    description: str
+    problem: Optional[str] = None
+    device_bytes: Optional[int] = None
+    device_parts: Dict[str, int] = field(default_factory=dict)
+    paged_bytes: int = 0
+    host_bytes: Optional[int] = None
+    host_parts: Dict[str, int] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+
+def _mark_lora(model: torch.nn.Module) -> None:
+    set_trainable_params(model, get_adapter_params(model))
+
+
+def sequence_length(cfg: DictConfig, override: Optional[int]) -> int:
+    """Tokens per sample: ``--seq-len``, else the synthetic dataset's ``seq_len``, else ``tokenizer.max_seq_len``.
+
+    Raises:
+        ValueError: when none is known.
+    """
+    for value in (override, OmegaConf.select(cfg, "dataset.seq_len"), OmegaConf.select(cfg, "tokenizer.max_seq_len")):
+        if value is not None:
+            return int(value)
+    raise ValueError("tokenizer.max_seq_len is null, so the sequence length is unknown: give --seq-len N.")
+
+
+def load_config(config_path: str, overrides: Sequence[str]) -> DictConfig:
+    """The config with command-line overrides applied as ``tune run`` applies them (``~key`` deletes)."""
+    yaml_args = Namespace(**OmegaConf.to_container(OmegaConf.load(config_path)))
+    return _merge_yaml_and_cli_args(yaml_args, list(overrides))
+
+
+def _variant_cfg(config_path: str, overrides: Sequence[str], name: str) -> DictConfig:
+    extra: List[str] = []
+    if name != "config":
+        extra = overrides_for(config_path, name)
+        if name == "paged_adamw8bit_in_bwd":
+            extra += _IN_BWD_SETTINGS
+    return load_config(config_path, [*overrides, *extra])
+
+
+def _device_state(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module) -> Dict[str, int]:
+    """Optimizer state kept on the device and not traced with the step: (label, bytes)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    options = {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
+    caps = settings.optimizer_capabilities
+    if caps.offloads:
+        base = resolve_optimizer_class(options.pop("optimizer_class", "torch.optim.AdamW"))
+        minimal = options.pop("minimal_size", 4096)
+        for key in ("offload_gradients", "master_dtype", "grad_sum_dtype", "fused_master_step", "overlap"):
+            options.pop(key, None)
+        small = [p for p in trainable if not offloads(p, minimal)]
+        state, _ = optimizer_state_bytes(base, small, options)
+        return {"optimizer state (parameters below minimal_size)": state}
+    if settings.optimizer_class.__module__.startswith("torch.optim") and not settings.optimizer_in_bwd:
+        return {}  # traced with the step
+    state, _ = optimizer_state_bytes(settings.optimizer_class, trainable, options)
+    label = "optimizer state (paged)" if settings.optimizer_class.__name__.startswith("Paged") else "optimizer state"
+    return {label: state}
+
+
+def _make_optimizer(settings: RecipeSettings, cfg: DictConfig) -> Optional[Callable[[list], torch.optim.Optimizer]]:
+    """The optimizer whose step is traced: torch's own, on the device, stepping after backward."""
+    cls = settings.optimizer_class
+    if settings.device.type == "cpu" or settings.optimizer_in_bwd or not cls.__module__.startswith("torch.optim"):
+        return None
+    options = {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
+    # torch picks its multi-tensor (foreach) kernels for CUDA parameters; the fake ones are CPU tensors.
+    options.setdefault("foreach", True)
+
+    def make(params: list) -> torch.optim.Optimizer:
+        optimizer = cls(params, **options)
+        for p in params:  # one step first: the state exists during a step's forward and backward
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return optimizer
+
+    return make
+
+
+def plan_variant(config_path: str, overrides: Sequence[str], name: str, *, recipe: str, seq_len: Optional[int],
+                 baseline: int, traces: Optional[Dict[tuple, StepTrace]] = None) -> VariantPlan:
+    """Predicts one variant's device and host peaks (or says why it cannot run).
+
+    Args:
+        traces: traced steps by what shapes them, shared between the variants of one config.
+    """
+    description = "the config as given" if name == "config" else VARIANTS[name][2]
+    plan = VariantPlan(name=name, description=description)
+    cfg = _variant_cfg(config_path, overrides, name)
+    try:
+        settings = check_recipe_config(cfg, recipe=recipe, device_present=False)
+        length = sequence_length(cfg, seq_len)
+    except ValueError as err:
+        plan.problem = str(err).replace("Invalid config:\n  - ", "").splitlines()[0]
+        return plan
+    except ImportError as err:  # bitsandbytes missing
+        plan.problem = f"cannot be planned here ({err})"
+        return plan
+    settings = replace(settings, compile=False)
+    mark = _mark_lora if recipe == "lora" else None
+    offload_grads = bool(settings.optimizer_capabilities.offloads and cfg.optimizer.get("offload_gradients", False))
+    free = offload_grads or settings.optimizer_in_bwd
+    make = _make_optimizer(settings, cfg)
+    key = (free, settings.optimizer_class if make else None, settings.gradient_accumulation_steps,
+           str(settings.device), json.dumps(OmegaConf.to_container(cfg.optimizer, resolve=True), sort_keys=True)
+           if make else None)
+    traces = {} if traces is None else traces
+    if key not in traces:
+        traces[key] = trace_training_step(cfg, settings, seq_len=length, mark_trainable=mark,
+                                          free_gradients=free, make_optimizer=make)
+    trace = traces[key]
+    plan.device_parts = {f"step peak: {k.lower()}": v for k, v in trace.by_kind.items() if v}
+    model = meta_model(cfg.model, settings)
+    if mark is not None:
+        mark(model)
+    if settings.device.type != "cpu":
+        for label, size in _device_state(settings, cfg, model).items():
+            if "paged" in label:
+                plan.paged_bytes = size
+                plan.notes.append(f"{size / GIB:.2f} GiB of paged optimizer state in unified memory: on the device "
+                                  "where it fits, paged to host memory beyond (slower)")
+            elif size:
+                plan.device_parts[label] = size
+    plan.device_bytes = sum(plan.device_parts.values())
+    need = host_memory_need(cfg, settings, mark_trainable=mark,
+                            step_bytes=trace.peak_bytes if settings.device.type == "cpu" else None)
+    phase = max(need.phases, key=lambda p: sum(need.phases[p].values()))
+    plan.host_parts = {"this process (Python, PyTorch, torchtune)": baseline,
+                       **{f"{phase}: {k}": v for k, v in need.phases[phase].items()}}
+    plan.host_bytes = baseline + need.peak
+    plan.notes += list(need.notes)
+    if settings.device.type != "cpu":
+        plan.notes.append("device figures are traced on fake CPU tensors: a GPU's allocator rounds and caches "
+                          "on top (expect a few percent more)")
+    return plan
+
+
+def default_variants() -> List[str]:
+    """The configured optimizer, then the sweep's variants."""
+    return ["config", *VARIANTS]
+
+
+def process_baseline(cfg: DictConfig) -> Tuple[int, List[str]]:
+    """What every run of ``cfg`` holds besides its tensors, measured in this process: the libraries,
+    PyTorch's CPU runtime once it has run a kernel, and the tokenizer and dataset, built for real.
+
+    Returns:
+        ``(bytes, notes)``; a note says what could not be built here and is not counted.
+    """
+    notes = []
+    x = torch.randn(64, 64, requires_grad=True)
+    torch.nn.functional.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None]).sum().backward()
+    try:
+        tokenizer = config.instantiate(cfg.tokenizer)
+        dataset = config.instantiate(cfg.dataset, tokenizer)
+        del tokenizer, dataset
+    except Exception as err:  # e.g. a tokenizer not downloaded on this machine
+        notes.append(f"the tokenizer and dataset could not be built here ({type(err).__name__}): their memory "
+                     "(tens of MB for local files) is not counted")
+    return psutil.Process(os.getpid()).memory_info().rss, notes
+
+
+def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Optional[int], host_budget: int,
+                 config_path: str, seq_len_note: str) -> str:
+    """A markdown table of the plans, with the budgets and a verdict per variant."""
+    def gib(n: Optional[int]) -> str:
+        return "-" if n is None else f"{n / GIB:.2f}"
+
+    def verdict(n: Optional[int], budget: Optional[int]) -> str:
+        if n is None:
+            return "-"
+        if budget is None:
+            return "?"
+        return "yes" if n <= budget else "no"
+
+    lines = [f"Plan for {config_path} ({seq_len_note}); device {device}, budget "
+             f"{'unknown (give --device-gib)' if device_budget is None else f'{device_budget / GIB:.1f} GiB'}; "
+             f"host budget {host_budget / GIB:.1f} GiB.", "",
+             "| variant | device peak GiB | + paged GiB | fits device | host peak GiB | fits host | what |",
+             "|---|---:|---:|:---:|---:|:---:|---|"]
+    for p in plans:
+        what = p.problem if p.problem else p.description
+        paged = f"{p.paged_bytes / GIB:.2f}" if p.paged_bytes else "-"
+        lines.append(f"| {p.name} | {gib(p.device_bytes)} | {paged} | {verdict(p.device_bytes, device_budget)} | "
+                     f"{gib(p.host_bytes)} | {verdict(p.host_bytes, host_budget)} | {what} |")
+    for p in plans:
+        if p.problem:
+            continue
+        lines.append(f"\n{p.name}:")
+        lines.append("  device: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.device_parts.items()))
+        lines.append("  host:   " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.host_parts.items()))
+        for note in p.notes:
+            lines.append(f"  note: {note}")
+    return "\n".join(lines)
+
+
+def default_host_budget() -> int:
+    """What this machine's memory allows: what is available now plus what this process holds."""
+    return available_host_memory() + psutil.Process(os.getpid()).memory_info().rss
+
+
+def default_device_budget(device: torch.device) -> Optional[int]:
+    """This machine's device memory for ``device`` (the host's for a CPU run), if known."""
+    if device.type == "cpu":
+        return default_host_budget()
+    if torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == device.type:
+        return torch.get_device_module(device).get_device_properties(device).total_memory
+    return None
+
+

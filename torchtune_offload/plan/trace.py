@@ -1,0 +1,126 @@
+"""One training step of a configured model, traced on fake tensors: the memory the step needs.
+
+The model is built on the meta device, as the recipe would build it (dtype, LoRA trainability,
+activation checkpointing, the configured loss and its output chunks), then given fake CPU storage
+under PyTorch's ``FakeTensorMode``: shapes, dtypes and every allocation, no memory and no data.
+The RoPE caches are computed for real, since their construction reads values. PyTorch's
+``MemTracker`` then follows one training step (forward, loss, backward for each micro-batch of a
+window up to two, and the optimizer step where one is given) and reports the peak of the memory
+alive at any moment, split into parameters, buffers, gradients, activations, temporaries and
+optimizer state.
+
+Fake tensors are CPU tensors here (a CPU-only torch cannot make fake CUDA ones): the trace counts
+what the step allocates, which is what a GPU run allocates too, but a GPU's kernels may pick other
+algorithms and its caching allocator rounds and fragments, so for a GPU the figure is a lower bound.
+"""
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from omegaconf import DictConfig
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch import nn
+from torchtune import modules, training
+
+from torchtune_offload.recipe import RecipeSettings, build_loss
+from torchtune_offload.recipe.host_preflight import meta_model
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """The traced peak of one training step.
+
+    Attributes:
+        peak_bytes: the most memory alive at once during the step.
+        by_kind: that peak split by kind (``Parameter``, ``Buffer``, ``Gradient``,
+            ``Activation``, ``Temp``, ``Optstate``, ``Other``).
+        seconds: how long the trace took.
+    """
+
+    peak_bytes: int
+    by_kind: Dict[str, int]
+    seconds: float
+
+
+def trace_training_step(
+    cfg: DictConfig,
+    settings: RecipeSettings,
+    *,
+    seq_len: int,
+    mark_trainable: Optional[Callable[[nn.Module], Any]] = None,
+    free_gradients: bool = False,
+    make_optimizer: Optional[Callable[[list], torch.optim.Optimizer]] = None,
+) -> StepTrace:
+    """Traces one training step of the run ``cfg`` describes, on fake tensors.
+
+    Args:
+        cfg: the recipe config.
+        settings: its checked settings (batch size, dtype, accumulation, checkpointing).
+        seq_len: tokens per sample.
+        mark_trainable: sets ``requires_grad`` as the recipe will (LoRA: the adapters).
+        free_gradients: each gradient is freed as soon as backward has produced it (an
+            optimizer that offloads gradients, or steps inside backward).
+        make_optimizer: builds the optimizer whose step is traced too, from the trainable
+            parameters; ``None`` when its state is not on the device.
+    """
+    start = time.perf_counter()
+    model = meta_model(cfg.model, settings)
+    if mark_trainable is not None:
+        mark_trainable(model)
+    if settings.enable_activation_checkpointing:
+        training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        model.to_empty(device="cpu")
+    with training.set_default_dtype(settings.dtype):
+        for module in model.modules():
+            if callable(getattr(module, "rope_init", None)):
+                module.rope_init()
+    loss_fn = build_loss(cfg.loss, model, settings, verbose=False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    hooks = []
+    if free_gradients:
+        def free(param: torch.Tensor) -> None:
+            param.grad = None
+        hooks = [p.register_post_accumulate_grad_hook(free) for p in trainable]
+    vocab = _vocab_size(model)
+    with mode:
+        optimizer = make_optimizer(trainable) if make_optimizer is not None else None
+        tracker = MemTracker()
+        # MemTracker warns about the gradients the free hook has just dropped; they are gone, as meant.
+        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+        tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+        with tracker:
+            for micro_batch in range(min(settings.gradient_accumulation_steps, 2)):
+                if micro_batch:
+                    # The second micro-batch reuses the modules; the overall peak is kept.
+                    tracker.reset_mod_stats()
+                tokens = torch.randint(0, vocab, (settings.batch_size, seq_len))
+                labels = torch.randint(0, vocab, (settings.batch_size, seq_len))
+                logits = model(tokens)
+                if not isinstance(logits, list):
+                    logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
+                loss = loss_fn(logits, labels)
+                loss.backward()
+                del logits, loss
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        snapshot = tracker.get_tracker_snapshot("peak")
+    for hook in hooks:
+        hook.remove()
+    figures = next(iter(snapshot.values())) if snapshot else {}
+    by_kind = {getattr(k, "value", str(k)): int(v) for k, v in figures.items() if k != "Total"}
+    return StepTrace(peak_bytes=int(figures.get("Total", 0)), by_kind=by_kind,
+                     seconds=time.perf_counter() - start)
+
+
+def _vocab_size(model: nn.Module) -> int:
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        raise ValueError("model: no token embedding found, so the planner cannot make input tokens for it.")
+    return embeddings[0].num_embeddings
