@@ -12,7 +12,8 @@ Three fresh processes, so that none inherits another's memory:
    ``host_rss_peak`` it logs;
 3. one training step of the same model, built for real with random weights: the RSS growth from
    before the model is built to the peak of a forward and backward (sampled every millisecond),
-   the measured counterpart of the traced step.
+   the measured counterpart of the traced step; glibc's mmap threshold is fixed first, as
+   ``OffloadOptimizer`` fixes it, so that freed blocks leave RSS.
 
 Prints a markdown table with the relative errors.
 """
@@ -40,6 +41,11 @@ cfg = load_config(sys.argv[1], sys.argv[4:])
 recipe, seq = sys.argv[2], sequence_length(cfg, int(sys.argv[3]) if sys.argv[3] != "-" else None)
 settings = replace(check_recipe_config(cfg, recipe=recipe), compile=False)
 proc = psutil.Process(os.getpid())
+# glibc otherwise raises its mmap threshold as large blocks are freed and keeps later freed blocks
+# resident: RSS would then count memory the step no longer holds. A fixed threshold (what
+# OffloadOptimizer sets in a run) makes RSS follow what is allocated.
+from torchtune_offload.optim.host_allocator import release_freed_host_memory
+release_freed_host_memory()
 x = torch.randn(64, 64, requires_grad=True)  # PyTorch's CPU runtime started, as in the planner
 torch.nn.functional.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None]).sum().backward()
 peak, stop = [proc.memory_info().rss], threading.Event()
@@ -53,6 +59,11 @@ model = instantiate_model(cfg.model, settings)
 if recipe == "lora":
     _mark_lora(model)
 loss_fn = build_loss(cfg.loss, model, settings, verbose=False)
+# As the configured optimizer does: offload_gradients frees each gradient once backward has produced it.
+if settings.optimizer_capabilities.offloads and cfg.optimizer.get("offload_gradients", False):
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
 vocab = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)][0].num_embeddings
 for _ in range(min(settings.gradient_accumulation_steps, 2)):
     tokens = torch.randint(0, vocab, (settings.batch_size, seq))

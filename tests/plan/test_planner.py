@@ -83,3 +83,12 @@ def test_the_baseline_counts_the_built_tokenizer_and_dataset(tiny_assets, tmp_pa
     cfg.tokenizer.path = str(tmp_path / "missing.model")
     _, notes = process_baseline(cfg)
     assert notes and "not counted" in notes[0]
+
+
+def test_a_lora_run_traces_with_frozen_base_weights(tiny_assets, tmp_path):
+    overrides = [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}"]
+    plan = plan_variant("configs/tiny/lora.yaml", overrides, "config", recipe="lora", seq_len=None, baseline=0)
+    assert plan.problem is None
+    # Only the adapters get gradients; the frozen base weights are counted as parameters.
+    assert plan.device_parts["step peak: parameter"] > 0
+    assert plan.device_parts.get("step peak: gradient", 0) < plan.device_parts["step peak: parameter"]

@@ -49,14 +49,8 @@ def total_norm(
     device: Union[str, torch.device],
     error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
-    """The ``norm_type`` norm of all ``grads`` taken together, as a 0-dim tensor on ``device``.
-
-    Args:
-        grads: gradient tensors, on any mix of devices.
-        norm_type: a p-norm order, or ``inf``.
-        device: where the result lives (the model's device).
-        error_if_nonfinite: raise if the norm is nan or inf.
-    """
+    """The ``norm_type`` norm of all ``grads`` (on any mix of devices) taken together, as a 0-dim
+    tensor on ``device``; the other arguments as for :func:`combine_norms`."""
     return combine_norms([tensor_norm(g, norm_type=norm_type) for g in grads], norm_type=norm_type,
                          device=device, error_if_nonfinite=error_if_nonfinite)
 

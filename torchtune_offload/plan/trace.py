@@ -91,6 +91,11 @@ def trace_training_step(
     with mode:
         optimizer = make_optimizer(trainable) if make_optimizer is not None else None
         tracker = MemTracker()
+        # MemTracker hooks every parameter's gradient, which torch refuses for frozen ones (LoRA's
+        # base weights): mark those as hooked already. They never get a gradient to track.
+        for param in model.parameters():
+            if not param.requires_grad:
+                tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
         # MemTracker warns about the gradients the free hook has just dropped; they are gone, as meant.
         warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
         tracker.track_external(model, *([optimizer] if optimizer is not None else []))
@@ -117,6 +122,13 @@ def trace_training_step(
     by_kind = {getattr(k, "value", str(k)): int(v) for k, v in figures.items() if k != "Total"}
     return StepTrace(peak_bytes=int(figures.get("Total", 0)), by_kind=by_kind,
                      seconds=time.perf_counter() - start)
+
+
+class _NoHook:
+    """A hook handle with nothing to remove."""
+
+    def remove(self) -> None:
+        pass
 
 
 def _vocab_size(model: nn.Module) -> int:
