@@ -97,7 +97,7 @@ def _kill_at_step(proc: subprocess.Popen, out: Path, log_name: str, step: int) -
         if log.is_file() and len(read_disk_log(log)) >= step:
             proc.send_signal(signal.SIGKILL)
             break
-        time.sleep(0.05)
+        time.sleep(0.01)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL, f"the run ended by itself (rc {proc.returncode}) before step {step}"
 
