@@ -121,3 +121,11 @@ def test_a_fresh_run_does_not_replace_an_earlier_runs_checkpoints(tiny_assets, t
     assert (tmp_path / "epoch_0" / "model-00001-of-00001.safetensors").read_bytes() == before
     # Told to, it replaces them.
     run_recipe("full", tiny_assets, tmp_path, "max_steps_per_epoch=1", "batch_size=4", "overwrite_checkpoints=True")
+
+
+def test_resume_without_a_checkpoint_is_a_file_problem(tiny_assets, tmp_path):
+    cfg = _config("full", tiny_assets, tmp_path / "out", ["resume_from_checkpoint=True"])
+    problems = file_problems(cfg, step_resume=True)
+    assert any("holds no complete checkpoint to resume from" in p for p in problems), problems
+    with pytest.raises(ValueError, match="holds no complete checkpoint"):
+        _load_recipe_class("full")(cfg)

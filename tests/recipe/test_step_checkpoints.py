@@ -14,6 +14,7 @@ from torchtune_offload.recipe.step_checkpoints import (
     STATE_FILE,
     WEIGHTS_FILE,
     StepCheckpoints,
+    newest_checkpoint,
     restore_rng_states,
     rng_states,
 )
@@ -33,8 +34,8 @@ def test_newest_complete_checkpoint_is_found_and_loaded(tmp_path):
     half = tmp_path / "checkpoints" / "step_00000012"
     shutil.copytree(tmp_path / "checkpoints" / "step_00000010", half)
     (half / MANIFEST_FILE).unlink()
-    assert store.newest().name == "step_00000010"
-    point = StepCheckpoints.load(store.newest())
+    assert newest_checkpoint(tmp_path).name == "step_00000010"
+    point = StepCheckpoints.load(newest_checkpoint(tmp_path))
     assert (point.global_step, point.epoch, point.step_in_epoch) == (10, 0, 10)
     assert point.state["progress"] == {"step": 10}
     model = nn.Module()

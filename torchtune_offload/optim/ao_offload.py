@@ -15,7 +15,7 @@ from torchtune_offload.optim.capabilities import OFFLOAD_STEPS_AFTER_BACKWARD, O
 from torchtune_offload.optim.grad_norm import total_norm
 from torchtune_offload.optim.host_memory import HostMemoryPlan, offloaded_buffers_plan
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
-from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class
+from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
 
 
 def _strip_names(params: Any) -> Any:
@@ -118,9 +118,7 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         *,
         device: Union[str, torch.device],
         gradient_accumulation_steps: int = 1,
-        offload_gradients: bool = False,
-        minimal_size: int = 4096,
-        **kwargs: Any,
+        **options: Any,
     ) -> HostMemoryPlan:
         """The host memory torchao's optimizer would hold for ``params`` (meta tensors will do).
 
@@ -128,12 +126,13 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         elements, each its own (power-of-two rounded) allocation; the base optimizer's state is plain
         host memory. ``offload_gradients`` and accumulation add nothing.
         """
-        del gradient_accumulation_steps, offload_gradients  # no host memory of their own
+        del gradient_accumulation_steps  # no host memory of its own
+        own, kwargs = split_options(cls.__init__, options)
         params = _strip_names(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         trainable = [p for g in groups for p in g["params"] if p.requires_grad]
         return offloaded_buffers_plan(trainable, optimizer_class=resolve_optimizer_class(optimizer_class),
-                                      options=kwargs, minimal_size=minimal_size,
+                                      options=kwargs, minimal_size=own["minimal_size"],
                                       pinned=torch.device(device).type != "cpu")
 
     def _grads_to_step(self) -> List[torch.Tensor]:

@@ -36,7 +36,7 @@ from torchtune_offload.optim.host_memory import (
     pinned_allocation_bytes,
 )
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
-from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class
+from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
 from torchtune_offload.optim.overlap import HostWorkers, Window, changed_hyperparameters, hyperparameters
 from torchtune_offload.optim.staging import NUM_CHUNKS, StagingRing
 from torchtune_offload.optim.transfer import TransferEngine
@@ -324,13 +324,7 @@ class OffloadOptimizer(Optimizer):
         *,
         device: Union[str, torch.device],
         gradient_accumulation_steps: int = 1,
-        offload_gradients: bool = False,
-        minimal_size: int = 4096,
-        master_dtype: Optional[Union[str, torch.dtype]] = None,
-        grad_sum_dtype: Optional[Union[str, torch.dtype]] = None,
-        fused_master_step: bool = True,
-        overlap: bool = False,
-        **kwargs: Any,
+        **options: Any,
     ) -> HostMemoryPlan:
         """The host memory this optimizer would hold for ``params``, allocating nothing.
 
@@ -342,25 +336,22 @@ class OffloadOptimizer(Optimizer):
             device: the training device; on an accelerator host buffers are pinned, and each
                 pinned allocation is rounded up to a power of two by torch's allocator.
             gradient_accumulation_steps: with ``offload_gradients``, more than one adds the staging ring.
-            offload_gradients: as for the constructor.
-            minimal_size: as for the constructor.
-            master_dtype: as for the constructor (masters of small parameters live on the device).
-            grad_sum_dtype: as for the constructor.
-            fused_master_step: as for the constructor (it allocates nothing).
-            overlap: as for the constructor (it allocates nothing on the host).
-            **kwargs: the base optimizer's options.
+            **options: the constructor's keyword options (``offload_gradients``, ``minimal_size``,
+                ``master_dtype``, ``grad_sum_dtype`` change the plan; the others allocate nothing on
+                the host) and the base optimizer's.
         """
-        del fused_master_step, overlap
+        own, kwargs = split_options(cls.__init__, options)
+        minimal_size = own["minimal_size"]
         base = resolve_optimizer_class(optimizer_class)
         trainable = [p for g in _named_groups(params) for _, p in g["params"] if p.requires_grad]
         pinned = torch.device(device).type != "cpu"
         plan = offloaded_buffers_plan(
             trainable, optimizer_class=base, options=kwargs, minimal_size=minimal_size, pinned=pinned,
-            master_dtype=precision_option(master_dtype, key="master_dtype"),
-            grad_dtype=precision_option(grad_sum_dtype, key="grad_sum_dtype"),
+            master_dtype=precision_option(own["master_dtype"], key="master_dtype"),
+            grad_dtype=precision_option(own["grad_sum_dtype"], key="grad_sum_dtype"),
         )
         offloaded = [p.numel() * p.element_size() for p in trainable if offloads(p, minimal_size)]
-        if offload_gradients and gradient_accumulation_steps > 1 and offloaded:
+        if own["offload_gradients"] and gradient_accumulation_steps > 1 and offloaded:
             chunk = StagingRing.chunk_size(largest_bytes=max(offloaded))
             plan.add("staging ring" + (" (pinned)" if pinned else ""),
                      NUM_CHUNKS * pinned_allocation_bytes(chunk, pinned=pinned))

@@ -4,7 +4,8 @@ torchtune configs can only carry strings, so ``optimizer.optimizer_class=torch.o
 as a dotted path. Both offload optimizers accept a class or such a path.
 """
 
-from typing import Union
+import inspect
+from typing import Any, Callable, Dict, Tuple, Union
 
 import torch
 import torchao.optim
@@ -69,3 +70,20 @@ def resolve_optimizer_class(
             "nest. Set it to the base optimizer, e.g. 'torch.optim.AdamW'."
         )
     return cls
+
+
+def split_options(constructor: Callable[..., Any], options: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Splits an offload optimizer's options into its own and its base optimizer's.
+
+    Args:
+        constructor: the offload optimizer's ``__init__``; its keyword-only parameters are its own.
+        options: keyword options as given to it.
+
+    Returns:
+        ``(own, base)``: every own option, its default where not given, and the rest.
+    """
+    own = {name: p.default for name, p in inspect.signature(constructor).parameters.items()
+           if p.kind is p.KEYWORD_ONLY}
+    base = {k: v for k, v in options.items() if k not in own}
+    own.update({k: v for k, v in options.items() if k in own})
+    return own, base

@@ -29,7 +29,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from torchtune_offload.bench.sweep import VARIANTS, overrides_for
 from torchtune_offload.optim.host_memory import offloads, optimizer_state_bytes
-from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
+from torchtune_offload.optim.optimizer_class import resolve_optimizer_class, split_options
 from torchtune_offload.plan.trace import StepTrace, trace_training_step
 from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
 from torchtune_offload.recipe.host_preflight import available_host_memory, meta_model
@@ -92,10 +92,8 @@ def _device_state(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Mod
     caps = settings.optimizer_capabilities
     if caps.offloads:
         base = resolve_optimizer_class(options.pop("optimizer_class", "torch.optim.AdamW"))
-        minimal = options.pop("minimal_size", 4096)
-        for key in ("offload_gradients", "master_dtype", "grad_sum_dtype", "fused_master_step", "overlap"):
-            options.pop(key, None)
-        small = [p for p in trainable if not offloads(p, minimal)]
+        own, options = split_options(settings.optimizer_class.__init__, options)
+        small = [p for p in trainable if not offloads(p, own["minimal_size"])]
         state, _ = optimizer_state_bytes(base, small, options)
         return {"optimizer state (parameters below minimal_size)": state}
     if settings.optimizer_class.__module__.startswith("torch.optim") and not settings.optimizer_in_bwd:

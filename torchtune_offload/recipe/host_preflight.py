@@ -28,7 +28,7 @@ from torchtune_offload.optim.host_memory import HostMemoryPlan, nbytes, plan_hos
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
 from torchtune_offload.recipe.config import RecipeSettings
 from torchtune_offload.recipe.resume import run_output_dir
-from torchtune_offload.recipe.step_checkpoints import STATE_FILE, StepCheckpoints
+from torchtune_offload.recipe.step_checkpoints import STATE_FILE, newest_checkpoint
 
 GIB = 1024**3
 log = utils.get_logger("INFO")
@@ -155,18 +155,19 @@ def host_memory_need(
     load["checkpoint files"] = ckpt
     train: Dict[str, int] = {}
     if on_cpu:
-        load["model"] = train["model"] = weights
+        load["model"] = weights
         grads_freed = settings.optimizer_capabilities.offloads and OmegaConf.select(
             cfg, "optimizer.offload_gradients", default=False)
         if step_bytes is not None:
-            del train["model"]
             train["training step (traced: weights, gradients, activations)"] = step_bytes
-        elif not grads_freed:
-            train["gradients"] = trainable
+        else:
+            train["model"] = weights
+            if not grads_freed:
+                train["gradients"] = trainable
     plan = optimizer_plan(cfg.optimizer, model, settings, optimizer_class=optimizer_class)
     train.update(plan.parts)
     notes += list(plan.notes)
-    newest = StepCheckpoints(run_output_dir(cfg), keep_last=1).newest() if settings.resume_from_checkpoint else None
+    newest = newest_checkpoint(run_output_dir(cfg)) if settings.resume_from_checkpoint else None
     if newest is not None:
         # torch.load holds the saved training state (the optimizer's) while it is copied in.
         train["optimizer state being loaded"] = (newest / STATE_FILE).stat().st_size

@@ -22,6 +22,7 @@ from torchtune_offload.recipe.step_checkpoints import (
     ResumePoint,
     StepCheckpoints,
     describe,
+    newest_checkpoint,
     restore_rng_states,
     rng_states,
 )
@@ -37,7 +38,7 @@ def run_output_dir(cfg: DictConfig) -> Path:
 def no_checkpoint_problem(cfg: DictConfig) -> Optional[str]:
     """Why ``resume_from_checkpoint=True`` cannot resume (no complete checkpoint), else ``None``."""
     out = run_output_dir(cfg)
-    if StepCheckpoints(out, keep_last=1).newest() is not None:
+    if newest_checkpoint(out) is not None:
         return None
     return (f"resume_from_checkpoint=True: {out / CHECKPOINTS_DIR} holds no complete checkpoint to resume from. "
             "Start without resume_from_checkpoint (add overwrite_checkpoints=True if output_dir holds an earlier "
@@ -52,8 +53,8 @@ class TrainingCheckpoints:
         settings: its checked settings.
         progress: where training stands; takes the checkpoint's position when resuming.
 
-    Raises:
-        ValueError: with ``resume_from_checkpoint=True``, if there is no complete checkpoint.
+    A missing checkpoint is reported before this is built, with the other file problems
+    (``check_files(cfg, step_resume=True)``, which uses :func:`no_checkpoint_problem`).
     """
 
     def __init__(self, cfg: DictConfig, settings: RecipeSettings, progress: Progress) -> None:
@@ -61,10 +62,6 @@ class TrainingCheckpoints:
         self._settings = settings
         self.progress = progress
         self.point: Optional[ResumePoint] = None
-        if settings.resume_from_checkpoint:
-            problem = no_checkpoint_problem(cfg)
-            if problem:
-                raise ValueError(problem)
         self.store = StepCheckpoints(self._out, keep_last=settings.keep_last_n_checkpoints)
 
     def restore_weights(self, model: torch.nn.Module, *, names: List[str]) -> None:
@@ -77,7 +74,7 @@ class TrainingCheckpoints:
         """
         if not self._settings.resume_from_checkpoint:
             return
-        self.point = StepCheckpoints.load(StepCheckpoints(self._out, keep_last=1).newest())
+        self.point = StepCheckpoints.load(newest_checkpoint(self._out))
         self.progress.restore(self.point.state["progress"])
         # This run continues the resumed one: its later saves replace that run's checkpoints in turn.
         self.store = StepCheckpoints(self._out, keep_last=self._settings.keep_last_n_checkpoints,

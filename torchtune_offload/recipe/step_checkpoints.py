@@ -123,16 +123,7 @@ class StepCheckpoints:
 
     def complete(self) -> List[Path]:
         """The complete checkpoints, oldest first."""
-        if not self.root.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()
-                 and (p / MANIFEST_FILE).is_file()]
-        return [p for _, p in sorted(found)]
-
-    def newest(self) -> Optional[Path]:
-        """The newest complete checkpoint, if any."""
-        found = self.complete()
-        return found[-1] if found else None
+        return complete_checkpoints(self.root.parent)
 
     def save(self, *, global_step: int, epoch: int, step_in_epoch: int, weights: Dict[str, torch.Tensor],
              state: Dict[str, Any]) -> Path:
@@ -220,6 +211,22 @@ def describe(point: ResumePoint, *, steps_per_epoch: int) -> str:
     """One log line naming the checkpoint resumed from and where training continues."""
     return (f"Resuming from {point.path} (global step {point.global_step}): epoch {point.epoch + 1}, "
             f"step {point.step_in_epoch} of {steps_per_epoch} done.")
+
+
+def complete_checkpoints(output_dir: Any) -> List[Path]:
+    """The complete checkpoints in ``output_dir``, oldest first."""
+    root = Path(str(output_dir)) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()
+             and (p / MANIFEST_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def newest_checkpoint(output_dir: Any) -> Optional[Path]:
+    """The newest complete checkpoint in ``output_dir``, if any."""
+    found = complete_checkpoints(output_dir)
+    return found[-1] if found else None
 
 
 def checkpoint_folders(output_dir: Any) -> List[str]:
