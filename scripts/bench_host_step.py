@@ -1,6 +1,6 @@
 """Host optimizer-step throughput of each precision policy, side by side with torch's fused AdamW.
 
-Usage: python scripts/bench_host_step.py [--params 200e6] [--steps 10] [--threads N]
+Usage: python scripts/bench_host_step.py [--params 200e6] [--steps 10] [--threads N] [--rows TEXT]
 
 Tensors are Llama 3.2 1B-shaped layers (attention 2048x2048 and 512x2048, MLP 8192x2048, norms),
 repeated until --params is reached, with random gradients. Each row times one whole host step over
@@ -8,13 +8,18 @@ all of them (median of --steps after two warm-up steps, which include any compil
 millions of parameters per second. The engine's rows time exactly the per-parameter step the
 offload engine runs on the host (`OffloadOptimizer._step_slot`), without the copies to and from a
 device. Prints a markdown table naming the CPU and the thread count.
+
+A shared or virtual machine's speed drifts by tens of percent within a minute, so each row's steps
+alternate with steps of torch's fused fp32 AdamW, and the ratio column compares the two medians of
+the same minute; the first row is that baseline's median over the whole run.
 """
 
 import argparse
 import platform
 import statistics
+import sys
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -51,15 +56,22 @@ def params_of(dims: List[tuple], dtype: torch.dtype) -> List[torch.nn.Parameter]
     return params
 
 
-def time_steps(step: Callable[[], None], steps: int) -> float:
+def _seconds(step: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+def time_alternating(step: Callable[[], None], baseline: Callable[[], None], steps: int) -> Tuple[float, float]:
+    """Median seconds of ``step`` and of ``baseline``, their steps taken in turn after two warm-up steps each."""
     for _ in range(2):
         step()
-    times = []
+        baseline()
+    times, base_times = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        base_times.append(_seconds(baseline))
+        times.append(_seconds(step))
+    return statistics.median(times), statistics.median(base_times)
 
 
 def torch_fused(dims, dtype):
@@ -114,6 +126,7 @@ def main() -> None:
     parser.add_argument("--params", type=float, default=200e6, help="parameters to step (default 200e6)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per row, after 2 warm-up (default 10)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--rows", default="", help="only the rows whose name contains this text (default: all)")
     args = parser.parse_args()
     if args.steps < 10:
         parser.error("--steps must be at least 10")
@@ -125,19 +138,27 @@ def main() -> None:
           f"{numel / 1e6:.1f}M parameters in {len(dims)} Llama-shaped tensors; median of {args.steps} steps\n")
     print("| host step | Mparam/s | vs torch fused fp32 |")
     print("|---|---:|---:|")
-    baseline = None
+    baseline_name = "torch fused AdamW, fp32"
+    baseline = ROWS[baseline_name](dims)
+    baseline_times, lines = [], []
     for name, build in ROWS.items():
+        if name == baseline_name or args.rows not in name:
+            continue
         try:
             step = build(dims)
-            seconds = time_steps(step, args.steps)
+            seconds, base_seconds = time_alternating(step, baseline, args.steps)
         except Exception as err:  # a row whose library is missing or fails here is reported, not fatal
-            print(f"| {name} | n/a: {type(err).__name__}: {str(err).splitlines()[0][:80]} | |", flush=True)
+            lines.append(f"| {name} | n/a: {type(err).__name__}: {str(err).splitlines()[0][:80]} | |")
+            print(f"{name}: n/a", file=sys.stderr, flush=True)
             continue
         finally:
             step = None
-        rate = numel / seconds / 1e6
-        baseline = baseline or rate
-        print(f"| {name} | {rate:.0f} | {rate / baseline:.2f}x |", flush=True)
+        baseline_times.append(base_seconds)
+        lines.append(f"| {name} | {numel / seconds / 1e6:.0f} | {base_seconds / seconds:.2f}x |")
+        print(f"{name}: {numel / seconds / 1e6:.0f} Mparam/s", file=sys.stderr, flush=True)
+    base_rate = numel / statistics.median(baseline_times) / 1e6 if baseline_times else float("nan")
+    print(f"| {baseline_name} | {base_rate:.0f} | 1.00x |")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -176,9 +176,10 @@ class OffloadOptimizer(Optimizer):
         grad_sum_dtype: the dtype of host gradient buffers, in which ``offload_gradients`` sums
             micro-batches. ``None`` (default): the parameter's dtype, as plain training sums;
             ``"fp32"``: fp32 sums.
-        fused_master_step: with fp32 masters and an Adam/AdamW base, step each offloaded master in
-            one compiled pass that also writes the rounded copy (``optim/fused_step.py``); False, or
-            no compiler, takes the unfused path (widen the gradient, the base step, round).
+        fused_master_step: with fp32 masters, bf16 parameters and an Adam/AdamW base, step each
+            offloaded master in one pass over all host cores that also writes the rounded copy (a C
+            loop built at first use, ``optim/fused_step.py``); False, or no C compiler, takes the
+            unfused path (widen the gradient, the base step, round).
         overlap: run host steps on worker threads beside GPU work, with the same results. Takes
             effect for windows announced with :meth:`expect_final_backward`; a caller that
             announces nothing gets the serial step-after-backward behaviour. With
@@ -806,7 +807,8 @@ class OffloadOptimizer(Optimizer):
 
     def _step_slot(self, slot: _Slot, grad: torch.Tensor) -> None:
         """One base-optimizer step of ``slot`` on ``grad``; with a master, the result rounded into ``slot.out``."""
-        if (slot.has_master and slot.offloaded and self.fused_master_step and fused_step.supports(slot.optimizer)
+        if (slot.has_master and slot.offloaded and self.fused_master_step
+                and fused_step.supports(slot.optimizer, grad, slot.out)
                 and fused_step.fused_adamw_step(slot.optimizer, grad, slot.out)):
             return
         # A master is fed the gradient widened to its dtype, as plain fp32 training would be.

@@ -1,0 +1,60 @@
+/* One pass of Adam/AdamW over an fp32 master, its two fp32 moments and a bf16 or fp32 gradient,
+ * writing the master rounded to bf16 for the device. Built by fused_step.py at first use.
+ *
+ * Each line is one of torch's single-tensor AdamW operations, in its order, with the same
+ * float32 rounding per operation (no contraction into fused multiply-adds).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 conversion does; NaN stays NaN. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* torch.lerp's two formulas, chosen by the weight as torch chooses them. */
+static inline float lerp(float start, float end, float weight) {
+    return weight < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
+}
+
+/* decay: 1 - lr * weight_decay (AdamW) or unused; l2: weight_decay (Adam) or 0; lerp_weight:
+ * 1 - beta1; sq_weight: 1 - beta2; neg_step_size: -lr / (1 - beta1^t). */
+#define ADAMW_PASS(NAME, GRAD_T, GRAD_TO_FLOAT)                                                        \
+    void NAME(float *param, float *exp_avg, float *exp_avg_sq, const GRAD_T *grad, uint16_t *out,      \
+              int64_t n, int decoupled, float decay, float l2, float lerp_weight, float beta2,          \
+              float sq_weight, float bias_correction2_sqrt, float eps, float neg_step_size,             \
+              int threads) {                                                                            \
+        _Pragma("omp parallel for simd num_threads(threads) schedule(static)")                        \
+        for (int64_t i = 0; i < n; i++) {                                                               \
+            float g = GRAD_TO_FLOAT(grad[i]);                                                           \
+            float p = param[i];                                                                         \
+            if (decoupled) p = p * decay;                                                               \
+            else g = g + l2 * p;                                                                        \
+            float m = lerp(exp_avg[i], g, lerp_weight);                                                 \
+            float v = exp_avg_sq[i] * beta2;                                                            \
+            v = v + sq_weight * g * g;                                                                  \
+            float denom = sqrtf(v) / bias_correction2_sqrt + eps;                                       \
+            p = p + neg_step_size * m / denom;                                                          \
+            exp_avg[i] = m;                                                                             \
+            exp_avg_sq[i] = v;                                                                          \
+            param[i] = p;                                                                               \
+            out[i] = float_to_bf16(p);                                                                  \
+        }                                                                                               \
+    }
+
+#define FLOAT_AS_IS(x) (x)
+
+ADAMW_PASS(adamw_bf16_grad, uint16_t, bf16_to_float)
+ADAMW_PASS(adamw_fp32_grad, float, FLOAT_AS_IS)
