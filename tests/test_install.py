@@ -65,6 +65,9 @@ def test_tune_run_finds_our_recipes_after_install(editable, tmp_path):
         cwd=project, env=build_env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    if not editable:  # the fused step's C source is package data, compiled where it is installed
+        installed = list((tmp_path / "venv").glob("lib/python*/site-packages/torchtune_offload/optim/fused_adamw.c"))
+        assert len(installed) == 1
 
     found = subprocess.run(
         [python, "-P", "-c", RESOLVE], cwd=project, env={"PATH": "/usr/bin:/bin"},
