@@ -132,3 +132,16 @@ def test_overlap_stress_on_the_accelerator():
         opt.close()
         for a, b in zip(ref.parameters(), model.parameters()):
             assert torch.equal(a, b), f"run {run}"
+
+
+@pytest.mark.parametrize("master_dtype", [None, "fp32"])
+def test_host_buffers_are_pinned_at_their_planned_size(master_dtype):
+    device = _device()
+    model = tiny_model(device=device).bfloat16()
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", master_dtype=master_dtype,
+                           minimal_size=MINIMAL_SIZE, lr=1e-2)
+    offloaded = [s for s in opt._slots if s.offloaded]
+    assert all(t.is_pinned() for s in offloaded for t in opt._host_buffers(s))
+    plan = OffloadOptimizer.plan_host_memory(model.named_parameters(), device=device, master_dtype=master_dtype,
+                                             minimal_size=MINIMAL_SIZE, lr=1e-2)
+    assert opt.memory_report().pinned_bytes == sum(v for k, v in plan.parts.items() if k.endswith("(pinned)"))

@@ -11,6 +11,7 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
 
 from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer
+from torchtune_offload.optim.host_arena import aligned_bytes
 
 # Smaller than every weight (24*96 = 2304 elements) but larger than every bias: both paths run.
 MINIMAL_SIZE = 1000
@@ -194,10 +195,11 @@ def test_memory_report_counts_offloaded_state():
     # AdamW keeps exp_avg and exp_avg_sq (4 bytes each per element) plus a 0-dim fp32 step.
     state = sum(2 * p.numel() * 4 + 4 for p in big)
     grads = sum(p.numel() * 4 for p in big)
+    buffers = sum(aligned_bytes(p.numel() * 4) for p in big)  # each at a page of one host block
     assert report.num_offloaded == len(big) == 3
     assert report.num_on_device == 3
     assert report.device_bytes_saved == state + grads
-    assert report.host_bytes == state + grads + grads  # + the host parameter copies
+    assert report.host_bytes == state + buffers + buffers  # gradient buffers + the host parameter copies
     assert report.pinned_bytes == 0  # nothing is pinned without an accelerator
 
 

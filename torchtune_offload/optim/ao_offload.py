@@ -13,6 +13,7 @@ import torchao.optim
 
 from torchtune_offload.optim.capabilities import OFFLOAD_STEPS_AFTER_BACKWARD, OptimizerCapabilities
 from torchtune_offload.optim.grad_norm import total_norm
+from torchtune_offload.optim.host_arena import ALLOCATOR, NONE
 from torchtune_offload.optim.host_memory import HostMemoryPlan, offloaded_buffers_plan
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
@@ -133,7 +134,7 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         trainable = [p for g in groups for p in g["params"] if p.requires_grad]
         return offloaded_buffers_plan(trainable, optimizer_class=resolve_optimizer_class(optimizer_class),
                                       options=kwargs, minimal_size=own["minimal_size"],
-                                      pinned=torch.device(device).type != "cpu")
+                                      pinning=NONE if torch.device(device).type == "cpu" else ALLOCATOR)
 
     def _grads_to_step(self) -> List[torch.Tensor]:
         # torchao copies gradients to its host parameters during backward; wait for those copies.

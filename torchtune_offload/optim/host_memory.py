@@ -12,6 +12,8 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
+from torchtune_offload.optim.host_arena import NONE, buffer_bytes
+
 #: Options that select a kernel, not a state layout; the meta probe cannot run fused kernels.
 _KERNEL_OPTIONS = ("fused", "foreach", "capturable", "differentiable")
 
@@ -21,7 +23,8 @@ class HostMemoryPlan:
     """Bytes of host memory by purpose, e.g. ``{"optimizer state": ..., "gradient buffers": ...}``.
 
     Attributes:
-        parts: purpose -> bytes, as allocated (pinned buffers include the allocator's rounding).
+        parts: purpose -> bytes, as allocated (buffers with their alignment or the pinned
+            allocator's rounding).
         notes: caveats of the estimate (a state size that could not be probed, say).
     """
 
@@ -46,15 +49,18 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def pinned_allocation_bytes(size: int, *, pinned: bool) -> int:
-    """What a host buffer of ``size`` bytes occupies: torch's pinned allocator rounds up to a power of two."""
-    if not pinned or size <= 0:
-        return max(size, 0)
-    return 1 << (size - 1).bit_length()
-
-
-def _bytes_as(p: torch.Tensor, dtype: Optional[torch.dtype]) -> int:
-    return p.numel() * (dtype or p.dtype).itemsize
+def host_buffer_dtypes(
+    param: torch.Tensor, *, master_dtype: Optional[torch.dtype], grad_dtype: Optional[torch.dtype]
+) -> Dict[str, torch.dtype]:
+    """The host buffers of one offloaded parameter, by purpose: a copy to step (``master_dtype``,
+    default the parameter's), a gradient buffer (``grad_dtype``), and a buffer in the parameter's
+    dtype for the step's result when the master's dtype differs and the gradient buffer cannot
+    hold it."""
+    master, grad = master_dtype or param.dtype, grad_dtype or param.dtype
+    buffers = {"parameter copies": master, "gradient buffers": grad}
+    if master != param.dtype and grad != param.dtype:
+        buffers["device-dtype copies"] = param.dtype
+    return buffers
 
 
 def _probe_state_bytes(optimizer_class: type, shape: torch.Size, dtype: torch.dtype, options: Dict[str, Any]) -> int:
@@ -102,25 +108,19 @@ def offloaded_buffers_plan(
     optimizer_class: type,
     options: Dict[str, Any],
     minimal_size: int,
-    pinned: bool,
+    pinning: str,
     master_dtype: Optional[torch.dtype] = None,
     grad_dtype: Optional[torch.dtype] = None,
 ) -> HostMemoryPlan:
-    """The host memory of per-parameter offloading: a host copy (``master_dtype``, default the
-    parameter's) and a gradient buffer (``grad_dtype``) per offloaded parameter, each its own pinned
-    allocation on an accelerator, a buffer in the parameter's dtype for the step's result when the
-    master's dtype differs and the gradient buffer cannot hold it, and the base optimizer's state."""
+    """The host memory of per-parameter offloading: the buffers of :func:`host_buffer_dtypes` per
+    offloaded parameter, each taking what ``pinning`` makes of it (see ``host_arena.pinning_of``),
+    and the base optimizer's state."""
     plan = HostMemoryPlan()
     offloaded = [p for p in params if offloads(p, minimal_size)]
-    suffix = " (pinned)" if pinned else ""
-
-    def add(purpose: str, sizes: Iterable[int]) -> None:
-        plan.add(purpose + suffix, sum(pinned_allocation_bytes(n, pinned=pinned) for n in sizes))
-
-    add("parameter copies", (_bytes_as(p, master_dtype) for p in offloaded))
-    add("gradient buffers", (_bytes_as(p, grad_dtype) for p in offloaded))
-    add("device-dtype copies", (nbytes(p) for p in offloaded
-                                if (master_dtype or p.dtype) != p.dtype and (grad_dtype or p.dtype) != p.dtype))
+    suffix = "" if pinning == NONE else " (pinned)"
+    for p in offloaded:
+        for purpose, dtype in host_buffer_dtypes(p, master_dtype=master_dtype, grad_dtype=grad_dtype).items():
+            plan.add(purpose + suffix, buffer_bytes(p.numel() * dtype.itemsize, pinning=pinning))
     masters = [torch.empty(p.shape, dtype=master_dtype or p.dtype, device="meta") for p in offloaded]
     state, plan.notes = optimizer_state_bytes(optimizer_class, masters, options)
     plan.add("optimizer state", state)

@@ -14,7 +14,7 @@ copy can be kept in another dtype (fp32 master weights for bf16 device weights, 
 import functools
 import threading
 import time
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch.optim import Optimizer
@@ -29,11 +29,12 @@ from torchtune_offload.optim.grad_norm import (
     total_norm,
 )
 from torchtune_offload.optim.host_allocator import release_freed_host_memory
+from torchtune_offload.optim.host_arena import NONE, buffer_bytes, host_buffers, pinned_allocation_bytes, pinning_of
 from torchtune_offload.optim.host_memory import (
     HostMemoryPlan,
+    host_buffer_dtypes,
     offloaded_buffers_plan,
     offloads,
-    pinned_allocation_bytes,
 )
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
@@ -271,6 +272,8 @@ class OffloadOptimizer(Optimizer):
             # machine the default is kept so the emulation matches plain AdamW bit for bit.
             host_kwargs["fused"] = True
 
+        self._pinning = pinning_of(self.device)
+        self._buffers = self._allocate_host_buffers(groups)
         self._slots: List[_Slot] = []
         self._hooks = []
         outer_groups = []
@@ -295,6 +298,7 @@ class OffloadOptimizer(Optimizer):
             outer_groups.append({**hyper, "params": [s.param for s in members]})
             self._slots.extend(members)
         self._slot_of = {s.param: s for s in self._slots}
+        del self._buffers  # every one is placed
         self._staging = StagingRing(
             self._transfer,
             largest_bytes=max((s.param.numel() * s.param.element_size() for s in self._slots if s.offloaded), default=16),
@@ -345,34 +349,48 @@ class OffloadOptimizer(Optimizer):
         minimal_size = own["minimal_size"]
         base = resolve_optimizer_class(optimizer_class)
         trainable = [p for g in _named_groups(params) for _, p in g["params"] if p.requires_grad]
-        pinned = torch.device(device).type != "cpu"
+        pinning = pinning_of(device)
         plan = offloaded_buffers_plan(
-            trainable, optimizer_class=base, options=kwargs, minimal_size=minimal_size, pinned=pinned,
+            trainable, optimizer_class=base, options=kwargs, minimal_size=minimal_size, pinning=pinning,
             master_dtype=precision_option(own["master_dtype"], key="master_dtype"),
             grad_dtype=precision_option(own["grad_sum_dtype"], key="grad_sum_dtype"),
         )
         offloaded = [p.numel() * p.element_size() for p in trainable if offloads(p, minimal_size)]
         if own["offload_gradients"] and gradient_accumulation_steps > 1 and offloaded:
             chunk = StagingRing.chunk_size(largest_bytes=max(offloaded))
+            pinned = pinning != NONE
             plan.add("staging ring" + (" (pinned)" if pinned else ""),
-                     NUM_CHUNKS * pinned_allocation_bytes(chunk, pinned=pinned))
+                     NUM_CHUNKS * (pinned_allocation_bytes(chunk) if pinned else chunk))
         return plan
 
     # ----------------------------------------------------------------------------- construction
+
+    def _allocate_host_buffers(self, groups: List[Dict[str, Any]]) -> Dict[int, Dict[str, torch.Tensor]]:
+        """All offloaded parameters' host buffers at once (one exactly sized pinned block where
+        the device allows, ``optim/host_arena.py``), by ``id(param)`` and purpose."""
+        owners: Dict[int, Tuple[torch.Size, Dict[str, torch.dtype]]] = {}
+        for group in groups:
+            for _, param in group["params"]:
+                if param.requires_grad and offloads(param, self.minimal_size):
+                    owners.setdefault(id(param), (param.shape, host_buffer_dtypes(
+                        param, master_dtype=self.master_dtype, grad_dtype=self.grad_sum_dtype)))
+        flat = iter(host_buffers([(shape, dtype) for shape, dtypes in owners.values() for dtype in dtypes.values()],
+                                 device=self.device))
+        return {owner: {purpose: next(flat) for purpose in dtypes} for owner, (_, dtypes) in owners.items()}
 
     def _place(self, slot: _Slot, *, options: Dict[str, Any], host_options: Dict[str, Any]) -> None:
         param = slot.param
         master = self.master_dtype or param.dtype
         if offloads(param, self.minimal_size):
             slot.offloaded = True
+            buffers = self._buffers.pop(id(param))
             with torch.no_grad():
-                slot.step_param = self._transfer.host_empty_like(param, dtype=master).copy_(param.detach())
-            slot.host_grad = self._transfer.host_empty_like(param, dtype=self.grad_sum_dtype or param.dtype)
+                slot.step_param = buffers["parameter copies"].copy_(param.detach())
+            slot.host_grad = buffers["gradient buffers"]
             if slot.has_master:
                 # The step's result in the parameter's dtype: written over the gradient it has
                 # consumed when the dtypes match, so a master costs no extra buffer then.
-                same = slot.host_grad.dtype == param.dtype
-                slot.out = slot.host_grad if same else self._transfer.host_empty_like(param)
+                slot.out = buffers.get("device-dtype copies", slot.host_grad)
             slot.optimizer = self.base_class([slot.step_param], **host_options)
         elif master != param.dtype:
             slot.step_param = param.detach().to(master)
@@ -962,10 +980,12 @@ class OffloadOptimizer(Optimizer):
     def memory_report(self) -> OffloadMemoryReport:
         """Counts the bytes this optimizer keeps on the host and spares the device.
 
-        Host buffers are counted as allocated: on an accelerator each pinned buffer takes its size
-        rounded up to a power of two (torch's pinned allocator), as :meth:`plan_host_memory` plans.
+        Host buffers are counted as allocated, as :meth:`plan_host_memory` plans: on CUDA each at
+        its size rounded up to a page, in one page-locked block; on other accelerators each at its
+        size rounded up to a power of two (torch's pinned allocator); the staging ring's chunks,
+        made by torch's pinned allocator on any accelerator, likewise.
         """
-        pinned = self._transfer.is_accelerator
+        pinned = self._pinning != NONE
         saved = host = pinned_total = 0
         for slot in self._slots:
             if not slot.offloaded:
@@ -977,14 +997,15 @@ class OffloadOptimizer(Optimizer):
                 if isinstance(t, torch.Tensor)
             )
             grad_bytes = slot.host_grad.numel() * slot.host_grad.element_size()
-            buffer_bytes = sum(pinned_allocation_bytes(t.numel() * t.element_size(), pinned=pinned)
-                               for t in self._host_buffers(slot))
-            host += state_bytes + buffer_bytes
-            pinned_total += buffer_bytes
+            held = sum(buffer_bytes(t.numel() * t.element_size(), pinning=self._pinning)
+                       for t in self._host_buffers(slot))
+            host += state_bytes + held
+            pinned_total += held
             saved += state_bytes + (grad_bytes if self.offload_gradients else 0)
         num_offloaded = sum(s.offloaded for s in self._slots)
         # Only buffers made by the transfer engine are pinned; states are plain host memory.
-        staging = self._staging.num_allocated * pinned_allocation_bytes(self._staging.chunk_bytes, pinned=pinned)
+        chunk = self._staging.chunk_bytes
+        staging = self._staging.num_allocated * (pinned_allocation_bytes(chunk) if pinned else chunk)
         return OffloadMemoryReport(
             num_offloaded=num_offloaded,
             num_on_device=len(self._slots) - num_offloaded,
@@ -995,7 +1016,7 @@ class OffloadOptimizer(Optimizer):
 
     @staticmethod
     def _host_buffers(slot: _Slot) -> List[torch.Tensor]:
-        """The host buffers the transfer engine made for an offloaded slot (pinned on an accelerator)."""
+        """The host buffers of an offloaded slot (pinned on an accelerator)."""
         extra = [slot.out] if slot.out is not None and slot.out is not slot.host_grad else []
         return [slot.step_param, slot.host_grad, *extra]
 

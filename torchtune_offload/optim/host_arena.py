@@ -1,0 +1,80 @@
+"""The offload engine's long-lived host buffers, carved out of one block page-locked at its exact size.
+
+torch's pinned allocator rounds every allocation up to a power of two: Llama-3.1-8B's token
+embedding, 1.05 GB in bf16, takes 2 GB, and the engine's buffers for the whole model take 16.5 GiB
+for 15.0 GiB of tensors. Host RAM is what our users run out of, so on CUDA (and ROCm) the engine
+allocates all its buffers as one plain host block, each buffer at a 4 KiB-aligned offset, and
+page-locks that block in place with PyTorch's own ``cudaHostRegister`` helper (the one its
+distributed checkpoint stager uses): pinned bytes are the tensors' bytes plus under 4 KiB each.
+Other accelerators have no such helper in torch and keep one pinned allocation per buffer, rounded
+as torch rounds it; a CPU-only run carves the same block and locks nothing, so the layout is
+tested everywhere.
+"""
+
+import math
+import weakref
+from typing import List, Sequence, Tuple
+
+import torch
+import torch.cuda._pin_memory_utils as pin_memory_utils
+
+#: Every buffer starts on a page boundary.
+ALIGNMENT = 4096
+NONE, IN_PLACE, ALLOCATOR = "none", "in place", "allocator"
+
+
+def pinning_of(device: torch.device) -> str:
+    """How host buffers for ``device`` are page-locked: ``none`` (CPU), ``in place`` (one exactly
+    sized registered block, CUDA/ROCm) or ``allocator`` (torch's pinned allocator, one rounded
+    allocation per buffer)."""
+    kind = torch.device(device).type
+    return NONE if kind == "cpu" else IN_PLACE if kind == "cuda" else ALLOCATOR
+
+
+def pinned_allocation_bytes(size: int) -> int:
+    """What torch's pinned allocator takes for ``size`` bytes: the next power of two."""
+    return 1 << (size - 1).bit_length() if size > 0 else 0
+
+
+def aligned_bytes(size: int) -> int:
+    """``size`` rounded up to the next buffer boundary."""
+    return -(-size // ALIGNMENT) * ALIGNMENT
+
+
+def buffer_bytes(size: int, *, pinning: str) -> int:
+    """Host bytes one buffer of ``size`` bytes takes under ``pinning`` (see :func:`pinning_of`)."""
+    return pinned_allocation_bytes(size) if pinning == ALLOCATOR else aligned_bytes(size)
+
+
+def _page_lock(storage: torch.UntypedStorage) -> None:
+    pin_memory_utils.pin_memory(storage.data_ptr(), storage.nbytes())
+    # Unlocked when the last tensor on the block is gone, not at exit (the CUDA context may be).
+    finalizer = weakref.finalize(storage, pin_memory_utils.unpin_memory, storage.data_ptr())
+    finalizer.atexit = False
+
+
+def host_buffers(specs: Sequence[Tuple[torch.Size, torch.dtype]], *, device: torch.device) -> List[torch.Tensor]:
+    """Contiguous uninitialised host tensors of the given shapes and dtypes, page-locked for ``device``.
+
+    Args:
+        specs: ``(shape, dtype)`` of each buffer.
+        device: the device the buffers are copied to and from.
+
+    Returns:
+        The buffers, in the order of ``specs``. With ``in place`` pinning they share one block,
+        which stays allocated (and locked) while any of them is alive.
+    """
+    pinning = pinning_of(device)
+    if pinning == ALLOCATOR:
+        return [torch.empty(shape, dtype=dtype, pin_memory=True) for shape, dtype in specs]
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += aligned_bytes(size)
+    storage = torch.UntypedStorage(total)
+    if pinning == IN_PLACE and total:
+        _page_lock(storage)
+    block = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return [block[offset:offset + size].view(dtype).view(shape)
+            for offset, size, (shape, dtype) in zip(offsets, sizes, specs)]
