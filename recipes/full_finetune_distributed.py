@@ -13,7 +13,8 @@ figures: the logged loss is the mean over every rank's tokens, so it equals a on
 the same global batch.
 
 Weights are read on rank 0 only and broadcast shard by shard, so host memory holds one full copy
-per node, not one per rank. ``fsdp_cpu_offload=True`` keeps the sharded parameters, gradients and
+per node, not one per rank. Before that, every rank checks that the node's host memory holds what
+its ranks will keep there (``host_memory_check``, as in the single-device recipes). ``fsdp_cpu_offload=True`` keeps the sharded parameters, gradients and
 optimizer state in host memory, where a plain ``torch.optim.AdamW`` then steps (the CPU offload of
 this setup; the offload optimizers of the single-device recipes are rejected with the reason).
 """
@@ -50,6 +51,7 @@ from torchtune_offload.recipe import (
     build_optimizer,
     build_profiler,
     check_files,
+    check_host_memory,
     check_recipe_config,
     instantiate_model,
     load_checkpoint,
@@ -81,6 +83,11 @@ class FullFinetuneRecipeDistributed:
 
     def __init__(self, cfg: DictConfig) -> None:
         self.settings = s = check_recipe_config(cfg, recipe="distributed")
+        # Before anything is loaded or any rank starts: a run that cannot fit this node's host
+        # memory fails here, with figures (every rank computes the same node-wide need).
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.host_memory = check_host_memory(
+            cfg, s, ranks=(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
         check_files(cfg)  # missing or damaged files fail here, not after the weights load
         self._policy = parse_shard_policy(
             cfg.get("fsdp_shard_policy"), custom_sharded_layers=cfg.get("custom_sharded_layers")

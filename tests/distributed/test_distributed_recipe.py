@@ -11,6 +11,7 @@ policy (embedding and output units), activation checkpointing, and where it star
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List
 
@@ -21,7 +22,8 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from tests.recipe_harness import load_recipe_module, tiny_asset_overrides, working_tree_env
-from torchtune_offload.recipe import read_disk_log
+from torchtune_offload.optim.host_arena import pinned_allocation_bytes
+from torchtune_offload.recipe import check_recipe_config, host_preflight, read_disk_log
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny" / "full_distributed.yaml"
@@ -41,7 +43,7 @@ def _losses(output_dir: Path) -> List[float]:
     return [row["loss"] for row in read_disk_log(output_dir)]
 
 
-def _run_in_process(overrides: List[str], *, single_device: bool = False) -> None:
+def _run_in_process(overrides: List[str], *, single_device: bool = False):
     if single_device:
         cls = load_recipe_module("full_finetune_single_device").FullFinetuneRecipeSingleDevice
         config = REPO / "configs" / "tiny" / "full.yaml"
@@ -55,6 +57,7 @@ def _run_in_process(overrides: List[str], *, single_device: bool = False) -> Non
     finally:
         r.cleanup()
     assert not dist.is_initialized()
+    return r
 
 
 def _tune_run_two_ranks(*runs: List[str]) -> None:
@@ -131,6 +134,65 @@ def test_sharded_one_process_run_matches_the_single_device_recipe(tiny_assets, t
     _run_in_process(train + [f"output_dir={tmp_path / 'single'}"], single_device=True)
     sharded, single = _losses(tmp_path / "fsdp"), _losses(tmp_path / "single")
     torch.testing.assert_close(torch.tensor(sharded), torch.tensor(single), **LOSS_TOL)
+
+
+def _nbytes(tensors) -> int:
+    """Bytes of this rank's part of each tensor (a DTensor's local shard; AdamW's step is a plain tensor)."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def test_host_preflight_sizes_the_shards_the_run_holds(tiny_assets, tmp_path):
+    recipe = _run_in_process(tiny_asset_overrides(tiny_assets) + [
+        "max_steps_per_epoch=2", "batch_size=8", f"output_dir={tmp_path}"])
+    need = recipe.host_memory
+    train = need.phases["training"]
+    shards = list(recipe._model.parameters())
+    assert train["parameter shards"] == train["gradient shards"] == _nbytes(shards)
+    assert train["optimizer state"] == _nbytes(t for st in recipe._optimizer.state.values()
+                                               for t in st.values() if isinstance(t, torch.Tensor))
+    ckpt = Path(tiny_assets) / "model" / "model.safetensors"
+    assert need.phases["loading the checkpoint"] == {"checkpoint files (rank 0)": ckpt.stat().st_size,
+                                                      "parameter shards": _nbytes(shards)}
+
+
+def test_host_preflight_counts_every_rank_on_the_node_and_fsdp_offloads_pinned_rounding(tiny_assets):
+    cfg = _cfg(CONFIG, tiny_asset_overrides(tiny_assets))
+    settings = check_recipe_config(cfg, recipe="distributed")
+    one = host_preflight.sharded_host_memory_need(cfg, settings, world_size=1, local_world_size=1)
+    two = host_preflight.sharded_host_memory_need(cfg, settings, world_size=2, local_world_size=2)
+    other_node = host_preflight.sharded_host_memory_need(cfg, settings, world_size=2, local_world_size=1)
+    for part in ("parameter shards", "gradient shards", "optimizer state"):
+        # Two ranks hold halves (rounded up per tensor: FSDP2 pads shards to equal rows).
+        assert one.phases["training"][part] <= two.phases["training"][part] < one.phases["training"][part] * 1.01
+        assert other_node.phases["training"][part] * 2 == two.phases["training"][part]
+    gpu = replace(settings, device=torch.device("cuda"))
+    assert "training" not in {k for k, v in host_preflight.sharded_host_memory_need(
+        cfg, gpu, world_size=2, local_world_size=2).phases.items() if v}  # all on the GPUs
+    pinned = host_preflight.sharded_host_memory_need(cfg, replace(gpu, fsdp_cpu_offload=True), world_size=2,
+                                                     local_world_size=2).phases["training"]
+    model = host_preflight.meta_model(cfg.model, settings)
+    rounded = 2 * sum(pinned_allocation_bytes(-(-p.shape[0] // 2) * p[0].numel() * p.element_size())
+                      for p in model.parameters())
+    assert pinned["parameter shards"] == pinned["gradient shards"] == rounded
+
+
+def test_a_distributed_run_that_does_not_fit_fails_before_the_process_group_starts(tiny_assets, tmp_path,
+                                                                                     monkeypatch):
+    monkeypatch.setattr(host_preflight, "available_host_memory", lambda: 1024)
+    module = load_recipe_module("full_finetune_distributed")
+    cfg = _cfg(CONFIG, tiny_asset_overrides(tiny_assets) + [f"output_dir={tmp_path}"])
+    with pytest.raises(ValueError) as err:
+        module.FullFinetuneRecipeDistributed(cfg)
+    message = str(err.value)
+    for text in ("host_memory_check: the run does not fit", "rank(s) on this node", "parameter shards",
+                 "host_memory_check=False"):
+        assert text in message
+    assert not dist.is_initialized()
+    cfg = _cfg(CONFIG, tiny_asset_overrides(tiny_assets) + [f"output_dir={tmp_path}", "host_memory_check=False"])
+    recipe = module.FullFinetuneRecipeDistributed(cfg)
+    recipe.cleanup()
+    assert recipe.host_memory is None
 
 
 def test_optimizer_in_backward_steps_shards_like_the_optimizer(tiny_assets, tmp_path):

@@ -38,7 +38,7 @@ RECIPE_KEYS = {
     "distributed": _SINGLE_DEVICE_KEYS | {
         "optimizer_in_bwd", "fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_shard_policy",
         "custom_sharded_layers", "tensor_parallel_dim", "tensor_parallel_plan", "ac_mode", "ac_option",
-        "enable_async_checkpointing",
+        "enable_async_checkpointing", "host_memory_check",
     },
 }
 _REQUIRED = ("model", "tokenizer", "dataset", "checkpointer", "optimizer", "loss", "metric_logger",

@@ -11,6 +11,12 @@ is compared with the memory available:
 
 Not counted: activations of a ``device=cpu`` run, and the data loader. ``host_memory_check=False``
 turns the check off.
+
+The distributed recipe asks :func:`sharded_host_memory_need` instead, for the whole node: its ranks
+share the host's memory. Rank 0 reads the checkpoint; with ``device=cpu`` or ``fsdp_cpu_offload``
+each rank keeps its FSDP2 shards of the parameters, their gradients and the optimizer state on the
+host (with ``fsdp_cpu_offload`` the parameter and gradient shards are pinned one by one, so each is
+rounded up to a power of two by torch's pinned allocator).
 """
 
 import os
@@ -24,7 +30,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchtune import config, training, utils
 
-from torchtune_offload.optim.host_memory import HostMemoryPlan, nbytes, plan_host_memory
+from torchtune_offload.optim.host_arena import pinned_allocation_bytes
+from torchtune_offload.optim.host_memory import HostMemoryPlan, nbytes, optimizer_state_bytes, plan_host_memory
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
 from torchtune_offload.recipe.config import RecipeSettings
 from torchtune_offload.recipe.resume import run_output_dir
@@ -179,6 +186,65 @@ def host_memory_need(
     )
 
 
+def _shard(param: torch.Tensor, world_size: int) -> torch.Tensor:
+    """One rank's FSDP2 shard of ``param`` on the meta device: dim 0 split in ``world_size``
+    equal parts, padded (FSDP2 allocates every rank's shard at the padded size)."""
+    if param.dim() == 0:
+        return torch.empty((), dtype=param.dtype, device="meta")
+    rows = -(-param.shape[0] // world_size)
+    return torch.empty((rows, *param.shape[1:]), dtype=param.dtype, device="meta")
+
+
+def sharded_host_memory_need(
+    cfg: DictConfig,
+    settings: RecipeSettings,
+    *,
+    world_size: int,
+    local_world_size: int,
+    fsdp_cpu_offload: Optional[bool] = None,
+) -> HostMemoryNeed:
+    """The host memory of one node of an FSDP2 run: ``local_world_size`` of its ``world_size`` ranks.
+
+    Args:
+        cfg: the distributed recipe's config.
+        settings: its checked settings.
+        world_size: ranks in the run.
+        local_world_size: ranks on this node (they share its memory).
+        fsdp_cpu_offload: size the run with this setting instead (for suggestions).
+    """
+    offload = settings.fsdp_cpu_offload if fsdp_cpu_offload is None else fsdp_cpu_offload
+    model = meta_model(cfg.model, settings)
+    shards = [_shard(p, world_size) for p in model.parameters()]
+    trainable = [_shard(p, world_size) for p in model.parameters() if p.requires_grad]
+    on_host = settings.device.type == "cpu" or offload
+    notes = ["activations and the layers FSDP2 gathers for forward and backward of a device=cpu run are not "
+             "counted"] if settings.device.type == "cpu" else []
+
+    def held(tensors) -> int:
+        # fsdp_cpu_offload pins each shard and each gradient with torch's allocator.
+        sizes = [nbytes(t) for t in tensors]
+        return local_world_size * sum(pinned_allocation_bytes(n) if offload else n for n in sizes)
+
+    load: Dict[str, int] = {}
+    ckpt, note = _checkpoint_bytes(cfg.checkpointer)
+    notes += [note] if note else []
+    load["checkpoint files (rank 0)"] = ckpt
+    train: Dict[str, int] = {}
+    if on_host:
+        load["parameter shards"] = train["parameter shards"] = held(shards)
+        train["gradient shards"] = held(trainable)
+        options = {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
+        state, state_notes = optimizer_state_bytes(settings.optimizer_class, trainable, options)
+        train["optimizer state"] = local_world_size * state
+        notes += list(state_notes)
+    return HostMemoryNeed(
+        phases={"loading the checkpoint": {k: v for k, v in load.items() if v},
+                "training": {k: v for k, v in train.items() if v}},
+        available=available_host_memory(),
+        notes=notes,
+    )
+
+
 def _suggestions(cfg: DictConfig, settings: RecipeSettings, need: HostMemoryNeed,
                  mark_trainable: Optional[Callable[[nn.Module], Any]]) -> List[str]:
     """Settings that would change the figure, each with its peak and whether it fits."""
@@ -206,11 +272,26 @@ def _suggestions(cfg: DictConfig, settings: RecipeSettings, need: HostMemoryNeed
     return out
 
 
+def _sharded_suggestions(cfg: DictConfig, settings: RecipeSettings, need: HostMemoryNeed, *, world_size: int,
+                         local_world_size: int) -> List[str]:
+    out = []
+    if settings.fsdp_cpu_offload:
+        other = sharded_host_memory_need(cfg, settings, world_size=world_size, local_world_size=local_world_size,
+                                         fsdp_cpu_offload=False)
+        verdict = "fits" if other.peak <= need.available else "does not fit either"
+        out.append(f"  fsdp_cpu_offload=False (shards and optimizer state on the GPUs): {other.peak / GIB:.2f} GiB, "
+                   f"{verdict}")
+    out.append("  more nodes: each holds its own ranks' shards")
+    out.append("  host_memory_check=False: run anyway (the kernel may kill the run when memory runs out)")
+    return out
+
+
 def check_host_memory(
     cfg: DictConfig,
     settings: RecipeSettings,
     *,
     mark_trainable: Optional[Callable[[nn.Module], Any]] = None,
+    ranks: Optional[Tuple[int, int]] = None,
 ) -> Optional[HostMemoryNeed]:
     """Raises before anything is loaded if the run will not fit the host's memory; logs the figures.
 
@@ -218,6 +299,8 @@ def check_host_memory(
         cfg: the recipe config.
         settings: its checked settings (``host_memory_check=False`` skips the check).
         mark_trainable: sets ``requires_grad`` on the meta model as the recipe will.
+        ranks: ``(world_size, local_world_size)`` of an FSDP2 run: the node's need is checked
+            (:func:`sharded_host_memory_need`).
 
     Returns:
         The computed need, or ``None`` when the check is off.
@@ -229,8 +312,14 @@ def check_host_memory(
     if not settings.host_memory_check:
         log.info("Host memory check skipped (host_memory_check=False).")
         return None
-    need = host_memory_need(cfg, settings, mark_trainable=mark_trainable)
-    summary = (f"Host memory: this run needs about {need.peak / GIB:.2f} GiB beyond what the process holds "
+    if ranks is None:
+        need = host_memory_need(cfg, settings, mark_trainable=mark_trainable)
+        who = "this run needs"
+    else:
+        world_size, local_world_size = ranks
+        need = sharded_host_memory_need(cfg, settings, world_size=world_size, local_world_size=local_world_size)
+        who = f"the {local_world_size} rank(s) on this node (of {world_size}) need"
+    summary = (f"Host memory: {who} about {need.peak / GIB:.2f} GiB beyond what the process holds "
                f"now ({psutil.Process(os.getpid()).memory_info().rss / GIB:.2f} GiB); "
                f"{need.available / GIB:.2f} GiB are available.\n{need.describe()}")
     notes = "".join(f"\n  note: {n}" for n in need.notes)
@@ -239,5 +328,7 @@ def check_host_memory(
         return need
     raise ValueError(
         f"host_memory_check: the run does not fit this machine's memory. {summary}{notes}\n"
-        "Settings that change the figure:\n" + "\n".join(_suggestions(cfg, settings, need, mark_trainable))
+        "Settings that change the figure:\n" + "\n".join(
+            _suggestions(cfg, settings, need, mark_trainable) if ranks is None else
+            _sharded_suggestions(cfg, settings, need, world_size=ranks[0], local_world_size=ranks[1]))
     )
