@@ -198,6 +198,19 @@ def test_real_arch_single_layer_loads(tmp_path):
     assert torch.equal(norm_scale, torch.ones(896, dtype=torch.bfloat16))
 
 
+def test_mid_size_llama_checkpoint_loads_into_its_builder(tmp_path):
+    out = tmp_path / "mid"
+    tta.build_assets(output_dir=out, real_arch="llama3_2_mid", check=False)
+    checkpointer = training.FullModelHFCheckpointer(
+        checkpoint_dir=str(out), checkpoint_files=[tta.WEIGHTS_FILE], model_type="LLAMA3_2",
+        output_dir=str(tmp_path / "ckpt_out"), recipe_checkpoint=None,
+    )
+    state_dict = checkpointer.load_checkpoint()[training.MODEL_KEY]
+    model = tta.build_meta_model(real_arch="llama3_2_mid", num_layers=None)
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    assert 10e6 < sum(p.numel() for p in model.parameters()) < 100e6  # "tens of millions"
+
+
 def test_bad_input_is_rejected(tmp_path, capsys):
     assert main(argv=["--num-layers", "1", "--output-dir", str(tmp_path / "x")]) == 2
     assert "--num-layers only applies with --real-arch" in capsys.readouterr().err

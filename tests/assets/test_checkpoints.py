@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
 import torch
-import torchtune
+from torchtune.config._utils import _get_component_from_path
 
 from torchtune_offload.assets.checkpoints import (
     INIT_STD,
@@ -73,7 +72,7 @@ def test_tiny_hf_config_matches_the_builder_defaults():
 def test_real_arch_table():
     for name, arch in REAL_ARCHES.items():
         # The dotted path names a torchtune builder.
-        assert callable(functools.reduce(getattr, arch.builder.split(".")[1:], torchtune))
+        assert callable(_get_component_from_path(arch.builder))
         assert arch.model_type in ("LLAMA3_2", "QWEN2")
         assert arch.hf_extra["architectures"] and "bos_token_id" in arch.hf_extra
     model = build_meta_model(real_arch="llama3_2_1b", num_layers=2)

@@ -60,6 +60,10 @@ REAL_ARCHES: Dict[str, RealArch] = {
     "llama3_2_3b": RealArch(
         builder="torchtune.models.llama3_2.llama3_2_3b", model_type="LLAMA3_2", hf_extra=_LLAMA3_2_HF,
     ),
+    # Llama 3.2 narrowed to 78M parameters (torchtune_offload/models/mid.py), for CPU benchmarks.
+    "llama3_2_mid": RealArch(
+        builder="torchtune_offload.models.llama3_2_mid", model_type="LLAMA3_2", hf_extra=_LLAMA3_2_HF,
+    ),
     "qwen2_5_0_5b": RealArch(
         builder="torchtune.models.qwen2_5.qwen2_5_0_5b",
         model_type="QWEN2",
