@@ -11,7 +11,8 @@ device. Prints a markdown table naming the CPU and the thread count.
 
 A shared or virtual machine's speed drifts by tens of percent within a minute, so each row's steps
 alternate with steps of torch's fused fp32 AdamW, and the ratio column compares the two medians of
-the same minute; the first row is that baseline's median over the whole run.
+the same minute (each going first in turn); the first row is that baseline's median over the whole
+run. The baseline's tensors stay allocated throughout: the machine needs memory for two rows.
 """
 
 import argparse
@@ -68,9 +69,14 @@ def time_alternating(step: Callable[[], None], baseline: Callable[[], None], ste
         step()
         baseline()
     times, base_times = [], []
-    for _ in range(steps):
-        base_times.append(_seconds(baseline))
-        times.append(_seconds(step))
+    for i in range(steps):
+        # Each goes first in turn: the one after may find the other's threads still spinning.
+        if i % 2:
+            times.append(_seconds(step))
+            base_times.append(_seconds(baseline))
+        else:
+            base_times.append(_seconds(baseline))
+            times.append(_seconds(step))
     return statistics.median(times), statistics.median(base_times)
 
 

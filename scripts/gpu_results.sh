@@ -7,6 +7,8 @@
 #   sweep:MODEL:GIB the optimizer sweep of llama3_2 MODEL (1B or 3B) from a random-init checkpoint on
 #                   synthetic data; GIB: GPU memory left free by a ballast, or "all" for the whole GPU
 #                   (table and logs: OUT_DIR/sweep-MODEL-GIB.tgz, table also OUT_DIR/sweep-MODEL-GIB.md)
+#   pinned:MODEL    pinned host bytes against tensor bytes for llama3_2 MODEL, per offload optimizer
+#                   (table: OUT_DIR/pinned-MODEL.md)
 # Environment: STEPS (default 20), VARIANTS (default: all), VARIANT_TIMEOUT_S (default 240).
 set -uo pipefail
 out=$1; shift
@@ -51,6 +53,11 @@ for stage in "$@"; do
         dtype=bf16 enable_activation_checkpointing=True
       cp "/tmp/$name/results.md" "$out/$name.md"
       tar czf "$out/$name.tgz" -C /tmp "$name" ;;
+    pinned:*)
+      model=${stage#pinned:}
+      python scripts/pinned_memory_report.py --model "torchtune.models.llama3_2.llama3_2_${model,,}" \
+        > "$out/pinned-$model.md" 2>&1
+      tail -8 "$out/pinned-$model.md" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

@@ -177,6 +177,14 @@ def test_host_preflight_counts_every_rank_on_the_node_and_fsdp_offloads_pinned_r
     assert pinned["parameter shards"] == pinned["gradient shards"] == rounded
 
 
+def test_host_preflight_counts_the_optimizer_state_rank_0_loads_on_resume(runs, tiny_assets):
+    cfg = _cfg(CONFIG, tiny_asset_overrides(tiny_assets) + [f"output_dir={runs['one']}", "resume_from_checkpoint=True"])
+    settings = check_recipe_config(cfg, recipe="distributed")
+    need = host_preflight.sharded_host_memory_need(cfg, settings, world_size=2, local_world_size=2)
+    state = runs["one"] / "recipe_state" / "recipe_state.pt"
+    assert need.phases["loading the checkpoint"]["optimizer state being loaded (rank 0)"] == state.stat().st_size
+
+
 def test_a_distributed_run_that_does_not_fit_fails_before_the_process_group_starts(tiny_assets, tmp_path,
                                                                                      monkeypatch):
     monkeypatch.setattr(host_preflight, "available_host_memory", lambda: 1024)

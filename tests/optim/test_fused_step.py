@@ -62,6 +62,19 @@ def test_writes_the_rounded_master_over_the_gradient_it_consumed():
 
 
 @needs_compiler
+def test_adam_without_weight_decay_leaves_an_infinite_weight_out_of_the_gradient():
+    # torch's Adam adds weight_decay * param to the gradient only when weight_decay != 0.
+    ours, ref = (torch.nn.Parameter(torch.tensor([float("inf"), 1.0])) for _ in range(2))
+    opt, ref_opt = (torch.optim.Adam([p], lr=0.1, weight_decay=0.0, foreach=False) for p in (ours, ref))
+    grad = torch.tensor([0.5, 0.5])
+    assert fused_step.fused_adamw_step(opt, grad, torch.empty(2, dtype=torch.bfloat16))
+    ref.grad = grad.clone()
+    ref_opt.step()
+    assert torch.equal(opt.state[ours]["exp_avg"], ref_opt.state[ref]["exp_avg"])
+    assert torch.equal(ours.detach(), ref.detach())
+
+
+@needs_compiler
 def test_rounding_keeps_nan_and_infinities():
     p = torch.nn.Parameter(torch.tensor([1.0, float("inf"), float("nan"), -float("inf"), 3.0]))
     opt = torch.optim.AdamW([p], lr=0.0, weight_decay=0.0)
@@ -71,7 +84,8 @@ def test_rounding_keeps_nan_and_infinities():
     assert out[2].isnan()
 
 
-@pytest.mark.parametrize("case", ["amsgrad", "maximize", "fp16 out", "fp16 grad", "non-contiguous", "sgd"])
+@pytest.mark.parametrize("case", ["amsgrad", "maximize", "fp16 out", "fp16 grad", "non-contiguous", "sgd",
+                                  "strided state"])
 def test_supports_only_what_it_reproduces(case):
     p = torch.nn.Parameter(torch.randn(8, 8))
     grad, out = torch.randn(8, 8, dtype=torch.bfloat16), torch.empty(8, 8, dtype=torch.bfloat16)
@@ -83,9 +97,22 @@ def test_supports_only_what_it_reproduces(case):
         grad = grad.half()
     if case == "non-contiguous":
         grad = torch.randn(8, 8, dtype=torch.bfloat16).t()
+    if case == "strided state":  # as a state loaded from a checkpoint of a transposed buffer
+        opt.state[p].update(step=torch.tensor(1.0), exp_avg=torch.zeros(8, 8).t(), exp_avg_sq=torch.zeros(8, 8))
     plain = torch.optim.AdamW([torch.nn.Parameter(torch.randn(8, 8))], lr=0.1)
     assert fused_step.supports(plain, torch.randn(8, 8, dtype=torch.bfloat16), torch.empty(8, 8, dtype=torch.bfloat16))
     assert not fused_step.supports(opt, grad, out)
+
+
+def test_a_compiler_given_with_arguments_is_split(monkeypatch):
+    if not shutil.which("cc"):
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("CC", "env cc")  # as CC="ccache gcc" would be given
+    fused_step._library.cache_clear()
+    try:
+        assert fused_step._library() is not None
+    finally:
+        fused_step._library.cache_clear()
 
 
 def test_without_a_compiler_it_declines_once_with_a_warning_and_changes_nothing(monkeypatch, tmp_path):

@@ -41,7 +41,7 @@ static inline float lerp(float start, float end, float weight) {
             float g = GRAD_TO_FLOAT(grad[i]);                                                           \
             float p = param[i];                                                                         \
             if (decoupled) p = p * decay;                                                               \
-            else g = g + l2 * p;                                                                        \
+            else if (l2 != 0.0f) g = g + l2 * p;                                                        \
             float m = lerp(exp_avg[i], g, lerp_weight);                                                 \
             float v = exp_avg_sq[i] * beta2;                                                            \
             v = v + sq_weight * g * g;                                                                  \

@@ -22,6 +22,7 @@ multiply-adds, so results agree with torch to fp32 rounding, not always bit for 
 import ctypes
 import functools
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -33,7 +34,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("fused_adamw.c")
 #: Per-operation rounding as torch's (no contraction), vectorised for the host CPU.
-_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
 #: Options of torch's Adam/AdamW this pass implements as torch does; others take the unfused path.
 _UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 _KERNELS = {torch.bfloat16: "adamw_bf16_grad", torch.float32: "adamw_fp32_grad"}
@@ -42,19 +43,24 @@ _failure: Optional[str] = None
 
 
 def _compile(directory: str) -> ctypes.CDLL:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
+    compiler = shlex.split(os.environ.get("CC", "")) or [
+        c for c in (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"),) if c]
+    if not compiler:
         raise RuntimeError("no C compiler found (set CC)")
-    library = os.path.join(directory, "fused_adamw.so")
     errors = []
-    # Without OpenMP (Apple's clang, say) the pass still runs, on one thread.
-    for openmp in (("-fopenmp",), ()):
-        command = [compiler, *_FLAGS, *openmp, str(SOURCE), "-o", library, "-lm"]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode == 0:
-            return ctypes.CDLL(library)
-        errors.append(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
-    raise RuntimeError(f"{compiler} failed: {'; '.join(errors)}")
+    # Best first; a compiler without -march=native or OpenMP (Apple's clang, say) still builds the
+    # pass, less vectorised or on one thread.
+    for attempt, extra in enumerate((("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ())):
+        library = os.path.join(directory, f"fused_adamw_{attempt}.so")
+        command = [*compiler, *_FLAGS, *extra, str(SOURCE), "-o", library, "-lm"]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode == 0:
+                return ctypes.CDLL(library)
+            errors.append(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
+        except OSError as err:  # the compiler cannot run, or the library cannot be loaded
+            errors.append(str(err))
+    raise RuntimeError(f"{' '.join(compiler)} failed: {'; '.join(dict.fromkeys(errors))}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,10 +89,13 @@ def supports(optimizer: torch.optim.Optimizer, grad: torch.Tensor, out: torch.Te
         return False
     group = optimizer.param_groups[0]
     (param,) = group["params"]
+    # The moments too: a loaded state keeps the strides it was saved with.
+    moments = [optimizer.state[param][k] for k in ("exp_avg", "exp_avg_sq") if k in optimizer.state[param]]
     return (all(bool(group.get(k, default)) == default for k, default in _UNSUPPORTED.items())
             and param.dtype == torch.float32 and grad.dtype in _KERNELS and out.dtype == torch.bfloat16
+            and all(m.dtype == torch.float32 for m in moments)
             and all(t.device.type == "cpu" and t.is_contiguous() and t.numel() == param.numel()
-                    for t in (param, grad, out)))
+                    for t in (param, grad, out, *moments)))
 
 
 def _decoupled(optimizer: torch.optim.Optimizer) -> bool:

@@ -14,6 +14,7 @@ copy can be kept in another dtype (fp32 master weights for bf16 device weights, 
 import functools
 import threading
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -29,7 +30,15 @@ from torchtune_offload.optim.grad_norm import (
     total_norm,
 )
 from torchtune_offload.optim.host_allocator import release_freed_host_memory
-from torchtune_offload.optim.host_arena import NONE, buffer_bytes, host_buffers, pinned_allocation_bytes, pinning_of
+from torchtune_offload.optim.host_arena import (
+    ALLOCATOR,
+    NONE,
+    PageLockError,
+    buffer_bytes,
+    host_buffers,
+    pinned_allocation_bytes,
+    pinning_of,
+)
 from torchtune_offload.optim.host_memory import (
     HostMemoryPlan,
     host_buffer_dtypes,
@@ -366,17 +375,40 @@ class OffloadOptimizer(Optimizer):
     # ----------------------------------------------------------------------------- construction
 
     def _allocate_host_buffers(self, groups: List[Dict[str, Any]]) -> Dict[int, Dict[str, torch.Tensor]]:
-        """All offloaded parameters' host buffers at once (one exactly sized pinned block where
-        the device allows, ``optim/host_arena.py``), by ``id(param)`` and purpose."""
-        owners: Dict[int, Tuple[torch.Size, Dict[str, torch.dtype]]] = {}
+        """All offloaded parameters' host buffers at once, by ``id(param)`` and purpose: one block
+        per purpose, page-locked at its exact size where the device allows (``optim/host_arena.py``).
+
+        Raises:
+            ValueError: if one tensor is given under two names.
+        """
+        owners: Dict[int, Tuple[str, torch.Size, Dict[str, torch.dtype]]] = {}
         for group in groups:
-            for _, param in group["params"]:
-                if param.requires_grad and offloads(param, self.minimal_size):
-                    owners.setdefault(id(param), (param.shape, host_buffer_dtypes(
-                        param, master_dtype=self.master_dtype, grad_dtype=self.grad_sum_dtype)))
-        flat = iter(host_buffers([(shape, dtype) for shape, dtypes in owners.values() for dtype in dtypes.values()],
-                                 device=self.device))
-        return {owner: {purpose: next(flat) for purpose in dtypes} for owner, (_, dtypes) in owners.items()}
+            for key, param in group["params"]:
+                if not param.requires_grad or not offloads(param, self.minimal_size):
+                    continue
+                if id(param) in owners and owners[id(param)][0] != key:
+                    raise ValueError(f"params: one tensor is given as {owners[id(param)][0]!r} and as {key!r}; "
+                                     "give each parameter once.")
+                owners[id(param)] = (key, param.shape, host_buffer_dtypes(
+                    param, master_dtype=self.master_dtype, grad_dtype=self.grad_sum_dtype))
+        try:
+            return self._carve(owners)
+        except PageLockError as err:
+            warnings.warn(f"host memory could not be page-locked in place ({err}); pinning each buffer with "
+                          "torch's allocator instead, which rounds it up to a power of two", stacklevel=3)
+            self._pinning = ALLOCATOR
+            return self._carve(owners)
+
+    def _carve(self, owners: Dict[int, Tuple[str, torch.Size, Dict[str, torch.dtype]]]) -> Dict[int, Dict[str, torch.Tensor]]:
+        buffers: Dict[int, Dict[str, torch.Tensor]] = {owner: {} for owner in owners}
+        purposes = dict.fromkeys(purpose for _, _, dtypes in owners.values() for purpose in dtypes)
+        for purpose in purposes:
+            members = [(owner, shape, dtypes[purpose]) for owner, (_, shape, dtypes) in owners.items()
+                       if purpose in dtypes]
+            made = host_buffers([(shape, dtype) for _, shape, dtype in members], pinning=self._pinning)
+            for (owner, _, _), tensor in zip(members, made):
+                buffers[owner][purpose] = tensor
+        return buffers
 
     def _place(self, slot: _Slot, *, options: Dict[str, Any], host_options: Dict[str, Any]) -> None:
         param = slot.param
