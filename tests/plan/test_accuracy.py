@@ -1,4 +1,5 @@
-"""The planner's host prediction against the measured peak RSS of a real ``tune run`` (tiny model, CPU)."""
+"""The planner's predictions against measurement on the CPU: ``scripts/plan_accuracy.py`` on the tiny
+model (host peak) and on the 78M-parameter Llama 3.2 (host peak and training step)."""
 
 import re
 import subprocess
@@ -10,14 +11,40 @@ from tests.recipe_harness import tiny_asset_overrides, working_tree_env
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_predicted_host_peak_is_within_10_percent_of_the_measured_rss(tiny_assets):
-    cmd = [sys.executable, "scripts/plan_accuracy.py", "--config", "configs/tiny/full.yaml",
-           *tiny_asset_overrides(tiny_assets), "--steps", "3"]
+def _accuracy(config: str, overrides) -> dict:
+    cmd = [sys.executable, "scripts/plan_accuracy.py", "--config", config, *overrides, "--steps", "3"]
     proc = subprocess.run(cmd, cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    row = re.search(r"^\| peak host memory \(RSS\) \| ([0-9.]+) \| ([0-9.]+) \| ([+-][0-9.]+)% \|$", proc.stdout, re.M)
-    assert row, proc.stdout
-    predicted, measured, error = map(float, row.groups())
-    assert predicted > 0 and measured > 0
-    assert abs(error) <= 10, proc.stdout
+    rows = {}
+    for label in ("peak host memory (RSS)", "training step (weights, gradients, activations)"):
+        row = re.search(rf"^\| {re.escape(label)} \| ([0-9.]+) \| ([0-9.]+) \| ([+-][0-9.]+)% \|$", proc.stdout, re.M)
+        assert row, proc.stdout
+        predicted, measured, error = map(float, row.groups())
+        assert predicted > 0 and measured > 0, proc.stdout
+        rows[label] = (error, proc.stdout)
+    return rows
+
+
+def test_predicted_host_peak_is_within_10_percent_of_the_measured_rss(tiny_assets):
+    error, out = _accuracy("configs/tiny/full.yaml", tiny_asset_overrides(tiny_assets))["peak host memory (RSS)"]
+    assert abs(error) <= 10, out
+
+
+def test_mid_size_llama_host_within_10_percent_and_step_within_15_percent(tiny_assets, tmp_path):
+    mid = tmp_path / "mid"
+    built = subprocess.run([sys.executable, "-m", "torchtune_offload.assets", "--real-arch", "llama3_2_mid",
+                            "--output-dir", str(mid), "--no-check"], cwd=REPO, env=working_tree_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    tokenizer = tiny_assets / "tokenizer"
+    rows = _accuracy("configs/llama3_2/1B_full_offload_engine.yaml", [
+        f"checkpointer.checkpoint_dir={mid}", "checkpointer.checkpoint_files=[model.safetensors]",
+        f"tokenizer.path={tokenizer / 'tokenizer.model'}", f"tokenizer.special_tokens_path={tokenizer / 'special_tokens.json'}",
+        "dataset._component_=torchtune_offload.data.synthetic_dataset", "dataset.seq_len=256", "dataset.num_samples=64",
+        "batch_size=1", "gradient_accumulation_steps=2", "model._component_=torchtune_offload.models.llama3_2_mid",
+    ])
+    error, out = rows["peak host memory (RSS)"]
+    assert abs(error) <= 10, out
+    error, out = rows["training step (weights, gradients, activations)"]
+    assert abs(error) <= 15, out
