@@ -59,6 +59,30 @@ def test_only_the_newest_are_kept_and_other_runs_are_replaced(tmp_path):
         new_run.run_id}
 
 
+def test_a_kill_while_pruning_leaves_no_damaged_checkpoint_and_the_next_prune_finishes(tmp_path, monkeypatch):
+    store = StepCheckpoints(tmp_path, keep_last=2)
+    for step in (1, 2):
+        _save(store, step)
+    real_rmtree = shutil.rmtree
+
+    def killed_half_way(path, *args, **kwargs):  # the process dies after one file of the oldest is gone
+        if "step_00000001" not in str(path):
+            return real_rmtree(path, *args, **kwargs)
+        next(p for p in sorted(path.iterdir())).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", killed_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        _save(store, 3)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    root = tmp_path / "checkpoints"
+    # The half-deleted checkpoint is not a step_* folder any more; the others are whole.
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000002", "step_00000003"]
+    assert all((root / n / MANIFEST_FILE).is_file() for n in ("step_00000002", "step_00000003"))
+    store.prune()
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000003"]
+
+
 def test_files_of_different_saves_are_refused(tmp_path):
     store = StepCheckpoints(tmp_path, keep_last=3)
     a, b = _save(store, 1), _save(store, 2)

@@ -37,6 +37,9 @@ STATE_FILE = "training_state.pt"
 MANIFEST_FILE = "complete.json"
 _NAME = re.compile(r"^step_(\d+)$")
 _STAGING_PREFIX = ".saving_step_"
+#: A checkpoint being deleted is renamed to this first, so a kill mid-deletion never leaves a
+#: ``step_*`` folder with part of its files (which no listing would see again, nor remove).
+_DELETING_PREFIX = ".deleting_step_"
 
 
 def rng_states() -> Dict[str, Any]:
@@ -172,11 +175,16 @@ class StepCheckpoints:
             if json.loads((path / MANIFEST_FILE).read_text()).get("run_id") == self.run_id:
                 mine.append(path)
             else:
-                shutil.rmtree(path)
+                self._remove(path)
         for old in mine[: -self.keep_last]:
-            shutil.rmtree(old)
-        for stale in self.root.glob(f"{_STAGING_PREFIX}*"):
+            self._remove(old)
+        for stale in [*self.root.glob(f"{_STAGING_PREFIX}*"), *self.root.glob(f"{_DELETING_PREFIX}*")]:
             shutil.rmtree(stale, ignore_errors=True)
+
+    def _remove(self, path: Path) -> None:
+        doomed = self.root / (_DELETING_PREFIX + path.name[len("step_"):])
+        path.rename(doomed)  # atomic: the checkpoint is whole or gone
+        shutil.rmtree(doomed, ignore_errors=True)
 
     @staticmethod
     def load(path: Path) -> ResumePoint:
