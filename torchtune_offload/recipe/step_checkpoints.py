@@ -170,6 +170,9 @@ class StepCheckpoints:
     def prune(self) -> None:
         """Removes other runs' checkpoints, this run's beyond ``keep_last`` (oldest first), and
         staging folders of interrupted saves."""
+        # Leftovers of interrupted saves and deletions first: a deletion's name may be taken again.
+        for stale in [*self.root.glob(f"{_STAGING_PREFIX}*"), *self.root.glob(f"{_DELETING_PREFIX}*")]:
+            shutil.rmtree(stale, ignore_errors=True)
         mine = []
         for path in self.complete():
             if json.loads((path / MANIFEST_FILE).read_text()).get("run_id") == self.run_id:
@@ -178,11 +181,10 @@ class StepCheckpoints:
                 self._remove(path)
         for old in mine[: -self.keep_last]:
             self._remove(old)
-        for stale in [*self.root.glob(f"{_STAGING_PREFIX}*"), *self.root.glob(f"{_DELETING_PREFIX}*")]:
-            shutil.rmtree(stale, ignore_errors=True)
 
     def _remove(self, path: Path) -> None:
         doomed = self.root / (_DELETING_PREFIX + path.name[len("step_"):])
+        shutil.rmtree(doomed, ignore_errors=True)
         path.rename(doomed)  # atomic: the checkpoint is whole or gone
         shutil.rmtree(doomed, ignore_errors=True)
 
