@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests.recipe_harness import tiny_asset_overrides, working_tree_env

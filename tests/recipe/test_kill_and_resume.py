@@ -7,7 +7,6 @@ files are written but before they are renamed into place. The resumed run is ``t
 ``resume_from_checkpoint=True`` and no path: it must find the newest complete checkpoint itself.
 """
 
-import os
 import random
 import shutil
 import signal

@@ -39,8 +39,6 @@ _FLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
 _UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 _KERNELS = {torch.bfloat16: "adamw_bf16_grad", torch.float32: "adamw_fp32_grad"}
 
-_failure: Optional[str] = None
-
 
 def _compile(directory: str) -> ctypes.CDLL:
     compiler = shlex.split(os.environ.get("CC", "")) or [
@@ -66,14 +64,12 @@ def _compile(directory: str) -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
     """The compiled pass, built once per process; None (and one warning) where it cannot be built."""
-    global _failure
     try:
         with tempfile.TemporaryDirectory(prefix="torchtune_offload_") as directory:
             library = _compile(directory)  # loaded before the directory goes
     except Exception as err:  # no compiler, unsupported platform: fall back for good
-        _failure = f"{type(err).__name__}: {err}"
-        warnings.warn(f"the fused master-weight AdamW step could not be built ({_failure}); using the "
-                      "unfused step (widen, torch's AdamW, round)", stacklevel=3)
+        warnings.warn(f"the fused master-weight AdamW step could not be built ({type(err).__name__}: {err}); "
+                      "using the unfused step (widen, torch's AdamW, round)", stacklevel=3)
         return None
     pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     for name in _KERNELS.values():

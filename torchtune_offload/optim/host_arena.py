@@ -40,9 +40,11 @@ def pinning_of(device: torch.device) -> str:
     return IN_PLACE if kind == "cuda" and pin_memory_utils is not None else ALLOCATOR
 
 
-def pinned_allocation_bytes(size: int) -> int:
-    """What torch's pinned allocator takes for ``size`` bytes: the next power of two."""
-    return 1 << (size - 1).bit_length() if size > 0 else 0
+def pinned_allocation_bytes(size: int, *, pinned: bool = True) -> int:
+    """What torch's allocator takes for ``size`` bytes: pinned, the next power of two; else ``size``."""
+    if not pinned or size <= 0:
+        return max(size, 0)
+    return 1 << (size - 1).bit_length()
 
 
 def aligned_bytes(size: int) -> int:

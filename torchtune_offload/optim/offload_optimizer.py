@@ -282,7 +282,7 @@ class OffloadOptimizer(Optimizer):
             host_kwargs["fused"] = True
 
         self._pinning = pinning_of(self.device)
-        self._buffers = self._allocate_host_buffers(groups)
+        buffers = self._allocate_host_buffers(groups)
         self._slots: List[_Slot] = []
         self._hooks = []
         outer_groups = []
@@ -298,7 +298,8 @@ class OffloadOptimizer(Optimizer):
                 seen.add(key)
                 slot = _Slot(index=len(self._slots) + len(members), key=key, param=param,
                              group_index=len(outer_groups))
-                self._place(slot, options={**kwargs, **options}, host_options={**host_kwargs, **options})
+                self._place(slot, buffers.get(id(param)), options={**kwargs, **options},
+                            host_options={**host_kwargs, **options})
                 members.append(slot)
             if not members:
                 continue
@@ -307,7 +308,6 @@ class OffloadOptimizer(Optimizer):
             outer_groups.append({**hyper, "params": [s.param for s in members]})
             self._slots.extend(members)
         self._slot_of = {s.param: s for s in self._slots}
-        del self._buffers  # every one is placed
         self._staging = StagingRing(
             self._transfer,
             largest_bytes=max((s.param.numel() * s.param.element_size() for s in self._slots if s.offloaded), default=16),
@@ -347,8 +347,8 @@ class OffloadOptimizer(Optimizer):
         Args:
             params: as for the constructor.
             optimizer_class: as for the constructor.
-            device: the training device; on an accelerator host buffers are pinned, and each
-                pinned allocation is rounded up to a power of two by torch's allocator.
+            device: the training device; on an accelerator host buffers are pinned (see
+                ``optim/host_arena.py`` for what that takes on each kind of device).
             gradient_accumulation_steps: with ``offload_gradients``, more than one adds the staging ring.
             **options: the constructor's keyword options (``offload_gradients``, ``minimal_size``,
                 ``master_dtype``, ``grad_sum_dtype`` change the plan; the others allocate nothing on
@@ -367,9 +367,9 @@ class OffloadOptimizer(Optimizer):
         offloaded = [p.numel() * p.element_size() for p in trainable if offloads(p, minimal_size)]
         if own["offload_gradients"] and gradient_accumulation_steps > 1 and offloaded:
             chunk = StagingRing.chunk_size(largest_bytes=max(offloaded))
-            pinned = pinning != NONE
+            pinned = pinning != NONE  # the ring's chunks come from torch's allocator
             plan.add("staging ring" + (" (pinned)" if pinned else ""),
-                     NUM_CHUNKS * (pinned_allocation_bytes(chunk) if pinned else chunk))
+                     NUM_CHUNKS * pinned_allocation_bytes(chunk, pinned=pinned))
         return plan
 
     # ----------------------------------------------------------------------------- construction
@@ -410,12 +410,13 @@ class OffloadOptimizer(Optimizer):
                 buffers[owner][purpose] = tensor
         return buffers
 
-    def _place(self, slot: _Slot, *, options: Dict[str, Any], host_options: Dict[str, Any]) -> None:
+    def _place(self, slot: _Slot, buffers: Optional[Dict[str, torch.Tensor]], *, options: Dict[str, Any],
+               host_options: Dict[str, Any]) -> None:
+        """Sets up ``slot``'s stepping: on the host in ``buffers`` (by purpose) when it is offloaded."""
         param = slot.param
         master = self.master_dtype or param.dtype
-        if offloads(param, self.minimal_size):
+        if buffers is not None:
             slot.offloaded = True
-            buffers = self._buffers.pop(id(param))
             with torch.no_grad():
                 slot.step_param = buffers["parameter copies"].copy_(param.detach())
             slot.host_grad = buffers["gradient buffers"]
@@ -1036,8 +1037,7 @@ class OffloadOptimizer(Optimizer):
             saved += state_bytes + (grad_bytes if self.offload_gradients else 0)
         num_offloaded = sum(s.offloaded for s in self._slots)
         # Only buffers made by the transfer engine are pinned; states are plain host memory.
-        chunk = self._staging.chunk_bytes
-        staging = self._staging.num_allocated * (pinned_allocation_bytes(chunk) if pinned else chunk)
+        staging = self._staging.num_allocated * pinned_allocation_bytes(self._staging.chunk_bytes, pinned=pinned)
         return OffloadMemoryReport(
             num_offloaded=num_offloaded,
             num_on_device=len(self._slots) - num_offloaded,

@@ -39,9 +39,9 @@ class TransferEngine:
         self._seconds = {"grad": 0.0, "param": 0.0}
         self._timed: List[Tuple[str, object, object]] = []
 
-    def host_empty_like(self, tensor: torch.Tensor, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """An uninitialised host tensor shaped like ``tensor`` (in ``dtype`` if given); pinned on an accelerator."""
-        return torch.empty_like(tensor, dtype=dtype, device="cpu", pin_memory=self.is_accelerator)
+    def host_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An uninitialised host tensor shaped like ``tensor``; pinned (by torch's allocator) on an accelerator."""
+        return torch.empty_like(tensor, device="cpu", pin_memory=self.is_accelerator)
 
     def _side_stream(self, stream=None):
         return self._module.stream(stream or self.stream) if self.is_accelerator else nullcontext()

@@ -224,8 +224,9 @@ def sharded_host_memory_need(
     """
     offload = settings.fsdp_cpu_offload if fsdp_cpu_offload is None else fsdp_cpu_offload
     model = meta_model(cfg.model, settings)
-    shards = [_shard(p, world_size) for p in model.parameters()]
-    trainable = [_shard(p, world_size) for p in model.parameters() if p.requires_grad]
+    params = list(model.parameters())
+    shards = [_shard(p, world_size) for p in params]
+    trainable = [shard for shard, p in zip(shards, params) if p.requires_grad]
     on_host = settings.device.type == "cpu" or offload
     notes = ["activations and the layers FSDP2 gathers for forward and backward of a device=cpu run are not "
              "counted"] if settings.device.type == "cpu" else []
@@ -233,7 +234,7 @@ def sharded_host_memory_need(
     def held(tensors) -> int:
         # fsdp_cpu_offload pins each shard and each gradient with torch's allocator.
         sizes = [nbytes(t) for t in tensors]
-        return local_world_size * sum(pinned_allocation_bytes(n) if offload else n for n in sizes)
+        return local_world_size * sum(pinned_allocation_bytes(n, pinned=offload) for n in sizes)
 
     load: Dict[str, int] = {}
     ckpt, note = _checkpoint_bytes(cfg.checkpointer)
