@@ -31,8 +31,8 @@ NONE, IN_PLACE, ALLOCATOR = "none", "in place", "allocator"
 
 
 def pinning_of(device: torch.device) -> str:
-    """How host buffers for ``device`` are page-locked: ``none`` (CPU), ``in place`` (one exactly
-    sized registered block, CUDA/ROCm) or ``allocator`` (torch's pinned allocator, one rounded
+    """How host buffers for ``device`` are page-locked: ``none`` (CPU), ``in place`` (exactly sized
+    registered blocks, CUDA/ROCm) or ``allocator`` (torch's pinned allocator, one rounded
     allocation per buffer)."""
     kind = torch.device(device).type
     if kind == "cpu":

@@ -169,7 +169,7 @@ class StepCheckpoints:
 
     def prune(self) -> None:
         """Removes other runs' checkpoints, this run's beyond ``keep_last`` (oldest first), and
-        staging folders of interrupted saves."""
+        the leftovers of interrupted saves and deletions."""
         # Leftovers of interrupted saves and deletions first: a deletion's name may be taken again.
         for stale in [*self.root.glob(f"{_STAGING_PREFIX}*"), *self.root.glob(f"{_DELETING_PREFIX}*")]:
             shutil.rmtree(stale, ignore_errors=True)
@@ -183,8 +183,7 @@ class StepCheckpoints:
             self._remove(old)
 
     def _remove(self, path: Path) -> None:
-        doomed = self.root / (_DELETING_PREFIX + path.name[len("step_"):])
-        shutil.rmtree(doomed, ignore_errors=True)
+        doomed = self.root / (_DELETING_PREFIX + path.name[len("step_"):])  # prune cleared any leftover
         path.rename(doomed)  # atomic: the checkpoint is whole or gone
         shutil.rmtree(doomed, ignore_errors=True)
 
