@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import wandb
 from omegaconf import OmegaConf
 
 from torchtune_offload.recipe.disk_log import read_disk_log
@@ -242,6 +241,10 @@ def log_to_wandb(
     Returns:
         Per run: its ``id``, ``name`` and ``group``.
     """
+    # W&B is imported only when a sweep logs to it: a sweep that writes its table and plot runs
+    # where wandb is not installed (the GPU machine, for one).
+    import wandb
+
     ids = []
     for r in results:
         run = wandb.init(project=project, group=group, name=r.name, job_type="sweep", reinit="create_new",
