@@ -106,6 +106,25 @@ def test_overlap_gives_the_serial_results(master_dtype, offload_gradients, grad_
             assert max(ref_norms) > clip, "the clip threshold must bite for this test to mean anything"
 
 
+@pytest.mark.parametrize("grad_accum", [1, 3])
+def test_serial_and_overlapped_clip_measure_the_same_norms(grad_accum):
+    """Where the window's whole gradient is on the device, both paths measure its norm there
+    before it leaves (on a GPU the host would reduce in another order; here an fp32 host sum of
+    bf16 gradients makes the place visible), and clip to the same bits."""
+    base = tiny_model().to(torch.bfloat16)
+    data = [(x.to(torch.bfloat16), y.to(torch.bfloat16)) for x, y in batches(num=4 * grad_accum)]
+    runs = {}
+    for overlap in (False, True):
+        model = twin(base)
+        opt = offload(model, overlap=overlap, offload_gradients=True, grad_sum_dtype="fp32")
+        runs[overlap] = (model, train_windows(model, opt, data, grad_accum=grad_accum, clip=0.5))
+        opt.close()
+    assert runs[False][1] == runs[True][1]
+    assert max(runs[False][1]) > 0.5
+    for a, b in zip(runs[False][0].parameters(), runs[True][0].parameters()):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("offload_gradients", [False, True])
 @pytest.mark.parametrize("master_dtype", [None, "fp32"])
 def test_overlapped_resume_is_bit_identical(offload_gradients, master_dtype):

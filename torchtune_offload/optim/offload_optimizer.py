@@ -27,7 +27,6 @@ from torchtune_offload.optim.grad_norm import (
     clip_coefficient,
     combine_norms,
     tensor_norm,
-    total_norm,
 )
 from torchtune_offload.optim.host_allocator import release_freed_host_memory
 from torchtune_offload.optim.host_arena import (
@@ -460,6 +459,10 @@ class OffloadOptimizer(Optimizer):
             # Where the window's whole gradient is on the device, measure it there before it leaves.
             summed_on_host = slot.offloaded and self.offload_gradients and slot.has_host_grad
             slot.norm = None if summed_on_host else tensor_norm(grad)
+        elif slot.offloaded and self.offload_gradients:
+            # Serial: measured where an overlapped window measures it, so that both clip alike to
+            # the bit (a device and the host reduce in different orders).
+            slot.norm = None if slot.has_host_grad else tensor_norm(grad)
         if slot.offloaded and self.offload_gradients:
             slot.staged_token = None
             if not slot.has_host_grad:
@@ -562,6 +565,31 @@ class OffloadOptimizer(Optimizer):
                 grads.append(slot.param.grad)
         return grads
 
+    def _norms_to_step(self, norm_type: Union[float, str]) -> List[torch.Tensor]:
+        """Per gradient the next step() will use, in slot order, its ``norm_type`` norm. A 2-norm
+        measured on the device before the gradient left it (serial ``offload_gradients``, one
+        micro-batch) is reused, as an overlapped window reuses it."""
+        self.synchronize()
+        norms = []
+        for slot in self._slots:
+            if slot.offloaded and self.offload_gradients:
+                if not slot.has_host_grad:
+                    continue
+                if slot.norm is not None and float(norm_type) == 2.0:
+                    norms.append(slot.norm)
+                else:
+                    self._finish_host_grad(slot)
+                    norms.append(tensor_norm(slot.host_grad, norm_type=norm_type))
+            elif slot.param.grad is not None:
+                norms.append(tensor_norm(slot.param.grad, norm_type=norm_type))
+        return norms
+
+    def _forget_norms(self) -> None:
+        """Drops measured norms once the gradients they describe have been changed."""
+        if self._window is None:
+            for slot in self._slots:
+                slot.norm = None
+
     # -------------------------------------------------------------------------------- overlap
 
     def expect_final_backward(self, *, clipping: bool) -> None:
@@ -659,7 +687,7 @@ class OffloadOptimizer(Optimizer):
             if float(norm_type) != 2.0:
                 raise ValueError(f"norm_type={norm_type}: an overlapped window measures the 2-norm only.")
             return combine_norms(self._window_norms(self._window), device=self.device)
-        return total_norm(self._grads_to_step(), norm_type=norm_type, device=self.device)
+        return combine_norms(self._norms_to_step(norm_type), norm_type=norm_type, device=self.device)
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -699,11 +727,10 @@ class OffloadOptimizer(Optimizer):
             clip_([s.param.grad for s in self._slots if not s.offloaded and s.param.grad is not None],
                   max_norm=max_norm, norm=norm)
             return norm
-        grads = self._grads_to_step()
-        norm = total_norm(
-            grads, norm_type=norm_type, device=self.device, error_if_nonfinite=error_if_nonfinite
-        )
-        clip_(grads, max_norm=max_norm, norm=norm)
+        norm = combine_norms(self._norms_to_step(norm_type), norm_type=norm_type, device=self.device,
+                             error_if_nonfinite=error_if_nonfinite)
+        clip_(self._grads_to_step(), max_norm=max_norm, norm=norm)
+        self._forget_norms()
         return norm
 
     @torch.no_grad()
@@ -724,6 +751,7 @@ class OffloadOptimizer(Optimizer):
             )
         for g in self._grads_to_step():
             g.mul_(factor.to(g.device) if isinstance(factor, torch.Tensor) else factor)
+        self._forget_norms()
 
     # ------------------------------------------------------------------------------------ step
 
@@ -896,6 +924,7 @@ class OffloadOptimizer(Optimizer):
                 self._finish_host_grad(slot)
                 if not set_to_none:
                     slot.host_grad.zero_()
+                    slot.norm = None
                 slot.has_host_grad = not set_to_none
 
     # ------------------------------------------------------------------------------ checkpoint
