@@ -4,21 +4,24 @@
 # Usage (from the repository root): bash scripts/gpu_results.sh OUT_DIR STAGE...
 #   tests           nvidia-smi, then `pytest -m gpu` (log: OUT_DIR/gpu-tests.log)
 #   demo            scripts/gradient_math_demo.py on the GPU (log: OUT_DIR/grad-math.log)
-#   sweep:MODEL:GIB the optimizer sweep of llama3_2 MODEL (1B or 3B) from a random-init checkpoint on
+#   sweep:MODEL:GIB the optimizer sweep of MODEL (1B or 3B: llama3_2; 8B: llama3_1) from a random-init checkpoint on
 #                   synthetic data; GIB: GPU memory left free by a ballast, or "all" for the whole GPU
 #                   (table and logs: OUT_DIR/sweep-MODEL-GIB.tgz, table also OUT_DIR/sweep-MODEL-GIB.md)
 #   pinned:MODEL    pinned host bytes against tensor bytes for llama3_2 MODEL, per offload optimizer
 #                   (table: OUT_DIR/pinned-MODEL.md)
-# Environment: STEPS (default 20), VARIANTS (default: all), VARIANT_TIMEOUT_S (default 240).
+# Environment: STEPS (default 20), BATCH_SIZE (default 4), VARIANTS (default: all), VARIANT_TIMEOUT_S (default 240).
 set -uo pipefail
 out=$1; shift
 mkdir -p "$out"
 steps=${STEPS:-20}
 variant_timeout=${VARIANT_TIMEOUT_S:-240}
+batch=${BATCH_SIZE:-4}
 
-checkpoint() {  # a random-init checkpoint of llama3_2 $1, written once per machine
-  local dir=/tmp/llama3_2_${1,,}_random
-  [ -f "$dir/model.safetensors" ] || python -m torchtune_offload.assets --real-arch "llama3_2_${1,,}" \
+family() { [ "$1" = 8B ] && echo llama3_1 || echo llama3_2; }
+
+checkpoint() {  # a random-init checkpoint of model $1, written once per machine
+  local dir=/tmp/$(family "$1")_${1,,}_random
+  [ -f "$dir/model.safetensors" ] || python -m torchtune_offload.assets --real-arch "$(family "$1")_${1,,}" \
     --output-dir "$dir" --no-check >&2
   echo "$dir"
 }
@@ -41,7 +44,7 @@ for stage in "$@"; do
       ckpt=$(checkpoint "$model")
       name=sweep-$model-$gib
       limit=(); [ "$gib" = all ] || limit=(--gpu-memory-gib "$gib")
-      python scripts/benchmark_sweep.py --config "configs/llama3_2/${model}_full_paged_adamw.yaml" \
+      python scripts/benchmark_sweep.py --config "configs/$(family "$model")/${model}_full_paged_adamw.yaml" \
         --steps "$steps" --output-dir "/tmp/$name" --timeout-s "$variant_timeout" "${limit[@]}" \
         ${VARIANTS:+--variants "$VARIANTS"} -- \
         checkpointer.checkpoint_dir="$ckpt" "checkpointer.checkpoint_files=[model.safetensors]" \
@@ -49,7 +52,7 @@ for stage in "$@"; do
         tokenizer.path=assets/tiny/tokenizer/tokenizer.model \
         tokenizer.special_tokens_path=assets/tiny/tokenizer/special_tokens.json \
         dataset._component_=torchtune_offload.data.synthetic_dataset dataset.seq_len=2048 \
-        dataset.num_samples=$((4 * steps + 8)) batch_size=4 gradient_accumulation_steps=1 clip_grad_norm=null \
+        dataset.num_samples=$((batch * steps + 8)) batch_size=$batch gradient_accumulation_steps=1 clip_grad_norm=null \
         dtype=bf16 enable_activation_checkpointing=True
       cp "/tmp/$name/results.md" "$out/$name.md"
       tar czf "$out/$name.tgz" -C /tmp "$name" ;;

@@ -73,7 +73,7 @@ def test_real_arch_table():
     for name, arch in REAL_ARCHES.items():
         # The dotted path names a torchtune builder.
         assert callable(_get_component_from_path(arch.builder))
-        assert arch.model_type in ("LLAMA3_2", "QWEN2")
+        assert arch.model_type in ("LLAMA3", "LLAMA3_2", "QWEN2")
         assert arch.hf_extra["architectures"] and "bos_token_id" in arch.hf_extra
     model = build_meta_model(real_arch="llama3_2_1b", num_layers=2)
     assert len(model.layers) == 2 and model.tok_embeddings.weight.is_meta

@@ -60,6 +60,10 @@ REAL_ARCHES: Dict[str, RealArch] = {
     "llama3_2_3b": RealArch(
         builder="torchtune.models.llama3_2.llama3_2_3b", model_type="LLAMA3_2", hf_extra=_LLAMA3_2_HF,
     ),
+    # 16 GB in bf16: for GPU benchmarks on a machine with the disk and RAM for it.
+    "llama3_1_8b": RealArch(
+        builder="torchtune.models.llama3_1.llama3_1_8b", model_type="LLAMA3", hf_extra=_LLAMA3_2_HF,
+    ),
     # Llama 3.2 narrowed to 78M parameters (torchtune_offload/models/mid.py), for CPU benchmarks.
     "llama3_2_mid": RealArch(
         builder="torchtune_offload.models.llama3_2_mid", model_type="LLAMA3_2", hf_extra=_LLAMA3_2_HF,
