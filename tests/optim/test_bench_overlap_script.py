@@ -19,3 +19,6 @@ def test_bench_overlap_prints_both_runs_and_equal_losses():
     rows = re.findall(r"^\| (off|on) \| ([0-9.]+) \|", out.stdout, flags=re.M)
     assert [r[0] for r in rows] == ["off", "on"] and all(float(r[1]) > 0 for r in rows)
     assert "largest loss difference 0." in out.stdout
+    saved = re.search(r"^Step time saved: (-?[0-9.]+) s, (-?[0-9]+)% of the serial host step \(([0-9.]+) s\)", out.stdout,
+                      flags=re.M)
+    assert saved is not None and float(saved.group(3)) > 0

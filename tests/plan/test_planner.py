@@ -91,3 +91,12 @@ def test_a_lora_run_traces_with_frozen_base_weights(tiny_assets, tmp_path):
     # Only the adapters get gradients; the frozen base weights are counted as parameters.
     assert plan.device_parts["step peak: parameter"] > 0
     assert plan.device_parts.get("step peak: gradient", 0) < plan.device_parts["step peak: parameter"]
+
+
+def test_the_baseline_says_when_it_cannot_count_the_device_runtime(tiny_assets, tmp_path):
+    cfg = load_config(CONFIG, [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "device=cuda"])
+    _, notes = process_baseline(cfg)
+    if torch.cuda.is_available():
+        assert notes == []
+    else:
+        assert len(notes) == 1 and "cuda runtime's own host memory is not counted" in notes[0]

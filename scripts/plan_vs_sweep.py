@@ -1,0 +1,67 @@
+"""The planner's predictions beside a sweep's measured peaks, as a markdown table.
+
+Usage (from the repository root):
+
+    python -m torchtune_offload.plan --config CONFIG --json plan.json [--variants ...] [overrides ...]
+    python scripts/plan_vs_sweep.py plan.json SWEEP_DIR/results.json
+
+Give the planner the sweep's config, variants and overrides (``scripts/gpu_results.sh`` prints them
+in the sweep's table header). The planner traces one step on fake CPU tensors, so it predicts what the
+caching allocator hands out (``max_memory_allocated``); NVML also sees the CUDA context, the
+allocator's cached reserve and, for bitsandbytes' paged optimizers, their unified memory, which the
+planner lists apart ("+ paged"). Host figures are compared with the run's RSS peak.
+"""
+
+import argparse
+import json
+from typing import Dict, Optional
+
+GIB = 1024**3
+
+
+def _pct(predicted: Optional[float], measured: Optional[float]) -> str:
+    if predicted is None or not measured:
+        return "-"
+    return f"{100 * (predicted - measured) / measured:+.1f}%"
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def table(plans: Dict[str, dict], results: Dict[str, dict]) -> str:
+    """One row per variant found in both files; memory in GiB."""
+    lines = ["| variant | predicted device | + paged | allocator peak | vs allocator | NVML peak (run) | "
+             "predicted device + paged vs NVML | predicted host | host RSS peak | vs RSS |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, plan in plans.items():
+        run = results.get(name)
+        if run is None or not run.get("peaks_gib"):
+            continue
+        peaks = run["peaks_gib"]
+        device = plan["device_bytes"] / GIB if plan["device_bytes"] is not None else None
+        paged = plan["paged_bytes"] / GIB if plan.get("paged_bytes") else 0.0
+        host = plan["host_bytes"] / GIB if plan["host_bytes"] is not None else None
+        alloc, nvml, rss = peaks.get("peak_memory_alloc"), peaks.get("nvml_run_peak"), peaks.get("host_rss_peak")
+        lines.append(
+            f"| {name} | {_fmt(device)} | {_fmt(paged) if paged else '-'} | {_fmt(alloc)} | {_pct(device, alloc)} "
+            f"| {_fmt(nvml)} | {_pct(None if device is None else device + paged, nvml)} | {_fmt(host)} "
+            f"| {_fmt(rss)} | {_pct(host, rss)} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("plan_json", help="written by python -m torchtune_offload.plan --json")
+    parser.add_argument("results_json", help="a sweep's results.json (scripts/benchmark_sweep.py)")
+    args = parser.parse_args()
+    with open(args.plan_json) as f:
+        plans = {p["name"]: p for p in json.load(f)["plans"]}
+    with open(args.results_json) as f:
+        results = {r["name"]: r for r in json.load(f)}
+    print(table(plans, results))
+
+
+if __name__ == "__main__":
+    main()
