@@ -18,6 +18,7 @@ keeps them on disk).
 
 import argparse
 import contextlib
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -55,6 +56,8 @@ def main() -> None:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     if args.gpu_memory_gib is not None and not torch.cuda.is_available():
         parser.error("--gpu-memory-gib needs a CUDA device")
+    if args.wandb and importlib.util.find_spec("wandb") is None:
+        parser.error("--wandb needs wandb, an optional dependency: pip install 'torchtune-offload[wandb]'")
 
     device = device_name()
     output_dir = Path(args.output_dir)

@@ -1,7 +1,10 @@
 """The optimizer sweep on the tiny model with synthetic data, the gradient-norm probe, the ballast's checks."""
 
+import importlib.util
 import json
 import math
+import runpy
+import sys
 
 import pytest
 import torch
@@ -58,6 +61,7 @@ def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, mo
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
     # W&B: one offline run per variant, all in one group.
+    pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     runs = log_to_wandb(results, project="tiny-sweep", group="g1", config={"config": CONFIG})
@@ -65,6 +69,16 @@ def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, mo
     assert {r["group"] for r in runs} == {"g1"}
     offline = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(offline) == 3 and all(any(d.glob("*.wandb")) for d in offline)
+
+
+def test_sweep_refuses_wandb_logging_without_wandb_before_running(monkeypatch, capsys):
+    script = runpy.run_path(str(REPO / "scripts" / "benchmark_sweep.py"), run_name="benchmark_sweep")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    monkeypatch.setattr(sys, "argv", ["benchmark_sweep.py", "--config", CONFIG, "--wandb", "p"])
+    with pytest.raises(SystemExit):
+        script["main"]()
+    assert "--wandb needs wandb" in capsys.readouterr().err
 
 
 def test_grad_probe_records_the_global_norm_per_step(tmp_path, monkeypatch):

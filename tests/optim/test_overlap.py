@@ -125,6 +125,42 @@ def test_serial_and_overlapped_clip_measure_the_same_norms(grad_accum):
         assert torch.equal(a, b)
 
 
+class _Branchy(nn.Module):
+    """``b`` is used only when asked: a parameter the window's last backward does not reach."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(48, 48), nn.Linear(48, 48)
+
+    def forward(self, x, use_b):
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+@pytest.mark.parametrize("grad_sum_dtype", [None, "fp32"])
+def test_a_parameter_only_earlier_micro_batches_reach_clips_alike(grad_sum_dtype):
+    torch.manual_seed(0)
+    base = _Branchy().to(torch.bfloat16)
+    data = [torch.randn(8, 48, dtype=torch.bfloat16) for _ in range(6)]
+    runs = {}
+    for overlap in (False, True):
+        model = twin(base)
+        opt = offload(model, overlap=overlap, offload_gradients=True, grad_sum_dtype=grad_sum_dtype)
+        norms = []
+        for start in range(0, len(data), 2):
+            for i, x in enumerate(data[start : start + 2]):
+                if i == 1:
+                    opt.expect_final_backward(clipping=True)
+                (model(x, use_b=i == 0) ** 2).sum().backward()
+            norms.append(float(opt.clip_grad_norm_(0.5)))
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+        runs[overlap] = (model, norms)
+    assert runs[False][1] == runs[True][1] and max(runs[False][1]) > 0.5
+    for a, b in zip(runs[False][0].parameters(), runs[True][0].parameters()):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("offload_gradients", [False, True])
 @pytest.mark.parametrize("master_dtype", [None, "fp32"])
 def test_overlapped_resume_is_bit_identical(offload_gradients, master_dtype):

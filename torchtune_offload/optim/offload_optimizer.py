@@ -654,7 +654,8 @@ class OffloadOptimizer(Optimizer):
             if slot.offloaded and self.offload_gradients:
                 if not slot.has_host_grad:
                     continue
-                slot.norm = None
+                # slot.norm: measured on the device by the serial hook if one micro-batch made the
+                # sum, else None (measured on the host when landed), as in a serial window.
                 slot.staged_token = self._staging.issued
             elif slot.param.grad is None:
                 continue
