@@ -12,6 +12,12 @@ buffer resident at once; elsewhere a buffer becomes resident when first written 
 copies at once, gradient buffers at the first backward), so there RSS growth is lower. On CUDA ``OffloadOptimizer`` pins one exactly sized
 block and torchao's optimizer one power-of-two-rounded allocation per buffer; on a CPU nothing is
 pinned and torchao's optimizer does not run.
+
+RSS may miss page-locked memory the driver maps into the process lazily (a rounded block's untouched
+tail), so two more columns measure it otherwise: the growth of torch's pinned allocator
+(``torch.cuda.host_memory_stats()``, block sizes as requested from CUDA; our in-place locking does
+not go through it) and the drop of the machine's available memory (``MemAvailable``, noisy by the
+page cache; keep the machine quiet).
 """
 
 import argparse
@@ -30,6 +36,13 @@ def build_model(builder: str, device: torch.device) -> torch.nn.Module:
     with torch.device("meta"):
         model = _get_component_from_path(builder)().to(torch.bfloat16)
     return model.to_empty(device=device)
+
+
+def pinned_allocator_bytes(device: torch.device):
+    """Bytes torch's pinned allocator holds (its blocks, at their rounded sizes), or None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
 
 
 def buffer_bytes(optimizer) -> int:
@@ -59,22 +72,28 @@ def main() -> None:
     }
     print(f"{args.model}, {numel / 1e6:.1f}M parameters in bf16 on {device} "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}); GiB\n")
-    print("| optimizer | buffer tensors | pinned (report) | pinned / tensors | host (report) | RSS growth |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| optimizer | buffer tensors | pinned (report) | pinned / tensors | host (report) | RSS growth "
+          "| torch pinned allocator growth | available memory drop |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, build in candidates.items():
         gc.collect()
-        before = process.memory_info().rss
+        before, allocator_before, available_before = (process.memory_info().rss, pinned_allocator_bytes(device),
+                                                      psutil.virtual_memory().available)
         try:
             optimizer = build()
         except Exception as err:  # torchao's optimizer refuses a CPU device
-            print(f"| {name} | n/a: {type(err).__name__}: {str(err).splitlines()[0][:80]} | | | | |", flush=True)
+            print(f"| {name} | n/a: {type(err).__name__}: {str(err).splitlines()[0][:80]} | | | | | | |", flush=True)
             continue
         grown = process.memory_info().rss - before
+        dropped = available_before - psutil.virtual_memory().available
+        allocator = pinned_allocator_bytes(device)
+        allocator_grown = "-" if allocator is None else f"{(allocator - allocator_before) / GIB:.3f}"
         report = optimizer.memory_report()
         tensors = buffer_bytes(optimizer)
         ratio = f"{report.pinned_bytes / tensors:.4f}" if report.pinned_bytes else "-"
         print(f"| {name} | {tensors / GIB:.3f} | {report.pinned_bytes / GIB:.3f} | {ratio} | "
-              f"{report.host_bytes / GIB:.3f} | {grown / GIB:.3f} |", flush=True)
+              f"{report.host_bytes / GIB:.3f} | {grown / GIB:.3f} | {allocator_grown} | {dropped / GIB:.3f} |",
+              flush=True)
         if hasattr(optimizer, "close"):
             optimizer.close()
         del optimizer

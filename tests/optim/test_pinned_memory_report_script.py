@@ -20,3 +20,7 @@ def test_the_report_prints_a_row_per_optimizer():
     assert set(rows) == {"OffloadOptimizer", "OffloadOptimizer, master_dtype fp32", "torchao CPUOffloadOptimizer"}
     assert float(rows["OffloadOptimizer"]) > 0
     assert rows["torchao CPUOffloadOptimizer"].startswith("n/a: ValueError")  # it needs CUDA or XPU
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| OffloadOptimizer |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 8 and cells[6] == "-"  # no pinned allocator off CUDA
+    float(cells[7])  # the available-memory drop is measured everywhere
