@@ -199,13 +199,13 @@ def process_baseline(cfg: DictConfig) -> Tuple[int, List[str]]:
     device = torch.device(str(cfg.get("device", "cpu")))
     if device.type == "cuda" and torch.cuda.is_available():
         # The CUDA runtime's host memory (libraries, context, cuBLAS workspace) is part of every GPU
-        # run: on an H100 it was 0.8 GiB of RSS, which a plan without it missed.
+        # run: on an H100 the runs' RSS peaks were 0.8-1.9 GiB above plans made without it.
         a = torch.randn(256, 256, device=device)
         (a @ a).sum().item()
     elif device.type != "cpu":
         notes.append(f"the {device.type} runtime's own host memory is not counted: it cannot be measured on a "
-                     "machine without that device (0.8 GiB of RSS for CUDA with torch 2.11 on an H100, "
-                     "docs/gpu_results.md)")
+                     "machine without that device (on an H100 with torch 2.11, runs' RSS peaks were "
+                     "0.8-1.9 GiB above such plans: docs/gpu_results.md)")
     try:
         tokenizer = config.instantiate(cfg.tokenizer)
         dataset = config.instantiate(cfg.dataset, tokenizer)
