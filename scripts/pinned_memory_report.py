@@ -45,7 +45,7 @@ def pinned_allocator_bytes(device: torch.device):
     return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
 
 
-def buffer_bytes(optimizer) -> int:
+def tensor_bytes(optimizer) -> int:
     """Bytes of the tensors the optimizer keeps as host buffers (copies, gradients, outputs)."""
     if isinstance(optimizer, OffloadOptimizer):
         tensors = [t for s in optimizer._slots if s.offloaded for t in optimizer._host_buffers(s)]
@@ -89,7 +89,7 @@ def main() -> None:
         allocator = pinned_allocator_bytes(device)
         allocator_grown = "-" if allocator is None else f"{(allocator - allocator_before) / GIB:.3f}"
         report = optimizer.memory_report()
-        tensors = buffer_bytes(optimizer)
+        tensors = tensor_bytes(optimizer)
         ratio = f"{report.pinned_bytes / tensors:.4f}" if report.pinned_bytes else "-"
         print(f"| {name} | {tensors / GIB:.3f} | {report.pinned_bytes / GIB:.3f} | {ratio} | "
               f"{report.host_bytes / GIB:.3f} | {grown / GIB:.3f} | {allocator_grown} | {dropped / GIB:.3f} |",

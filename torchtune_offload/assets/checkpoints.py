@@ -51,22 +51,22 @@ class RealArch:
 
 
 # The architectures ``--real-arch`` accepts, by name.
-_LLAMA3_2_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                "bos_token_id": 128000, "eos_token_id": 128001}
+_LLAMA_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+             "bos_token_id": 128000, "eos_token_id": 128001}
 REAL_ARCHES: Dict[str, RealArch] = {
     "llama3_2_1b": RealArch(
-        builder="torchtune.models.llama3_2.llama3_2_1b", model_type="LLAMA3_2", hf_extra=_LLAMA3_2_HF,
+        builder="torchtune.models.llama3_2.llama3_2_1b", model_type="LLAMA3_2", hf_extra=_LLAMA_HF,
     ),
     "llama3_2_3b": RealArch(
-        builder="torchtune.models.llama3_2.llama3_2_3b", model_type="LLAMA3_2", hf_extra=_LLAMA3_2_HF,
+        builder="torchtune.models.llama3_2.llama3_2_3b", model_type="LLAMA3_2", hf_extra=_LLAMA_HF,
     ),
     # 16 GB in bf16: for GPU benchmarks on a machine with the disk and RAM for it.
     "llama3_1_8b": RealArch(
-        builder="torchtune.models.llama3_1.llama3_1_8b", model_type="LLAMA3", hf_extra=_LLAMA3_2_HF,
+        builder="torchtune.models.llama3_1.llama3_1_8b", model_type="LLAMA3", hf_extra=_LLAMA_HF,
     ),
     # Llama 3.2 narrowed to 78M parameters (torchtune_offload/models/mid.py), for CPU benchmarks.
     "llama3_2_mid": RealArch(
-        builder="torchtune_offload.models.llama3_2_mid", model_type="LLAMA3_2", hf_extra=_LLAMA3_2_HF,
+        builder="torchtune_offload.models.llama3_2_mid", model_type="LLAMA3_2", hf_extra=_LLAMA_HF,
     ),
     "qwen2_5_0_5b": RealArch(
         builder="torchtune.models.qwen2_5.qwen2_5_0_5b",

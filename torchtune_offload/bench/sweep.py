@@ -21,6 +21,13 @@ from torchtune_offload.recipe.run_report import median_tokens_per_second, peak
 
 RECIPE = "recipes/full_finetune_single_device.py"
 _ADAMW = "torch.optim.AdamW"
+
+
+def _ours(**keys: object) -> Dict[str, object]:
+    """The optimizer keys of an ``OffloadOptimizer`` variant over torch's AdamW."""
+    return {"_component_": "torchtune_offload.OffloadOptimizer", "optimizer_class": _ADAMW, **keys}
+
+
 #: Per variant: the optimizer keys it sets, the other overrides it needs, and what it is.
 VARIANTS: Dict[str, Tuple[Dict[str, object], List[str], str]] = {
     "adamw": ({"_component_": _ADAMW}, [], "torch AdamW, all on the device"),
@@ -33,21 +40,15 @@ VARIANTS: Dict[str, Tuple[Dict[str, object], List[str], str]] = {
                 "torchao CPUOffloadOptimizer"),
     "torchao_grads": ({"_component_": "torchtune_offload.CPUOffloadOptimizer", "optimizer_class": _ADAMW,
                        "offload_gradients": True}, [], "torchao CPUOffloadOptimizer, offload_gradients"),
-    "offload": ({"_component_": "torchtune_offload.OffloadOptimizer", "optimizer_class": _ADAMW}, [],
-                "this project's OffloadOptimizer"),
-    "offload_grads": ({"_component_": "torchtune_offload.OffloadOptimizer", "optimizer_class": _ADAMW,
-                       "offload_gradients": True}, [], "OffloadOptimizer, offload_gradients"),
-    "offload_overlap": ({"_component_": "torchtune_offload.OffloadOptimizer", "optimizer_class": _ADAMW,
-                         "overlap": True}, [], "OffloadOptimizer, host step overlapped with GPU work"),
-    "offload_grads_overlap": ({"_component_": "torchtune_offload.OffloadOptimizer", "optimizer_class": _ADAMW,
-                               "offload_gradients": True, "overlap": True}, [],
+    "offload": (_ours(), [], "this project's OffloadOptimizer"),
+    "offload_grads": (_ours(offload_gradients=True), [], "OffloadOptimizer, offload_gradients"),
+    "offload_overlap": (_ours(overlap=True), [], "OffloadOptimizer, host step overlapped with GPU work"),
+    "offload_grads_overlap": (_ours(offload_gradients=True, overlap=True), [],
                               "OffloadOptimizer, offload_gradients, host step overlapped with GPU work"),
-    "offload_master_overlap": ({"_component_": "torchtune_offload.OffloadOptimizer", "optimizer_class": _ADAMW,
-                                "offload_gradients": True, "overlap": True, "master_dtype": "fp32"}, [],
+    "offload_master_overlap": (_ours(offload_gradients=True, overlap=True, master_dtype="fp32"), [],
                                "OffloadOptimizer, offload_gradients, overlap, fp32 master weights and "
                                "states on the host"),
-    "offload_grads_8bit": ({"_component_": "torchtune_offload.OffloadOptimizer",
-                            "optimizer_class": "bitsandbytes.optim.AdamW8bit", "offload_gradients": True}, [],
+    "offload_grads_8bit": (_ours(optimizer_class="bitsandbytes.optim.AdamW8bit", offload_gradients=True), [],
                            "OffloadOptimizer, offload_gradients, 8-bit AdamW states on the host"),
 }
 OFFLOAD_ONLY_KEYS = ("optimizer_class", "offload_gradients", "minimal_size", "master_dtype", "grad_sum_dtype",

@@ -552,43 +552,32 @@ class OffloadOptimizer(Optimizer):
         self._staging.drain()
         self._wait_s += time.perf_counter() - start
 
-    def _grads_to_step(self) -> List[torch.Tensor]:
-        """The gradients the next step() will use, wherever they are, ready to read or modify."""
+    def _grads_to_step(self) -> List[Tuple[_Slot, torch.Tensor]]:
+        """The gradients the next step() will use, with their slots, wherever they are, ready to
+        read or modify."""
         self.synchronize()
         grads = []
         for slot in self._slots:
             if slot.offloaded and self.offload_gradients:
                 if slot.has_host_grad:
                     self._finish_host_grad(slot)
-                    grads.append(slot.host_grad)
+                    grads.append((slot, slot.host_grad))
             elif slot.param.grad is not None:
-                grads.append(slot.param.grad)
+                grads.append((slot, slot.param.grad))
         return grads
 
-    def _norms_to_step(self, norm_type: Union[float, str]) -> List[torch.Tensor]:
-        """Per gradient the next step() will use, in slot order, its ``norm_type`` norm. A 2-norm
-        measured on the device before the gradient left it (serial ``offload_gradients``, one
-        micro-batch) is reused, as an overlapped window reuses it."""
-        self.synchronize()
-        norms = []
-        for slot in self._slots:
-            if slot.offloaded and self.offload_gradients:
-                if not slot.has_host_grad:
-                    continue
-                if slot.norm is not None and float(norm_type) == 2.0:
-                    norms.append(slot.norm)
-                else:
-                    self._finish_host_grad(slot)
-                    norms.append(tensor_norm(slot.host_grad, norm_type=norm_type))
-            elif slot.param.grad is not None:
-                norms.append(tensor_norm(slot.param.grad, norm_type=norm_type))
-        return norms
+    def _norms(self, grads: List[Tuple[_Slot, torch.Tensor]], norm_type: Union[float, str]) -> List[torch.Tensor]:
+        """Each gradient's ``norm_type`` norm. A 2-norm measured on the device before the gradient
+        left it (serial ``offload_gradients``, one micro-batch) is reused, as an overlapped window
+        reuses it."""
+        reuse = self.offload_gradients and float(norm_type) == 2.0
+        return [slot.norm if reuse and slot.offloaded and slot.norm is not None
+                else tensor_norm(grad, norm_type=norm_type) for slot, grad in grads]
 
     def _forget_norms(self) -> None:
         """Drops measured norms once the gradients they describe have been changed."""
-        if self._window is None:
-            for slot in self._slots:
-                slot.norm = None
+        for slot in self._slots:
+            slot.norm = None
 
     # -------------------------------------------------------------------------------- overlap
 
@@ -688,7 +677,7 @@ class OffloadOptimizer(Optimizer):
             if float(norm_type) != 2.0:
                 raise ValueError(f"norm_type={norm_type}: an overlapped window measures the 2-norm only.")
             return combine_norms(self._window_norms(self._window), device=self.device)
-        return combine_norms(self._norms_to_step(norm_type), norm_type=norm_type, device=self.device)
+        return combine_norms(self._norms(self._grads_to_step(), norm_type), norm_type=norm_type, device=self.device)
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -728,9 +717,10 @@ class OffloadOptimizer(Optimizer):
             clip_([s.param.grad for s in self._slots if not s.offloaded and s.param.grad is not None],
                   max_norm=max_norm, norm=norm)
             return norm
-        norm = combine_norms(self._norms_to_step(norm_type), norm_type=norm_type, device=self.device,
+        grads = self._grads_to_step()
+        norm = combine_norms(self._norms(grads, norm_type), norm_type=norm_type, device=self.device,
                              error_if_nonfinite=error_if_nonfinite)
-        clip_(self._grads_to_step(), max_norm=max_norm, norm=norm)
+        clip_([g for _, g in grads], max_norm=max_norm, norm=norm)
         self._forget_norms()
         return norm
 
@@ -750,7 +740,7 @@ class OffloadOptimizer(Optimizer):
                 "scale_grads_() after expect_final_backward(): the window's gradients are already "
                 "with the host steps. Scale the loss before backward instead."
             )
-        for g in self._grads_to_step():
+        for _, g in self._grads_to_step():
             g.mul_(factor.to(g.device) if isinstance(factor, torch.Tensor) else factor)
         self._forget_norms()
 
