@@ -1,7 +1,6 @@
 """The one-pass fp32-master AdamW step against torch's Adam/AdamW fed the same widened gradients."""
 
-import os
-import shutil
+import shlex
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ import torch
 from torchtune_offload.optim import fused_step
 
 #: The pass is built with the system C compiler; without one the engine falls back (tested below).
-needs_compiler = pytest.mark.skipif(not shutil.which(os.environ.get("CC") or "cc"), reason="no C compiler here")
+needs_compiler = pytest.mark.skipif(fused_step.c_compiler() is None, reason="no C compiler here")
 
 N = 4099  # not a multiple of any vector width
 
@@ -104,10 +103,9 @@ def test_supports_only_what_it_reproduces(case):
     assert not fused_step.supports(opt, grad, out)
 
 
+@needs_compiler
 def test_a_compiler_given_with_arguments_is_split(monkeypatch):
-    if not shutil.which("cc"):
-        pytest.skip("no C compiler here")
-    monkeypatch.setenv("CC", "env cc")  # as CC="ccache gcc" would be given
+    monkeypatch.setenv("CC", f"env {shlex.join(fused_step.c_compiler())}")  # as CC="ccache gcc" would be given
     fused_step._library.cache_clear()
     try:
         assert fused_step._library() is not None

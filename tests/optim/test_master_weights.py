@@ -1,14 +1,12 @@
 """fp32 master weights for a bf16 model: the masters follow plain fp32 AdamW fed the same gradients,
 the model's weights are their bf16 rounding, and checkpoints carry the masters."""
 
-import os
-import shutil
-
 import pytest
 import torch
 
 from tests.optim.side_by_side import batches, tiny_model, train
 from torchtune_offload import OffloadOptimizer
+from torchtune_offload.optim import fused_step
 from torchtune_offload.optim.host_arena import aligned_bytes
 from torchtune_offload.optim.offload_optimizer import _Slot
 
@@ -146,10 +144,8 @@ def test_plan_counts_fp32_masters_and_states():
     assert real.memory_report().host_bytes == plan.total
 
 
-@pytest.mark.skipif(not shutil.which(os.environ.get("CC") or "cc"), reason="no C compiler for the fused pass")
+@pytest.mark.skipif(fused_step.c_compiler() is None, reason="no C compiler for the fused pass")
 def test_the_fused_pass_runs_and_agrees_with_the_unfused_path(monkeypatch):
-    from torchtune_offload.optim import fused_step
-
     fused_calls = []
     original = fused_step.fused_adamw_step
 

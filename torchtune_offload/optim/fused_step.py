@@ -28,7 +28,7 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -40,11 +40,18 @@ _UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "diffe
 _KERNELS = {torch.bfloat16: "adamw_bf16_grad", torch.float32: "adamw_fp32_grad"}
 
 
+def c_compiler() -> Optional[List[str]]:
+    """The command the pass is built with: ``$CC`` split as a shell splits it (``ccache gcc``),
+    else the first of ``cc``, ``gcc``, ``clang`` on ``PATH``; None where that program is not found."""
+    command = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc")
+                                                         or shutil.which("clang") or "cc"]
+    return command if shutil.which(command[0]) else None
+
+
 def _compile(directory: str) -> ctypes.CDLL:
-    compiler = shlex.split(os.environ.get("CC", "")) or [
-        c for c in (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"),) if c]
-    if not compiler:
-        raise RuntimeError("no C compiler found (set CC)")
+    compiler = c_compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC, or put cc, gcc or clang on PATH)")
     errors = []
     # Best first; a compiler without -march=native or OpenMP (Apple's clang, say) still builds the
     # pass, less vectorised or on one thread.
