@@ -3,7 +3,7 @@
 Usage: python scripts/host_memory_table.py [--process-gib 3.5]
 
 Prints a markdown table: host bytes per parameter and the total for each model when training on a
-GPU in bf16 (on CUDA the engine's buffers are pinned at their size in one block, torchao's each
+GPU in bf16 (on CUDA the engine's buffers are pinned at their size, one block per purpose, torchao's each
 rounded up to a power of two by torch's pinned allocator), and whether the total plus the process's
 own memory fits a 32, 64 and 128 GB machine.
 """

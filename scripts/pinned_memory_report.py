@@ -9,9 +9,10 @@ checkpoint is needed). Each optimizer then allocates its host buffers, and the t
 optimizer: the bytes of the host buffers' tensors, what its ``memory_report()`` says it holds pinned
 and in all, and the process's RSS growth while it was built. On CUDA page-locking makes every
 buffer resident at once; elsewhere a buffer becomes resident when first written (the parameter
-copies at once, gradient buffers at the first backward), so there RSS growth is lower. On CUDA ``OffloadOptimizer`` pins one exactly sized
-block and torchao's optimizer one power-of-two-rounded allocation per buffer; on a CPU nothing is
-pinned and torchao's optimizer does not run.
+copies at once, gradient buffers at the first backward), so there RSS growth is lower. On CUDA
+``OffloadOptimizer`` pins one exactly sized block per purpose (parameter copies, gradient buffers,
+device-dtype copies) and torchao's optimizer one power-of-two-rounded allocation per buffer; on a
+CPU nothing is pinned and torchao's optimizer does not run.
 
 RSS may miss page-locked memory the driver maps into the process lazily (a rounded block's untouched
 tail), so two more columns measure it otherwise: the growth of torch's pinned allocator

@@ -1,4 +1,4 @@
-"""Host buffers carved out of one block and page-locked in place, against what the engine reports."""
+"""Host buffers carved out of blocks page-locked in place, against what the engine reports."""
 
 import gc
 import io

@@ -65,7 +65,7 @@ def test_accumulation_with_offloaded_gradients_through_a_tiny_ring(clip, monkeyp
         for t in s.optimizer.state[s.step_param].values()
         if isinstance(t, torch.Tensor)
     ) + sum(aligned_bytes(t.numel() * t.element_size()) for s in offloaded for t in (s.step_param, s.host_grad))
-    # Parameter copies and gradient sums (page-aligned in one block), states, plus the ring: no
+    # Parameter copies and gradient sums (page-aligned, a block each), states, plus the ring: no
     # second gradient buffer.
     assert report.host_bytes == tensors + 3 * 256
     assert max(s.host_grad.numel() * 4 for s in offloaded) > 3 * 256, "the ring must be smaller than a gradient"
