@@ -218,6 +218,24 @@ def test_unannounced_windows_take_the_serial_path():
     assert_same_params(ref, model)
 
 
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_announced_and_unannounced_windows_mixed_clip_as_adamw(offload_gradients):
+    """A norm measured in an announced window (for a parameter left on the device too) is not
+    reused by an unannounced window after it."""
+    base, data = tiny_model(), batches(num=6)
+    ref, model = twin(base), twin(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = offload(model, overlap=True, offload_gradients=offload_gradients)
+    ref_norms, norms = [], []
+    for i, window in enumerate(data[k : k + 1] for k in range(len(data))):
+        ref_norms += train_windows(ref, ref_opt, window, grad_accum=1, clip=0.5)
+        norms += train_windows(model, opt, window, grad_accum=1, clip=0.5, announce=i % 2 == 0)
+    opt.close()
+    assert max(ref_norms) > 0.5, "the clip threshold must bite for this test to mean anything"
+    torch.testing.assert_close(norms, ref_norms)
+    assert_same_params(ref, model)
+
+
 class _Delays:
     """Random sleeps in every copy and host step, to widen the windows of any missing wait."""
 

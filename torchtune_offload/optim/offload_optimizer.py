@@ -80,11 +80,13 @@ class _Slot:
         # dtype, copied to the parameter (offloaded: a host buffer, the gradient buffer when the
         # dtypes allow; on the device: the parameter itself). None when step_param is the result.
         self.out: Optional[torch.Tensor] = None
-        # Overlap only. The staging ring's token for the window's last staged micro-batch; the
-        # window gradient's norm; the host workers' futures (gradient landed, step done); the
-        # upload's event, which the compute stream waits for before the next forward uses it.
-        self.staged_token: Optional[int] = None
+        # The 2-norm of the gradient the next step uses, where measured before the gradient left
+        # the device or landed (overlap, and serial offload_gradients); None once it is consumed.
         self.norm: Optional[torch.Tensor] = None
+        # Overlap only. The staging ring's token for the window's last staged micro-batch; the
+        # host workers' futures (gradient landed, step done); the upload's event, which the
+        # compute stream waits for before the next forward uses it.
+        self.staged_token: Optional[int] = None
         self.landed = None
         self.done = None
         self.param_event = None
@@ -519,7 +521,8 @@ class OffloadOptimizer(Optimizer):
             slot.done.result()
         finally:
             self._wait_s += time.perf_counter() - start
-        slot.done = slot.landed = None
+        # The window's gradient is consumed, and with it its norm.
+        slot.done = slot.landed = slot.norm = None
         self._transfer.compute_waits_for(slot.param_event)
         slot.param_event = None
 
@@ -569,10 +572,10 @@ class OffloadOptimizer(Optimizer):
     def _norms(self, grads: List[Tuple[_Slot, torch.Tensor]], norm_type: Union[float, str]) -> List[torch.Tensor]:
         """Each gradient's ``norm_type`` norm. A 2-norm measured on the device before the gradient
         left it (serial ``offload_gradients``, one micro-batch) is reused, as an overlapped window
-        reuses it."""
-        reuse = self.offload_gradients and float(norm_type) == 2.0
-        return [slot.norm if reuse and slot.offloaded and slot.norm is not None
-                else tensor_norm(grad, norm_type=norm_type) for slot, grad in grads]
+        reuses it; a slot holds a norm only while it describes the gradient the next step uses."""
+        reuse = float(norm_type) == 2.0
+        return [slot.norm if reuse and slot.norm is not None else tensor_norm(grad, norm_type=norm_type)
+                for slot, grad in grads]
 
     def _forget_norms(self) -> None:
         """Drops measured norms once the gradients they describe have been changed."""
@@ -796,7 +799,10 @@ class OffloadOptimizer(Optimizer):
     def _step_on_device(self) -> None:
         """Steps the parameters that stay on the device (on an accelerator, beside the host work)."""
         for slot in self._slots:
-            if not slot.offloaded and slot.param.grad is not None:
+            if slot.offloaded:
+                continue
+            slot.norm = None  # an announced window's, of the gradient this step consumes
+            if slot.param.grad is not None:
                 if slot.has_master:
                     self._step_slot(slot, slot.param.grad)
                 else:
