@@ -43,8 +43,7 @@ _KERNELS = {torch.bfloat16: "adamw_bf16_grad", torch.float32: "adamw_fp32_grad"}
 def c_compiler() -> Optional[List[str]]:
     """The command the pass is built with: ``$CC`` split as a shell splits it (``ccache gcc``),
     else the first of ``cc``, ``gcc``, ``clang`` on ``PATH``; None where that program is not found."""
-    command = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc")
-                                                         or shutil.which("clang") or "cc"]
+    command = shlex.split(os.environ.get("CC", "")) or [next(filter(shutil.which, ("cc", "gcc", "clang")), "cc")]
     return command if shutil.which(command[0]) else None
 
 
