@@ -13,11 +13,11 @@ Three fresh processes, so that none inherits another's memory:
 3. one training step of the same model, built for real with random weights: the RSS growth from
    before the model is built to the peak of a forward and backward (sampled every millisecond),
    the measured counterpart of the traced step; glibc's mmap threshold is fixed first at 64 KiB
-   (``OffloadOptimizer`` fixes it at 1 MiB in a run), so that freed blocks leave RSS. A throwaway copy of the model
-   takes one step first and is deleted: the runtime's one-time allocations (worker threads and
-   their malloc arenas, kernel caches; about 11 MB here) are then outside the measured step, as
-   they are outside the trace, which counts tensors. They stay in the process and in its RSS,
-   which the host figure measures.
+   (``OffloadOptimizer`` fixes it at 1 MiB in a run), so that freed blocks leave RSS. A throwaway
+   copy of the model takes one step first and is deleted: the runtime's one-time allocations
+   (worker threads and their malloc arenas, kernel caches; about 11 MB here) are then outside the
+   measured step, as they are outside the trace, which counts tensors. They stay in the process
+   and in its RSS, which the host figure measures.
 
 Prints a markdown table with the relative errors.
 """

@@ -77,10 +77,10 @@ def _tiny(cfg, settings):
 
 def test_the_baseline_counts_the_built_tokenizer_and_dataset(tiny_assets, tmp_path):
     cfg = load_config(CONFIG, [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}"])
-    baseline, notes = process_baseline(cfg)
+    baseline, notes = process_baseline(cfg, device=torch.device(cfg.device))
     assert baseline > 0 and notes == []
     cfg.tokenizer.path = str(tmp_path / "missing.model")
-    _, notes = process_baseline(cfg)
+    _, notes = process_baseline(cfg, device=torch.device(cfg.device))
     assert notes and "not counted" in notes[0]
 
 
@@ -94,8 +94,8 @@ def test_a_lora_run_traces_with_frozen_base_weights(tiny_assets, tmp_path):
 
 
 def test_the_baseline_says_when_it_cannot_count_the_device_runtime(tiny_assets, tmp_path):
-    cfg = load_config(CONFIG, [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "device=cuda"])
-    _, notes = process_baseline(cfg)
+    cfg = load_config(CONFIG, [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}"])
+    _, notes = process_baseline(cfg, device=torch.device("cuda"))
     if torch.cuda.is_available():
         assert notes == []
     else:

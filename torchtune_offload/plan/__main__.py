@@ -63,8 +63,8 @@ def main(argv=None) -> int:
         p.error(f"overrides must be key=value: {bad}")
     recipe = args.recipe or _recipe_of(args.config)
     cfg = load_config(str(args.config), args.overrides)
-    baseline, baseline_notes = process_baseline(cfg)  # before anything is traced
     device = torch.device(str(cfg.device))
+    baseline, baseline_notes = process_baseline(cfg, device=device)  # before anything is traced
     device_budget = int(args.device_gib * GIB) if args.device_gib else default_device_budget(device)
     host_budget = int(args.host_gib * GIB) if args.host_gib else default_host_budget()
     if device.type == "cpu" and args.device_gib is None:

@@ -186,9 +186,10 @@ def default_variants() -> List[str]:
     return ["config", *VARIANTS]
 
 
-def process_baseline(cfg: DictConfig) -> Tuple[int, List[str]]:
+def process_baseline(cfg: DictConfig, *, device: torch.device) -> Tuple[int, List[str]]:
     """What every run of ``cfg`` holds besides its tensors, measured in this process: the libraries,
-    PyTorch's CPU runtime once it has run a kernel, and the tokenizer and dataset, built for real.
+    PyTorch's CPU runtime once it has run a kernel (and ``device``'s, where this machine has it), and
+    the tokenizer and dataset, built for real.
 
     Returns:
         ``(bytes, notes)``; a note says what could not be built here and is not counted.
@@ -196,7 +197,6 @@ def process_baseline(cfg: DictConfig) -> Tuple[int, List[str]]:
     notes = []
     x = torch.randn(64, 64, requires_grad=True)
     torch.nn.functional.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None]).sum().backward()
-    device = torch.device(str(cfg.get("device", "cpu")))
     if device.type == "cuda" and torch.cuda.is_available():
         # The CUDA runtime's host memory (libraries, context, cuBLAS workspace) is part of every GPU
         # run: on an H100 the runs' RSS peaks were 0.8-1.9 GiB above plans made without it.
