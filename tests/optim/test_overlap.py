@@ -89,8 +89,7 @@ def test_overlap_gives_the_serial_results(master_dtype, offload_gradients, grad_
         runs[overlap] = (model, norms, opt)
     serial, overlapped = runs[False], runs[True]
     # The same operations on the same tensors: the same bits.
-    for a, b in zip(serial[0].parameters(), overlapped[0].parameters()):
-        assert torch.equal(a, b)
+    assert_same_params(serial[0], overlapped[0], rtol=0, atol=0)  # bit-identical
     assert overlapped[1] == serial[1]
     # Each step() reports the host steps finished since the one before; with overlap a window's
     # steps may all finish before, or after, its own step(), so one step's figure may be 0.
@@ -121,8 +120,7 @@ def test_serial_and_overlapped_clip_measure_the_same_norms(grad_accum):
         opt.close()
     assert runs[False][1] == runs[True][1]
     assert max(runs[False][1]) > 0.5
-    for a, b in zip(runs[False][0].parameters(), runs[True][0].parameters()):
-        assert torch.equal(a, b)
+    assert_same_params(runs[False][0], runs[True][0], rtol=0, atol=0)  # bit-identical
 
 
 class _Branchy(nn.Module):
@@ -157,8 +155,7 @@ def test_a_parameter_only_earlier_micro_batches_reach_clips_alike(grad_sum_dtype
         opt.close()
         runs[overlap] = (model, norms)
     assert runs[False][1] == runs[True][1] and max(runs[False][1]) > 0.5
-    for a, b in zip(runs[False][0].parameters(), runs[True][0].parameters()):
-        assert torch.equal(a, b)
+    assert_same_params(runs[False][0], runs[True][0], rtol=0, atol=0)  # bit-identical
 
 
 @pytest.mark.parametrize("offload_gradients", [False, True])
@@ -192,8 +189,7 @@ def test_overlapped_resume_is_bit_identical(offload_gradients, master_dtype):
     sched.load_state_dict(ckpt["sched"])
     train_windows(resumed, opt, data[6:], grad_accum=2, clip=0.5, scheduler=sched)
     opt.synchronize()
-    for a, b in zip(straight.parameters(), resumed.parameters()):
-        assert torch.equal(a, b)
+    assert_same_params(straight, resumed, rtol=0, atol=0)  # bit-identical
 
 
 def test_without_forward_waits_step_waits_and_results_match():
@@ -382,5 +378,4 @@ def test_compiled_modules_wait_for_their_parameters():
         opt = offload(model, overlap=overlap, offload_gradients=True)
         train_windows(model, opt, data, grad_accum=2, clip=0.5)
         opt.close()
-    for a, b in zip(serial.parameters(), overlapped.parameters()):
-        assert torch.equal(a, b)
+    assert_same_params(serial, overlapped, rtol=0, atol=0)  # bit-identical
