@@ -7,7 +7,7 @@
 #   sweep:MODEL:GIB the optimizer sweep of MODEL (1B or 3B: llama3_2; 8B: llama3_1) from a random-init checkpoint on
 #                   synthetic data; GIB: GPU memory left free by a ballast, or "all" for the whole GPU
 #                   (table and logs: OUT_DIR/sweep-MODEL-GIB.tgz, table also OUT_DIR/sweep-MODEL-GIB.md)
-#   pinned:MODEL    pinned host bytes against tensor bytes for llama3_2 MODEL, per offload optimizer
+#   pinned:MODEL    pinned host bytes against tensor bytes for MODEL (as for sweep), per offload optimizer
 #                   (table: OUT_DIR/pinned-MODEL.md)
 # Environment: STEPS (default 20), BATCH_SIZE (default 4), VARIANTS (default: all), VARIANT_TIMEOUT_S (default 240).
 set -uo pipefail
@@ -57,8 +57,8 @@ for stage in "$@"; do
       cp "/tmp/$name/results.md" "$out/$name.md"
       tar czf "$out/$name.tgz" -C /tmp "$name" ;;
     pinned:*)
-      model=${stage#pinned:}
-      python scripts/pinned_memory_report.py --model "torchtune.models.llama3_2.llama3_2_${model,,}" \
+      model=${stage#pinned:}; fam=$(family "$model")
+      python scripts/pinned_memory_report.py --model "torchtune.models.$fam.${fam}_${model,,}" \
         > "$out/pinned-$model.md" 2>&1
       tail -8 "$out/pinned-$model.md" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
