@@ -458,13 +458,12 @@ class OffloadOptimizer(Optimizer):
                 )
             window.seen.add(slot.index)
             window.order.append(slot.index)
-            # Where the window's whole gradient is on the device, measure it there before it leaves.
+        if window is not None or (slot.offloaded and self.offload_gradients):
+            # Where the window's whole gradient is on the device, measure it there before it leaves;
+            # serial offload_gradients too, so that serial and overlapped clip alike to the bit (a
+            # device and the host reduce in different orders).
             summed_on_host = slot.offloaded and self.offload_gradients and slot.has_host_grad
             slot.norm = None if summed_on_host else tensor_norm(grad)
-        elif slot.offloaded and self.offload_gradients:
-            # Serial: measured where an overlapped window measures it, so that both clip alike to
-            # the bit (a device and the host reduce in different orders).
-            slot.norm = None if slot.has_host_grad else tensor_norm(grad)
         if slot.offloaded and self.offload_gradients:
             slot.staged_token = None
             if not slot.has_host_grad:
