@@ -16,6 +16,8 @@ mkdir -p "$out"
 steps=${STEPS:-20}
 variant_timeout=${VARIANT_TIMEOUT_S:-240}
 batch=${BATCH_SIZE:-4}
+# Where `python -m torchtune_offload.assets` writes the tiny assets (torchtune_offload/assets/files.py).
+TINY=${XDG_CACHE_HOME:-$HOME/.cache}/torchtune_offload/tiny
 
 family() { [ "$1" = 8B ] && echo llama3_1 || echo llama3_2; }
 
@@ -49,8 +51,8 @@ for stage in "$@"; do
         ${VARIANTS:+--variants "$VARIANTS"} -- \
         checkpointer.checkpoint_dir="$ckpt" "checkpointer.checkpoint_files=[model.safetensors]" \
         checkpointer.output_dir=/tmp/sweep_checkpoints \
-        tokenizer.path=assets/tiny/tokenizer/tokenizer.model \
-        tokenizer.special_tokens_path=assets/tiny/tokenizer/special_tokens.json \
+        tokenizer.path="$TINY/tokenizer/tokenizer.model" \
+        tokenizer.special_tokens_path="$TINY/tokenizer/special_tokens.json" \
         dataset._component_=torchtune_offload.data.synthetic_dataset dataset.seq_len=2048 \
         dataset.num_samples=$((batch * steps + 8)) batch_size=$batch gradient_accumulation_steps=1 clip_grad_norm=null \
         dtype=bf16 enable_activation_checkpointing=True

@@ -3,7 +3,7 @@
 
 Usage (from the repository root)::
 
-    python -m torchtune_offload.assets                 # -> assets/tiny/
+    python -m torchtune_offload.assets                 # -> ~/.cache/torchtune_offload/tiny/
     python -m torchtune_offload.assets --help          # all options
     python scripts/make_tiny_assets.py ...             # the same, kept for old commands
 

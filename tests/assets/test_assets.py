@@ -165,14 +165,22 @@ def test_lora_config_model_accepts_checkpoint(assets, tmp_path):
     assert missing and all("lora_" in key for key in missing)
 
 
-def test_configs_point_at_built_assets():
-    for name in ("full", "lora"):
-        cfg = OmegaConf.load(REPO_ROOT / "configs" / "tiny" / f"{name}.yaml")
-        assert cfg.tokenizer.path == f"{tta.DEFAULT_TINY_DIR}/{tta.TOKENIZER_FILE}"
-        special_path = f"{tta.DEFAULT_TINY_DIR}/{tta.SPECIAL_TOKENS_FILE}"
+@pytest.mark.parametrize("xdg_cache_home", [None, "/elsewhere/cache"], ids=["home-cache", "xdg-cache"])
+def test_configs_point_at_built_assets(xdg_cache_home, monkeypatch):
+    """Every tiny config reads the folder ``python -m torchtune_offload.assets`` writes by default."""
+    if xdg_cache_home is None:
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    else:
+        monkeypatch.setenv("XDG_CACHE_HOME", xdg_cache_home)
+    tiny = tta.default_tiny_dir()
+    assert tiny == Path(xdg_cache_home or Path.home() / ".cache") / "torchtune_offload" / "tiny"
+    for path in sorted((REPO_ROOT / "configs" / "tiny").glob("*.yaml")):
+        cfg = OmegaConf.load(path)
+        assert cfg.tokenizer.path == f"{tiny}/{tta.TOKENIZER_FILE}"
+        special_path = f"{tiny}/{tta.SPECIAL_TOKENS_FILE}"
         assert cfg.tokenizer.special_tokens_path == special_path
-        assert cfg.dataset.data_files == f"{tta.DEFAULT_TINY_DIR}/{tta.DATA_FILE}"
-        assert cfg.checkpointer.checkpoint_dir == f"{tta.DEFAULT_TINY_DIR}/{tta.MODEL_DIR}"
+        assert cfg.dataset.data_files == f"{tiny}/{tta.DATA_FILE}"
+        assert cfg.checkpointer.checkpoint_dir == f"{tiny}/{tta.MODEL_DIR}"
         assert list(cfg.checkpointer.checkpoint_files) == [tta.WEIGHTS_FILE]
         assert cfg.tokenizer.max_seq_len >= tta.MAX_EXAMPLE_TOKENS
         assert cfg.device == "cpu" and cfg.dtype == "fp32" and cfg.seed == 0
@@ -222,3 +230,16 @@ def test_bad_input_is_rejected(tmp_path, capsys):
     with pytest.raises(ValueError, match="num-layers 99"):
         tta.build_assets(output_dir=tmp_path / "y", real_arch="llama3_2_1b", num_layers=99)
     assert not (tmp_path / "y").exists()
+
+
+def test_missing_tiny_assets_names_the_path_and_the_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    tokenizer = f"{tta.default_tiny_dir()}/{tta.TOKENIZER_FILE}"
+    message = tta.missing_tiny_assets(paths=[str(tmp_path / "elsewhere.json"), tokenizer])
+    assert tokenizer in message and "python -m torchtune_offload.assets" in message
+    # Paths outside the default folder are the recipe's file checks' business, not this hint's.
+    assert tta.missing_tiny_assets(paths=[str(tmp_path / "elsewhere.json")]) is None
+    built = tta.default_tiny_dir() / tta.TOKENIZER_FILE
+    built.parent.mkdir(parents=True)
+    built.write_text("ranks")
+    assert tta.missing_tiny_assets(paths=[str(built)]) is None

@@ -1,8 +1,8 @@
 """Build tiny, offline, byte-for-byte reproducible assets for the tiny configs.
 
-Usage (from the repository root)::
+Usage (from any directory)::
 
-    python -m torchtune_offload.assets                 # -> assets/tiny/
+    python -m torchtune_offload.assets                 # -> ~/.cache/torchtune_offload/tiny/
     python -m torchtune_offload.assets --force         # rebuild even if up to date
     python -m torchtune_offload.assets --real-arch llama3_2_1b \\
         --output-dir assets/llama3_2_1b_random         # random-init real architecture
@@ -16,7 +16,8 @@ Nothing is downloaded. For the same arguments every run writes the same bytes
 on the same machine (the random weights come from torch's CPU generator, whose
 vectorised normal sampler may differ between CPU instruction sets).
 
-Tiny mode (default) writes into ``--output-dir`` (``assets/tiny``)::
+Tiny mode (default) writes into ``--output-dir``, by default :func:`default_tiny_dir`
+(``$XDG_CACHE_HOME/torchtune_offload/tiny``, else ``~/.cache/torchtune_offload/tiny``)::
 
     data/train.json             instruction data, JSON Lines, columns input/output
     tokenizer/tokenizer.model   byte-level BPE ranks in tiktoken format
@@ -25,18 +26,19 @@ Tiny mode (default) writes into ``--output-dir`` (``assets/tiny``)::
     model/model.safetensors     random-init weights (fp32 unless --dtype)
     manifest.json               content version, arguments, file hashes
 
-and then self-checks them with torchtune's own loaders. The configs use::
+and then self-checks them with torchtune's own loaders. The configs name the folder as
+:data:`TINY_DIR_IN_CONFIGS` (written ``<tiny>`` here), so they find it from any directory::
 
     tokenizer:
       _component_: torchtune.models.llama3.llama3_tokenizer
-      path: assets/tiny/tokenizer/tokenizer.model
-      special_tokens_path: assets/tiny/tokenizer/special_tokens.json
+      path: <tiny>/tokenizer/tokenizer.model
+      special_tokens_path: <tiny>/tokenizer/special_tokens.json
     dataset:
       _component_: torchtune.datasets.instruct_dataset
       source: json
-      data_files: assets/tiny/data/train.json
+      data_files: <tiny>/data/train.json
       split: train
-    checkpointer:  FullModelHFCheckpointer, checkpoint_dir assets/tiny/model,
+    checkpointer:  FullModelHFCheckpointer, checkpoint_dir <tiny>/model,
                    checkpoint_files [model.safetensors], model_type LLAMA3
     model:
       _component_: torchtune_offload.models.tiny_llama
@@ -60,9 +62,10 @@ These checkpoints carry no tokenizer. The tiny tokenizer also serves the Llama
 ids are all < 499 and the canonical special ids (128000..128255 for text) fit
 the 128256-token vocabulary. With the tiny dataset that is::
 
-    tokenizer.path=assets/tiny/tokenizer/tokenizer.model tokenizer.special_tokens_path=null \\
-    dataset._component_=torchtune.datasets.instruct_dataset dataset.source=json \\
-    dataset.data_files=assets/tiny/data/train.json dataset.split=train
+    tokenizer.path=$HOME/.cache/torchtune_offload/tiny/tokenizer/tokenizer.model \\
+    tokenizer.special_tokens_path=null dataset._component_=torchtune.datasets.instruct_dataset \\
+    dataset.source=json dataset.data_files=$HOME/.cache/torchtune_offload/tiny/data/train.json \\
+    dataset.split=train
 
 Qwen2.5 needs its own vocab.json/merges.txt; use synthetic token ids there.
 
@@ -77,7 +80,8 @@ arguments, e.g. for Llama 3.2 1B::
 
 Modules, by what they make (each imports only those listed before it):
 
-- ``files``: the file layout (``DATA_FILE``, ``TOKENIZER_FILE``, ...) and atomic writers.
+- ``files``: the file layout (``DATA_FILE``, ``TOKENIZER_FILE``, ...), the default folder
+  (:func:`default_tiny_dir`, :func:`missing_tiny_assets`) and atomic writers.
 - ``data``: the ten templated tasks, :func:`make_examples`, :func:`write_examples`.
 - ``tokenizer``: byte-level BPE training, :func:`write_tokenizer`,
   :func:`load_tiny_tokenizer`, tiktoken cache handling (its docstring has the quirks).
@@ -110,11 +114,13 @@ from torchtune_offload.assets.data import MAX_EXAMPLE_TOKENS, TASKS, make_exampl
 from torchtune_offload.assets.files import (
     CONFIG_FILE,
     DATA_FILE,
-    DEFAULT_TINY_DIR,
     MODEL_DIR,
     SPECIAL_TOKENS_FILE,
+    TINY_DIR_IN_CONFIGS,
     TOKENIZER_FILE,
     WEIGHTS_FILE,
+    default_tiny_dir,
+    missing_tiny_assets,
 )
 from torchtune_offload.assets.tokenizer import (
     TOKENIZER_MIN_CORPUS,
@@ -128,7 +134,6 @@ __all__ = [
     "CONFIG_FILE",
     "CONTENT_VERSION",
     "DATA_FILE",
-    "DEFAULT_TINY_DIR",
     "DTYPES",
     "INIT_STD",
     "MANIFEST_NAME",
@@ -138,6 +143,7 @@ __all__ = [
     "RealArch",
     "SPECIAL_TOKENS_FILE",
     "TASKS",
+    "TINY_DIR_IN_CONFIGS",
     "TOKENIZER_FILE",
     "TOKENIZER_MIN_CORPUS",
     "WEIGHTS_FILE",
@@ -145,11 +151,13 @@ __all__ = [
     "build_meta_model",
     "check_real_assets",
     "check_tiny_assets",
+    "default_tiny_dir",
     "hf_config_for",
     "init_tensor",
     "load_tiny_tokenizer",
     "load_with_checkpointer",
     "make_examples",
+    "missing_tiny_assets",
     "sha256_file",
     "special_token_names",
     "train_byte_bpe",

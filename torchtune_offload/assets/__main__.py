@@ -14,13 +14,14 @@ from typing import Any, Dict, Optional, Sequence
 from torchtune_offload import assets
 from torchtune_offload.assets.build import build_assets
 from torchtune_offload.assets.checkpoints import DTYPES, REAL_ARCHES
-from torchtune_offload.assets.files import DEFAULT_TINY_DIR, log
+from torchtune_offload.assets.files import default_tiny_dir, log
 
 # One explicit map of every command-line option.
 _OPTIONS: Dict[str, Dict[str, Any]] = {
     "--output-dir": dict(type=Path, default=None,
-                         help=f"destination (default {DEFAULT_TINY_DIR}, or assets/<arch>_random "
-                              "with --real-arch)"),
+                         help="destination (default $XDG_CACHE_HOME/torchtune_offload/tiny, else "
+                              "~/.cache/torchtune_offload/tiny, where configs/tiny/*.yaml look; "
+                              "assets/<arch>_random with --real-arch)"),
     "--seed": dict(type=int, default=0,
                    help="seed for data, tokenizer corpus and weights (default 0)"),
     "--num-examples": dict(type=int, default=1000, help="dataset size in tiny mode (default 1000)"),
@@ -68,8 +69,7 @@ def main(*, argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv=argv)
     output_dir = args.output_dir
     if output_dir is None:
-        default = DEFAULT_TINY_DIR if args.real_arch is None else f"assets/{args.real_arch}_random"
-        output_dir = Path(default)
+        output_dir = default_tiny_dir() if args.real_arch is None else Path(f"assets/{args.real_arch}_random")
     start = time.perf_counter()
     try:
         build_assets(
