@@ -1,10 +1,18 @@
-"""Installs the .pth hook that lets `tune run recipes/<file>.py` find this project's recipes.
+"""Two build steps pyproject.toml cannot declare.
 
-Everything else is in pyproject.toml; setuptools has no declarative way to ship a .pth file.
-A regular install (`pip install .`) copies it through build_py; an editable install
-(`pip install -e .`) builds its wheel from a strategy object instead, so the .pth is added there.
+1. Ships ``recipes/`` and ``configs/`` inside the package, as ``torchtune_offload/_shipped/``, so
+   ``tune-offload`` finds them after a regular install (``pip install .``) from any directory. They
+   stay at the repository's top level, where ``tune run recipes/<file>.py`` and the tests use them;
+   every ``recipes/*.py`` and ``configs/**/*.yaml`` is copied, so a file added later needs no edit
+   here. An editable install (``pip install -e .``) needs no copy: ``tune-offload`` reads the clone's
+   folders next to the package (torchtune_offload/cli/shipped.py).
+2. Installs the .pth hook that lets ``tune run recipes/<file>.py`` find this project's recipes from a
+   clone's root (torchtune's own top-level ``recipes`` package would shadow them). A regular install
+   copies it through build_py; an editable install builds its wheel from a strategy object
+   instead, so the .pth is added there.
 """
 
+import glob
 import os
 
 from setuptools import setup
@@ -12,15 +20,26 @@ from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
 PTH = "torchtune_offload_recipes.pth"
+SHIPPED = os.path.join("torchtune_offload", "_shipped")
+SHIPPED_GLOBS = ["recipes/*.py", "configs/**/*.yaml"]
+
+
+def _shipped_files():
+    return sorted(f for pattern in SHIPPED_GLOBS for f in glob.glob(pattern, recursive=True))
 
 
 class BuildPyWithPth(build_py):
     def run(self):
         super().run()
         self.copy_file(PTH, os.path.join(self.build_lib, PTH), preserve_mode=0)
+        for src in _shipped_files():
+            dest = os.path.join(self.build_lib, SHIPPED, src)
+            self.mkpath(os.path.dirname(dest))
+            self.copy_file(src, dest, preserve_mode=0)
 
     def get_outputs(self, include_bytecode=1):
-        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
+        shipped = [os.path.join(self.build_lib, SHIPPED, src) for src in _shipped_files()]
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)] + shipped
 
 
 class _AlsoWritePth:

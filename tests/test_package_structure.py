@@ -19,7 +19,8 @@ ROOT = Path(torchtune_offload.__file__).parent
 #: Imported inside a function only because they may be missing (optional dependencies).
 OPTIONAL_DEPENDENCIES = {"pynvml", "matplotlib", "wandb"}
 #: A folder may import only folders on a lower floor (and itself). The root ``__init__`` re-exports.
-FLOORS = {"optim": 0, "models": 0, "data": 0, "distributed": 1, "assets": 1, "recipe": 2, "bench": 3, "plan": 4}
+FLOORS = {"optim": 0, "models": 0, "data": 0, "distributed": 1, "assets": 1, "recipe": 2, "bench": 3, "plan": 4,
+          "cli": 5}
 
 
 def _modules() -> Dict[str, Path]:

@@ -1,0 +1,175 @@
+"""``tune-offload``: names resolve to the shipped recipes and configs, bad input names what exists.
+
+In-process and fast. Training through the installed command, single-device and 2-rank, is the
+acceptance test in tests/test_install.py.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from torchtune._cli.run import Run
+
+import torchtune_offload.assets as tta
+from torchtune_offload.cli import RECIPE_KINDS, Shipped, main, shipped_root
+from torchtune_offload.cli.shipped import SHIPPED_DIR
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_NAMES = sorted(p.relative_to(REPO / "configs").with_suffix("").as_posix()
+                      for p in (REPO / "configs").rglob("*.yaml"))
+RECIPE_NAMES = sorted(p.stem for p in (REPO / "recipes").glob("*.py") if not p.stem.startswith("_"))
+
+
+def _cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_working_tree_reads_the_clones_folders():
+    assert shipped_root() == REPO
+
+
+def test_an_installed_copy_comes_before_the_clone(tmp_path):
+    package = tmp_path / "site" / "torchtune_offload"
+    for root in (package / SHIPPED_DIR, package.parent):
+        (root / "recipes").mkdir(parents=True)
+        (root / "recipes" / "__init__.py").write_text("TORCHTUNE_OFFLOAD_RECIPES = True\n")
+        (root / "configs").mkdir()
+    assert shipped_root(package_dir=package) == package / SHIPPED_DIR
+    shutil.rmtree(package / SHIPPED_DIR)
+    assert shipped_root(package_dir=package) == package.parent
+    # torchtune's own top-level `recipes` package is not ours: no marker, not taken.
+    (package.parent / "recipes" / "__init__.py").write_text("")
+    with pytest.raises(FileNotFoundError, match="pip install"):
+        shipped_root(package_dir=package)
+
+
+def test_ls_lists_every_recipe_and_config_like_tune_ls(capsys):
+    code, out, _ = _cli(capsys, "ls")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["RECIPE", "CONFIG"]
+    listed = [line.split()[-1] for line in lines[1:]]
+    assert sorted(listed) == CONFIG_NAMES
+    recipes = [line.split()[0] for line in lines[1:] if not line.startswith(" ")]
+    assert recipes == RECIPE_NAMES
+    assert "tiny/full" in Shipped(REPO).configs_by_recipe()["full_finetune_single_device"]
+    assert "tiny/full_distributed" in Shipped(REPO).configs_by_recipe()["full_finetune_distributed"]
+
+
+def test_every_config_header_names_its_recipe_and_every_recipe_has_a_kind():
+    # A config whose header names none of our recipes would be listed apart and validated partly.
+    assert Shipped(REPO).configs_by_recipe().get(None) is None
+    assert sorted(RECIPE_KINDS) == RECIPE_NAMES
+
+
+def test_a_config_added_later_is_found_without_a_list(tmp_path):
+    for name in ("recipes", "configs"):
+        shutil.copytree(REPO / name, tmp_path / name)
+    added = tmp_path / "configs" / "newmodel" / "7B_qlora.yaml"
+    added.parent.mkdir()
+    added.write_text("# Launch:\n#   tune-offload run lora_finetune_single_device --config newmodel/7B_qlora\nbatch_size: 1\n")
+    shipped = Shipped(tmp_path)
+    assert shipped.config("newmodel/7B_qlora") == added
+    assert "newmodel/7B_qlora" in shipped.configs_by_recipe()["lora_finetune_single_device"]
+
+
+def test_cp_copies_a_config_and_a_recipe(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _cli(capsys, "cp", "tiny/full", "./my.yaml")[0] == 0
+    assert (tmp_path / "my.yaml").read_bytes() == (REPO / "configs" / "tiny" / "full.yaml").read_bytes()
+    assert _cli(capsys, "cp", "tiny/lora", "./other")[0] == 0  # a config stays a .yaml, as with tune cp
+    assert (tmp_path / "other.yaml").is_file()
+    assert _cli(capsys, "cp", "full_finetune_distributed", ".")[0] == 0
+    assert (tmp_path / "full_finetune_distributed.py").read_bytes() == (
+        REPO / "recipes" / "full_finetune_distributed.py").read_bytes()
+    (tmp_path / "my.yaml").write_text("mine\n")
+    code, out, _ = _cli(capsys, "cp", "-n", "tiny/full", "my.yaml")
+    assert code == 0 and "not overwriting" in out and (tmp_path / "my.yaml").read_text() == "mine\n"
+    code, _, err = _cli(capsys, "cp", "tiny/full", "new/dir/my.yaml")
+    assert code == 2 and "--make-parents" in err
+    assert _cli(capsys, "cp", "tiny/full", "new/dir/my.yaml", "--make-parents")[0] == 0
+    assert (tmp_path / "new" / "dir" / "my.yaml").is_file()
+
+
+@pytest.mark.parametrize("argv, looked_for, exists", [
+    (["cp", "tiny/fulll", "x.yaml"], "tiny/fulll", "tiny/full"),
+    (["cat", "llama3_2/1B_nope"], "configs/llama3_2/1B_nope.yaml", "llama3_2/1B_full_offload"),
+    (["cat", "missing.yaml"], "missing.yaml", "tiny/full"),
+    (["validate", "--config", "tiny/nope"], "configs/tiny/nope.yaml", "tiny/full"),
+    (["run", "full_finetune", "--config", "tiny/full"], "recipes/full_finetune.py", "full_finetune_single_device"),
+    (["run", "full_finetune_single_device", "--config", "./nope.yaml"], "nope.yaml", "tiny/full"),
+    (["run", "full_finetune_single_device"], "--config", "tiny/full"),
+    (["run", "--nproc_per_node", "2", "full_finetune_single_device", "--config", "tiny/full"],
+     "runs on one device", "full_finetune_distributed"),
+])
+def test_bad_input_exits_non_zero_naming_what_it_looked_for_and_what_exists(argv, looked_for, exists, capsys,
+                                                                         tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _cli(capsys, *argv)
+    assert code == 2
+    assert looked_for in err and exists in err, err
+    assert not list(tmp_path.iterdir())  # nothing was written or run
+
+
+def test_cat_prints_a_config_by_name_or_path(capsys, tmp_path):
+    code, out, _ = _cli(capsys, "cat", "tiny/full")
+    assert code == 0 and "output_dir: outputs/tiny/full" in out
+    (tmp_path / "mine.yaml").write_text("b: 1\na: 2\n")
+    assert _cli(capsys, "cat", str(tmp_path / "mine.yaml"), "--sort")[1] == "a: 2\nb: 1\n"
+    code, _, err = _cli(capsys, "cat", "full_finetune_single_device")
+    assert code == 2 and "is a recipe" in err
+
+
+@pytest.fixture
+def cache_with_tiny_assets(tiny_assets, tmp_path, monkeypatch):
+    """XDG_CACHE_HOME such that the tiny configs resolve to the session's assets."""
+    (tmp_path / "cache" / "torchtune_offload").mkdir(parents=True)
+    os.symlink(tiny_assets, tmp_path / "cache" / "torchtune_offload" / "tiny")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert tta.default_tiny_dir().resolve() == tiny_assets.resolve()
+
+
+def test_validate_checks_a_config_as_its_recipe_reads_it(cache_with_tiny_assets, capsys):
+    code, out, _ = _cli(capsys, "validate", "--config", "tiny/full")
+    assert code == 0 and "full_finetune_single_device" in out
+    assert _cli(capsys, "validate", "tiny/lora")[0] == 0  # the config as the first argument works too
+    code, _, err = _cli(capsys, "validate", "--config", "tiny/full", "batch_sise=4")
+    assert code == 1 and "batch_sise" in err and "batch_size" in err
+    code, _, err = _cli(capsys, "validate", "--config", "tiny/full", "dataset.data_files=/nonexistent.json")
+    assert code == 1 and "/nonexistent.json" in err
+
+
+def test_a_tiny_config_before_the_assets_are_built_says_what_to_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
+    for argv in (["validate", "--config", "tiny/full"], ["run", "full_finetune_single_device", "--config", "tiny/full"]):
+        code, _, err = _cli(capsys, *argv)
+        assert code != 0 and "python -m torchtune_offload.assets" in err, err
+        assert str(tmp_path / "empty" / "torchtune_offload" / "tiny") in err
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Records what ``run`` hands to torchtune's ``tune run`` machinery instead of training."""
+    calls = []
+    monkeypatch.setattr(Run, "_run_single_device", lambda self, args, is_builtin: calls.append(("single", args, is_builtin)))
+    monkeypatch.setattr(Run, "_run_distributed", lambda self, args, is_builtin: calls.append(("torchrun", args, is_builtin)))
+    return calls
+
+
+def test_run_hands_the_recipe_file_and_config_file_to_tune_run(cache_with_tiny_assets, launches, tmp_path,
+                                                                 monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(REPO / "configs" / "tiny" / "full.yaml", tmp_path / "my.yaml")
+    assert main(["run", "full_finetune_single_device", "--config", "tiny/full", "max_steps_per_epoch=2"]) == 0
+    assert main(["run", "full_finetune_single_device", "--config=./my.yaml", "device=cpu"]) == 0
+    assert main(["run", "--nproc_per_node", "2", "full_finetune_distributed", "--config", "tiny/full_distributed"]) == 0
+    (kind1, a1, b1), (kind2, a2, _), (kind3, a3, b3) = launches
+    assert (kind1, kind2, kind3) == ("single", "single", "torchrun")
+    assert b1 and b3  # launched as torchtune launches its built-in recipes: by file path
+    assert a1.recipe == str(REPO / "recipes" / "full_finetune_single_device.py")
+    assert a1.recipe_args == ["--config", str(REPO / "configs" / "tiny" / "full.yaml"), "max_steps_per_epoch=2"]
+    assert a2.recipe_args == ["--config", str(tmp_path / "my.yaml"), "device=cpu"]
+    assert a3.recipe == str(REPO / "recipes" / "full_finetune_distributed.py") and a3.nproc_per_node == "2"

@@ -1,0 +1,278 @@
+"""``tune-offload``: torchtune's verbs for torchtune-offload's recipes and configs, from any directory.
+
+torchtune 0.6.1's ``tune`` keeps a fixed list of its own recipes and has no plugin hook, so this
+command finds ours (:mod:`torchtune_offload.cli.shipped`) and hands each run to torchtune's own
+``tune run`` machinery: in this process for one device, through torchrun when torchrun options such
+as ``--nproc_per_node`` come before the recipe, exactly as ``tune run`` launches its built-in
+recipes. ``download`` is torchtune's ``tune download``.
+"""
+
+import argparse
+import os
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from torchtune import config as tune_config
+from torchtune._cli import tune as tune_cli
+from torchtune._cli.run import Run
+from torchtune.config._errors import ConfigError
+from torchtune.config._parse import TuneRecipeArgumentParser
+from torchtune.config._utils import _merge_yaml_and_cli_args
+
+from torchtune_offload.assets import missing_tiny_assets
+from torchtune_offload.cli.shipped import RECIPE_KINDS, Shipped, shipped_root
+from torchtune_offload.recipe import check_files, check_recipe_config
+
+PROG = "tune-offload"
+#: The config keys that name files a run reads (what the missing-assets hint looks at).
+_FILE_KEYS = ("tokenizer.path", "tokenizer.special_tokens_path", "dataset.data_files", "checkpointer.checkpoint_dir")
+_NULL = "<>"
+
+EPILOG = textwrap.dedent(f"""\
+    examples:
+        $ {PROG} ls
+        $ {PROG} cp tiny/full ./my.yaml
+        $ python -m torchtune_offload.assets        # the tiny offline assets, once
+        $ {PROG} run full_finetune_single_device --config tiny/full max_steps_per_epoch=2
+        $ {PROG} run full_finetune_single_device --config ./my.yaml
+        $ {PROG} run --nproc_per_node 2 full_finetune_distributed --config tiny/full_distributed device=cpu
+        $ {PROG} validate --config tiny/full
+        $ {PROG} download meta-llama/Llama-3.2-1B-Instruct --output-dir /tmp/Llama-3.2-1B-Instruct
+    """)
+
+
+class UsageError(ValueError):
+    """Bad input to a verb: printed with the verb's name, exit status 2."""
+
+
+def _shipped() -> Shipped:
+    try:
+        return Shipped(shipped_root())
+    except FileNotFoundError as err:
+        raise UsageError(str(err)) from err
+
+
+def load_config(path: Path, overrides: Sequence[str]) -> DictConfig:
+    """The config a recipe would see: the YAML at ``path`` with ``key=value`` / ``~key`` overrides.
+
+    Parsed by torchtune's own argument parser and merge, as ``@config.parse`` does in a recipe.
+    """
+    parser = TuneRecipeArgumentParser(prog=PROG, add_help=False)
+    yaml_args, cli_args = parser.parse_known_args(["--config", str(path), *overrides])
+    return _merge_yaml_and_cli_args(yaml_args, cli_args)
+
+
+def _assets_problem(cfg: DictConfig) -> Optional[str]:
+    paths = [OmegaConf.select(cfg, key, default=None) for key in _FILE_KEYS]
+    return missing_tiny_assets(paths=[str(p) for p in paths if isinstance(p, str)])
+
+
+# --- ls, cp, cat -------------------------------------------------------------------------------
+
+def _ls(args: argparse.Namespace) -> int:
+    print(f"{'RECIPE':<40} CONFIG")
+    for recipe, configs in _shipped().configs_by_recipe().items():
+        label = recipe if recipe is not None else f"{_NULL} (its header names none of our recipes)"
+        for i, config in enumerate(configs or [_NULL]):
+            print(f"{label if i == 0 else '':<40} {config}")
+    return 0
+
+
+def _cp(args: argparse.Namespace) -> int:
+    shipped = _shipped()
+    if args.file in shipped.recipes:
+        src, suffix = shipped.recipes[args.file], ".py"
+    elif args.file in shipped.configs:
+        src, suffix = shipped.configs[args.file], ".yaml"
+    else:
+        raise UsageError(
+            f"no recipe or config named '{args.file}'. Recipes: {', '.join(shipped.recipes)}. "
+            f"Configs: {', '.join(shipped.configs)}."
+        )
+    dest = Path(args.destination)
+    if dest.is_dir():
+        dest = dest / src.name
+    elif dest.suffix != suffix:
+        dest = dest.with_suffix(suffix)  # as tune cp does: a config stays a .yaml, a recipe a .py
+    if args.no_clobber and dest.exists():
+        print(f"File already exists at {dest.absolute()}, not overwriting.")
+        return 0
+    if args.make_parents:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    elif not dest.parent.is_dir():
+        raise UsageError(f"cannot write {dest}: no folder {dest.parent}. Create it, or pass --make-parents.")
+    print(f"Copied file to {shutil.copy(src, dest)}")
+    return 0
+
+
+def _cat(args: argparse.Namespace) -> int:
+    shipped = _shipped()
+    if args.config in shipped.recipes:
+        raise UsageError(f"'{args.config}' is a recipe; cat prints configs. Copy the recipe with: {PROG} cp {args.config} .")
+    with open(shipped.config(args.config), encoding="utf-8") as f:
+        data = yaml.safe_load(f)
+    print(yaml.dump(data, default_flow_style=False, sort_keys=args.sort, indent=4, width=100), end="")
+    return 0
+
+
+# --- validate ----------------------------------------------------------------------------------
+
+def _split_config(tokens: List[str], flag: Optional[str]) -> Tuple[str, List[str]]:
+    """The config named by ``--config`` or by the first token that is not an override; the overrides."""
+    if flag is not None:
+        return flag, tokens
+    for i, token in enumerate(tokens):
+        if "=" not in token and not token.startswith("~"):
+            return token, tokens[:i] + tokens[i + 1:]
+    raise UsageError(f"name a config: {PROG} validate --config <name or path> [key=value ...]; {PROG} ls lists them.")
+
+
+def _validate(args: argparse.Namespace) -> int:
+    shipped = _shipped()
+    name, overrides = _split_config(args.rest, args.config)
+    path = shipped.config(name)
+    recipe = args.recipe or shipped.recipe_of(path)
+    if recipe is not None and recipe not in RECIPE_KINDS:
+        raise UsageError(f"--recipe {recipe}: not one of our recipes ({', '.join(RECIPE_KINDS)}).")
+    cfg = load_config(path, overrides)
+    missing = _assets_problem(cfg)
+    if missing:
+        print(f"{PROG} validate: {missing}", file=sys.stderr)
+        return 1
+    problems = []
+    try:
+        tune_config.validate(cfg)  # every _component_ accepts the arguments the config gives it
+    except ConfigError as err:
+        problems.append(str(err))
+    if recipe is not None:
+        for check in (lambda: check_recipe_config(cfg, recipe=RECIPE_KINDS[recipe]),
+                      lambda: check_files(cfg, step_resume=RECIPE_KINDS[recipe] != "distributed")):
+            try:
+                check()
+            except ValueError as err:
+                problems.append(str(err))
+    if problems:
+        print(f"{PROG} validate: {path} does not pass:\n" + "\n".join(problems), file=sys.stderr)
+        return 1
+    checked = (f"as {recipe} reads it (keys, values, files)" if recipe is not None else
+               "(component arguments only: its header names none of our recipes; pass --recipe to check more)")
+    print(f"Config is well-formed: {path} {checked}.")
+    return 0
+
+
+# --- run, download -----------------------------------------------------------------------------
+
+def _run(argv: List[str]) -> int:
+    top = argparse.ArgumentParser(prog=PROG)
+    runner = Run(top.add_subparsers())
+    parser = runner._parser
+    parser.prog = f"{PROG} run"
+    parser.usage = f"{PROG} run [TORCHRUN-OPTIONS] <recipe> --config <config> [RECIPE-OPTIONS]"
+    parser.epilog = EPILOG
+    args = parser.parse_args(argv)
+    # torchtune's own rule: anything before the recipe is a torchrun option, so torchrun launches it.
+    distributed = len(argv) > len(args.recipe_args) + 1
+    try:
+        shipped = _shipped()
+        recipe_path = shipped.recipe(args.recipe)
+        if distributed and RECIPE_KINDS.get(args.recipe, "distributed") != "distributed":
+            raise UsageError(f"{args.recipe} runs on one device: torchrun options (--nproc_per_node ...) are "
+                             f"for {', '.join(k for k, v in RECIPE_KINDS.items() if v == 'distributed')}.")
+        recipe_args = list(args.recipe_args)
+        at = _config_index(recipe_args, args.recipe, shipped)
+        config_path = shipped.config(recipe_args[at])
+        recipe_args[at] = str(config_path)
+        missing = _assets_problem(load_config(config_path, recipe_args[:at - 1] + recipe_args[at + 1:]))
+        if missing:
+            raise UsageError(missing)
+    except UsageError:
+        raise
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    args.recipe, args.recipe_args = str(recipe_path), recipe_args
+    sys.path.append(os.getcwd())  # as tune run does: components defined in the working directory import
+    if distributed:
+        runner._run_distributed(args, is_builtin=True)  # a script path, run by torchrun
+    else:
+        runner._run_single_device(args, is_builtin=True)  # runpy, as tune run runs its own recipes
+    return 0
+
+
+def _config_index(recipe_args: List[str], recipe: str, shipped: Shipped) -> int:
+    """The position of the config's value in ``recipe_args`` (``--config=x`` is split in place)."""
+    for i, token in enumerate(recipe_args):
+        if token.startswith("--config="):
+            recipe_args[i:i + 1] = ["--config", token.split("=", 1)[1]]
+    if "--config" not in recipe_args or recipe_args.index("--config") + 1 == len(recipe_args):
+        mine = shipped.configs_by_recipe().get(recipe) or list(shipped.configs)
+        raise UsageError(f"--config <name or path> is required. Configs for {recipe}: {', '.join(mine)}.")
+    return recipe_args.index("--config") + 1
+
+
+def _download(argv: List[str]) -> int:
+    sys.argv = ["tune", "download", *argv]
+    tune_cli.main()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of every verb but ``run`` and ``download`` (listed here for ``--help``)."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="torchtune's verbs for torchtune-offload's recipes and configs.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(func=lambda args: parser.print_help() or 0)
+    verbs = parser.add_subparsers(title="verbs", metavar="{ls,cp,cat,validate,run,download}")
+    verbs.add_parser("ls", help="list our recipes and their configs").set_defaults(func=_ls)
+    cp = verbs.add_parser("cp", help="copy a recipe or config to a local path")
+    cp.add_argument("file", help="a recipe or config name (tune-offload ls lists them)")
+    cp.add_argument("destination", help="a file or folder; a config keeps .yaml, a recipe .py")
+    cp.add_argument("-n", "--no-clobber", action="store_true", help="do not overwrite an existing file")
+    cp.add_argument("--make-parents", action="store_true", help="create the destination's missing folders")
+    cp.set_defaults(func=_cp)
+    cat = verbs.add_parser("cat", help="print a config (by name or path)")
+    cat.add_argument("config")
+    cat.add_argument("--sort", action="store_true", help="sort the keys")
+    cat.set_defaults(func=_cat)
+    validate = verbs.add_parser(
+        "validate", help="check a config (and key=value overrides) as its recipe would, files included")
+    validate.add_argument("--config", help="a config name or path (or give it as the first argument)")
+    validate.add_argument("--recipe", choices=sorted(RECIPE_KINDS),
+                          help="check as this recipe reads it (default: the recipe the config's header names)")
+    validate.add_argument("rest", nargs="*", metavar="config|key=value")
+    validate.set_defaults(func=_validate)
+    verbs.add_parser("run", add_help=False,
+                     help="run a recipe: [TORCHRUN-OPTIONS] <recipe> --config <config> [key=value ...]")
+    verbs.add_parser("download", add_help=False, help="torchtune's tune download")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``tune-offload`` console script.
+
+    Args:
+        argv: the arguments after the program name; None reads ``sys.argv``.
+
+    Returns:
+        The exit status: 0 on success, 1 when ``validate`` finds problems, 2 on bad input.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verb = argv[0] if argv else None
+    try:
+        if verb == "run":
+            return _run(argv[1:])  # the recipe's own errors keep their traceback
+        if verb == "download":
+            return _download(argv[1:])
+        args = build_parser().parse_args(argv)
+        try:
+            return args.func(args)
+        except ValueError as err:  # a name or file shipped.py could not find
+            raise UsageError(str(err)) from err
+    except UsageError as err:
+        print(f"{PROG} {verb}: error: {err}", file=sys.stderr)
+        return 2
