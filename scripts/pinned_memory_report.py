@@ -49,7 +49,7 @@ def pinned_allocator_bytes(device: torch.device):
 def tensor_bytes(optimizer) -> int:
     """Bytes of the tensors the optimizer keeps as host buffers (copies, gradients, outputs)."""
     if isinstance(optimizer, OffloadOptimizer):
-        tensors = [t for s in optimizer._slots if s.offloaded for t in optimizer._host_buffers(s)]
+        tensors = [t for s in optimizer._slots if s.offloaded for t in s.host_buffers]
     else:
         tensors = [t for h in optimizer.param_d2h_map.values() for t in (h, h.grad)]
     return sum(t.numel() * t.element_size() for t in tensors)

@@ -141,7 +141,7 @@ def test_host_buffers_are_pinned_at_their_planned_size(master_dtype):
     opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", master_dtype=master_dtype,
                            minimal_size=MINIMAL_SIZE, lr=1e-2)
     offloaded = [s for s in opt._slots if s.offloaded]
-    assert all(t.is_pinned() for s in offloaded for t in opt._host_buffers(s))
+    assert all(t.is_pinned() for s in offloaded for t in s.host_buffers)
     plan = OffloadOptimizer.plan_host_memory(model.named_parameters(), device=device, master_dtype=master_dtype,
                                              minimal_size=MINIMAL_SIZE, lr=1e-2)
     assert opt.memory_report().pinned_bytes == sum(v for k, v in plan.parts.items() if k.endswith("(pinned)"))

@@ -116,8 +116,8 @@ def test_a_refused_page_lock_falls_back_to_torchs_pinned_allocator_with_a_warnin
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: made.append(pin_memory) or _empty(*a, **k))
     with pytest.warns(UserWarning, match="could not be page-locked in place"):
         opt = OffloadOptimizer(_model().named_parameters(), minimal_size=100, lr=1e-3)
-    buffers = [t for s in opt._slots if s.offloaded for t in opt._host_buffers(s)]
-    assert opt._pinning == ALLOCATOR and made.count(True) == len(buffers)  # each buffer pinned on its own
+    buffers = [t for s in opt._slots if s.offloaded for t in s.host_buffers]
+    assert opt._table.pinning == ALLOCATOR and made.count(True) == len(buffers)  # each buffer pinned on its own
     report = opt.memory_report()
     assert report.pinned_bytes == sum(pinned_allocation_bytes(t.numel() * t.element_size()) for t in buffers)
 

@@ -8,7 +8,8 @@ from tests.optim.side_by_side import batches, tiny_model, train
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim import fused_step
 from torchtune_offload.optim.host_arena import aligned_bytes
-from torchtune_offload.optim.offload_optimizer import _Slot
+from torchtune_offload.optim.param_table import Slot
+from torchtune_offload.optim.slot_step import SlotStepper
 
 MINIMAL_SIZE = 1000  # the three weights step on the host, the biases on the device
 
@@ -20,14 +21,15 @@ def _bf16_model():
 def _record_fed_gradients(monkeypatch):
     """Records, per parameter, the fp32 gradient each master is fed (what plain AdamW gets below)."""
     fed = {}
-    original = OffloadOptimizer._step_slot
+    original = SlotStepper.step_slot
 
-    def recording(self, slot: _Slot, grad: torch.Tensor) -> None:
+    def recording(self, slot: Slot, grad: torch.Tensor) -> None:
         fed.setdefault(slot.key, []).append(grad.detach().float().cpu().clone())
-        fed.setdefault("lr", {})[len(fed[slot.key]) - 1] = self.param_groups[slot.group_index]["lr"]
+        # The outer group's lr, as synced into the slot's base optimizer before each step.
+        fed.setdefault("lr", {})[len(fed[slot.key]) - 1] = slot.optimizer.param_groups[0]["lr"]
         original(self, slot, grad)
 
-    monkeypatch.setattr(OffloadOptimizer, "_step_slot", recording)
+    monkeypatch.setattr(SlotStepper, "step_slot", recording)
     return fed
 
 
@@ -182,7 +184,7 @@ def test_after_a_step_the_reused_gradient_buffer_is_not_taken_for_a_gradient():
     assert opt.grad_norm() > 0
     opt.step()
     offloaded = [s for s in opt._slots if s.offloaded]
-    assert all(s.out is s.host_grad and not s.has_host_grad for s in offloaded)
+    assert all(s.out is s.host_grad and not opt._grads.holds(s) for s in offloaded)
     opt.zero_grad(set_to_none=False)  # must not zero the buffer the new weights are copied from
     assert all(torch.equal(s.host_grad, s.param.detach()) for s in offloaded)
     # A backward without zero_grad starts a fresh host sum instead of adding onto the weights.

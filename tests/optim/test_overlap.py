@@ -19,6 +19,7 @@ from torch import nn
 from tests.optim.side_by_side import assert_same_params, batches, tiny_model, twin
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim.transfer import TransferEngine
+from torchtune_offload.optim.slot_step import SlotStepper
 
 MINIMAL_SIZE = 1000  # weights step on the host, biases on the device
 
@@ -199,7 +200,7 @@ def test_without_forward_waits_step_waits_and_results_match():
     opt = offload(model, overlap=True, forward_waits=False)
     train_windows(ref, ref_opt, data, grad_accum=2, clip=None)
     train_windows(model, opt, data, grad_accum=2, clip=None)
-    assert all(s.done is None for s in opt._slots)
+    assert all(opt._scheduler.pending(s) is None for s in opt._slots)
     assert_same_params(ref, model)
 
 
@@ -210,7 +211,7 @@ def test_unannounced_windows_take_the_serial_path():
     opt = offload(model, overlap=True, offload_gradients=True, lr=1e-2, weight_decay=0.01)
     train_windows(ref, ref_opt, data, grad_accum=3, clip=0.5)
     train_windows(model, opt, data, grad_accum=3, clip=0.5, announce=False)
-    assert opt._workers is None, "no window was announced, so no host work may have been queued"
+    assert opt._scheduler.workers is None, "no window was announced, so no host work may have been queued"
     assert_same_params(ref, model)
 
 
@@ -241,7 +242,7 @@ class _Delays:
         self.max_s = max_s
         for name in ("to_host", "to_device"):
             self._wrap(monkeypatch, TransferEngine, name)
-        self._wrap(monkeypatch, OffloadOptimizer, "_step_slot")
+        self._wrap(monkeypatch, SlotStepper, "step_slot")
 
     def _sleep(self) -> None:
         with self._lock:
@@ -299,10 +300,10 @@ def test_step_returns_before_the_host_steps_end(monkeypatch):
     opt.expect_final_backward(clipping=False)
     ((model(x) - y) ** 2).sum().backward()
     opt.step()
-    pending = [s for s in opt._slots if s.done is not None and not s.done.done()]
+    pending = [s for s in opt._slots if opt._scheduler.pending(s) is not None and not opt._scheduler.pending(s).done()]
     assert pending, "step() waited for every host step"
     model(x)  # the forward waits for each module's own parameters
-    assert all(s.done is None for s in opt._slots)
+    assert all(opt._scheduler.pending(s) is None for s in opt._slots)
     assert opt.step_timings()["host_step_s"] >= 0
 
 
@@ -314,12 +315,39 @@ def test_worker_errors_reach_the_caller(monkeypatch):
     def broken(self, slot, grad):
         raise ValueError(f"host step failed for {slot.key}")
 
-    monkeypatch.setattr(OffloadOptimizer, "_step_slot", broken)
+    monkeypatch.setattr(SlotStepper, "step_slot", broken)
     opt.expect_final_backward(clipping=False)
     ((model(x) - y) ** 2).sum().backward()
     opt.step()
     with pytest.raises(ValueError, match="host step failed"):
         model(x)
+
+
+def test_a_stuck_host_step_times_out_with_a_clear_error(monkeypatch):
+    model = tiny_model()
+    opt = offload(model, overlap=True, overlap_timeout_s=0.05)
+    x, y = batches(num=1)[0]
+    release = threading.Event()
+    original = SlotStepper.step_slot
+
+    def stuck(self, slot, grad):
+        release.wait(timeout=30)
+        original(self, slot, grad)
+
+    monkeypatch.setattr(SlotStepper, "step_slot", stuck)
+    opt.expect_final_backward(clipping=False)
+    ((model(x) - y) ** 2).sum().backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"host step.*overlap_timeout_s"):
+        model(x)
+    release.set()
+    opt.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "soon", True])
+def test_a_bad_overlap_timeout_is_refused_naming_the_key(bad):
+    with pytest.raises(ValueError, match="optimizer.overlap_timeout_s"):
+        offload(tiny_model(), overlap=True, overlap_timeout_s=bad)
 
 
 def test_misuse_of_an_announced_window_is_refused():
@@ -358,7 +386,7 @@ def test_announcing_without_overlap_does_nothing():
     opt = offload(model, overlap=False)
     train_windows(ref, ref_opt, data, grad_accum=2, clip=0.5)
     train_windows(model, opt, data, grad_accum=2, clip=0.5)
-    assert opt._workers is None
+    assert opt._scheduler.workers is None
     assert_same_params(ref, model)
 
 

@@ -61,6 +61,24 @@ class OptimizerCapabilities:
 #: Why an offloading optimizer cannot be one of ``optimizer_in_bwd``'s per-parameter optimizers.
 OFFLOAD_STEPS_AFTER_BACKWARD = "an offloading optimizer cannot step inside backward with exact gradient math"
 
+#: ``OffloadOptimizer``'s: per-parameter base optimizers over host copies, stepped after backward.
+ENGINE_CAPABILITIES = OptimizerCapabilities(
+    offloads=True,
+    holds_gradients=True,
+    named_parameters=True,
+    runs_under_fsdp2=False,
+    steps_in_backward=False,
+    precision_policy=True,
+    step_timings=True,
+    overlaps_host_step=True,
+    reasons={
+        "runs_under_fsdp2": "its state lives in per-parameter base optimizers over host copies of "
+        "each rank's shards, which torch's distributed state-dict API (used to gather a full "
+        "checkpoint and to resume) cannot see, so checkpoints would not resume",
+        "steps_in_backward": OFFLOAD_STEPS_AFTER_BACKWARD,
+    },
+)
+
 #: torch's optimizers: they step on the model's ``.grad`` tensors, wherever the model is.
 PLAIN_CAPABILITIES = OptimizerCapabilities(reasons={
     "overlaps_host_step": "a plain optimizer steps where the parameters are, after backward; "

@@ -2,6 +2,12 @@
 
 from dataclasses import dataclass
 
+import torch
+
+from torchtune_offload.optim.host_arena import NONE, buffer_bytes, pinned_allocation_bytes
+from torchtune_offload.optim.param_table import ParameterTable
+from torchtune_offload.optim.staging import StagingRing
+
 
 @dataclass
 class OffloadMemoryReport:
@@ -21,3 +27,37 @@ class OffloadMemoryReport:
     device_bytes_saved: int
     host_bytes: int
     pinned_bytes: int
+
+
+def engine_memory_report(table: ParameterTable, staging: StagingRing, *, offload_gradients: bool) -> OffloadMemoryReport:
+    """The report of ``OffloadOptimizer``'s memory, from its parameter table and staging ring.
+
+    Host buffers are counted as allocated, as ``OffloadOptimizer.plan_host_memory`` plans: on CUDA
+    each at its size rounded up to a page, in one page-locked block; on other accelerators each at
+    its size rounded up to a power of two (torch's pinned allocator); the staging ring's chunks,
+    made by torch's pinned allocator on any accelerator, likewise.
+    """
+    pinned = table.pinning != NONE
+    saved = host = pinned_total = 0
+    for slot in table.offloaded:
+        state_bytes = sum(
+            t.numel() * t.element_size()
+            for st in slot.optimizer.state.values()
+            for t in st.values()
+            if isinstance(t, torch.Tensor)
+        )
+        grad_bytes = slot.host_grad.numel() * slot.host_grad.element_size()
+        held = sum(buffer_bytes(t.numel() * t.element_size(), pinning=table.pinning) for t in slot.host_buffers)
+        host += state_bytes + held
+        pinned_total += held
+        saved += state_bytes + (grad_bytes if offload_gradients else 0)
+    num_offloaded = len(table.offloaded)
+    # Only buffers made by the transfer engine are pinned; states are plain host memory.
+    staging_bytes = staging.num_allocated * pinned_allocation_bytes(staging.chunk_bytes, pinned=pinned)
+    return OffloadMemoryReport(
+        num_offloaded=num_offloaded,
+        num_on_device=len(table.slots) - num_offloaded,
+        device_bytes_saved=saved,
+        host_bytes=host + staging_bytes,
+        pinned_bytes=pinned_total + staging_bytes if pinned else 0,
+    )

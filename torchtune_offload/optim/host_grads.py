@@ -1,0 +1,218 @@
+"""Host gradients: how each offloaded parameter's gradient reaches the host buffer its step reads.
+
+The only writer of a slot's gradient record (:class:`HostGrad`): its life as one explicit state,
+the copy and staging handles of the micro-batches on their way, and the gradient's norm where it
+was measured before it left the device. The record is written from the training thread (backward
+hooks, clipping, ``zero_grad``), the overlap landing thread (:meth:`HostGradients.land`) and the
+step thread (:meth:`HostGradients.consumed`); futures order those writes, so no two overlap.
+
+With ``offload_gradients`` the first micro-batch of a window is copied into the host buffer (the
+device copy is freed as the copy completes) and later ones are added into it through the bounded
+:class:`~torchtune_offload.optim.staging.StagingRing`. Without it the device gradient is the
+gradient, and the host buffer gets a copy of it for the step.
+"""
+
+import enum
+from typing import List, Optional, Tuple, Union
+
+import torch
+
+from torchtune_offload.optim.grad_norm import tensor_norm
+from torchtune_offload.optim.param_table import ParameterTable, Slot
+from torchtune_offload.optim.staging import StagingRing
+from torchtune_offload.optim.step_timings import StepTimings
+from torchtune_offload.optim.transfer import TransferEngine
+
+
+class GradState(enum.Enum):
+    """Where a slot's host gradient buffer is in its life."""
+
+    #: Holds no gradient: the next backward starts a fresh sum (or the buffer is not in use).
+    EMPTY = "empty"
+    #: Holds a gradient, some of it possibly still being copied or staged into it.
+    ARRIVING = "arriving"
+    #: Holds a complete gradient, ready to read or modify.
+    READY = "ready"
+
+
+class HostGrad:
+    """One slot's gradient record (written only by :class:`HostGradients`).
+
+    Attributes:
+        state: see :class:`GradState`.
+        event: the copy into the host buffer, until waited for.
+        staged: the staging ring's token of the last micro-batch staged into the buffer.
+        norm: the 2-norm of the gradient the next step uses, where measured before it left the
+            device or as it landed (overlap, and serial ``offload_gradients``); None once consumed.
+    """
+
+    __slots__ = ("state", "event", "staged", "norm")
+
+    def __init__(self) -> None:
+        self.state = GradState.EMPTY
+        self.event: Optional[object] = None
+        self.staged: Optional[int] = None
+        self.norm: Optional[torch.Tensor] = None
+
+
+class HostGradients:
+    """Lands, sums, measures and hands out the gradients the next step uses.
+
+    Args:
+        table: the slots.
+        transfer: the device/host copy engine.
+        timings: where the training thread's waits are counted.
+        offload_gradients: gradients move to the host during backward and are summed there.
+    """
+
+    def __init__(self, table: ParameterTable, transfer: TransferEngine, timings: StepTimings, *,
+                 offload_gradients: bool) -> None:
+        self._table = table
+        self._transfer = transfer
+        self._timings = timings
+        self.offload_gradients = offload_gradients
+        self.staging = StagingRing(transfer, largest_bytes=table.largest_offloaded_bytes)
+        self._records = [HostGrad() for _ in table.slots]
+
+    def summed_on_host(self, slot: Slot) -> bool:
+        """Whether the slot's gradient lives in its host buffer (offloaded, ``offload_gradients``)."""
+        return slot.offloaded and self.offload_gradients
+
+    def holds(self, slot: Slot) -> bool:
+        """Whether the slot's host buffer holds a gradient."""
+        return self._records[slot.index].state is not GradState.EMPTY
+
+    def norm(self, slot: Slot) -> Optional[torch.Tensor]:
+        return self._records[slot.index].norm
+
+    # ------------------------------------------------------------------------- training thread
+
+    def on_backward(self, slot: Slot, grad: torch.Tensor, *, in_window: bool) -> None:
+        """A backward completed ``grad`` for ``slot``: measure it where the next step's whole
+        gradient is still on the device, and send it to the host where it goes there now."""
+        record = self._records[slot.index]
+        if in_window or self.summed_on_host(slot):
+            # Measured on the device before it leaves, serial offload_gradients too, so that serial
+            # and overlapped clip alike to the bit (a device and the host reduce in different orders).
+            summed = self.summed_on_host(slot) and record.state is not GradState.EMPTY
+            record.norm = None if summed else tensor_norm(grad)
+        if self.summed_on_host(slot):
+            record.staged = None
+            if record.state is GradState.EMPTY:
+                record.event = self._transfer.to_host(slot.host_grad, grad, release_source=True)
+            else:
+                # A later micro-batch: through the bounded staging ring into the sum.
+                record.staged = self.staging.add_into(slot.host_grad, grad)
+            record.state = GradState.ARRIVING
+            slot.param.grad = None
+        elif in_window and slot.offloaded:
+            # The device copy stays (offload_gradients=False); the host gets the window's sum now.
+            self._send_device_grad(slot, release_source=True)
+
+    def send_for_step(self, slot: Slot) -> None:
+        """Serial step without ``offload_gradients``: copies the device gradient to the host buffer."""
+        self._send_device_grad(slot, release_source=False)
+
+    def _send_device_grad(self, slot: Slot, *, release_source: bool) -> None:
+        record = self._records[slot.index]
+        record.staged = None
+        record.event = self._transfer.to_host(slot.host_grad, slot.param.grad, release_source=release_source)
+        record.state = GradState.ARRIVING
+
+    def straggler(self, slot: Slot) -> bool:
+        """Makes a gradient from earlier micro-batches only (the window's final backward did not
+        reach the parameter) part of an overlapped window, as the backward hook would have.
+
+        Returns:
+            whether the slot has such a gradient.
+        """
+        record = self._records[slot.index]
+        if self.summed_on_host(slot):
+            if record.state is GradState.EMPTY:
+                return False
+            # record.norm: measured on the device by the hook if one micro-batch made the sum,
+            # else None (measured on the host when landed), as in a serial window.
+            record.staged = self.staging.issued
+            return True
+        if slot.param.grad is None:
+            return False
+        record.norm = tensor_norm(slot.param.grad)
+        if slot.offloaded:
+            self._send_device_grad(slot, release_source=True)
+        return True
+
+    def finish(self, slot: Slot) -> None:
+        """Waits for the slot's gradient copies and folds its staged micro-batches into the sum."""
+        record = self._records[slot.index]
+        if record.state is not GradState.ARRIVING:
+            return
+        with self._timings.waiting():
+            self._transfer.wait(record.event)
+            record.event = None
+            # The ring adds in the order chunks were issued, whichever slots they belong to.
+            self.staging.drain()
+        record.state = GradState.READY
+
+    def to_step(self) -> List[Tuple[Slot, torch.Tensor]]:
+        """The gradients the next step() will use, with their slots, ready to read or modify
+        (host work queued by the overlap scheduler must be finished first)."""
+        grads = []
+        for slot in self._table.slots:
+            if self.summed_on_host(slot):
+                if self.holds(slot):
+                    self.finish(slot)
+                    grads.append((slot, slot.host_grad))
+            elif slot.param.grad is not None:
+                grads.append((slot, slot.param.grad))
+        return grads
+
+    def norms(self, grads: List[Tuple[Slot, torch.Tensor]], norm_type: Union[float, str]) -> List[torch.Tensor]:
+        """Each gradient's ``norm_type`` norm, reusing a 2-norm measured before it left the device."""
+        reuse = float(norm_type) == 2.0
+        return [self.norm(slot) if reuse and self.norm(slot) is not None else tensor_norm(grad, norm_type=norm_type)
+                for slot, grad in grads]
+
+    def forget_norms(self) -> None:
+        """Drops measured norms once the gradients they describe have been changed."""
+        for record in self._records:
+            record.norm = None
+
+    def forget_norm(self, slot: Slot) -> None:
+        """Drops the slot's norm: the step consumes the gradient it describes."""
+        self._records[slot.index].norm = None
+
+    def zero(self, slot: Slot, *, set_to_none: bool, host: bool) -> None:
+        """``zero_grad`` of the slot's device gradient, and of its host sum where ``host``."""
+        if slot.param.grad is not None:
+            if set_to_none:
+                slot.param.grad = None
+            else:
+                slot.param.grad.zero_()
+        if not host or not self.holds(slot):
+            return
+        self.finish(slot)
+        record = self._records[slot.index]
+        if set_to_none:
+            record.state = GradState.EMPTY
+        else:
+            slot.host_grad.zero_()
+            record.norm = None
+
+    # ---------------------------------------------------------- landing and step threads
+
+    def land(self, slot: Slot) -> None:
+        """Landing thread: the window's gradient is complete in ``slot.host_grad`` when this returns."""
+        record = self._records[slot.index]
+        self._transfer.wait(record.event)
+        if record.staged is not None:
+            self.staging.drain_until(record.staged)
+        if record.norm is None:
+            record.norm = tensor_norm(slot.host_grad)
+
+    def consumed(self, slot: Slot) -> None:
+        """A step has used the slot's host gradient (or overwritten its buffer with new weights):
+        the next backward starts a fresh sum."""
+        record = self._records[slot.index]
+        record.state = GradState.EMPTY
+        record.event = None
+        record.staged = None

@@ -1,0 +1,115 @@
+"""``OffloadOptimizer``'s checkpoints: keyed by parameter name, with each slot's placement and
+master weights, and checked against the optimizer before anything loads."""
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from torchtune_offload.optim.param_table import ParameterTable
+
+STATE_DICT_FORMAT = "torchtune_offload.OffloadOptimizer/1"
+
+
+def class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], *, base_class: type) -> Dict[str, Any]:
+    """The checkpoint of an optimizer whose host work is finished (see ``OffloadOptimizer.state_dict``)."""
+    groups = []
+    for gi, group in enumerate(param_groups):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**hyper, "params": [s.key for s in table.slots if s.group_index == gi]})
+    return {
+        "format": STATE_DICT_FORMAT,
+        "optimizer_class": class_path(base_class),
+        "minimal_size": table.minimal_size,
+        "param_groups": groups,
+        "state": {
+            s.key: {
+                "offloaded": s.offloaded,
+                "shape": list(s.param.shape),
+                "dtype": str(s.param.dtype),
+                "optimizer": s.optimizer.state_dict(),
+                # The master weights: the model checkpoint holds only their rounding.
+                **({"master": s.step_param} if s.has_master else {}),
+            }
+            for s in table.slots
+        },
+    }
+
+
+def load_state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], sd: Any, *,
+                    base_class: type) -> None:
+    """Restores ``sd`` into the slots and ``param_groups`` after checking that it fits.
+
+    Raises:
+        ValueError: listing every mismatch; nothing is loaded in that case.
+    """
+    problems = mismatches(table, sd, base_class=base_class, num_groups=len(param_groups))
+    if problems:
+        raise ValueError(
+            "optimizer checkpoint does not fit this model and optimizer:\n  - "
+            + "\n  - ".join(problems)
+            + "\nResume with the model, optimizer_class, parameter groups and minimal_size "
+            "that wrote it, or start without resume_from_checkpoint."
+        )
+    for group, saved in zip(param_groups, sd["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    for slot in table.slots:
+        saved = sd["state"][slot.key]
+        slot.optimizer.load_state_dict(saved["optimizer"])
+        if slot.has_master:
+            with torch.no_grad():
+                slot.step_param.copy_(saved["master"])
+                # The parameter becomes the master's rounding, as after a step.
+                slot.param.copy_(slot.step_param)
+
+
+def mismatches(table: ParameterTable, sd: Any, *, base_class: type, num_groups: int) -> List[str]:
+    """Why ``sd`` cannot be loaded into ``table``'s optimizer, one line per problem (empty if it can)."""
+    if not isinstance(sd, dict) or sd.get("format") != STATE_DICT_FORMAT:
+        found = sd.get("format", "no 'format' entry") if isinstance(sd, dict) else type(sd).__name__
+        return [
+            f"it is not an OffloadOptimizer checkpoint ({found}); it was written by another "
+            f"optimizer (expected format {STATE_DICT_FORMAT!r})"
+        ]
+    problems = []
+    mine = class_path(base_class)
+    if sd["optimizer_class"] != mine:
+        problems.append(f"optimizer_class: checkpoint {sd['optimizer_class']}, now {mine}")
+    saved_state = sd["state"]
+    missing = [s.key for s in table.slots if s.key not in saved_state]
+    unexpected = [k for k in saved_state if k not in table.slot_of_key]
+    if missing:
+        problems.append(f"parameters missing from the checkpoint: {missing[:5]}")
+    if unexpected:
+        problems.append(f"parameters in the checkpoint but not trainable here: {unexpected[:5]}")
+    for slot in table.slots:
+        problem = _slot_mismatch(table, slot, saved_state.get(slot.key), saved_minimal_size=sd["minimal_size"])
+        if problem:
+            problems.append(problem)
+    saved_groups = [g["params"] for g in sd["param_groups"]]
+    my_groups = [[s.key for s in table.slots if s.group_index == gi] for gi in range(num_groups)]
+    if not problems and saved_groups != my_groups:
+        problems.append("parameter groups differ (same parameters, grouped or ordered differently)")
+    return problems
+
+
+def _slot_mismatch(table: ParameterTable, slot: Any, saved: Optional[Dict[str, Any]], *,
+                   saved_minimal_size: int) -> Optional[str]:
+    if saved is None:
+        return None
+    if list(saved["shape"]) != list(slot.param.shape) or saved["dtype"] != str(slot.param.dtype):
+        return (f"{slot.key}: checkpoint {saved['dtype']}{list(saved['shape'])}, "
+                f"model {slot.param.dtype}{list(slot.param.shape)}")
+    if ("master" in saved) != slot.has_master:
+        return (f"{slot.key}: {'has' if 'master' in saved else 'has no'} master weights in the "
+                f"checkpoint, {'needs' if slot.has_master else 'takes none'} now "
+                f"(master_dtype={table.master_dtype})")
+    if saved["offloaded"] != slot.offloaded:
+        return (f"{slot.key}: stepped {'on the host' if saved['offloaded'] else 'on the device'} "
+                f"in the checkpoint (minimal_size={saved_minimal_size}), "
+                f"{'on the host' if slot.offloaded else 'on the device'} now "
+                f"(minimal_size={table.minimal_size})")
+    return None

@@ -1,0 +1,258 @@
+"""The overlap scheduler of ``OffloadOptimizer(overlap=True)``: the announced window, the host
+workers, the forward waits and the stragglers (see ``overlap.py`` for how the pieces fit).
+
+The only writer of the window and of each slot's queued host work (its landing, its step and the
+upload's event). Every wait can time out (``overlap_timeout_s``) with an error that says what it
+was waiting for, instead of hanging on a stuck worker.
+"""
+
+import concurrent.futures
+import functools
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from torchtune_offload.optim.grad_norm import clip_, clip_coefficient, combine_norms
+from torchtune_offload.optim.host_grads import HostGradients
+from torchtune_offload.optim.overlap import HostWorkers, Window, changed_hyperparameters, hyperparameters
+from torchtune_offload.optim.param_table import ParameterTable, Slot
+from torchtune_offload.optim.slot_step import SlotStepper
+from torchtune_offload.optim.step_timings import StepTimings
+from torchtune_offload.optim.transfer import TransferEngine
+
+
+class _Queued:
+    """One slot's host work of the current or previous window (written by the scheduler only)."""
+
+    __slots__ = ("landed", "done", "param_event")
+
+    def __init__(self) -> None:
+        self.landed: Optional[concurrent.futures.Future] = None
+        self.done: Optional[concurrent.futures.Future] = None
+        self.param_event = None
+
+
+class OverlapScheduler:
+    """Runs announced windows' host work on worker threads and makes the training thread wait
+    only where it must.
+
+    Args:
+        table: the slots.
+        grads: the gradient records the workers land and consume.
+        stepper: what the step thread runs.
+        transfer: orders the compute stream after uploads.
+        timings: where the training thread's waits are counted.
+        timeout_s: the longest wait for one piece of host work; None waits without a limit.
+    """
+
+    def __init__(self, table: ParameterTable, grads: HostGradients, stepper: SlotStepper,
+                 transfer: TransferEngine, timings: StepTimings, *, timeout_s: Optional[float]) -> None:
+        self._table = table
+        self._grads = grads
+        self._stepper = stepper
+        self._transfer = transfer
+        self._timings = timings
+        self._timeout_s = timeout_s
+        self._queued = [_Queued() for _ in table.slots]
+        self.window: Optional[Window] = None
+        self.workers: Optional[HostWorkers] = None
+        self.forward_waits = False
+        self._hooks: List[Any] = []
+
+    def pending(self, slot: Slot) -> Optional[concurrent.futures.Future]:
+        """The slot's queued host step, if any (for tests and diagnostics)."""
+        return self._queued[slot.index].done
+
+    # ------------------------------------------------------------------------- the window
+
+    def announce(self, *, clipping: bool, param_groups: List[Dict[str, Any]]) -> None:
+        """Opens the window whose final backward comes next (see ``OffloadOptimizer.expect_final_backward``)."""
+        if self.window is not None:
+            raise RuntimeError("expect_final_backward() twice without step() in between.")
+        # The previous window's steps: done by now, as the forward before this backward waited.
+        self.synchronize()
+        self.window = Window(clipping=bool(clipping), hyper=hyperparameters(param_groups))
+        if not clipping:
+            self._stepper.sync_hyperparameters(param_groups)
+
+    def before_backward_grad(self, slot: Slot) -> None:
+        """The backward hook's first act: the previous window's work on the slot is finished (by
+        now, unless no forward ran) and the slot joins the open window's record."""
+        self.wait_done(slot)
+        window = self.window
+        if window is None:
+            return
+        if slot.index in window.seen:
+            raise RuntimeError(
+                f"{slot.key}: a second backward after expect_final_backward(); call it before "
+                "the last backward of the window only, then step()."
+            )
+        window.seen.add(slot.index)
+        window.order.append(slot.index)
+
+    def after_backward_grad(self, slot: Slot) -> None:
+        """The backward hook's last act: an offloaded window gradient goes to the host workers."""
+        if self.window is not None and slot.offloaded:
+            self._hand_over(slot)
+
+    def _hand_over(self, slot: Slot) -> None:
+        """Queues a window gradient's landing, and without clipping its step too."""
+        if self.workers is None:
+            self.workers = HostWorkers()
+        queued = self._queued[slot.index]
+        queued.landed = self.workers.land(self._land, slot)
+        if not self.window.clipping:
+            queued.done = self.workers.step(self._host_step, slot, None)
+
+    @torch.no_grad()  # grad mode is per thread: the workers start in the default mode
+    def _land(self, slot: Slot) -> None:
+        self._grads.land(slot)
+
+    @torch.no_grad()
+    def _host_step(self, slot: Slot, coef: Optional[torch.Tensor]) -> None:
+        """Step thread: steps one landed slot on the host and sends its new weights up."""
+        self._result(self._queued[slot.index].landed, f"{slot.key}: the landing of its gradient")
+        if coef is not None:
+            slot.host_grad.mul_(coef)
+        self._queued[slot.index].param_event = self._stepper.host_step(slot, waited=False)
+        # The window's sum is consumed: the next backward starts a fresh one.
+        self._grads.consumed(slot)
+
+    def _land_stragglers(self, window: Window) -> None:
+        """Hands over the gradients of parameters the final backward did not reach (used only in
+        earlier micro-batches), so that the window's record is complete."""
+        for slot in self._table.slots:
+            if slot.index in window.seen or not self._grads.straggler(slot):
+                continue
+            window.seen.add(slot.index)
+            window.stragglers.append(slot.index)
+            if slot.offloaded:
+                self._hand_over(slot)
+
+    def norms(self) -> List[torch.Tensor]:
+        """Each window gradient's 2-norm, in slot order, once landed."""
+        window = self.window
+        self._land_stragglers(window)
+        norms = []
+        for slot in self._table.slots:
+            if slot.index in window.seen:
+                self.wait_landed(slot)
+                norms.append(self._grads.norm(slot))
+        return norms
+
+    def clip(self, max_norm: float, norm_type: Any, *, device: torch.device,
+             error_if_nonfinite: bool) -> torch.Tensor:
+        """Clips the window's gradients by their total 2-norm: device ones now, host ones by the
+        step thread before stepping. Returns the total norm."""
+        window = self.window
+        if not window.clipping:
+            raise RuntimeError(
+                "clip_grad_norm_() in a window announced with expect_final_backward(clipping=False): "
+                "its host steps have already started. Announce clipping=True to clip."
+            )
+        if float(norm_type) != 2.0:
+            raise ValueError(f"norm_type={norm_type}: an overlapped window clips by the 2-norm only.")
+        norm = combine_norms(self.norms(), device=device, error_if_nonfinite=error_if_nonfinite)
+        window.coef = clip_coefficient(max_norm=max_norm, norm=norm)
+        clip_([s.param.grad for s in self._table.slots if not s.offloaded and s.param.grad is not None],
+              max_norm=max_norm, norm=norm)
+        return norm
+
+    def step(self, param_groups: List[Dict[str, Any]]) -> None:
+        """Steps the window: device-resident slots now, offloaded ones queued (with clipping, in
+        the order the next forward uses them)."""
+        window = self.window
+        self._land_stragglers(window)
+        if window.clipping:
+            self._stepper.sync_hyperparameters(param_groups)
+        else:
+            changed = changed_hyperparameters(window.hyper, hyperparameters(param_groups))
+            if changed:
+                self.window = None
+                self.synchronize()
+                raise RuntimeError(
+                    "hyper-parameters changed between expect_final_backward(clipping=False) and step(), "
+                    "after the host steps had used them: " + "; ".join(changed)
+                    + ". Change them after step() (as LR schedulers do), or announce clipping=True."
+                )
+        self._stepper.step_on_device()
+        if window.clipping:
+            coef = None if window.coef is None else window.coef.to("cpu")
+            # The next forward uses the parameters in the reverse of backward's order.
+            for index in window.stragglers + window.order[::-1]:
+                slot = self._table.slots[index]
+                if slot.offloaded:
+                    self._queued[index].done = self.workers.step(self._host_step, slot, coef)
+        self.window = None
+        if not self.forward_waits:
+            # Nothing makes the next forward wait per module: wait here, still after backward.
+            self.synchronize()
+
+    # ------------------------------------------------------------------------------ waits
+
+    def _result(self, future: concurrent.futures.Future, what: str) -> Any:
+        try:
+            return future.result(timeout=self._timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise RuntimeError(
+                f"overlap: waited {self._timeout_s} s for {what}, which did not finish. A host worker is "
+                "stuck or far slower than expected; raise optimizer.overlap_timeout_s, or set it to null "
+                "to wait without a limit."
+            ) from None
+
+    def wait_done(self, slot: Slot) -> None:
+        """Blocks until the slot's queued step is done, and orders the compute stream after its upload."""
+        queued = self._queued[slot.index]
+        if queued.done is None:
+            return
+        with self._timings.waiting():
+            self._result(queued.done, f"{slot.key}: its host step")
+        # The window's gradient is consumed, and with it its norm.
+        queued.done = queued.landed = None
+        self._grads.forget_norm(slot)
+        self._transfer.compute_waits_for(queued.param_event)
+        queued.param_event = None
+
+    def wait_landed(self, slot: Slot) -> None:
+        queued = self._queued[slot.index]
+        if queued.landed is not None:
+            with self._timings.waiting():
+                self._result(queued.landed, f"{slot.key}: the landing of its gradient")
+
+    def synchronize(self) -> None:
+        """Waits for every queued host step and upload; errors raised in a worker are raised here."""
+        for slot in self._table.slots:
+            self.wait_done(slot)
+            self.wait_landed(slot)
+
+    # ----------------------------------------------------------------------- forward waits
+
+    def register_forward_waits(self, model: torch.nn.Module) -> None:
+        """Each module of ``model`` waits, right before its forward, for its own parameters' host
+        steps and uploads; ``model.state_dict()`` waits for all of them."""
+        owned: Dict[torch.nn.Module, List[Slot]] = {}
+        for module in model.modules():
+            slots = [self._table.slot_of[p] for p in module.parameters(recurse=False)
+                     if p in self._table.slot_of and self._table.slot_of[p].offloaded]
+            if slots:
+                owned[module] = slots
+        for module, slots in owned.items():
+            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._forward_wait, slots)))
+        self._hooks.append(model.register_state_dict_pre_hook(lambda *_args, **_kwargs: self.synchronize()))
+        self.forward_waits = True
+
+    # A compiled module (compile=True) runs this eagerly instead of tracing waits on threads.
+    @torch.compiler.disable
+    def _forward_wait(self, slots: List[Slot], _module: torch.nn.Module, _args: Any) -> None:
+        for slot in slots:
+            self.wait_done(slot)
+
+    def close(self) -> None:
+        """Removes the forward waits and stops the workers (after what they have queued)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.forward_waits = False
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None

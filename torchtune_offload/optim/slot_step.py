@@ -1,0 +1,110 @@
+"""The update of one slot: its base optimizer's step (or the fused master pass) on the gradient it
+is given, wherever that gradient is.
+
+This is the seam for *how* an update runs. Today an offloaded slot's update runs on the host, in
+its base optimizer's own state format (or, for fp32 masters of bf16 parameters under Adam/AdamW,
+in ``fused_step``'s one-pass C loop); device-resident slots update on the device. Another
+placement of the update (states streamed to the device) or another state format (a fused
+low-bit kernel) is another implementation of :meth:`SlotStepper.step_slot`, leaving the gradient
+path and the scheduling as they are.
+"""
+
+from typing import Any, Dict, List
+
+import torch
+
+import torchtune_offload.optim.fused_step as fused_step
+from torchtune_offload.optim.host_grads import HostGradients
+from torchtune_offload.optim.param_table import ParameterTable, Slot
+from torchtune_offload.optim.step_timings import StepTimings
+from torchtune_offload.optim.transfer import TransferEngine
+
+
+class SlotStepper:
+    """Steps slots: serially after backward, or one at a time for the overlap step thread.
+
+    Args:
+        table: the slots.
+        grads: the gradients to step on.
+        transfer: sends the updated weights back to the device.
+        timings: where host-step seconds are counted.
+        fused_master_step: use the fused one-pass master update where it applies.
+    """
+
+    def __init__(self, table: ParameterTable, grads: HostGradients, transfer: TransferEngine,
+                 timings: StepTimings, *, fused_master_step: bool) -> None:
+        self._table = table
+        self._grads = grads
+        self._transfer = transfer
+        self._timings = timings
+        self.fused_master_step = fused_master_step
+
+    def step_slot(self, slot: Slot, grad: torch.Tensor) -> None:
+        """One base-optimizer step of ``slot`` on ``grad``; with a master, the result rounded into ``slot.out``."""
+        if (slot.has_master and slot.offloaded and self.fused_master_step
+                and fused_step.supports(slot.optimizer, grad, slot.out)
+                and fused_step.fused_adamw_step(slot.optimizer, grad, slot.out)):
+            return
+        # A master is fed the gradient widened to its dtype, as plain fp32 training would be.
+        slot.step_param.grad = grad if grad.dtype == slot.step_param.dtype else grad.to(slot.step_param.dtype)
+        slot.optimizer.step()
+        slot.step_param.grad = None
+        if slot.has_master:
+            slot.out.copy_(slot.step_param)
+
+    def sync_hyperparameters(self, param_groups: List[Dict[str, Any]]) -> None:
+        """Copies what schedulers changed in the outer ``param_groups`` into each base optimizer."""
+        for slot in self._table.slots:
+            inner = slot.optimizer.param_groups[0]
+            for k, v in param_groups[slot.group_index].items():
+                if k != "params":
+                    inner[k] = v
+
+    def step_on_device(self) -> None:
+        """Steps the parameters that stay on the device (on an accelerator, beside the host work)."""
+        for slot in self._table.slots:
+            if slot.offloaded:
+                continue
+            self._grads.forget_norm(slot)  # an announced window's, of the gradient this step consumes
+            if slot.param.grad is not None:
+                if slot.has_master:
+                    self.step_slot(slot, slot.param.grad)
+                else:
+                    slot.optimizer.step()
+
+    def host_step(self, slot: Slot, *, waited: bool) -> object:
+        """Steps an offloaded slot on its landed host gradient and sends its new weights up.
+
+        Args:
+            slot: an offloaded slot whose gradient is complete in ``slot.host_grad``.
+            waited: the training thread runs it (serial), so all of it counts as waiting.
+
+        Returns:
+            the upload's event (see ``TransferEngine.to_device``).
+        """
+        with self._timings.host_step(waited=waited):
+            self.step_slot(slot, slot.host_grad)
+        return self._transfer.to_device(slot.param, slot.result)
+
+    def step_serial(self, param_groups: List[Dict[str, Any]]) -> None:
+        """Steps every slot that has a gradient, on the training thread, after backward."""
+        self.sync_hyperparameters(param_groups)
+        ready = []
+        for slot in self._table.offloaded:
+            if self._grads.summed_on_host(slot):
+                if self._grads.holds(slot):
+                    ready.append(slot)
+            elif slot.param.grad is not None:
+                # Issue every copy first, so later copies stream while earlier slots step.
+                self._grads.send_for_step(slot)
+                ready.append(slot)
+        self.step_on_device()
+        for slot in ready:
+            self._grads.finish(slot)
+            self.host_step(slot, waited=True)
+            if slot.out is slot.host_grad or not self._grads.summed_on_host(slot):
+                # The buffer now holds the new weights, or only a copy of the device gradient: it
+                # is no gradient sum, and the next backward must not add into it.
+                self._grads.consumed(slot)
+        # The next forward must see the new parameters.
+        self._transfer.compute_waits_for_copies()

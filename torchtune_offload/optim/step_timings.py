@@ -1,0 +1,70 @@
+"""Where the time of an offloaded step went: the only writer of the step-timing counters.
+
+The training thread adds the seconds it blocked on host work; host steps add their own seconds
+from whichever thread runs them (the training thread, or the overlap step thread), hence the lock.
+"""
+
+import contextlib
+import threading
+import time
+from typing import Dict, Iterator
+
+
+class StepTimings:
+    """Counters summed since the last ``step()``, closed into one record per step."""
+
+    def __init__(self) -> None:
+        self._wait_s = 0.0
+        self._host_step_s = 0.0
+        self._lock = threading.Lock()
+        self._last: Dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Counts the block as time the training thread waited (training thread only)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._wait_s += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def host_step(self, *, waited: bool) -> Iterator[None]:
+        """Counts the block as host-step time, and as waiting too when the training thread ran it."""
+        start = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self._host_step_s += seconds
+        if waited:
+            self._wait_s += seconds
+
+    def close_step(self, *, started: float, copies: Dict[str, float]) -> None:
+        """Ends the step that began at ``started`` (``time.perf_counter()``): the counters become
+        its record and start again from zero."""
+        with self._lock:
+            host_step_s, self._host_step_s = self._host_step_s, 0.0
+        wait_s, self._wait_s = self._wait_s, 0.0
+        self._last = {
+            "offload_wait_s": wait_s,
+            "host_step_s": host_step_s,
+            "grad_copy_s": copies["grad"],
+            "param_copy_s": copies["param"],
+            "offload_step_s": time.perf_counter() - started,
+        }
+        if host_step_s > 0:
+            self._last["host_step_hidden"] = min(1.0, max(0.0, 1.0 - wait_s / host_step_s))
+
+    def last(self) -> Dict[str, float]:
+        """The previous step's record, in seconds; empty before the first step.
+
+        ``offload_wait_s``: the training thread blocked on host work: waiting for copies, running
+        host steps itself (serial), or waiting for the host workers (overlap); ``host_step_s``:
+        the base optimizer's steps on the host; ``grad_copy_s`` / ``param_copy_s``: gradient
+        downloads and weight uploads; ``offload_step_s``: the ``step()`` call itself;
+        ``host_step_hidden``: ``1 - offload_wait_s / host_step_s`` clamped to [0, 1], the share of
+        the host step the training thread did not wait for. With overlap the host work of a window
+        finishes during the next one, so the figures describe the steady state over steps, not
+        one window.
+        """
+        return dict(self._last)
