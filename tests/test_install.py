@@ -1,4 +1,7 @@
-"""`tune run recipes/<file>.py` finds our recipes after `pip install .` and after `pip install -e .`.
+"""Installing the project: ``tune-offload`` from any directory, and ``tune run recipes/<file>.py`` from a clone.
+
+The acceptance test installs the project into a fresh virtual environment and runs what the README
+shows from an empty directory. The hook test below checks the clone's ``tune run`` path.
 
 torchtune ships a top-level ``recipes`` package that refuses to be imported, and ``tune run`` runs
 a custom recipe as the module ``recipes.<file>`` with the working directory appended *after*
@@ -19,8 +22,8 @@ import setuptools
 
 REPO = Path(__file__).resolve().parents[1]
 # What an install needs from the repository (the rest would only slow the copy down).
-INSTALL_FILES = ["pyproject.toml", "setup.py", "README.md", "_torchtune_offload_recipes.py",
-                 "torchtune_offload_recipes.pth", "torchtune_offload", "recipes"]
+INSTALL_FILES = ["pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "_torchtune_offload_recipes.py",
+                 "torchtune_offload_recipes.pth", "torchtune_offload", "recipes", "configs"]
 DECOY = 'raise ModuleNotFoundError("the torchtune recipes directory is not a package")\n'
 # How `tune run` imports a custom recipe: no script directory first, the working directory last.
 RESOLVE = (
@@ -83,3 +86,108 @@ def test_tune_run_finds_our_recipes_after_install(editable, tmp_path):
     )
     assert "not a package" in elsewhere.stderr, elsewhere.stdout + elsewhere.stderr
 
+
+
+# --- The acceptance test: `pip install <clone>`, then tune-offload from an empty directory ---------
+
+RECIPES = ("full_finetune_single_device", "full_finetune_distributed", "lora_finetune_single_device")
+TINY_CONFIGS = ("tiny/full", "tiny/full_distributed", "tiny/lora")
+
+
+def _venv_on_these_dependencies(path: Path) -> Path:
+    """A fresh virtual environment that imports this interpreter's installed dependencies.
+
+    Not ``--system-site-packages``: that would also run this interpreter's ``.pth`` files, and a
+    development machine's editable install of the project would put the clone ahead of the copy
+    under test. A plain path line in a ``.pth`` adds site-packages to ``sys.path`` after the venv's
+    own, without running the ``.pth`` files found there. Installing torch and torchtune from the
+    registry instead would take minutes and a network; the dependency pins are still checked
+    against these installed versions by pip.
+    """
+    venv.EnvBuilder(with_pip=True).create(path)
+    python = path / "bin" / "python"
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    host = sorted({p for p in sys.path if p.endswith("-packages") and Path(p).is_dir()})
+    (Path(purelib) / "host_dependencies.pth").write_text("\n".join(host) + "\n")
+    return python
+
+
+def _losses(output_dir: Path) -> list:
+    """The per-step losses torchtune's DiskLogger wrote (``Step N | loss:X ...``)."""
+    (log,) = (output_dir / "logs").glob("log_*.txt")
+    return [float(field.split(":", 1)[1]) for line in log.read_text().splitlines()
+            for field in line.split() if field.startswith("loss:")]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Linux venv layout")
+@pytest.mark.parametrize("editable", [False, True], ids=["pip-install", "pip-install-e"])
+def test_tune_offload_from_an_empty_directory_after_install(editable, tmp_path):
+    clone = tmp_path / "clone"
+    _copy_project(clone)
+    venv_dir = tmp_path / "venv"
+    python = _venv_on_these_dependencies(venv_dir)
+    # No build isolation and no index: the build uses this interpreter's setuptools (the venv's may
+    # predate pyproject's minimum), and every dependency must already be satisfied here.
+    build_env = {"PYTHONPATH": str(Path(setuptools.__file__).parents[1]), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-index"] + (["-e"] if editable else [])
+        + [str(clone)], cwd=tmp_path, env=build_env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    work = tmp_path / "empty"
+    work.mkdir()
+    env = {"PATH": f"{venv_dir / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path / "home"),
+           "WANDB_MODE": "offline", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+
+    def sh(*argv, timeout=300):
+        return subprocess.run(list(argv), cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
+
+    where = sh("python", "-c", "import torchtune_offload.cli as c; print(c.__file__); print(c.shipped_root())")
+    assert where.returncode == 0, where.stderr
+    module, root = where.stdout.split()
+    if editable:  # the clone's package and its recipes/ and configs/
+        assert Path(module).is_relative_to(clone) and Path(root) == clone
+    else:  # the installed copy, with recipes/ and configs/ inside it
+        assert Path(module).is_relative_to(venv_dir) and Path(root).is_relative_to(venv_dir)
+
+    listed = sh("tune-offload", "ls")
+    assert listed.returncode == 0, listed.stderr
+    rows = [line.split() for line in listed.stdout.splitlines()[1:]]
+    assert {row[0] for row in rows if len(row) == 2} == set(RECIPES)
+    assert set(TINY_CONFIGS) <= {row[-1] for row in rows}
+
+    copied = sh("tune-offload", "cp", "tiny/full", "./my.yaml")
+    assert copied.returncode == 0 and (work / "my.yaml").is_file(), copied.stderr
+
+    before = sh("tune-offload", "run", "full_finetune_single_device", "--config", "tiny/full")
+    assert before.returncode != 0 and "python -m torchtune_offload.assets" in before.stderr, before.stderr
+
+    built = sh("python", "-m", "torchtune_offload.assets")
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert (tmp_path / "home" / ".cache" / "torchtune_offload" / "tiny" / "manifest.json").is_file()
+
+    validated = sh("tune-offload", "validate", "--config", "tiny/full")
+    assert validated.returncode == 0 and "well-formed" in validated.stdout, validated.stdout + validated.stderr
+    if editable:
+        return  # training from an installed copy is the regular install's part
+
+    for name, config in (("named", "tiny/full"), ("copied", "./my.yaml")):
+        out = tmp_path / "runs" / name
+        ran = sh("tune-offload", "run", "full_finetune_single_device", "--config", config,
+                 "max_steps_per_epoch=2", "device=cpu", f"output_dir={out}")
+        assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+        losses = _losses(out)
+        assert len(losses) == 2 and all(0 < loss < 20 for loss in losses), losses
+        assert (out / "epoch_0").is_dir()
+
+    out = tmp_path / "runs" / "distributed"
+    ran = sh("tune-offload", "run", "--nproc_per_node", "2", "full_finetune_distributed",
+             "--config", "tiny/full_distributed", "device=cpu", f"output_dir={out}", timeout=600)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    losses = _losses(out)
+    assert len(losses) == 20 and losses[-1] < losses[0], losses  # 20 steps of the config: it learns
+    assert list(work.iterdir()) == [work / "my.yaml"]  # every output went where output_dir said
