@@ -14,11 +14,11 @@ rm -rf "$OUT"
 COMMON="gradient_accumulation_steps=2 clip_grad_norm=1.0"
 
 echo "[demo] 1/2 plain torch.optim.AdamW"
-tune run recipes/full_finetune_single_device.py --config configs/tiny/full.yaml \
+tune-offload run full_finetune_single_device --config tiny/full \
     output_dir=$OUT/adamw $COMMON
 
 echo "[demo] 2/2 the same run with the optimizer offloaded to the host (one command-line change)"
-tune run recipes/full_finetune_single_device.py --config configs/tiny/full.yaml \
+tune-offload run full_finetune_single_device --config tiny/full \
     output_dir=$OUT/offload $COMMON \
     optimizer._component_=torchtune_offload.OffloadOptimizer \
     optimizer.optimizer_class=torch.optim.AdamW optimizer.offload_gradients=True optimizer.minimal_size=1024
