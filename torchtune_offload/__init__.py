@@ -3,6 +3,8 @@
 - :class:`OffloadOptimizer`: this project's engine; any device, gradient accumulation with
   offloaded gradients, clipping, named checkpoints.
 - :class:`CPUOffloadOptimizer`: torchao's implementation, configurable from YAML (CUDA/XPU only).
+- :class:`AdamW8bit`: AdamW with 8-bit states in bitsandbytes' format, a fused host step; a base
+  optimizer for :class:`OffloadOptimizer` at 6 bytes of host memory per bf16 parameter.
 
 The package has one folder per concern, each importing only the ones listed before it:
 ``optim`` (the engine), ``models`` (tiny test architectures), ``data`` (synthetic benchmark data),
@@ -11,6 +13,7 @@ recipes share), ``bench`` (the optimizer sweep).
 """
 
 from torchtune_offload.optim import (
+    AdamW8bit,
     CPUOffloadOptimizer,
     OffloadMemoryReport,
     OffloadOptimizer,
@@ -18,6 +21,7 @@ from torchtune_offload.optim import (
 )
 
 __all__ = [
+    "AdamW8bit",
     "CPUOffloadOptimizer",
     "OffloadMemoryReport",
     "OffloadOptimizer",

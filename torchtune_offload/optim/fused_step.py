@@ -47,7 +47,7 @@ def c_compiler() -> Optional[List[str]]:
     return command if shutil.which(command[0]) else None
 
 
-def _compile(directory: str) -> ctypes.CDLL:
+def _compile(directory: str, source: Path = SOURCE) -> ctypes.CDLL:
     compiler = c_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or put cc, gcc or clang on PATH)")
@@ -55,8 +55,8 @@ def _compile(directory: str) -> ctypes.CDLL:
     # Best first; a compiler without -march=native or OpenMP (Apple's clang, say) still builds the
     # pass, less vectorised or on one thread.
     for attempt, extra in enumerate((("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ())):
-        library = os.path.join(directory, f"fused_adamw_{attempt}.so")
-        command = [*compiler, *_FLAGS, *extra, str(SOURCE), "-o", library, "-lm"]
+        library = os.path.join(directory, f"{source.stem}_{attempt}.so")
+        command = [*compiler, *_FLAGS, *extra, str(source), "-o", library, "-lm"]
         try:
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode == 0:
@@ -65,6 +65,16 @@ def _compile(directory: str) -> ctypes.CDLL:
         except OSError as err:  # the compiler cannot run, or the library cannot be loaded
             errors.append(str(err))
     raise RuntimeError(f"{' '.join(compiler)} failed: {'; '.join(dict.fromkeys(errors))}")
+
+
+def build_library(source: Path) -> ctypes.CDLL:
+    """Compiles the C file ``source`` as this module's pass is compiled (best flags first) and loads it.
+
+    Raises:
+        RuntimeError: where no compiler is found or every attempt fails.
+    """
+    with tempfile.TemporaryDirectory(prefix="torchtune_offload_") as directory:
+        return _compile(directory, source)  # loaded before the directory goes
 
 
 @functools.lru_cache(maxsize=None)
