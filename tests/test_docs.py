@@ -1,0 +1,69 @@
+"""README.md is a map of at most 250 lines, and every relative link in it and in docs/ resolves."""
+
+import re
+from pathlib import Path
+from typing import Dict, List, Set
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md"] + sorted((REPO / "docs").glob("*.md"))
+#: The README's sections the project's issue 32 asks for, in the order a reader meets them.
+README_SECTIONS = ["Install", "The two commands", "The one-line swap", "`tune-offload`", "Which optimizer when",
+                   "One GPU result", "OffloadOptimizer in your own loop", "Limitations", "Docs"]
+# [text](target) and ![alt](target), not inside code spans; the target up to a space or ')'.
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def _without_code(text: str) -> str:
+    text = re.sub(r"^(```|~~~).*?^\1", "", text, flags=re.S | re.M)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def _anchors(page: Path) -> Set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    seen: Dict[str, int] = {}
+    out = set()
+    text = re.sub(r"^(```|~~~).*?^\1", "", page.read_text(), flags=re.S | re.M)
+    for heading in re.findall(r"^#{1,6}\s+(.*?)\s*#*\s*$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        out.add(slug if count == 0 else f"{slug}-{count}")
+    return out
+
+
+def _relative_links(page: Path) -> List[str]:
+    return [t for t in _LINK.findall(_without_code(page.read_text()))
+            if not re.match(r"^[a-z][a-z0-9+.-]*:", t)]  # http:, https:, mailto: are not ours to check
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(REPO).as_posix() for p in PAGES])
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target in _relative_links(page):
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target}: no file {file}")
+        elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+            broken.append(f"{target}: no heading with anchor #{anchor} in {file.relative_to(REPO)}")
+    assert not broken, f"{page.relative_to(REPO)}:\n" + "\n".join(broken)
+
+
+def test_the_link_check_sees_links_and_anchors(tmp_path):
+    (tmp_path / "a.md").write_text("# Top: the `x` part\n\n[b](b.md#two-words) ![i](img.png) `[no](c.md)`\n")
+    (tmp_path / "b.md").write_text("## Two words\n")
+    assert _relative_links(tmp_path / "a.md") == ["b.md#two-words", "img.png"]
+    assert _anchors(tmp_path / "a.md") == {"top-the-x-part"}
+    assert _anchors(tmp_path / "b.md") == {"two-words"}
+
+
+def test_readme_is_a_map():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    sections = re.findall(r"^## (.*)$", text, flags=re.M)
+    assert [s for s in sections if s in README_SECTIONS] == README_SECTIONS, sections
+    # Status belongs to docs/: no commit hashes and no lists of what is still to run.
+    assert not re.search(r"`[0-9a-f]{7,40}`", text)
+    assert "still to run" not in text.lower()
