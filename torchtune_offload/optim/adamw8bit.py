@@ -12,7 +12,7 @@ A step of an 8-bit tensor, per block: dequantize both moments with the block's o
 AdamW in float32, write the parameter, take the new absmax of each updated moment over the block
 and requantize each element to its nearest code. On CPU tensors the whole step is one pass of C
 (``fused_adamw8bit.c``, built at first use by the same builder as ``fused_step``) over all of
-torch's threads; elsewhere, or without a C compiler (one warning), the pure-torch
+torch's threads; on other devices, or without a C compiler (one warning), the pure-torch
 :func:`reference_step_8bit` runs the same math, also on meta tensors (the host-memory planner
 sizes the state by stepping on them).
 """
@@ -191,20 +191,6 @@ def fused_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, An
     return True
 
 
-def _bitsandbytes_step(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> bool:
-    """bitsandbytes' blockwise 8-bit kernel on an accelerator's tensors; False where it is not installed."""
-    try:
-        import bitsandbytes.functional as bnb_functional  # optional: only for tensors on accelerators
-    except ImportError:
-        return False
-    qmap1, qmap2 = quantization_maps(param.device)
-    (beta1, beta2), lr = group["betas"], float(group["lr"])
-    bnb_functional.optimizer_update_8bit_blockwise(
-        "adam", grad, param, state["state1"], state["state2"], beta1, beta2, 0.0, 0.0, float(group["eps"]),
-        state["step"], lr, qmap1, qmap2, state["absmax1"], state["absmax2"], float(group["weight_decay"]))
-    return True
-
-
 def _check_number(key: str, value: Any, low: float, high: float = math.inf, *, closed_high: bool = True) -> None:
     number = float(value) if isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool) else None
     if number is None or not (low <= number and (number <= high if closed_high else number < high)):
@@ -229,7 +215,7 @@ class AdamW8bit(torch.optim.Optimizer):
         min_8bit_size: tensors with fewer elements keep fp32 moments (bitsandbytes' default 4096).
         fused: True or None (default): CPU tensors step in the C pass where it can be built (else
             the reference, with one warning); False: always the pure-torch reference. Tensors on
-            other devices step with bitsandbytes' kernel where it is installed, else the reference.
+            other devices (and meta tensors) step with the reference.
         amsgrad, maximize, capturable, differentiable, foreach, is_paged: accepted only at their
             defaults, so that a config written for torch's or bitsandbytes' AdamW fails clearly.
 
@@ -324,11 +310,8 @@ class AdamW8bit(torch.optim.Optimizer):
             if not (self.fused is not False and p.is_contiguous() and grad.is_contiguous()
                     and fused_step_8bit(p, grad, state, s)):
                 reference_step_8bit(p, grad, state, s)
-        elif p.device.type == "meta" or not _bitsandbytes_step(p, grad, state, self._group_of(p)):
+        else:
             reference_step_8bit(p, grad, state, s)
-
-    def _group_of(self, p: torch.Tensor) -> Dict[str, Any]:
-        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's state dict, with bitsandbytes' ``qmap1``/``qmap2`` in each 8-bit state, so that
