@@ -16,8 +16,6 @@ from torchtune_offload.cli import RECIPE_KINDS, Shipped, main, shipped_root
 from torchtune_offload.cli.shipped import SHIPPED_DIR
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG_NAMES = sorted(p.relative_to(REPO / "configs").with_suffix("").as_posix()
-                      for p in (REPO / "configs").rglob("*.yaml"))
 RECIPE_NAMES = sorted(p.stem for p in (REPO / "recipes").glob("*.py") if not p.stem.startswith("_"))
 
 
@@ -52,7 +50,8 @@ def test_ls_lists_every_recipe_and_config_like_tune_ls(capsys):
     lines = out.splitlines()
     assert lines[0].split() == ["RECIPE", "CONFIG"]
     listed = [line.split()[-1] for line in lines[1:]]
-    assert sorted(listed) == CONFIG_NAMES
+    assert sorted(listed) == sorted(p.relative_to(REPO / "configs").with_suffix("").as_posix()
+                                    for p in (REPO / "configs").rglob("*.yaml"))
     recipes = [line.split()[0] for line in lines[1:] if not line.startswith(" ")]
     assert recipes == RECIPE_NAMES
     assert "tiny/full" in Shipped(REPO).configs_by_recipe()["full_finetune_single_device"]
