@@ -1,12 +1,13 @@
 """Host optimizer-step throughput of each precision policy, side by side with torch's fused AdamW.
 
 Usage: python scripts/bench_host_step.py [--params 200e6] [--steps 10] [--threads N] [--rows TEXT]
+                                         [--baseline "torch fused AdamW, bf16"]
 
 Tensors are Llama 3.2 1B-shaped layers (attention 2048x2048 and 512x2048, MLP 8192x2048, norms),
 repeated until --params is reached, with random gradients. Each row times one whole host step over
 all of them (median of --steps after two warm-up steps, which include any compilation) and reports
 millions of parameters per second. The engine's rows time exactly the per-parameter step the
-offload engine runs on the host (`OffloadOptimizer._step_slot`), without the copies to and from a
+offload engine runs on the host (`SlotStepper.step_slot`), without the copies to and from a
 device. Prints a markdown table naming the CPU and the thread count.
 
 A shared or virtual machine's speed drifts by tens of percent within a minute, so each row's steps
@@ -24,7 +25,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from torchtune_offload import OffloadOptimizer
+from torchtune_offload import AdamW8bit, OffloadOptimizer
 
 LAYER = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192),
          (2048,), (2048,)]
@@ -100,9 +101,27 @@ def engine(dims, dtype, *, optimizer_class="torch.optim.AdamW", **options):
     def step():
         for slot in opt._slots:
             # With masters the rounded result overwrites the gradient buffer, as in training.
-            opt._step_slot(slot, slot.host_grad)
+            opt._stepper.step_slot(slot, slot.host_grad)
 
     return step
+
+
+def plain(dims, dtype, optimizer_class, **options):
+    params = params_of(dims, dtype)
+    opt = optimizer_class(params, lr=1e-5, weight_decay=0.01, **options)
+    return opt.step
+
+
+def bitsandbytes_adamw8bit(dims, dtype):
+    import bitsandbytes  # optional: the comparison row only
+
+    return plain(dims, dtype, bitsandbytes.optim.AdamW8bit)
+
+
+def torchao_adamw8bit(dims, dtype):
+    from torchao.optim import AdamW8bit as TorchaoAdamW8bit  # optional: the comparison row only
+
+    return plain(dims, dtype, TorchaoAdamW8bit)
 
 
 def deepspeed_cpu_adam(dims, dtype) -> Optional[Callable[[], None]]:
@@ -124,6 +143,14 @@ ROWS = {
     "engine, bf16, bitsandbytes AdamW8bit states": lambda d: engine(d, torch.bfloat16,
                                                                    optimizer_class="bitsandbytes.optim.AdamW8bit"),
     "DeepSpeed CPUAdam, fp32": lambda d: deepspeed_cpu_adam(d, torch.float32),
+    "DeepSpeed CPUAdam, bf16": lambda d: deepspeed_cpu_adam(d, torch.bfloat16),
+    "torchtune_offload AdamW8bit, bf16 (fused C pass)": lambda d: plain(d, torch.bfloat16, AdamW8bit),
+    "torchtune_offload AdamW8bit, bf16 (pure-torch reference)": lambda d: plain(d, torch.bfloat16, AdamW8bit,
+                                                                                  fused=False),
+    "engine, bf16, torchtune_offload AdamW8bit states": lambda d: engine(d, torch.bfloat16,
+                                                                      optimizer_class="torchtune_offload.AdamW8bit"),
+    "bitsandbytes AdamW8bit (CPU backend), bf16": lambda d: bitsandbytes_adamw8bit(d, torch.bfloat16),
+    "torchao AdamW8bit (CPU), bf16": lambda d: torchao_adamw8bit(d, torch.bfloat16),
 }
 
 
@@ -133,6 +160,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per row, after 2 warm-up (default 10)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--rows", default="", help="only the rows whose name contains this text (default: all)")
+    parser.add_argument("--baseline", default="torch fused AdamW, fp32", choices=["torch fused AdamW, fp32",
+                        "torch fused AdamW, bf16"], help="the row every other row alternates with (default fp32)")
     args = parser.parse_args()
     if args.steps < 10:
         parser.error("--steps must be at least 10")
@@ -142,9 +171,9 @@ def main() -> None:
     numel = sum(torch.Size(s).numel() for s in dims)
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"{numel / 1e6:.1f}M parameters in {len(dims)} Llama-shaped tensors; median of {args.steps} steps\n")
-    print("| host step | Mparam/s | vs torch fused fp32 |")
+    baseline_name = args.baseline
+    print(f"| host step | Mparam/s | vs {baseline_name.replace('AdamW, ', '')} |")
     print("|---|---:|---:|")
-    baseline_name = "torch fused AdamW, fp32"
     baseline = ROWS[baseline_name](dims)
     baseline_times, lines = [], []
     for name, build in ROWS.items():

@@ -48,7 +48,7 @@ VARIANTS: Dict[str, Tuple[Dict[str, object], List[str], str]] = {
     "offload_master_overlap": (_ours(offload_gradients=True, overlap=True, master_dtype="fp32"), [],
                                "OffloadOptimizer, offload_gradients, overlap, fp32 master weights and "
                                "states on the host"),
-    "offload_grads_8bit": (_ours(optimizer_class="bitsandbytes.optim.AdamW8bit", offload_gradients=True), [],
+    "offload_grads_8bit": (_ours(optimizer_class="torchtune_offload.AdamW8bit", offload_gradients=True), [],
                            "OffloadOptimizer, offload_gradients, 8-bit AdamW states on the host"),
 }
 OFFLOAD_ONLY_KEYS = ("optimizer_class", "offload_gradients", "minimal_size", "master_dtype", "grad_sum_dtype",
