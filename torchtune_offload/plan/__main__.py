@@ -2,8 +2,11 @@
 
 Prints, for the run the config describes and for each optimizer variant, the predicted peak device
 memory (weights, gradients, optimizer state on the device, activations) and peak host memory, and
-whether each fits the budgets (default: this machine). Nothing is downloaded or loaded: the model
-is traced on fake tensors, so an 8B config plans on a laptop.
+whether each fits the budgets (default: this machine). Then the same for the full, LoRA and QLoRA
+fine-tunes of the configured model (torchtune's ``<name>``, ``lora_<name>`` and ``qlora_<name>``
+builders), each with the configured optimizer: which of them fits. Nothing is downloaded or
+loaded: the model is traced on fake tensors, so an 8B config plans on a laptop. A model the
+planner cannot build or trace ends the plan with one line naming ``model._component_`` (exit 2).
 """
 
 import argparse
@@ -11,6 +14,7 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import List, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -18,15 +22,19 @@ from omegaconf import OmegaConf
 from torchtune_offload.bench.sweep import VARIANTS
 from torchtune_offload.plan.planner import (
     GIB,
+    VariantPlan,
     default_device_budget,
     default_host_budget,
     default_variants,
+    format_fine_tunes,
     format_plans,
     load_config,
+    plan_fine_tunes,
     plan_variant,
     process_baseline,
     sequence_length,
 )
+from torchtune_offload.plan.trace import UntraceableModelError
 
 RECIPE_OF = {"full_finetune_single_device": "full", "lora_finetune_single_device": "lora",
              "full_finetune_distributed": "distributed"}
@@ -51,6 +59,8 @@ def main(argv=None) -> int:
     p.add_argument("--device-gib", type=float, help="device memory budget (default: this machine's GPU)")
     p.add_argument("--host-gib", type=float, help="host memory budget (default: what this machine has available)")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: the config's)")
+    p.add_argument("--fine-tunes", action=argparse.BooleanOptionalAction, default=True,
+                   help="also plan the full, LoRA and QLoRA fine-tunes of the model (single-device recipes)")
     p.add_argument("--json", type=Path, help="also write the plans to this JSON file")
     args = p.parse_intermixed_args(argv)
     if not args.config.is_file():
@@ -69,23 +79,46 @@ def main(argv=None) -> int:
     host_budget = int(args.host_gib * GIB) if args.host_gib else default_host_budget()
     if device.type == "cpu" and args.device_gib is None:
         device_budget = host_budget  # a CPU run's device memory is the host's
-    plans, traces = [], {}
-    for name in args.variants.split(","):
-        print(f"planning {name} ...", file=sys.stderr, flush=True)
-        plan = plan_variant(str(args.config), args.overrides, name, recipe=recipe, seq_len=args.seq_len,
-                            baseline=baseline, traces=traces)
-        plan.notes += baseline_notes if plan.problem is None else []
-        plans.append(plan)
+    try:
+        plans, fine, traces = [], [], {}
+        for name in args.variants.split(","):
+            print(f"planning {name} ...", file=sys.stderr, flush=True)
+            plan = plan_variant(str(args.config), args.overrides, name, recipe=recipe, seq_len=args.seq_len,
+                                baseline=baseline, traces=traces)
+            plan.notes += baseline_notes if plan.problem is None else []
+            plans.append(plan)
+        if args.fine_tunes and recipe in ("full", "lora"):
+            print("planning full, LoRA and QLoRA ...", file=sys.stderr, flush=True)
+            configured = next((p for p in plans if p.name == "config"), None) or plan_variant(
+                str(args.config), args.overrides, "config", recipe=recipe, seq_len=args.seq_len,
+                baseline=baseline, traces=traces)
+            fine = plan_fine_tunes(str(args.config), args.overrides, configured, seq_len=args.seq_len,
+                                   baseline=baseline, traces=traces)
+    except UntraceableModelError as err:
+        # One line, no traceback: the model is the user's to change, not a bug to debug here.
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     try:
         seq_note = f"batch {cfg.batch_size} x {sequence_length(cfg, args.seq_len)} tokens"
     except ValueError:
         seq_note = "sequence length unknown"
     print(format_plans(plans, device=str(device), device_budget=device_budget, host_budget=host_budget,
-                       config_path=str(args.config), seq_len_note=seq_note))
+                       config_path=str(args.config), seq_len_note=seq_note, fine_tunes=_fine_tune_block(
+                           fine, cfg, device_budget=device_budget, host_budget=host_budget)))
     if args.json:
         args.json.write_text(json.dumps({"device_budget": device_budget, "host_budget": host_budget,
-                                         "plans": [asdict(p) for p in plans]}, indent=1))
+                                         "plans": [asdict(p) for p in plans],
+                                         "fine_tunes": [asdict(p) for p in fine]}, indent=1))
     return 0
+
+
+def _fine_tune_block(fine: List[VariantPlan], cfg, *, device_budget: Optional[int], host_budget: int) -> str:
+    if not fine:
+        return ""
+    optimizer = str(OmegaConf.select(cfg, "optimizer._component_", default="?")).rpartition(".")[2]
+    if OmegaConf.select(cfg, "optimizer.offload_gradients", default=False):
+        optimizer += ", offload_gradients"
+    return format_fine_tunes(fine, device_budget=device_budget, host_budget=host_budget, optimizer=optimizer)
 
 
 if __name__ == "__main__":

@@ -30,9 +30,11 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune_offload.bench.sweep import VARIANTS, overrides_for
 from torchtune_offload.optim.host_memory import offloads, optimizer_state_bytes
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class, split_options
-from torchtune_offload.plan.trace import StepTrace, trace_training_step
+from torchtune_offload.plan.fine_tunes import FineTune, configured_fine_tune, fine_tunes
+from torchtune_offload.plan.trace import StepTrace, UntraceableModelError, build_meta_model, trace_training_step
 from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
-from torchtune_offload.recipe.host_preflight import available_host_memory, meta_model
+from torchtune_offload.recipe.config import RECIPE_KEYS
+from torchtune_offload.recipe.host_preflight import available_host_memory
 
 GIB = 1024**3
 #: torchtune's own 8B single-device setting cannot clip or accumulate: its variant turns both off.
@@ -129,13 +131,27 @@ def plan_variant(config_path: str, overrides: Sequence[str], name: str, *, recip
 
     Args:
         traces: traced steps by what shapes them, shared between the variants of one config.
+
+    Raises:
+        UntraceableModelError: the configured model cannot be built or traced.
     """
     description = "the config as given" if name == "config" else VARIANTS[name][2]
-    plan = VariantPlan(name=name, description=description)
-    cfg = _variant_cfg(config_path, overrides, name)
+    return plan_config(_variant_cfg(config_path, overrides, name), VariantPlan(name=name, description=description),
+                       recipe=recipe, seq_len=seq_len, baseline=baseline, traces=traces)
+
+
+def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Optional[int], baseline: int,
+                traces: Optional[Dict[tuple, StepTrace]] = None) -> VariantPlan:
+    """Fills ``plan`` with the device and host peaks of the run ``cfg`` describes (or why it cannot run).
+
+    Raises:
+        UntraceableModelError: ``cfg.model`` cannot be built or traced.
+    """
     try:
         settings = check_recipe_config(cfg, recipe=recipe, device_present=False)
         length = sequence_length(cfg, seq_len)
+    except UntraceableModelError:
+        raise
     except ValueError as err:
         plan.problem = str(err).replace("Invalid config:\n  - ", "").splitlines()[0]
         return plan
@@ -149,14 +165,14 @@ def plan_variant(config_path: str, overrides: Sequence[str], name: str, *, recip
     make = _make_optimizer(settings, cfg)
     key = (free, settings.optimizer_class if make else None, settings.gradient_accumulation_steps,
            str(settings.device), json.dumps(OmegaConf.to_container(cfg.optimizer, resolve=True), sort_keys=True)
-           if make else None)
+           if make else None, recipe, json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True))
     traces = {} if traces is None else traces
     if key not in traces:
         traces[key] = trace_training_step(cfg, settings, seq_len=length, mark_trainable=mark,
                                           free_gradients=free, make_optimizer=make)
     trace = traces[key]
     plan.device_parts = {f"step peak: {k.lower()}": v for k, v in trace.by_kind.items() if v}
-    model = meta_model(cfg.model, settings)
+    model = build_meta_model(cfg, settings)
     if mark is not None:
         mark(model)
     if settings.device.type != "cpu":
@@ -179,6 +195,77 @@ def plan_variant(config_path: str, overrides: Sequence[str], name: str, *, recip
         plan.notes.append("device figures are traced on fake CPU tensors: a GPU's allocator rounds and caches "
                           "on top (expect a few percent more)")
     return plan
+
+
+def plan_fine_tunes(config_path: str, overrides: Sequence[str], configured: VariantPlan, *,
+                    seq_len: Optional[int], baseline: int,
+                    traces: Optional[Dict[tuple, StepTrace]] = None) -> List[VariantPlan]:
+    """The full, LoRA and QLoRA fine-tunes of the configured model, each with the configured optimizer.
+
+    Args:
+        configured: the plan of the config as given, which stands for its own fine-tune.
+
+    Returns:
+        One plan per fine-tune, named ``full``, ``LoRA``, ``QLoRA``, described by its builder; a
+        fine-tune without a builder, or whose model cannot be traced, has its ``problem`` instead.
+    """
+    cfg = load_config(config_path, overrides)
+    mine = configured_fine_tune(cfg.model)
+    plans = []
+    for fine_tune in fine_tunes(cfg.model):
+        if fine_tune.model is None:
+            plans.append(VariantPlan(name=fine_tune.name, description="-", problem=fine_tune.problem))
+            continue
+        component = fine_tune.model["_component_"]
+        if fine_tune.name == mine:
+            plans.append(replace(configured, name=fine_tune.name, description=f"{component} (configured)"))
+            continue
+        plan = VariantPlan(name=fine_tune.name, description=component)
+        try:
+            plans.append(plan_config(_fine_tune_cfg(cfg, fine_tune), plan, recipe=fine_tune.recipe,
+                                     seq_len=seq_len, baseline=baseline, traces=traces))
+        except UntraceableModelError as err:
+            plan.problem = err.problem
+            plans.append(plan)
+    return plans
+
+
+def _fine_tune_cfg(cfg: DictConfig, fine_tune: FineTune) -> DictConfig:
+    """``cfg`` with the fine-tune's model, less the keys its recipe does not take (LoRA's, for full)."""
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    out.model = OmegaConf.create(fine_tune.model)
+    for key in [k for k in out.keys() if k not in RECIPE_KEYS[fine_tune.recipe]]:
+        del out[key]
+    return out
+
+
+def format_fine_tunes(plans: List[VariantPlan], *, device_budget: Optional[int], host_budget: int,
+                      optimizer: str) -> str:
+    """The full/LoRA/QLoRA block: a table, then one line saying which fit the device budget."""
+    def gib(n: Optional[int]) -> str:
+        return "-" if n is None else f"{n / GIB:.2f}"
+
+    budget = "unknown (give --device-gib)" if device_budget is None else f"{device_budget / GIB:.1f} GiB"
+    lines = [f"Full, LoRA and QLoRA of this model, each with the configured optimizer ({optimizer}); "
+             f"device budget {budget}:", "",
+             "| fine-tune | device peak GiB | fits device | host peak GiB | fits host | model._component_ |",
+             "|---|---:|:---:|---:|:---:|---|"]
+    for p in plans:
+        fits = "-" if p.device_bytes is None or device_budget is None else (
+            "yes" if p.device_bytes <= device_budget else "no")
+        fits_host = "-" if p.host_bytes is None else ("yes" if p.host_bytes <= host_budget else "no")
+        lines.append(f"| {p.name} | {gib(p.device_bytes)} | {fits} | {gib(p.host_bytes)} | {fits_host} | "
+                     f"{p.problem if p.problem else p.description} |")
+    if device_budget is not None:
+        fit = [p.name for p in plans if p.device_bytes is not None and p.device_bytes <= device_budget]
+        miss = [p.name for p in plans if p.device_bytes is not None and p.device_bytes > device_budget]
+        unknown = [p.name for p in plans if p.device_bytes is None]
+        lines.append("")
+        lines.append(f"On a {budget} device: " + "; ".join(part for part in (
+            f"{', '.join(fit)} fit{'s' if len(fit) == 1 else ''}" if fit else "",
+            f"{', '.join(miss)} do{'es' if len(miss) == 1 else ''} not fit" if miss else "",
+            f"{', '.join(unknown)} could not be planned" if unknown else "") if part) + ".")
+    return "\n".join(lines)
 
 
 def default_variants() -> List[str]:
@@ -217,8 +304,13 @@ def process_baseline(cfg: DictConfig, *, device: torch.device) -> Tuple[int, Lis
 
 
 def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Optional[int], host_budget: int,
-                 config_path: str, seq_len_note: str) -> str:
-    """A markdown table of the plans, with the budgets and a verdict per variant."""
+                 config_path: str, seq_len_note: str, fine_tunes: str = "") -> str:
+    """A markdown table of the plans, with the budgets and a verdict per variant.
+
+    Args:
+        fine_tunes: a block shown after the table, before each variant's breakdown
+            (:func:`format_fine_tunes`).
+    """
     def gib(n: Optional[int]) -> str:
         return "-" if n is None else f"{n / GIB:.2f}"
 
@@ -239,6 +331,8 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
         paged = f"{p.paged_bytes / GIB:.2f}" if p.paged_bytes else "-"
         lines.append(f"| {p.name} | {gib(p.device_bytes)} | {paged} | {verdict(p.device_bytes, device_budget)} | "
                      f"{gib(p.host_bytes)} | {verdict(p.host_bytes, host_budget)} | {what} |")
+    if fine_tunes:
+        lines += ["", fine_tunes]
     for p in plans:
         if p.problem:
             continue

@@ -3,7 +3,12 @@
 The model is built on the meta device, as the recipe would build it (dtype, LoRA trainability,
 activation checkpointing, the configured loss and its output chunks), then given fake CPU storage
 under PyTorch's ``FakeTensorMode``: shapes, dtypes and every allocation, no memory and no data.
-The RoPE caches are computed for real, since their construction reads values. PyTorch's
+The RoPE caches are computed for real, since their construction reads values. QLoRA's frozen base
+weights are torchao ``NF4Tensor`` objects, wrappers of five inner tensors (4-bit codes, quantised block
+scales and their factors, the scales' mean, the 16-value code book); ``Module.to_empty`` gives
+only three of them fake storage (torchao's ``empty_like`` copies the other two from the meta
+weight), so the other two are given theirs here. Their dequantisation in forward and backward is
+then traced like any other operator: its temporaries are in the peak. PyTorch's
 ``MemTracker`` then follows one training step (forward, loss, backward for each micro-batch of a
 window up to two, and the optimizer step where one is given) and reports the peak of the memory
 alive at any moment, split into parameters, buffers, gradients, activations, temporaries and
@@ -22,13 +27,30 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 from omegaconf import DictConfig
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torchao.dtypes.nf4tensor import NF4Tensor
 from torchtune import modules, training
 
 from torchtune_offload.recipe import RecipeSettings, build_loss
 from torchtune_offload.recipe.host_preflight import meta_model
+
+
+#: Tensor subclasses the trace gives fake storage and follows exactly (QLoRA's NF4 base weights).
+TRACEABLE_SUBCLASSES = (NF4Tensor,)
+_WHAT_TO_DO = ("Plan a model of plain tensors or torchao NF4 weights (QLoRA), for example its lora_ or qlora_ "
+               "builder, or measure a real run of it (log_peak_memory_stats=True).")
+
+
+class UntraceableModelError(ValueError):
+    """The configured model cannot be built or traced by the planner; the message is one line that
+    names ``model._component_`` and what to do."""
+
+    def __init__(self, component: str, problem: str, *, fix: str = _WHAT_TO_DO):
+        super().__init__(f"model._component_={component}: {problem}. {fix}")
+        self.component, self.problem = component, problem
 
 
 @dataclass(frozen=True)
@@ -69,14 +91,13 @@ def trace_training_step(
             parameters; ``None`` when its state is not on the device.
     """
     start = time.perf_counter()
-    model = meta_model(cfg.model, settings)
+    model = build_meta_model(cfg, settings)
     if mark_trainable is not None:
         mark_trainable(model)
     if settings.enable_activation_checkpointing:
         training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        model.to_empty(device="cpu")
+    _give_fake_storage(model, mode)
     with training.set_default_dtype(settings.dtype):
         for module in model.modules():
             if callable(getattr(module, "rope_init", None)):
@@ -88,7 +109,7 @@ def trace_training_step(
         def free(param: torch.Tensor) -> None:
             param.grad = None
         hooks = [p.register_post_accumulate_grad_hook(free) for p in trainable]
-    vocab = _vocab_size(model)
+    vocab = _vocab_size(cfg, model)
     with mode:
         optimizer = make_optimizer(trainable) if make_optimizer is not None else None
         tracker = _PeakTracker()
@@ -100,22 +121,28 @@ def trace_training_step(
         # MemTracker warns about the gradients the free hook has just dropped; they are gone, as meant.
         warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
         tracker.track_external(model, *([optimizer] if optimizer is not None else []))
-        with tracker:
-            for micro_batch in range(min(settings.gradient_accumulation_steps, 2)):
-                if micro_batch:
-                    # The second micro-batch reuses the modules; the overall peak is kept.
-                    tracker.reset_mod_stats()
-                tokens = torch.randint(0, vocab, (settings.batch_size, seq_len))
-                labels = torch.randint(0, vocab, (settings.batch_size, seq_len))
-                logits = model(tokens)
-                if not isinstance(logits, list):
-                    logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
-                loss = loss_fn(logits, labels)
-                loss.backward()
-                del logits, loss
-            if optimizer is not None:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+        try:
+            with tracker:
+                for micro_batch in range(min(settings.gradient_accumulation_steps, 2)):
+                    if micro_batch and all(p.grad is None for p in trainable):
+                        break  # nothing kept from the first: the second would repeat it byte for byte
+                    if micro_batch:
+                        # The second micro-batch reuses the modules; the overall peak is kept.
+                        tracker.reset_mod_stats()
+                    tokens = torch.randint(0, vocab, (settings.batch_size, seq_len))
+                    labels = torch.randint(0, vocab, (settings.batch_size, seq_len))
+                    logits = model(tokens)
+                    if not isinstance(logits, list):
+                        logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
+                    loss = loss_fn(logits, labels)
+                    loss.backward()
+                    del logits, loss
+                if optimizer is not None:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        except Exception as err:  # whatever an operator of the model refuses on fake tensors
+            raise UntraceableModelError(_component(cfg), f"a training step could not be traced on fake tensors "
+                                        f"({type(err).__name__}: {_one_line(err)})") from err
         snapshot = tracker.get_tracker_snapshot("peak")
     for hook in hooks:
         hook.remove()
@@ -123,6 +150,54 @@ def trace_training_step(
     by_kind = {getattr(k, "value", str(k)): int(v) for k, v in figures.items() if k != "Total"}
     return StepTrace(peak_bytes=int(figures.get("Total", 0)), by_kind=by_kind,
                      seconds=time.perf_counter() - start)
+
+
+def build_meta_model(cfg: DictConfig, settings: RecipeSettings) -> nn.Module:
+    """The configured model on the meta device (as :func:`meta_model`), its tensors checked.
+
+    Raises:
+        UntraceableModelError: when the builder cannot be found or fails, or the model holds a
+            tensor subclass the trace cannot follow.
+    """
+    try:
+        model = meta_model(cfg.model, settings)
+    except Exception as err:  # torchtune's instantiate raises whatever the import or the builder raises
+        raise UntraceableModelError(
+            _component(cfg), f"cannot be built on the meta device ({type(err).__name__}: {_one_line(err)})",
+            fix="Give the dotted path of a model builder that takes the other model.* keys, for example "
+                "torchtune.models.llama3_1.qlora_llama3_1_8b.") from err
+    named = [*model.named_parameters(), *model.named_buffers()]
+    for name, tensor in named:
+        kind = torch.Tensor if type(tensor) is nn.Parameter else type(tensor)
+        if kind is not torch.Tensor and not issubclass(kind, TRACEABLE_SUBCLASSES):
+            raise UntraceableModelError(
+                _component(cfg), f"{name} is a {kind.__module__}.{kind.__qualname__}, a tensor subclass the "
+                "planner cannot trace on fake tensors")
+    return model
+
+
+def _give_fake_storage(model: nn.Module, mode: FakeTensorMode) -> None:
+    """Fake CPU storage for every tensor of the meta ``model``, inner tensors of NF4 weights included."""
+    with mode:
+        model.to_empty(device="cpu")
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if not is_traceable_wrapper_subclass(tensor):
+                continue
+            names, _ = tensor.__tensor_flatten__()
+            for name in names:
+                inner = getattr(tensor, name)
+                if not isinstance(inner, FakeTensor):
+                    setattr(tensor, name, torch.empty_like(inner, device="cpu"))
+
+
+def _component(cfg: DictConfig) -> str:
+    return str(cfg.model.get("_component_", "?"))
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line, cut at 300 characters (a line, not a page of a kernel's dump)."""
+    text = " ".join(str(err).split())
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 class _PeakTracker(MemTracker):
@@ -150,8 +225,9 @@ class _NoHook:
         pass
 
 
-def _vocab_size(model: nn.Module) -> int:
+def _vocab_size(cfg: DictConfig, model: nn.Module) -> int:
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     if not embeddings:
-        raise ValueError("model: no token embedding found, so the planner cannot make input tokens for it.")
+        raise UntraceableModelError(_component(cfg), "no token embedding found, so the planner cannot make "
+                                    "input tokens for it")
     return embeddings[0].num_embeddings
