@@ -28,6 +28,8 @@ POLICIES = {
     "OffloadOptimizer, AdamW, master_dtype fp32 (fp32 masters and states)":
         (OffloadOptimizer, dict(optimizer_class=ADAMW, master_dtype="fp32"), 1),
     "OffloadOptimizer, bitsandbytes AdamW8bit": (OffloadOptimizer, dict(optimizer_class="bitsandbytes.optim.AdamW8bit"), 1),
+    "OffloadOptimizer, torchtune_offload AdamW8bit, offload_gradients":
+        (OffloadOptimizer, dict(optimizer_class="torchtune_offload.AdamW8bit", offload_gradients=True), 1),
     "torchao CPUOffloadOptimizer, AdamW": (CPUOffloadOptimizer, dict(optimizer_class=ADAMW), 1),
 }
 MACHINES_GB = (32, 64, 128)
