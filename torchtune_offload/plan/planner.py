@@ -30,7 +30,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune_offload.bench.sweep import VARIANTS, overrides_for
 from torchtune_offload.optim.host_memory import offloads, optimizer_state_bytes
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class, split_options
-from torchtune_offload.plan.fine_tunes import FineTune, configured_fine_tune, fine_tunes
+from torchtune_offload.plan.fine_tunes import FineTune, configured_fine_tune, fine_tunes, unquantised_twin
 from torchtune_offload.plan.trace import StepTrace, UntraceableModelError, build_meta_model, trace_training_step
 from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
 from torchtune_offload.recipe.config import RECIPE_KEYS
@@ -172,6 +172,10 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
                                           free_gradients=free, make_optimizer=make)
     trace = traces[key]
     plan.device_parts = {f"step peak: {k.lower()}": v for k, v in trace.by_kind.items() if v}
+    twin = unquantised_twin(cfg.model)
+    if twin is not None:  # the counts below read shapes only; a QLoRA model takes seconds to build
+        cfg = OmegaConf.merge(cfg, {})
+        cfg.model = OmegaConf.create(twin)
     model = build_meta_model(cfg, settings)
     if mark is not None:
         mark(model)

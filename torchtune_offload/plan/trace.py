@@ -92,17 +92,21 @@ def trace_training_step(
     """
     start = time.perf_counter()
     model = build_meta_model(cfg, settings)
-    if mark_trainable is not None:
-        mark_trainable(model)
-    if settings.enable_activation_checkpointing:
-        training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    _give_fake_storage(model, mode)
-    with training.set_default_dtype(settings.dtype):
-        for module in model.modules():
-            if callable(getattr(module, "rope_init", None)):
-                module.rope_init()
-    loss_fn = build_loss(cfg.loss, model, settings, verbose=False)
+    try:
+        if mark_trainable is not None:
+            mark_trainable(model)
+        if settings.enable_activation_checkpointing:
+            training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        _give_fake_storage(model, mode)
+        with training.set_default_dtype(settings.dtype):
+            for module in model.modules():
+                if callable(getattr(module, "rope_init", None)):
+                    module.rope_init()
+        loss_fn = build_loss(cfg.loss, model, settings, verbose=False)
+    except Exception as err:  # a model that is not a torchtune decoder, or a tensor type fake storage misses
+        raise UntraceableModelError(_component(cfg), f"cannot be set up for a training step as the recipe sets "
+                                    f"it up ({type(err).__name__}: {_one_line(err)})") from err
     trainable = [p for p in model.parameters() if p.requires_grad]
     hooks = []
     if free_gradients:
