@@ -104,7 +104,7 @@ def main() -> None:
         out = Path(tmp) / "run"
         plan_json = Path(tmp) / "plan.json"
         plan_cmd = [sys.executable, "-m", "torchtune_offload.plan", "--config", args.config, "--recipe", recipe,
-                    "--variants", "config", "--json", str(plan_json), *overrides,
+                    "--variants", "config", "--no-fine-tunes", "--json", str(plan_json), *overrides,
                     *(["--seq-len", str(args.seq_len)] if args.seq_len else [])]
         subprocess.run(plan_cmd, cwd=REPO, check=True, capture_output=True, text=True)
         plan = json.loads(plan_json.read_text())["plans"][0]

@@ -1,5 +1,5 @@
 """The planner's predictions against measurement on the CPU: ``scripts/plan_accuracy.py`` on the tiny
-model and on the 78M-parameter Llama 3.2: host peak and training step."""
+model and on the 78M-parameter Llama 3.2 (full, and QLoRA): host peak and training step."""
 
 import re
 import subprocess
@@ -39,17 +39,31 @@ def test_tiny_host_within_10_percent_and_step_within_15_percent(tiny_assets):
     _assert_within_bounds(rows)
 
 
-def test_mid_size_llama_host_within_10_percent_and_step_within_15_percent(tiny_assets, tmp_path):
+def _mid_overrides(tiny_assets, tmp_path) -> list:
+    """The 1B configs pointed at a random-init mid-size Llama 3.2 checkpoint and synthetic data."""
     mid = tmp_path / "mid"
     built = subprocess.run([sys.executable, "-m", "torchtune_offload.assets", "--real-arch", "llama3_2_mid",
                             "--output-dir", str(mid), "--no-check"], cwd=REPO, env=working_tree_env(),
                            capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     tokenizer = tiny_assets / "tokenizer"
-    rows = _accuracy("configs/llama3_2/1B_full_offload_engine.yaml", [
+    return [
         f"checkpointer.checkpoint_dir={mid}", "checkpointer.checkpoint_files=[model.safetensors]",
         f"tokenizer.path={tokenizer / 'tokenizer.model'}", f"tokenizer.special_tokens_path={tokenizer / 'special_tokens.json'}",
         "dataset._component_=torchtune_offload.data.synthetic_dataset", "dataset.seq_len=256", "dataset.num_samples=64",
-        "batch_size=1", "gradient_accumulation_steps=2", "model._component_=torchtune_offload.models.llama3_2_mid",
-    ])
+        "batch_size=1", "gradient_accumulation_steps=2",
+    ]
+
+
+def test_mid_size_llama_host_within_10_percent_and_step_within_15_percent(tiny_assets, tmp_path):
+    rows = _accuracy("configs/llama3_2/1B_full_offload_engine.yaml", [
+        *_mid_overrides(tiny_assets, tmp_path), "model._component_=torchtune_offload.models.llama3_2_mid"])
     _assert_within_bounds(rows)
+
+
+def test_mid_size_qlora_run_and_plan_agree_within_10_percent(tiny_assets, tmp_path):
+    # NF4 base weights, the LoRA recipe, OffloadOptimizer with offload_gradients: a real tune run.
+    rows = _accuracy("configs/llama3_2/1B_lora_offload.yaml", [
+        *_mid_overrides(tiny_assets, tmp_path), "model._component_=torchtune_offload.models.qlora_llama3_2_mid"])
+    for label, (error, out) in rows.items():
+        assert abs(error) <= 10, (label, out)
