@@ -219,10 +219,7 @@ def _engine(model, **kwargs):
 @pytest.mark.parametrize("offload_gradients", [False, True])
 @pytest.mark.parametrize("grad_accum", [1, 3])
 @pytest.mark.parametrize("clip", [None, 0.5])
-@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.xfail(
-    strict=False, reason="engine race, reported: with overlap=True the weights with AdamW8bit (or "
-    "bitsandbytes.optim.AdamW8bit) as base optimizer differ from it without offload in some runs, not "
-    "in others; torch's AdamW, whose tiny steps are quicker, does not show it"))])
+@pytest.mark.parametrize("overlap", [False, True])
 def test_engine_matches_adamw8bit_alone(offload_gradients, grad_accum, clip, overlap):
     ref = tiny_model()
     model = twin(ref)
@@ -233,6 +230,8 @@ def test_engine_matches_adamw8bit_alone(offload_gradients, grad_accum, clip, ove
     data = batches(num=4 * grad_accum)
     ref_norms = train_windows(ref, ref_opt, data, grad_accum=grad_accum, clip=clip)
     norms = train_windows(model, opt, data, grad_accum=grad_accum, clip=clip)
+    # With overlap the last window's host steps may still run: the weights are read after them.
+    opt.synchronize()
     assert norms == pytest.approx(ref_norms, rel=1e-6)
     if clip is None:
         assert_same_params(ref, model, rtol=0, atol=0)
