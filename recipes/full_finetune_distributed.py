@@ -43,6 +43,7 @@ from torchtune_offload.distributed import parse_shard_policy, plan_shard, set_ho
 from torchtune_offload.recipe import (
     MemoryMonitor,
     Progress,
+    SavePoint,
     TrainLoop,
     build_dataloader,
     build_loss,
@@ -161,27 +162,25 @@ class FullFinetuneRecipeDistributed:
         training.validate_expected_param_dtype(self._model.named_parameters(), dtype=s.dtype)
         self._log(f"Sharded over {self.world_size} rank(s) and loaded in {time.perf_counter() - t0:.1f}s.")
         # 4. Optimizer over the shards; when resuming, rank 0's full state is scattered into it.
-        self._optimizer, self._in_bwd = build_optimizer(cfg.optimizer, self._model, s)
+        self._optimizer = build_optimizer(cfg.optimizer, self._model, s)
         if s.resume_from_checkpoint:
             self._load_optimizer_state(ckpt.get(training.OPT_KEY, {}))
-        # 5. Loss and data; each rank reads its own part of every global batch.
+        # 5. Loss and data; each rank reads its own part of every global batch, which sets how
+        # many steps an epoch has.
         loss_fn = build_loss(cfg.loss, self._model, s, verbose=self._is_rank_zero)
         self._dataloader = build_dataloader(
             cfg.dataset, cfg.tokenizer, s, ignore_index=loss_fn.ignore_index,
             world_size=self.world_size, rank=self.rank,
         )
+        self.progress.measure_epoch(self._dataloader, s)
         # 6. Schedule, profiler and memory figures, wired into the shared loop.
-        lr_scheduler = build_lr_scheduler(
-            cfg.get("lr_scheduler"), optimizer=self._optimizer, in_bwd_wrapper=self._in_bwd,
-            dataloader=self._dataloader, settings=s, epochs_run=self.progress.epochs_run,
-        )
+        lr_scheduler = build_lr_scheduler(cfg.get("lr_scheduler"), optimizer=self._optimizer, progress=self.progress)
         profiler = build_profiler(cfg.get("profiler"))
         self._memory = MemoryMonitor(s.device, optimizer=self._optimizer)
         self._loop = TrainLoop(
             model=self._model, loss_fn=loss_fn, dataloader=self._dataloader, optimizer=self._optimizer,
-            in_bwd_wrapper=self._in_bwd, lr_scheduler=lr_scheduler, profiler=profiler,
-            metric_logger=self._metric_logger, memory=self._memory, settings=s,
-            is_rank_zero=self._is_rank_zero,
+            lr_scheduler=lr_scheduler, profiler=profiler, metric_logger=self._metric_logger,
+            memory=self._memory, settings=s, progress=self.progress, is_rank_zero=self._is_rank_zero,
         )
         dist.barrier()
         self._log(
@@ -190,23 +189,17 @@ class FullFinetuneRecipeDistributed:
 
     # ----------------------------------------------------------------------------- checkpoints
 
-    def _optimizers(self) -> Dict[Optional[str], torch.optim.Optimizer]:
-        """The optimizer, or with optimizer_in_bwd one per parameter name."""
-        if self._optimizer is not None:
-            return {None: self._optimizer}
-        return dict(self._in_bwd.optim_map)
-
     def _full_optimizer_state(self) -> Dict[str, Any]:
         """Every rank takes part; rank 0 gets the full (unsharded) state on the host."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         states = {
-            key: get_optimizer_state_dict(self._model, opt, options=options) for key, opt in self._optimizers().items()
+            key: get_optimizer_state_dict(self._model, opt, options=options) for key, opt in self._optimizer.parts().items()
         }
         return states[None] if None in states else states
 
     def _load_optimizer_state(self, full: Dict[str, Any]) -> None:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        for key, opt in self._optimizers().items():
+        for key, opt in self._optimizer.parts().items():
             part = full if key is None else full.get(key, {})
             set_optimizer_state_dict(
                 self._model, opt, optim_state_dict=part if self._is_rank_zero else {}, options=options
@@ -218,13 +211,15 @@ class FullFinetuneRecipeDistributed:
             for group, saved in zip(opt.param_groups, groups[0]):
                 group.update(saved)
 
-    def save_checkpoint(self, epoch: int) -> None:
-        intermediate = epoch + 1 < self.settings.epochs
+    def _save_epoch(self) -> None:
+        """The finished epoch's checkpoint in torchtune's format; with its recipe state when
+        another epoch follows (resume restarts at that epoch's start)."""
+        epoch = self.progress.epochs_run - 1
+        intermediate = self.progress.epochs_run < self.settings.epochs
         # Every rank gathers; only rank 0 receives the full tensors and writes them.
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         ckpt = {training.MODEL_KEY: get_model_state_dict(self._model, options=options)}
         if intermediate:
-            self.progress.epochs_run = epoch + 1
             ckpt.update(self.progress.state())
             ckpt[training.OPT_KEY] = self._full_optimizer_state()
             # Resume restarts at an epoch boundary, where the sampler's order depends only on the
@@ -237,9 +232,10 @@ class FullFinetuneRecipeDistributed:
     # ------------------------------------------------------------------------------------ run
 
     def train(self) -> None:
-        self.progress.epochs_run = self._loop.run(
-            epochs_run=self.progress.epochs_run, save_checkpoint=self.save_checkpoint
-        )
+        # The loop pauses at each epoch's end (this recipe saves no step checkpoints).
+        for point in self._loop.run():
+            if point is SavePoint.EPOCH:
+                self._save_epoch()
         self._trained = True
 
     def cleanup(self) -> None:

@@ -28,6 +28,7 @@ from torchtune.modules.peft import (
 from torchtune_offload.recipe import (
     MemoryMonitor,
     Progress,
+    SavePoint,
     TrainLoop,
     TrainingCheckpoints,
     build_dataloader,
@@ -35,14 +36,12 @@ from torchtune_offload.recipe import (
     build_lr_scheduler,
     build_metric_logger,
     build_optimizer,
-    close_optimizer,
     build_profiler,
     check_host_memory,
     check_files,
     check_recipe_config,
     instantiate_model,
     load_checkpoint,
-    optimizer_state,
     save_atomically,
 )
 
@@ -100,38 +99,27 @@ class LoRAFinetuneRecipeSingleDevice:
         # Resuming: the trained adapters, which the checkpoint holds exactly.
         self._checkpoints.restore_weights(self._model, names=list(adapter_params))
         training.validate_expected_param_dtype(adapter_params.items(), dtype=s.dtype)
-        self._optimizer, _ = build_optimizer(cfg.optimizer, self._model, s, state_dict=self._checkpoints.take_optimizer_state())
-        # 4. Loss and data.
+        self._optimizer = build_optimizer(cfg.optimizer, self._model, s,
+                                          state_dict=self._checkpoints.take_optimizer_state())
+        # 4. Loss and data; the data sets how many steps an epoch has.
         loss_fn = build_loss(cfg.loss, self._model, s)
         self._dataloader = build_dataloader(cfg.dataset, cfg.tokenizer, s, ignore_index=loss_fn.ignore_index)
+        self.progress.measure_epoch(self._dataloader, s)
         # 5. Schedule, profiler and memory figures, wired into the shared loop.
-        self._lr_scheduler = build_lr_scheduler(
-            cfg.get("lr_scheduler"), optimizer=self._optimizer, in_bwd_wrapper=None,
-            dataloader=self._dataloader, settings=s, epochs_run=self.progress.epochs_run,
-            steps_run_in_epoch=self.progress.steps_run_in_epoch,
-        )
+        self._lr_scheduler = build_lr_scheduler(cfg.get("lr_scheduler"), optimizer=self._optimizer,
+                                                progress=self.progress)
         profiler = build_profiler(cfg.get("profiler"))
         self._memory = MemoryMonitor(s.device, optimizer=self._optimizer)
         self._loop = TrainLoop(
             model=self._model, loss_fn=loss_fn, dataloader=self._dataloader, optimizer=self._optimizer,
-            in_bwd_wrapper=None, lr_scheduler=self._lr_scheduler, profiler=profiler,
-            metric_logger=self._metric_logger, memory=self._memory, settings=s,
+            lr_scheduler=self._lr_scheduler, profiler=profiler, metric_logger=self._metric_logger,
+            memory=self._memory, settings=s, progress=self.progress,
         )
         # 6. Last, so nothing drawn during setup moves them: data position, schedule, RNGs.
-        self._checkpoints.restore_position(dataloader=self._dataloader, lr_scheduler=self._lr_scheduler,
-                                           steps_per_epoch=self._loop.steps_per_epoch)
+        self._checkpoints.restore_position(dataloader=self._dataloader, lr_scheduler=self._lr_scheduler)
 
-    def save_step_checkpoint(self, epoch: int, step_in_epoch: int, global_step: int) -> None:
-        """A checkpoint to resume from: the adapters and the training state."""
-        self._checkpoints.save(
-            epoch=epoch, step_in_epoch=step_in_epoch, global_step=global_step,
-            weights=get_adapter_state_dict(self._model.state_dict()),
-            optimizer_state=optimizer_state(self._optimizer, None),
-            dataloader=self._dataloader, lr_scheduler=self._lr_scheduler,
-        )
-
-    def save_checkpoint(self, epoch: int) -> None:
-        # The epoch's adapters (and merged weights) in the checkpoint's own format.
+    def _save_epoch(self, epoch: int) -> None:
+        """The epoch's adapters (and merged weights) in the checkpoint's own format."""
         ckpt = {}
         state = self._model.state_dict()
         ckpt[training.ADAPTER_KEY] = get_adapter_state_dict(state)
@@ -150,17 +138,23 @@ class LoRAFinetuneRecipeSingleDevice:
             self._checkpointer, ckpt, epoch=epoch, intermediate_checkpoint=False,
             adapter_only=self.settings.save_adapter_weights_only,
         )
-        if epoch + 1 < self.settings.epochs:
-            self.save_step_checkpoint(epoch + 1, 0, (epoch + 1) * self._loop.steps_per_epoch)
 
     def train(self) -> None:
-        self.progress.epochs_run = self._loop.run(
-            epochs_run=self.progress.epochs_run, steps_run_in_epoch=self.progress.steps_run_in_epoch,
-            save_checkpoint=self.save_checkpoint, save_step_checkpoint=self.save_step_checkpoint,
-        )
+        # The loop pauses where a checkpoint is due; progress says where training stands.
+        for point in self._loop.run():
+            if point is SavePoint.EPOCH:
+                self._save_epoch(self.progress.epochs_run - 1)
+            if self.progress.epochs_run < self.settings.epochs:
+                # A checkpoint to resume from: the adapters and the training state.
+                self._checkpoints.save(
+                    weights=get_adapter_state_dict(self._model.state_dict()),
+                    optimizer_state=self._optimizer.state_dict(),
+                    dataloader=self._dataloader, lr_scheduler=self._lr_scheduler,
+                )
 
     def cleanup(self) -> None:
-        close_optimizer(self._optimizer, self.settings)
+        if self._optimizer is not None:
+            self._optimizer.close()
         if self._memory is not None:
             self._memory.close()
         if self._metric_logger is not None:

@@ -149,7 +149,7 @@ def test_host_preflight_sizes_the_shards_the_run_holds(tiny_assets, tmp_path):
     train = need.phases["training"]
     shards = list(recipe._model.parameters())
     assert train["parameter shards"] == train["gradient shards"] == _nbytes(shards)
-    assert train["optimizer state"] == _nbytes(t for st in recipe._optimizer.state.values()
+    assert train["optimizer state"] == _nbytes(t for st in recipe._optimizer.optimizer.state.values()
                                                for t in st.values() if isinstance(t, torch.Tensor))
     ckpt = Path(tiny_assets) / "model" / "model.safetensors"
     assert need.phases["loading the checkpoint"] == {"checkpoint files (rank 0)": ckpt.stat().st_size,

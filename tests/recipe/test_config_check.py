@@ -64,6 +64,12 @@ def test_a_declared_capability_drives_the_clip_rule():
     check_recipe_config(_cfg("full", f"optimizer._component_={HERE}.NoClipSGD", "clip_grad_norm=null"), recipe="full")
 
 
+def test_clipping_with_torchaos_optimizer_is_refused_by_the_config_check_alone():
+    # The rule lives once: the config check refuses it before anything is built.
+    message = _problems("full", "optimizer._component_=torchtune_offload.CPUOffloadOptimizer", "clip_grad_norm=1.0")
+    assert "clip_grad_norm is set" in message and "cannot clip: torchao" in message
+
+
 def test_a_declared_capability_drives_the_fsdp2_rule():
     message = _problems("distributed", f"optimizer._component_={HERE}.NoFSDP2SGD")
     assert "not supported under FSDP2" in message and "NoFSDP2SGD says no" in message

@@ -30,7 +30,7 @@ def test_plain_adamw_on_cpu_is_sized_exactly(tiny_assets, tmp_path):
     train = need.phases["training"]
     assert train["model"] == weights
     assert train["gradients"] == sum(p.numel() * p.element_size() for p in model.parameters())
-    assert train["optimizer state"] == _state_bytes(run.recipe._optimizer)
+    assert train["optimizer state"] == _state_bytes(run.recipe._optimizer.optimizer)
     ckpt = tiny_assets / "model" / "model.safetensors"
     assert need.phases["loading the checkpoint"] == {"checkpoint files": ckpt.stat().st_size, "model": weights}
     assert need.fits and need.peak == sum(train.values())
@@ -41,8 +41,8 @@ def test_offload_optimizer_plan_matches_its_report(tiny_assets, tmp_path):
     train = run.recipe.host_memory.phases["training"]
     report = run.recipe._optimizer.memory_report()
     planned = train["parameter copies"] + train["gradient buffers"] + train["optimizer state"]
-    assert planned == report.host_bytes - run.recipe._optimizer._staging.nbytes
-    assert train["staging ring"] >= run.recipe._optimizer._staging.nbytes
+    assert planned == report.host_bytes - run.recipe._optimizer.optimizer._staging.nbytes
+    assert train["staging ring"] >= run.recipe._optimizer.optimizer._staging.nbytes
     assert "gradients" not in train  # offload_gradients: the model keeps none between micro-batches
 
 
@@ -51,7 +51,7 @@ def test_lora_counts_the_adapters_state_only(tiny_assets, tmp_path):
     train = run.recipe.host_memory.phases["training"]
     adapters = [p for p in run.recipe._model.parameters() if p.requires_grad]
     assert train["gradients"] == sum(p.numel() * p.element_size() for p in adapters)
-    assert train["optimizer state"] == _state_bytes(run.recipe._optimizer)
+    assert train["optimizer state"] == _state_bytes(run.recipe._optimizer.optimizer)
 
 
 def test_a_run_that_does_not_fit_fails_in_init_with_figures(tiny_assets, tmp_path, monkeypatch):
@@ -103,7 +103,7 @@ def test_8b_on_the_cpu_fails_within_seconds_from_the_command_line():
 def test_fp32_masters_train_a_bf16_model_in_the_recipe(tiny_assets, tmp_path):
     run = run_recipe("full", tiny_assets, tmp_path, *FULL_OFFLOAD, "dtype=bf16", "optimizer.master_dtype=fp32",
                      "max_steps_per_epoch=30", "batch_size=8")
-    opt = run.recipe._optimizer
+    opt = run.recipe._optimizer.optimizer
     assert all(s.step_param.dtype == torch.float32 and s.param.dtype == torch.bfloat16 for s in opt._slots)
     assert sum(run.losses[-5:]) / 5 < run.losses[0] - 1.0, run.losses
     # The pre-flight sized the fp32 masters: 4-byte copies of the offloaded weights.

@@ -87,14 +87,16 @@ def run_recipe(
     if before_train is not None:
         before_train(recipe)
     if stop_after_epoch is not None:
-        save = recipe.save_checkpoint
+        save = recipe._checkpoints.save
 
-        def save_then_die(epoch: int) -> None:
-            save(epoch)
-            if epoch == stop_after_epoch:
+        def save_then_die(**kwargs: Any) -> Path:
+            path = save(**kwargs)
+            # The checkpoint written at the epoch's end, to start the next epoch from.
+            if recipe.progress.epochs_run == stop_after_epoch + 1 and recipe.progress.steps_run_in_epoch == 0:
                 raise _Killed
+            return path
 
-        recipe.save_checkpoint = save_then_die
+        recipe._checkpoints.save = save_then_die
     try:
         recipe.train()
     except _Killed:
@@ -153,11 +155,11 @@ def test_full_offload_matches_plain_adamw(runs, tiny_assets, offload_gradients, 
     plain = runs("full", *FULL_EQUIV)
     off = runs("full", *FULL_EQUIV, *FULL_OFFLOAD, f"optimizer.offload_gradients={offload_gradients}",
                f"optimizer.overlap={overlap}")
-    assert off.recipe._optimizer.overlap is overlap
+    assert off.recipe._optimizer.optimizer.overlap is overlap
 
     report = off.recipe._optimizer.memory_report()
     assert report.num_offloaded > 0 and report.num_on_device > 0  # both step paths are exercised
-    assert off.recipe._optimizer.offload_gradients is offload_gradients
+    assert off.recipe._optimizer.optimizer.offload_gradients is offload_gradients
     assert len(plain.losses) == len(off.losses) == 5
     torch.testing.assert_close(torch.tensor(off.losses), torch.tensor(plain.losses), **FP32)
     # The clip bites (norm above 0.5) in every step, so equal norms and losses mean equal clipping.
@@ -187,7 +189,7 @@ def test_bitsandbytes_paged_adamw_on_cpu(runs):
     pytest.importorskip("bitsandbytes")
     plain = runs("full", *LEARN)
     paged = runs("full", *LEARN, "optimizer._component_=bitsandbytes.optim.PagedAdamW")
-    optimizer = paged.recipe._optimizer
+    optimizer = paged.recipe._optimizer.optimizer
     assert type(optimizer).__name__ == "PagedAdamW"
     # bitsandbytes warns that CPU has no paging and keeps plain fp32 moments in host memory.
     state = [s for s in optimizer.state.values() if s]

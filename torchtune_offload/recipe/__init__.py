@@ -11,29 +11,32 @@ from torchtune_offload.recipe.builders import (
     build_lr_scheduler,
     build_metric_logger,
     build_optimizer,
-    close_optimizer,
     build_profiler,
     instantiate_model,
     load_checkpoint,
-    optimizer_state,
-    steps_per_epoch,
 )
-from torchtune_offload.recipe.config import RecipeSettings, check_recipe_config, resolve_optimizer_component
+from torchtune_offload.recipe.config import RecipeSettings, check_recipe_config
+from torchtune_offload.recipe.optimizer_rules import resolve_optimizer_component
 from torchtune_offload.recipe.disk_log import read_disk_log
 from torchtune_offload.recipe.file_checks import check_files
 from torchtune_offload.recipe.host_preflight import HostMemoryNeed, check_host_memory, host_memory_need
-from torchtune_offload.recipe.grad_math import GradientStepper, loss_scale, sum_over_ranks
+from torchtune_offload.recipe.grad_math import loss_scale, sum_over_ranks
 from torchtune_offload.recipe.memory import MemoryMonitor
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.resume import TrainingCheckpoints
-from torchtune_offload.recipe.train_loop import TrainLoop
+from torchtune_offload.recipe.run_optimizer import HoldingOptimizer, InBackwardOptimizers, OptimizerKind, RunOptimizer
+from torchtune_offload.recipe.train_loop import SavePoint, TrainLoop
 
 __all__ = [
-    "GradientStepper",
+    "HoldingOptimizer",
     "HostMemoryNeed",
+    "InBackwardOptimizers",
     "MemoryMonitor",
+    "OptimizerKind",
     "Progress",
     "RecipeSettings",
+    "RunOptimizer",
+    "SavePoint",
     "TrainLoop",
     "TrainingCheckpoints",
     "build_dataloader",
@@ -41,7 +44,6 @@ __all__ = [
     "build_lr_scheduler",
     "build_metric_logger",
     "build_optimizer",
-    "close_optimizer",
     "build_profiler",
     "check_files",
     "check_host_memory",
@@ -50,10 +52,8 @@ __all__ = [
     "instantiate_model",
     "load_checkpoint",
     "loss_scale",
-    "optimizer_state",
     "read_disk_log",
     "resolve_optimizer_component",
     "save_atomically",
-    "steps_per_epoch",
     "sum_over_ranks",
 ]

@@ -21,9 +21,9 @@ from torchtune.datasets import ConcatDataset
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
 from torchtune_offload.distributed.loss import RowChunkedLoss
-from torchtune_offload.optim.offload_optimizer import STATE_DICT_FORMAT, OffloadOptimizer
 from torchtune_offload.recipe.config import RecipeSettings
 from torchtune_offload.recipe.progress import Progress
+from torchtune_offload.recipe.run_optimizer import HoldingOptimizer, InBackwardOptimizers, OptimizerKind, RunOptimizer
 
 
 def build_metric_logger(cfg: DictConfig) -> Any:
@@ -67,86 +67,38 @@ def instantiate_model(cfg_model: DictConfig, settings: RecipeSettings, *, device
     return model
 
 
-def _saved_optimizer_kind(state_dict: Any) -> str:
-    """Which kind of optimizer wrote ``state_dict``, read from its layout."""
-    if not isinstance(state_dict, dict):
-        return f"something that is not an optimizer state ({type(state_dict).__name__})"
-    if state_dict.get("format") == STATE_DICT_FORMAT:
-        return "torchtune_offload.OffloadOptimizer"
-    if "offloaded" in state_dict:
-        return "torchao's CPUOffloadOptimizer (torchtune_offload.CPUOffloadOptimizer)"
-    if {"state", "param_groups"} <= set(state_dict):
-        return "a plain optimizer (torch.optim, bitsandbytes)"
-    return "per-parameter optimizers (optimizer_in_bwd=True)"
-
-
-def _load_optimizer_state(target: Any, state_dict: Dict[str, Any], cfg_optimizer: DictConfig, settings: RecipeSettings) -> None:
-    """Loads a saved optimizer state, refusing one written by another kind of optimizer with how to go on."""
-    if settings.optimizer_in_bwd:
-        mine = "per-parameter optimizers (optimizer_in_bwd=True)"
-    elif issubclass(settings.optimizer_class, OffloadOptimizer):
-        mine = "torchtune_offload.OffloadOptimizer"
-    elif settings.optimizer_capabilities.offloads:
-        mine = "torchao's CPUOffloadOptimizer (torchtune_offload.CPUOffloadOptimizer)"
-    else:
-        mine = "a plain optimizer (torch.optim, bitsandbytes)"
-    saved = _saved_optimizer_kind(state_dict)
-    if saved == mine and mine.startswith("a plain optimizer"):
-        # Plain optimizers of different classes differ in their options (AdamW's betas, SGD's momentum).
-        # initial_lr is an LR scheduler's bookkeeping, added once one is built.
-        ignored = {"params", "initial_lr"}
-        saved_options = set(state_dict["param_groups"][0]) - ignored if state_dict["param_groups"] else set()
-        my_options = set(target.param_groups[0]) - ignored
-        if saved_options != my_options:
-            saved = f"a plain optimizer with the options {sorted(saved_options)}, not {sorted(my_options)}"
-    if saved != mine:
-        raise ValueError(
-            f"resume_from_checkpoint=True: the checkpoint's optimizer state was written by {saved}, and this "
-            f"run's optimizer is {mine} (optimizer._component_={cfg_optimizer._component_}, "
-            f"optimizer_in_bwd={settings.optimizer_in_bwd}). Resume with the optimizer settings that wrote "
-            "it, or start fresh from the saved weights with resume_from_checkpoint=False."
-        )
-    target.load_state_dict(state_dict)
-
-
 def build_optimizer(
     cfg_optimizer: DictConfig,
     model: nn.Module,
     settings: RecipeSettings,
     *,
     state_dict: Optional[Dict[str, Any]] = None,
-) -> Tuple[Optional[torch.optim.Optimizer], Optional[Any]]:
-    """Builds the optimizer; with ``optimizer_in_bwd`` one per parameter stepping in backward.
+) -> RunOptimizer:
+    """Builds the run's optimizer behind the recipes' one optimizer interface: with
+    ``optimizer_in_bwd`` one per parameter stepping in backward; when resuming, with its state.
 
-    Returns:
-        ``(optimizer, None)``, or ``(None, in_backward_wrapper)`` with ``optimizer_in_bwd``.
+    Raises:
+        ValueError: if ``state_dict`` was written by another kind of optimizer.
     """
+    caps = settings.optimizer_capabilities
     if settings.optimizer_in_bwd:
         optim_dict = {p: config.instantiate(cfg_optimizer, [p]) for p in model.parameters() if p.requires_grad}
         training.register_optim_in_bwd_hooks(model=model, optim_dict=optim_dict)
-        wrapper = training.create_optim_in_bwd_wrapper(model=model, optim_dict=optim_dict)
-        if state_dict is not None:
-            _load_optimizer_state(wrapper, state_dict, cfg_optimizer, settings)
-        return None, wrapper
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if settings.optimizer_capabilities.named_parameters:
-        # Names key the offload optimizer's checkpoint, so a reordered model cannot load wrong state.
-        optimizer = config.instantiate(cfg_optimizer, trainable)
+        run = InBackwardOptimizers(training.create_optim_in_bwd_wrapper(model=model, optim_dict=optim_dict))
     else:
-        # Plain, bitsandbytes and torchao's optimizers take tensors, as in torchtune's recipes.
-        optimizer = config.instantiate(cfg_optimizer, [p for _, p in trainable])
-    if settings.optimizer_capabilities.overlaps_host_step:
-        # With overlap on, step() returns at once and each module waits for its own weights.
-        optimizer.register_forward_waits(model)
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # Names key the offload optimizer's checkpoint, so a reordered model cannot load wrong state;
+        # plain, bitsandbytes and torchao's optimizers take tensors, as in torchtune's recipes.
+        optimizer = config.instantiate(cfg_optimizer, trainable if caps.named_parameters else [p for _, p in trainable])
+        if caps.holds_gradients:
+            run = HoldingOptimizer(optimizer, model=model, clip_grad_norm=settings.clip_grad_norm)
+        else:
+            kind = OptimizerKind.TORCHAO_OFFLOAD if caps.offloads else OptimizerKind.PLAIN
+            run = RunOptimizer(optimizer, params=[p for _, p in trainable], clip_grad_norm=settings.clip_grad_norm,
+                               kind=kind)
     if state_dict is not None:
-        _load_optimizer_state(optimizer, state_dict, cfg_optimizer, settings)
-    return optimizer, None
-
-
-def close_optimizer(optimizer: Optional[torch.optim.Optimizer], settings: RecipeSettings) -> None:
-    """Finishes an overlapping optimizer's host work and stops its worker threads (cleanup)."""
-    if optimizer is not None and settings.optimizer_capabilities.overlaps_host_step:
-        optimizer.close()
+        run.load_state_dict(state_dict, component=cfg_optimizer._component_)
+    return run
 
 
 def build_loss(cfg_loss: DictConfig, model: nn.Module, settings: RecipeSettings, *, verbose: bool = True) -> nn.Module:
@@ -184,8 +136,6 @@ def build_dataloader(
     else:
         ds = config.instantiate(cfg_dataset, tokenizer)
         packed = cfg_dataset.get("packed", False)
-    if "left_pad_sequence" in settings.collate_fn:
-        raise ValueError("collate_fn: left_pad_sequence is for inference. Use torchtune.data.padded_collate_sft.")
     collate = _get_component_from_path(settings.collate_fn)
     sampler = StatefulDistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=settings.shuffle, seed=0)
     loader = StatefulDataLoader(
@@ -208,37 +158,16 @@ def build_dataloader(
 
 
 def build_lr_scheduler(
-    cfg_lr_scheduler: Optional[DictConfig],
-    *,
-    optimizer: Optional[torch.optim.Optimizer],
-    in_bwd_wrapper: Optional[Any],
-    dataloader: StatefulDataLoader,
-    settings: RecipeSettings,
-    epochs_run: int,
-    steps_run_in_epoch: int = 0,
+    cfg_lr_scheduler: Optional[DictConfig], *, optimizer: RunOptimizer, progress: Progress,
 ) -> Optional[Any]:
-    """The LR scheduler over the whole run, positioned after ``epochs_run`` epochs and
-    ``steps_run_in_epoch`` more steps, or ``None``.
-
-    With ``optimizer_in_bwd`` it is built on one per-parameter optimizer and drives all of them.
-    """
+    """The LR scheduler over the whole run, positioned at ``progress``'s global step, or ``None``."""
     if cfg_lr_scheduler is None:
         return None
-    num_steps = steps_per_epoch(dataloader, settings)
-    source = optimizer if optimizer is not None else next(iter(in_bwd_wrapper.optim_map.values()))
     scheduler = config.instantiate(
-        cfg_lr_scheduler, source,
-        num_training_steps=settings.epochs * num_steps, last_epoch=epochs_run * num_steps + steps_run_in_epoch - 1,
+        cfg_lr_scheduler, optimizer.scheduled,
+        num_training_steps=progress.total_steps, last_epoch=progress.global_step - 1,
     )
-    if in_bwd_wrapper is not None:
-        in_bwd_wrapper.set_lr_scheduler(scheduler)
-        # torchtune's wrapper copies the learning rate to every optimizer after each scheduler
-        # step only; without this the first step would run at the configured rate (not the
-        # scheduler's, e.g. 0 at the start of a warm-up) on every parameter but one.
-        lr = scheduler.get_last_lr()[0]
-        for opt in in_bwd_wrapper.optim_map.values():
-            for group in opt.param_groups:
-                group["lr"] = lr
+    optimizer.attach_lr_scheduler(scheduler)
     return scheduler
 
 
@@ -255,16 +184,3 @@ def build_profiler(cfg_profiler: Optional[DictConfig]) -> Any:
         )
     profiler, _ = config.instantiate(cfg_profiler)
     return profiler
-
-
-def optimizer_state(optimizer: Optional[Any], in_bwd_wrapper: Optional[Any]) -> Dict[str, Any]:
-    """The optimizer part of an intermediate checkpoint."""
-    return (optimizer if optimizer is not None else in_bwd_wrapper).state_dict()
-
-
-def steps_per_epoch(loader: StatefulDataLoader, settings: RecipeSettings) -> int:
-    """Optimizer steps in one epoch: whole windows of the loader, capped by ``max_steps_per_epoch``."""
-    steps = len(loader) // settings.gradient_accumulation_steps
-    if settings.max_steps_per_epoch is not None:
-        steps = min(steps, settings.max_steps_per_epoch)
-    return steps

@@ -2,24 +2,30 @@
 
 torchtune's recipes read keys with ``cfg.get(key, default)``, so a typo silently falls back to the
 default. Here every top-level key must be known to the recipe, every value is checked, and every
-problem found is reported in one ``ValueError`` that names the key and the fix.
+problem found is reported in one ``ValueError`` that names the key and the fix. The rules are
+grouped by concern: keys, numbers, checkpoints, the optimizer (``optimizer_rules``), the device,
+activations, data, and each recipe's own (LoRA modules, FSDP2).
 """
 
 import difflib
-import inspect
 import typing
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
-import torchao.optim
 from omegaconf import DictConfig, OmegaConf
 from torchtune import training, utils
+from torchtune.config._utils import _get_component_from_path
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
 from torchtune_offload.distributed.policies import policy_problems
-from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
-from torchtune_offload.optim.optimizer_class import resolve_optimizer, resolve_optimizer_class
+from torchtune_offload.optim.capabilities import OptimizerCapabilities
+from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
+from torchtune_offload.recipe.optimizer_rules import (
+    capability_problems,
+    optimizer_option_problems,
+    resolve_optimizer_component,
+)
 
 # Keys of torchtune 0.6.1's single-device configs, which our recipes accept unchanged.
 _SINGLE_DEVICE_KEYS = {
@@ -43,6 +49,7 @@ RECIPE_KEYS = {
 }
 _REQUIRED = ("model", "tokenizer", "dataset", "checkpointer", "optimizer", "loss", "metric_logger",
              "output_dir", "batch_size", "epochs", "device", "dtype")
+_DEFAULT_COLLATE = "torchtune.data.padded_collate_sft"
 
 
 @dataclass(frozen=True)
@@ -75,30 +82,38 @@ class RecipeSettings:
     host_memory_check: bool
     save_every_n_steps: Optional[int] = None
     keep_last_n_checkpoints: int = 2
+    #: The optimizer offloads and frees the device gradients during backward.
+    offload_gradients: bool = False
 
 
 def _is_int(v: Any, *, low: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
-def resolve_optimizer_component(cfg_optimizer: Any) -> Tuple[type, OptimizerCapabilities]:
-    """The class ``cfg.optimizer._component_`` names, and what it can do.
+class _Reader:
+    """Reads top-level keys with their defaults, noting each bad value in ``problems``."""
 
-    Raises:
-        ValueError: if ``optimizer._component_`` is missing, does not resolve, or names torchao's
-            own class (whose ``optimizer_class`` a config cannot hold).
-    """
-    path = cfg_optimizer.get("_component_") if isinstance(cfg_optimizer, DictConfig) else None
-    if not path:
-        raise ValueError("optimizer._component_ is missing. Set it, e.g. optimizer._component_=torch.optim.AdamW.")
-    component = resolve_optimizer(path, key="optimizer._component_")
-    capabilities = capabilities_of(component)
-    if not capabilities.offloads and issubclass(component, torchao.optim.CPUOffloadOptimizer):
-        raise ValueError(
-            f"optimizer._component_={path}: torchao's class takes optimizer_class as a class, which a "
-            "config cannot hold. Use optimizer._component_=torchtune_offload.CPUOffloadOptimizer."
-        )
-    return component, capabilities
+    def __init__(self, cfg: DictConfig, problems: List[str]) -> None:
+        self.cfg = cfg
+        self.problems = problems
+
+    def get(self, key: str, default: Any) -> Any:
+        value = self.cfg.get(key, default)
+        return default if value is None and default is not None else value
+
+    def flag(self, key: str, default: bool) -> bool:
+        # bool("Flase") is True: a misspelt word must not switch a feature on.
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            self.problems.append(f"{key}={value!r}: must be True or False.")
+            return default
+        return value
+
+    def count(self, key: str, default: Optional[int], *, low: int, fix: str = "") -> Optional[int]:
+        value = self.get(key, default)
+        if not _is_int(value, low=low):
+            self.problems.append(f"{key}={value!r}: must be an integer >= {low}{fix}.")
+        return value
 
 
 def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = True) -> RecipeSettings:
@@ -113,8 +128,58 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
     Raises:
         ValueError: listing every problem found, each naming its key and the fix.
     """
+    problems = _key_problems(cfg, recipe=recipe)
+    if problems:
+        raise ValueError(_format(problems))
+    read = _Reader(cfg, problems)
+    numbers = _numbers(read)
+    checkpoints = _checkpoint_settings(read)
+    in_bwd = read.flag("optimizer_in_bwd", False)
+    optimizer = _optimizer_settings(cfg, problems, in_bwd=in_bwd, clip=numbers["clip_grad_norm"],
+                                    accum=numbers["gradient_accumulation_steps"])
+    device_name, dtype_name = _device_problems(cfg, problems, device_present=device_present)
+    activations = _activation_settings(read, is_cuda=device_name.startswith("cuda"))
+    collate_fn = _collate_fn(read)
+    flags = {key: read.flag(key, default) for key, default in (
+        ("compile", False), ("log_peak_memory_stats", True), ("resume_from_checkpoint", False),
+        ("shuffle", True), ("save_adapter_weights_only", False), ("host_memory_check", True),
+        ("overwrite_checkpoints", False),
+        # Keys of the distributed recipe only; the others reject them as unknown above.
+        ("fsdp_cpu_offload", False), ("fsdp_reshard_after_forward", True),
+    )}
+    if recipe == "lora":
+        problems.extend(_lora_problems(read))
+    if recipe == "distributed":
+        problems.extend(_distributed_problems(read, optimizer["optimizer_capabilities"]))
+    if problems:
+        raise ValueError(_format(problems))
+
+    if device_present:
+        device = utils.get_device(device=device_name)
+        dtype = training.get_dtype(dtype_name, device=device)
+    else:
+        device, dtype = torch.device(device_name), {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    return RecipeSettings(
+        device=device, dtype=dtype, **numbers, **checkpoints, **optimizer, **activations,
+        optimizer_in_bwd=in_bwd,
+        compile=flags["compile"],
+        log_peak_memory_stats=flags["log_peak_memory_stats"],
+        resume_from_checkpoint=flags["resume_from_checkpoint"],
+        seed=cfg.get("seed"),
+        shuffle=flags["shuffle"],
+        collate_fn=collate_fn,
+        cudnn_deterministic_mode=cfg.get("cudnn_deterministic_mode"),
+        save_adapter_weights_only=flags["save_adapter_weights_only"],
+        fsdp_cpu_offload=flags["fsdp_cpu_offload"],
+        fsdp_reshard_after_forward=flags["fsdp_reshard_after_forward"],
+        host_memory_check=flags["host_memory_check"],
+    )
+
+
+def _key_problems(cfg: DictConfig, *, recipe: str) -> List[str]:
+    """Unknown keys (with the closest known one) and missing required ones."""
     known = RECIPE_KEYS[recipe]
-    problems: List[str] = []
+    problems = []
     for key in cfg.keys():
         if key not in known:
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
@@ -123,58 +188,45 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
     for key in _REQUIRED:
         if cfg.get(key) is None:
             problems.append(f"{key}: required; set it in the config or with {key}=... on the command line.")
-    if problems:
-        raise ValueError(_format(problems))
+    return problems
 
-    def get(key: str, default: Any) -> Any:
-        value = cfg.get(key, default)
-        return default if value is None and default is not None else value
 
-    def flag(key: str, default: bool) -> bool:
-        # bool("Flase") is True: a misspelt word must not switch a feature on.
-        value = get(key, default)
-        if not isinstance(value, bool):
-            problems.append(f"{key}={value!r}: must be True or False.")
-            return default
-        return value
-
-    batch_size = cfg.batch_size
-    epochs = cfg.epochs
-    accum = get("gradient_accumulation_steps", 1)
-    max_steps = get("max_steps_per_epoch", None)
-    log_every = get("log_every_n_steps", 1)
-    clip = get("clip_grad_norm", None)
-    in_bwd = flag("optimizer_in_bwd", False)
-    flags = {key: flag(key, default) for key, default in (
-        ("compile", False), ("log_peak_memory_stats", True), ("resume_from_checkpoint", False),
-        ("shuffle", True), ("save_adapter_weights_only", False), ("host_memory_check", True),
-        ("overwrite_checkpoints", False),
-        # Keys of the distributed recipe only; the others reject them as unknown above.
-        ("fsdp_cpu_offload", False), ("fsdp_reshard_after_forward", True),
-    )}
-    for key, value, low in (("batch_size", batch_size, 1), ("epochs", epochs, 1),
-                            ("gradient_accumulation_steps", accum, 1), ("log_every_n_steps", log_every, 1)):
-        if not _is_int(value, low=low):
-            problems.append(f"{key}={value!r}: must be an integer >= {low}.")
-    save_every = get("save_every_n_steps", None)
-    keep_last = get("keep_last_n_checkpoints", 2)
-    if save_every is not None and not _is_int(save_every, low=1):
-        problems.append(f"save_every_n_steps={save_every!r}: must be null (checkpoints at epoch ends only) or an "
-                        "integer >= 1.")
-    if not _is_int(keep_last, low=1):
-        problems.append(f"keep_last_n_checkpoints={keep_last!r}: must be an integer >= 1 (the newest checkpoints "
-                        "kept in output_dir/checkpoints; older ones are removed).")
+def _numbers(read: _Reader) -> Dict[str, Any]:
+    """Batch and window sizes, epochs, logging and clipping."""
+    batch_size = read.count("batch_size", None, low=1)
+    epochs = read.count("epochs", None, low=1)
+    accum = read.count("gradient_accumulation_steps", 1, low=1)
+    log_every = read.count("log_every_n_steps", 1, low=1)
+    max_steps = read.get("max_steps_per_epoch", None)
     if max_steps is not None and not _is_int(max_steps, low=1):
-        problems.append(f"max_steps_per_epoch={max_steps!r}: must be null or an integer >= 1.")
+        read.problems.append(f"max_steps_per_epoch={max_steps!r}: must be null or an integer >= 1.")
+    clip = read.get("clip_grad_norm", None)
     if clip is not None:
         try:
             clip = float(clip)
             if not clip > 0:
                 raise ValueError
         except (TypeError, ValueError):
-            problems.append(f"clip_grad_norm={clip!r}: must be null or a positive number ('inf' logs the norm only).")
+            read.problems.append(f"clip_grad_norm={clip!r}: must be null or a positive number ('inf' logs the norm only).")
             clip = None
+    return {"batch_size": batch_size, "epochs": epochs, "gradient_accumulation_steps": accum,
+            "log_every_n_steps": log_every, "max_steps_per_epoch": max_steps, "clip_grad_norm": clip}
 
+
+def _checkpoint_settings(read: _Reader) -> Dict[str, Any]:
+    """How often step checkpoints are written and how many are kept."""
+    save_every = read.get("save_every_n_steps", None)
+    if save_every is not None and not _is_int(save_every, low=1):
+        read.problems.append(f"save_every_n_steps={save_every!r}: must be null (checkpoints at epoch ends only) or an "
+                             "integer >= 1.")
+    keep_last = read.count("keep_last_n_checkpoints", 2, low=1,
+                           fix=" (the newest checkpoints kept in output_dir/checkpoints; older ones are removed)")
+    return {"save_every_n_steps": save_every, "keep_last_n_checkpoints": keep_last}
+
+
+def _optimizer_settings(cfg: DictConfig, problems: List[str], *, in_bwd: bool, clip: Optional[float],
+                        accum: Any) -> Dict[str, Any]:
+    """The optimizer's class and capabilities, ``offload_gradients``, and every rule about them."""
     optimizer_class, caps = None, None
     offload_gradients = False
     try:
@@ -189,11 +241,33 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
             resolve_optimizer_class(cfg.optimizer.get("optimizer_class", "torch.optim.AdamW"))
         except ValueError as err:
             problems.append(str(err))
+    if caps is not None:
+        problems.extend(capability_problems(
+            cfg, caps, in_bwd=in_bwd, clip=clip, accum=accum,
+            offload_gradients=offload_gradients is True, device_type=str(cfg.device).split(":")[0],
+        ))
+    if caps is not None and optimizer_class is not None:
+        # One problem per key: keys the rules above reported are not listed again, and the probe,
+        # which would repeat those rules, is built only when they all passed.
+        reported = {p.split("=")[0].split(":")[0] for p in problems if p.startswith("optimizer.")}
+        problems.extend(optimizer_option_problems(cfg.optimizer, optimizer_class, caps, reported=reported))
+    if in_bwd:
+        if clip is not None:
+            problems.append("optimizer_in_bwd=True with clip_grad_norm set: clipping needs all gradients "
+                            "before any step. Set clip_grad_norm=null or optimizer_in_bwd=False.")
+        if _is_int(accum, low=2):
+            problems.append("optimizer_in_bwd=True with gradient_accumulation_steps > 1: each backward "
+                            "steps at once. Set gradient_accumulation_steps=1 or optimizer_in_bwd=False.")
+    return {"optimizer_class": optimizer_class, "optimizer_capabilities": caps,
+            "offload_gradients": offload_gradients is True}
 
+
+def _device_problems(cfg: DictConfig, problems: List[str], *, device_present: bool) -> typing.Tuple[str, str]:
+    """The device (present on this machine, unless only planning) and the dtype."""
     device_name = str(cfg.device)
-    if device_name.split(":")[0] not in ("cpu", "cuda", "xpu", "npu", "mps"):
-        problems.append(f"device={device_name!r}: use cpu, cuda or xpu.")
     requested = device_name.split(":")[0]
+    if requested not in ("cpu", "cuda", "xpu", "npu", "mps"):
+        problems.append(f"device={device_name!r}: use cpu, cuda or xpu.")
     if requested in ("cuda", "xpu", "npu", "mps") and device_present:
         try:
             available = utils.get_device(device=device_name).type == requested
@@ -206,94 +280,45 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
     dtype_name = str(cfg.dtype)
     if dtype_name not in ("fp32", "bf16"):
         problems.append(f"dtype={dtype_name!r}: use bf16 or fp32 (fp16 full training is not supported).")
-    is_cuda = device_name.startswith("cuda")
+    return device_name, dtype_name
 
-    if caps is not None:
-        problems.extend(_optimizer_problems(
-            cfg, caps, in_bwd=in_bwd, clip=clip, accum=accum,
-            offload_gradients=offload_gradients is True, device_type=device_name.split(":")[0],
-        ))
-    if caps is not None and optimizer_class is not None:
-        # One problem per key: keys the rules above reported are not listed again, and the probe,
-        # which would repeat those rules, is built only when they all passed.
-        reported = {p.split("=")[0].split(":")[0] for p in problems if p.startswith("optimizer.")}
-        problems.extend(_optimizer_option_problems(cfg.optimizer, optimizer_class, caps, reported=reported))
-    if in_bwd:
-        if clip is not None:
-            problems.append("optimizer_in_bwd=True with clip_grad_norm set: clipping needs all gradients "
-                            "before any step. Set clip_grad_norm=null or optimizer_in_bwd=False.")
-        if _is_int(accum, low=2):
-            problems.append("optimizer_in_bwd=True with gradient_accumulation_steps > 1: each backward "
-                            "steps at once. Set gradient_accumulation_steps=1 or optimizer_in_bwd=False.")
 
-    ac = flag("enable_activation_checkpointing", False)
-    act_offload = flag("enable_activation_offloading", False)
+def _activation_settings(read: _Reader, *, is_cuda: bool) -> Dict[str, bool]:
+    """Activation checkpointing, and offloading, which needs it and a CUDA device."""
+    ac = read.flag("enable_activation_checkpointing", False)
+    act_offload = read.flag("enable_activation_offloading", False)
     if act_offload and not is_cuda:
-        problems.append("enable_activation_offloading=True needs device=cuda. Set it to False.")
+        read.problems.append("enable_activation_offloading=True needs device=cuda. Set it to False.")
     if act_offload and not ac:
-        problems.append("enable_activation_offloading=True needs enable_activation_checkpointing=True.")
-
-    if recipe == "lora":
-        problems.extend(_lora_module_problems(cfg.model))
-    if recipe == "lora" and flag("low_cpu_ram", False):
-        problems.append("low_cpu_ram=True is not supported by this recipe. Set low_cpu_ram=False.")
-    if recipe == "distributed":
-        if get("tensor_parallel_dim", 1) not in (1, None):
-            problems.append("tensor_parallel_dim > 1 is not supported by this recipe. Set tensor_parallel_dim=1.")
-        for key in ("tensor_parallel_plan", "ac_mode", "ac_option"):
-            if cfg.get(key) is not None:
-                problems.append(f"{key} is not supported by this recipe. Remove it (~{key}).")
-        if flag("enable_async_checkpointing", False):
-            problems.append("enable_async_checkpointing=True is not supported. Set it to False.")
-        problems.extend(_distributed_problems(cfg, caps))
-
-    if problems:
-        raise ValueError(_format(problems))
-
-    if device_present:
-        device = utils.get_device(device=device_name)
-        dtype = training.get_dtype(dtype_name, device=device)
-    else:
-        device, dtype = torch.device(device_name), {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
-    return RecipeSettings(
-        device=device,
-        dtype=dtype,
-        batch_size=batch_size,
-        epochs=epochs,
-        max_steps_per_epoch=max_steps,
-        gradient_accumulation_steps=accum,
-        clip_grad_norm=clip,
-        optimizer_in_bwd=in_bwd,
-        optimizer_class=optimizer_class,
-        optimizer_capabilities=caps,
-        compile=flags["compile"],
-        enable_activation_checkpointing=ac,
-        enable_activation_offloading=act_offload,
-        log_every_n_steps=log_every,
-        log_peak_memory_stats=flags["log_peak_memory_stats"],
-        resume_from_checkpoint=flags["resume_from_checkpoint"],
-        seed=cfg.get("seed"),
-        shuffle=flags["shuffle"],
-        collate_fn=str(get("collate_fn", "torchtune.data.padded_collate_sft")),
-        cudnn_deterministic_mode=cfg.get("cudnn_deterministic_mode"),
-        save_adapter_weights_only=flags["save_adapter_weights_only"],
-        fsdp_cpu_offload=flags["fsdp_cpu_offload"],
-        fsdp_reshard_after_forward=flags["fsdp_reshard_after_forward"],
-        host_memory_check=flags["host_memory_check"],
-        save_every_n_steps=save_every,
-        keep_last_n_checkpoints=keep_last,
-    )
+        read.problems.append("enable_activation_offloading=True needs enable_activation_checkpointing=True.")
+    return {"enable_activation_checkpointing": ac, "enable_activation_offloading": act_offload}
 
 
-def _lora_module_problems(cfg_model: DictConfig) -> List[str]:
-    """``model.lora_attn_modules`` names only layers torchtune can adapt; a typo is found now, not at the first save."""
-    valid = list(typing.get_args(LORA_ATTN_MODULES))
-    modules = cfg_model.get("lora_attn_modules")
-    if modules is None:
-        return []
-    if isinstance(modules, str) or not OmegaConf.is_list(modules):
-        return [f"model.lora_attn_modules={modules!r}: must be a list drawn from {valid}."]
+def _collate_fn(read: _Reader) -> str:
+    """The batch collate function: importable, and one for training."""
+    path = str(read.get("collate_fn", _DEFAULT_COLLATE))
+    if "left_pad_sequence" in path:
+        read.problems.append(f"collate_fn={path}: left_pad_sequence is for inference. Use {_DEFAULT_COLLATE}.")
+        return path
+    try:
+        _get_component_from_path(path)
+    except Exception as err:  # torchtune raises its own InstantiationError for any import failure
+        read.problems.append(f"collate_fn={path}: cannot be imported ({err}). Use {_DEFAULT_COLLATE}.")
+    return path
+
+
+def _lora_problems(read: _Reader) -> List[str]:
+    """The LoRA recipe's own rules: ``model.lora_attn_modules`` names only layers torchtune can
+    adapt (a typo is found now, not at the first save); no ``low_cpu_ram``."""
     problems = []
+    if read.flag("low_cpu_ram", False):
+        problems.append("low_cpu_ram=True is not supported by this recipe. Set low_cpu_ram=False.")
+    valid = list(typing.get_args(LORA_ATTN_MODULES))
+    modules = read.cfg.model.get("lora_attn_modules")
+    if modules is None:
+        return problems
+    if isinstance(modules, str) or not OmegaConf.is_list(modules):
+        return problems + [f"model.lora_attn_modules={modules!r}: must be a list drawn from {valid}."]
     for name in modules:
         if name not in valid:
             close = difflib.get_close_matches(str(name), valid, n=1)
@@ -302,115 +327,20 @@ def _lora_module_problems(cfg_model: DictConfig) -> List[str]:
     return problems
 
 
-def _keyword_names(cls: type, *, kwargs_go_elsewhere: bool = False) -> Optional[set]:
-    """The keyword options ``cls(params, ...)`` takes, or None if it takes any (``**kwargs``).
-
-    Args:
-        kwargs_go_elsewhere: ``**kwargs`` are forwarded to another class (an offloader's base
-            optimizer), whose own names are checked separately.
-    """
-    names = set()
-    for name, param in list(inspect.signature(cls.__init__).parameters.items())[2:]:  # self, params
-        if param.kind is inspect.Parameter.VAR_KEYWORD:
-            if kwargs_go_elsewhere:
-                continue
-            return None
-        if param.kind is not inspect.Parameter.VAR_POSITIONAL:
-            names.add(name)
-    return names
-
-
-def _optimizer_option_problems(
-    cfg_optimizer: DictConfig, component: type, caps: OptimizerCapabilities, *, reported: set
-) -> List[str]:
-    """Unknown ``optimizer:`` keys (with the closest valid name) and values the optimizer refuses.
-
-    The optimizer is built on a one-element CPU parameter, so its own checks run before any weight
-    is read; only the base optimizer is built for an offloader that needs an accelerator (torchao's).
-    """
-    options = {k: v for k, v in OmegaConf.to_container(cfg_optimizer, resolve=True).items() if k != "_component_"}
-    base = None
-    if caps.offloads:
-        try:
-            base = resolve_optimizer_class(options.get("optimizer_class", "torch.optim.AdamW"))
-        except ValueError:
-            return []  # reported by the optimizer_class check
-    own = _keyword_names(component, kwargs_go_elsewhere=base is not None)
-    theirs = _keyword_names(base) if base is not None else set()
+def _distributed_problems(read: _Reader, caps: Optional[OptimizerCapabilities]) -> List[str]:
+    """The distributed recipe's own rules: what it does not support, the shard policy, CPU
+    offload, and the optimizer under FSDP2."""
+    cfg = read.cfg
     problems = []
-    if own is not None and theirs is not None:
-        valid = own | theirs
-        for key in sorted(set(options) - valid - {k.split(".", 1)[1] for k in reported}):
-            close = difflib.get_close_matches(key, sorted(valid), n=1)
-            hint = f"Did you mean '{close[0]}'?" if close else f"Valid options: {', '.join(sorted(valid))}."
-            name = component.__name__ + (f" (base {base.__name__})" if base is not None else "")
-            problems.append(f"optimizer.{key}: not an option of {name}. {hint}")
-    if problems or reported:
-        return problems
-    param = torch.nn.Parameter(torch.zeros(1))
-    try:
-        if caps.offloads and caps.device_types is not None:
-            base([param], **{k: v for k, v in options.items() if k not in (own or ())})
-        elif caps.named_parameters:
-            component([("probe", param)], **options)
-        else:
-            component([param], **options)
-    except (ValueError, TypeError, RuntimeError) as err:
-        problems.append(f"optimizer: {component.__name__} refuses its options: {err}")
-    return problems
-
-
-def _optimizer_problems(
-    cfg: DictConfig,
-    caps: OptimizerCapabilities,
-    *,
-    in_bwd: bool,
-    clip: Optional[float],
-    accum: Any,
-    offload_gradients: bool,
-    device_type: str,
-) -> List[str]:
-    """What the run asks of the optimizer that its declared capabilities rule out."""
-    component = cfg.optimizer._component_
-    problems = []
-    if in_bwd and not caps.steps_in_backward:
-        problems.append(
-            f"optimizer_in_bwd=True with optimizer._component_={component}: "
-            f"{caps.why_not('steps_in_backward')}. Set optimizer_in_bwd=False."
-        )
-    if clip is not None and not caps.can_clip:
-        problems.append(
-            f"clip_grad_norm is set but optimizer._component_={component} cannot clip: "
-            f"{caps.why_not('can_clip')}. Set clip_grad_norm=null, or "
-            "optimizer._component_=torchtune_offload.OffloadOptimizer."
-        )
-    if offload_gradients and _is_int(accum, low=2) and not caps.accumulates_offloaded_grads:
-        problems.append(
-            f"gradient_accumulation_steps > 1 with {component} and optimizer.offload_gradients=True: "
-            f"{caps.why_not('accumulates_offloaded_grads')}. Set gradient_accumulation_steps=1, "
-            "optimizer.offload_gradients=False, or optimizer._component_=torchtune_offload.OffloadOptimizer."
-        )
-    for key in ("master_dtype", "grad_sum_dtype"):
-        value = cfg.optimizer.get(key)
-        if value is None:
-            continue
-        # Values are checked where the optimizer is built on a probe (_optimizer_option_problems).
-        if not caps.precision_policy:
-            problems.append(f"optimizer.{key}={value} with {component}: {caps.why_not('precision_policy')}. "
-                            f"Remove it (~optimizer.{key}).")
-    if caps.device_types is not None and device_type not in caps.device_types:
-        problems.append(
-            f"device={cfg.device} with {component}: {caps.why_not('device_types')}. Use "
-            "optimizer._component_=torchtune_offload.OffloadOptimizer, which runs on any device."
-        )
-    return problems
-
-
-def _distributed_problems(cfg: DictConfig, caps: Optional[OptimizerCapabilities]) -> List[str]:
-    """The distributed recipe's own rules: shard policy, CPU offload, and the optimizer under FSDP2."""
-    _, problems = policy_problems(
-        cfg.get("fsdp_shard_policy"), custom_sharded_layers=cfg.get("custom_sharded_layers")
-    )
+    if read.get("tensor_parallel_dim", 1) not in (1, None):
+        problems.append("tensor_parallel_dim > 1 is not supported by this recipe. Set tensor_parallel_dim=1.")
+    for key in ("tensor_parallel_plan", "ac_mode", "ac_option"):
+        if cfg.get(key) is not None:
+            problems.append(f"{key} is not supported by this recipe. Remove it (~{key}).")
+    if read.flag("enable_async_checkpointing", False):
+        problems.append("enable_async_checkpointing=True is not supported. Set it to False.")
+    _, policy = policy_problems(cfg.get("fsdp_shard_policy"), custom_sharded_layers=cfg.get("custom_sharded_layers"))
+    problems.extend(policy)
     if cfg.get("fsdp_cpu_offload") is True and str(cfg.get("device", "")).split(":")[0] == "cpu":
         problems.append(
             "fsdp_cpu_offload=True with device=cpu: FSDP2's CPUOffloadPolicy moves shards between an "
@@ -429,4 +359,3 @@ def _distributed_problems(cfg: DictConfig, caps: Optional[OptimizerCapabilities]
 
 def _format(problems: List[str]) -> str:
     return "Invalid config:\n  - " + "\n  - ".join(problems)
-

@@ -61,7 +61,8 @@ class MemoryMonitor:
 
     Args:
         device: the training device.
-        optimizer: if it has ``memory_report()`` (the offload optimizers), its host figures are added.
+        optimizer: the run's optimizer (a ``RunOptimizer``, or an offload optimizer); where its
+            ``memory_report()`` gives a report, its host figures are added.
     """
 
     def __init__(self, device: torch.device, *, optimizer: Optional[object] = None) -> None:
@@ -91,9 +92,8 @@ class MemoryMonitor:
         out["host_rss"] = rss / GIB
         # ru_maxrss is in KiB on Linux, a peak over the process's life, sampled by the kernel.
         out["host_rss_peak"] = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / GIB
-        report = getattr(self.optimizer, "memory_report", None)
-        if report is not None:
-            r = report()
+        r = self.optimizer.memory_report() if self.optimizer is not None else None
+        if r is not None:
             out["optimizer_host"] = r.host_bytes / GIB
             out["optimizer_pinned"] = r.pinned_bytes / GIB
             out["optimizer_device_saved"] = r.device_bytes_saved / GIB

@@ -1,4 +1,9 @@
-"""Where training stands, saved in checkpoints so that a run can resume."""
+"""Where training stands, saved in checkpoints so that a run can resume.
+
+:class:`Progress` is the one owner of the run's position: the epoch, the steps done in it, the steps
+an epoch has and the global step. A resume restores it before training; the train loop advances it;
+checkpoints, the LR scheduler and the logs read it.
+"""
 
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
@@ -21,6 +26,8 @@ class Progress:
     max_steps_per_epoch: Optional[int]
     #: Optimizer steps already done in epoch ``epochs_run`` (a mid-epoch checkpoint).
     steps_run_in_epoch: int = 0
+    #: Optimizer steps in one epoch, once the dataloader is built (:meth:`measure_epoch`).
+    steps_per_epoch: Optional[int] = None
 
     @classmethod
     def start(cls, settings: RecipeSettings, *, seed: Optional[int] = None) -> "Progress":
@@ -45,6 +52,32 @@ class Progress:
                 f"resume_from_checkpoint=True but the recipe state lacks {err}; it was not written by "
                 "an intermediate checkpoint of this recipe. Set resume_from_checkpoint=False."
             ) from err
+
+    def measure_epoch(self, loader: Any, settings: RecipeSettings) -> None:
+        """Counts the optimizer steps of one epoch: whole windows of ``loader``, capped by
+        ``max_steps_per_epoch``."""
+        steps = len(loader) // settings.gradient_accumulation_steps
+        if settings.max_steps_per_epoch is not None:
+            steps = min(steps, settings.max_steps_per_epoch)
+        self.steps_per_epoch = steps
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps done since the run began (resumed runs included)."""
+        return self.epochs_run * self.steps_per_epoch + self.steps_run_in_epoch
+
+    @property
+    def total_steps(self) -> int:
+        return self.total_epochs * self.steps_per_epoch
+
+    def advance(self) -> None:
+        """One optimizer step done (the train loop's)."""
+        self.steps_run_in_epoch += 1
+
+    def finish_epoch(self) -> None:
+        """The epoch is done: the next starts at its first step (the train loop's)."""
+        self.epochs_run += 1
+        self.steps_run_in_epoch = 0
 
     def state(self) -> Dict[str, Any]:
         return {

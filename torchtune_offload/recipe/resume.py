@@ -87,7 +87,7 @@ class TrainingCheckpoints:
         """The optimizer state to load when resuming (handed over once, then no longer held)."""
         return self.point.state.pop("optimizer") if self.point is not None else None
 
-    def restore_position(self, *, dataloader: Any, lr_scheduler: Optional[Any], steps_per_epoch: int) -> None:
+    def restore_position(self, *, dataloader: Any, lr_scheduler: Optional[Any]) -> None:
         """Puts the data position, the LR schedule and the RNG states back, last in setup()."""
         if self.point is None:
             return
@@ -98,22 +98,19 @@ class TrainingCheckpoints:
         if lr_scheduler is not None and state.get("lr_scheduler") is not None:
             lr_scheduler.load_state_dict(state["lr_scheduler"])
         restore_rng_states(state["rng"])
-        log.info(describe(self.point, steps_per_epoch=steps_per_epoch))
+        log.info(describe(self.point, steps_per_epoch=self.progress.steps_per_epoch))
         self.point = None  # nothing of it is needed any more
 
     def save(
         self,
         *,
-        epoch: int,
-        step_in_epoch: int,
-        global_step: int,
         weights: Dict[str, torch.Tensor],
         optimizer_state: Dict[str, Any],
         dataloader: Any,
         lr_scheduler: Optional[Any],
     ) -> Path:
-        """Saves a checkpoint to continue epoch ``epoch`` after ``step_in_epoch`` steps."""
-        self.progress.epochs_run, self.progress.steps_run_in_epoch = epoch, step_in_epoch
+        """Saves a checkpoint to continue from where ``progress`` stands."""
+        p = self.progress
         state = {
             "progress": self.progress.state(),
             "optimizer": optimizer_state,
@@ -121,7 +118,7 @@ class TrainingCheckpoints:
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
             "rng": rng_states(),
         }
-        path = self.store.save(global_step=global_step, epoch=epoch, step_in_epoch=step_in_epoch,
+        path = self.store.save(global_step=p.global_step, epoch=p.epochs_run, step_in_epoch=p.steps_run_in_epoch,
                                weights=weights, state=state)
         log.info(f"Checkpoint saved to {path}: resume_from_checkpoint=True continues from here.")
         return path

@@ -1,0 +1,142 @@
+"""The config rules about the optimizer: its component, its options (every key against its
+signature, every value by building it on a probe parameter) and what the run asks of it that its
+declared capabilities rule out."""
+
+import difflib
+import inspect
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torchao.optim
+from omegaconf import DictConfig, OmegaConf
+
+from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
+from torchtune_offload.optim.optimizer_class import resolve_optimizer, resolve_optimizer_class
+
+
+def _is_int(v: Any, *, low: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def resolve_optimizer_component(cfg_optimizer: Any) -> Tuple[type, OptimizerCapabilities]:
+    """The class ``cfg.optimizer._component_`` names, and what it can do.
+
+    Raises:
+        ValueError: if ``optimizer._component_`` is missing, does not resolve, or names torchao's
+            own class (whose ``optimizer_class`` a config cannot hold).
+    """
+    path = cfg_optimizer.get("_component_") if isinstance(cfg_optimizer, DictConfig) else None
+    if not path:
+        raise ValueError("optimizer._component_ is missing. Set it, e.g. optimizer._component_=torch.optim.AdamW.")
+    component = resolve_optimizer(path, key="optimizer._component_")
+    capabilities = capabilities_of(component)
+    if not capabilities.offloads and issubclass(component, torchao.optim.CPUOffloadOptimizer):
+        raise ValueError(
+            f"optimizer._component_={path}: torchao's class takes optimizer_class as a class, which a "
+            "config cannot hold. Use optimizer._component_=torchtune_offload.CPUOffloadOptimizer."
+        )
+    return component, capabilities
+
+
+def _keyword_names(cls: type, *, kwargs_go_elsewhere: bool = False) -> Optional[set]:
+    """The keyword options ``cls(params, ...)`` takes, or None if it takes any (``**kwargs``).
+
+    Args:
+        kwargs_go_elsewhere: ``**kwargs`` are forwarded to another class (an offloader's base
+            optimizer), whose own names are checked separately.
+    """
+    names = set()
+    for name, param in list(inspect.signature(cls.__init__).parameters.items())[2:]:  # self, params
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            if kwargs_go_elsewhere:
+                continue
+            return None
+        if param.kind is not inspect.Parameter.VAR_POSITIONAL:
+            names.add(name)
+    return names
+
+
+def optimizer_option_problems(
+    cfg_optimizer: DictConfig, component: type, caps: OptimizerCapabilities, *, reported: set
+) -> List[str]:
+    """Unknown ``optimizer:`` keys (with the closest valid name) and values the optimizer refuses.
+
+    The optimizer is built on a one-element CPU parameter, so its own checks run before any weight
+    is read; only the base optimizer is built for an offloader that needs an accelerator (torchao's).
+    """
+    options = {k: v for k, v in OmegaConf.to_container(cfg_optimizer, resolve=True).items() if k != "_component_"}
+    base = None
+    if caps.offloads:
+        try:
+            base = resolve_optimizer_class(options.get("optimizer_class", "torch.optim.AdamW"))
+        except ValueError:
+            return []  # reported by the optimizer_class check
+    own = _keyword_names(component, kwargs_go_elsewhere=base is not None)
+    theirs = _keyword_names(base) if base is not None else set()
+    problems = []
+    if own is not None and theirs is not None:
+        valid = own | theirs
+        for key in sorted(set(options) - valid - {k.split(".", 1)[1] for k in reported}):
+            close = difflib.get_close_matches(key, sorted(valid), n=1)
+            hint = f"Did you mean '{close[0]}'?" if close else f"Valid options: {', '.join(sorted(valid))}."
+            name = component.__name__ + (f" (base {base.__name__})" if base is not None else "")
+            problems.append(f"optimizer.{key}: not an option of {name}. {hint}")
+    if problems or reported:
+        return problems
+    param = torch.nn.Parameter(torch.zeros(1))
+    try:
+        if caps.offloads and caps.device_types is not None:
+            base([param], **{k: v for k, v in options.items() if k not in (own or ())})
+        elif caps.named_parameters:
+            component([("probe", param)], **options)
+        else:
+            component([param], **options)
+    except (ValueError, TypeError, RuntimeError) as err:
+        problems.append(f"optimizer: {component.__name__} refuses its options: {err}")
+    return problems
+
+
+def capability_problems(
+    cfg: DictConfig,
+    caps: OptimizerCapabilities,
+    *,
+    in_bwd: bool,
+    clip: Optional[float],
+    accum: Any,
+    offload_gradients: bool,
+    device_type: str,
+) -> List[str]:
+    """What the run asks of the optimizer that its declared capabilities rule out."""
+    component = cfg.optimizer._component_
+    problems = []
+    if in_bwd and not caps.steps_in_backward:
+        problems.append(
+            f"optimizer_in_bwd=True with optimizer._component_={component}: "
+            f"{caps.why_not('steps_in_backward')}. Set optimizer_in_bwd=False."
+        )
+    if clip is not None and not caps.can_clip:
+        problems.append(
+            f"clip_grad_norm is set but optimizer._component_={component} cannot clip: "
+            f"{caps.why_not('can_clip')}. Set clip_grad_norm=null, or "
+            "optimizer._component_=torchtune_offload.OffloadOptimizer."
+        )
+    if offload_gradients and _is_int(accum, low=2) and not caps.accumulates_offloaded_grads:
+        problems.append(
+            f"gradient_accumulation_steps > 1 with {component} and optimizer.offload_gradients=True: "
+            f"{caps.why_not('accumulates_offloaded_grads')}. Set gradient_accumulation_steps=1, "
+            "optimizer.offload_gradients=False, or optimizer._component_=torchtune_offload.OffloadOptimizer."
+        )
+    for key in ("master_dtype", "grad_sum_dtype"):
+        value = cfg.optimizer.get(key)
+        if value is None:
+            continue
+        # Values are checked where the optimizer is built on a probe (_optimizer_option_problems).
+        if not caps.precision_policy:
+            problems.append(f"optimizer.{key}={value} with {component}: {caps.why_not('precision_policy')}. "
+                            f"Remove it (~optimizer.{key}).")
+    if caps.device_types is not None and device_type not in caps.device_types:
+        problems.append(
+            f"device={cfg.device} with {component}: {caps.why_not('device_types')}. Use "
+            "optimizer._component_=torchtune_offload.OffloadOptimizer, which runs on any device."
+        )
+    return problems
