@@ -1,5 +1,6 @@
 """README.md is a map of at most 250 lines, and every relative link in it and in docs/ resolves."""
 
+import importlib
 import re
 from pathlib import Path
 from typing import Dict, List, Set
@@ -67,3 +68,42 @@ def test_readme_is_a_map():
     # Status belongs to docs/: no commit hashes and no lists of what is still to run.
     assert not re.search(r"`[0-9a-f]{7,40}`", text)
     assert "still to run" not in text.lower()
+
+
+def _architecture_names():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    return re.findall(r"`([^`\s]+)`", text)
+
+
+def test_every_module_class_and_path_the_architecture_page_names_exists():
+    names = _architecture_names()
+    classes = {}
+    missing = []
+    for name in names:
+        if name.startswith("torchtune_offload.") and "/" not in name:
+            parts = name.split(".")
+            # The longest importable module prefix, then attributes.
+            for cut in range(len(parts), 0, -1):
+                try:
+                    obj = importlib.import_module(".".join(parts[:cut]))
+                    break
+                except ModuleNotFoundError:
+                    continue
+            try:
+                for attr in parts[cut:]:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                missing.append(name)
+                continue
+            if isinstance(obj, type):
+                classes[obj.__name__] = obj
+        elif "/" in name and not name.startswith("optimizer."):
+            if not (REPO / name).exists():
+                missing.append(name)
+    for name in names:
+        head, _, method = name.partition(".")
+        if method and "/" not in name and head in classes:
+            if not hasattr(classes[head], method.split("(")[0]):
+                missing.append(name)
+    assert len(classes) >= 10, "the page names the collaborators by their dotted paths"
+    assert not missing, f"docs/architecture.md names what does not exist: {missing}"
