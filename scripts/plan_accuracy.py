@@ -65,7 +65,7 @@ def step(micro_batches):
         _mark_lora(model)
     loss_fn = build_loss(cfg.loss, model, settings, verbose=False)
     # As the configured optimizer does: offload_gradients frees each gradient once backward has produced it.
-    if settings.optimizer_capabilities.offloads and cfg.optimizer.get("offload_gradients", False):
+    if settings.offload_gradients:
         for p in model.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))

@@ -118,3 +118,32 @@ def test_folders_import_only_lower_floors():
             if other[1] not in FLOORS or FLOORS[other[1]] >= FLOORS[parts[1]]:
                 wrong.append(f"{name} imports {target}")
     assert not wrong, "imports against the floors " + str(FLOORS) + ":\n" + "\n".join(wrong)
+
+
+#: Sizes a newcomer can read: no source file over 600 lines, no class over 400, the engine's
+#: facade at most 300 (its collaborators hold the rest; docs/architecture.md).
+MAX_FILE_LINES, MAX_CLASS_LINES, MAX_FACADE_LINES = 600, 400, 300
+
+
+def _sources() -> List[Path]:
+    repo = ROOT.parent
+    return sorted(p for folder in ("torchtune_offload", "recipes", "scripts") for p in (repo / folder).rglob("*.py"))
+
+
+def test_no_source_file_or_class_is_too_long():
+    long = []
+    for path in _sources():
+        text = path.read_text()
+        if text.count("\n") > MAX_FILE_LINES:
+            long.append(f"{path.relative_to(ROOT.parent)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                long.append(f"{path.relative_to(ROOT.parent)}: class {node.name} has "
+                            f"{node.end_lineno - node.lineno + 1} lines")
+    assert not long, "split these by concern:\n" + "\n".join(long)
+
+
+def test_the_engine_is_a_facade():
+    tree = ast.parse((ROOT / "optim" / "offload_optimizer.py").read_text())
+    facade = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "OffloadOptimizer")
+    assert facade.end_lineno - facade.lineno + 1 <= MAX_FACADE_LINES

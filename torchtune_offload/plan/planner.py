@@ -160,7 +160,7 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
         return plan
     settings = replace(settings, compile=False)
     mark = _mark_lora if recipe == "lora" else None
-    offload_grads = bool(settings.optimizer_capabilities.offloads and cfg.optimizer.get("offload_gradients", False))
+    offload_grads = settings.offload_gradients
     free = offload_grads or settings.optimizer_in_bwd
     make = _make_optimizer(settings, cfg)
     key = (free, settings.optimizer_class if make else None, settings.gradient_accumulation_steps,

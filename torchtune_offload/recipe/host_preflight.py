@@ -164,8 +164,7 @@ def host_memory_need(
     train: Dict[str, int] = {}
     if on_cpu:
         load["model"] = weights
-        grads_freed = settings.optimizer_capabilities.offloads and OmegaConf.select(
-            cfg, "optimizer.offload_gradients", default=False)
+        grads_freed = settings.offload_gradients
         if step_bytes is not None:
             train["training step (traced: weights, gradients, activations)"] = step_bytes
         else:
