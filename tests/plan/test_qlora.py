@@ -14,7 +14,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from tests.recipe_harness import tiny_asset_overrides, working_tree_env
 from torchtune_offload.plan.fine_tunes import DEFAULT_ADAPTERS, configured_fine_tune, fine_tunes
-from torchtune_offload.plan.planner import load_config
+from torchtune_offload.plan.planner import VariantPlan, format_fine_tunes, load_config
 from torchtune_offload.plan.trace import build_meta_model, trace_training_step
 from torchtune_offload.recipe import build_loss, check_recipe_config, instantiate_model
 
@@ -142,3 +142,14 @@ def test_an_unknown_builder_and_an_untraceable_forward_are_refused_in_one_line(t
     component = "tests.plan.untraceable_models.refusing_decoder"
     proc, _ = _plan_cli(tmp_path, "configs/tiny/full.yaml", *overrides, f"model._component_={component}")
     _assert_one_line_refusal(proc, component, "NotImplementedError: no kernel for this operator on fake tensors")
+
+
+def test_the_verdict_names_what_fits_what_does_not_and_what_could_not_be_planned():
+    gib = 1024**3
+    plans = [VariantPlan("full", "a", device_bytes=14 * gib, host_bytes=25 * gib),
+             VariantPlan("LoRA", "b", device_bytes=17 * gib, host_bytes=gib),
+             VariantPlan("QLoRA", "-", problem="no builder m.qlora_x")]
+    text = format_fine_tunes(plans, device_budget=16 * gib, host_budget=23 * gib, optimizer="AdamW")
+    assert "| full | 14.00 | yes | 25.00 | no | a |" in text and "| QLoRA | - | - | - | - | no builder m.qlora_x |" in text
+    assert "On a 16.0 GiB device: full fits; LoRA does not fit; QLoRA could not be planned." in text
+    assert "Host memory (23.0 GiB budget): full needs 25.00 GiB, more than it has." in text

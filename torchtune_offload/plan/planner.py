@@ -269,6 +269,10 @@ def format_fine_tunes(plans: List[VariantPlan], *, device_budget: Optional[int],
             f"{', '.join(fit)} fit{'s' if len(fit) == 1 else ''}" if fit else "",
             f"{', '.join(miss)} do{'es' if len(miss) == 1 else ''} not fit" if miss else "",
             f"{', '.join(unknown)} could not be planned" if unknown else "") if part) + ".")
+        short = [f"{p.name} needs {gib(p.host_bytes)} GiB" for p in plans
+                 if p.host_bytes is not None and p.host_bytes > host_budget]
+        if short:
+            lines.append(f"Host memory ({host_budget / GIB:.1f} GiB budget): {', '.join(short)}, more than it has.")
     return "\n".join(lines)
 
 
