@@ -1,0 +1,80 @@
+"""Config rules that moved before any weight is read (collate_fn), settings the recipes and the
+planner read instead of the raw config (offload_gradients), and the recipes' optimizer interface:
+kinds of checkpointed optimizer states are values, and each kind's adapter answers the same calls."""
+
+import pytest
+import torch
+
+from tests.recipe.test_config_check import _cfg, _problems
+from torchtune_offload import OffloadOptimizer
+from torchtune_offload.recipe import (
+    HoldingOptimizer,
+    OptimizerKind,
+    RunOptimizer,
+    check_recipe_config,
+)
+
+OURS = "optimizer._component_=torchtune_offload.OffloadOptimizer"
+
+
+def test_a_left_padding_collate_is_refused_by_the_config_check():
+    message = _problems("full", "collate_fn=torchtune.data.left_pad_sequence")
+    assert "collate_fn=torchtune.data.left_pad_sequence" in message
+    assert "Use torchtune.data.padded_collate_sft" in message
+
+
+def test_a_collate_fn_that_does_not_import_is_refused_by_the_config_check():
+    message = _problems("lora", "collate_fn=torchtune.data.padded_collate_sfft")
+    assert "collate_fn=torchtune.data.padded_collate_sfft: cannot be imported" in message
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ((), False),
+    ((OURS,), False),
+    ((OURS, "optimizer.offload_gradients=True"), True),
+    ((OURS, "optimizer.offload_gradients=False"), False),
+])
+def test_offload_gradients_reaches_the_settings(overrides, expected):
+    assert check_recipe_config(_cfg("full", *overrides), recipe="full").offload_gradients is expected
+
+
+def _params():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    model(torch.randn(4, 64)).sum().backward()
+    return model
+
+
+def test_kinds_of_saved_states_are_told_apart_by_layout():
+    model = _params()
+    plain = torch.optim.AdamW(model.parameters())
+    ours = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", minimal_size=0)
+    assert OptimizerKind.of_state(plain.state_dict()) is OptimizerKind.PLAIN
+    assert OptimizerKind.of_state(ours.state_dict()) is OptimizerKind.OFFLOAD_ENGINE
+    assert OptimizerKind.of_state({"weight": {}}) is OptimizerKind.IN_BACKWARD
+    assert OptimizerKind.of_state([1, 2]) is None
+
+
+def test_a_state_of_another_kind_is_refused_naming_both_kinds():
+    model = _params()
+    ours = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", minimal_size=0)
+    plain = RunOptimizer(torch.optim.AdamW(model.parameters()), params=model.parameters(), clip_grad_norm=None,
+                         kind=OptimizerKind.PLAIN)
+    with pytest.raises(ValueError, match="written by torchtune_offload.OffloadOptimizer.*run's optimizer is a plain"):
+        plain.load_state_dict(ours.state_dict(), component="torch.optim.AdamW")
+
+
+def test_every_kind_answers_the_loops_calls():
+    model = _params()
+    plain = RunOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), params=model.parameters(),
+                         clip_grad_norm=None, kind=OptimizerKind.PLAIN)
+    holding = HoldingOptimizer(OffloadOptimizer(model.named_parameters(), "torch.optim.SGD", lr=0.1, minimal_size=0),
+                               model=model, clip_grad_norm=1.0)
+    for run in (plain, holding):
+        run.before_final_backward()
+        run.synchronize()
+        assert isinstance(run.timings(), dict)
+        assert set(run.parts()) == {None}
+        run.close()
+    assert plain.memory_report() is None and holding.memory_report().num_offloaded == 2
+    assert plain.name == "SGD" and holding.name == "OffloadOptimizer (offload)"
