@@ -1,5 +1,6 @@
 """The recipes' host-RAM pre-flight: sized from meta shapes before loading, checked against what runs hold."""
 
+import re
 import shutil
 import subprocess
 import time
@@ -62,8 +63,12 @@ def test_a_run_that_does_not_fit_fails_in_init_with_figures(tiny_assets, tmp_pat
     message = str(err.value)
     assert message.startswith("host_memory_check: the run does not fit")
     for part in ("loading the checkpoint:", "training:", "optimizer state", "0.00 GiB are available",
-                 "optimizer.optimizer_class=bitsandbytes.optim.AdamW8bit", "host_memory_check=False"):
+                 "optimizer.optimizer_class=torchtune_offload.AdamW8bit", "host_memory_check=False"):
         assert part in message, message
+    # The 8-bit suggestion is sized (the meta step of torchtune_offload.AdamW8bit), not "cannot be sized".
+    sized = re.search(r"optimizer_class=torchtune_offload\.AdamW8bit \(8-bit states, fused host step\): "
+                      r"([0-9.]+) GiB, does not fit either", message)
+    assert sized, message
     assert not (tmp_path / "logs").exists()  # nothing was set up
 
 

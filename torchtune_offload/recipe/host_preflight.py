@@ -270,8 +270,8 @@ def _suggestions(cfg: DictConfig, settings: RecipeSettings, need: HostMemoryNeed
     if settings.optimizer_capabilities.offloads:
         base = resolve_optimizer_class(OmegaConf.select(cfg, "optimizer.optimizer_class", default="torch.optim.AdamW"))
         if base in (torch.optim.AdamW, torch.optim.Adam):
-            candidates.append(("optimizer.optimizer_class=bitsandbytes.optim.AdamW8bit (8-bit states)",
-                               dict(optimizer_class="bitsandbytes.optim.AdamW8bit")))
+            candidates.append(("optimizer.optimizer_class=torchtune_offload.AdamW8bit (8-bit states, fused host step)",
+                               dict(optimizer_class="torchtune_offload.AdamW8bit")))
     if settings.device.type == "cpu" and torch.accelerator.is_available():
         accel = torch.accelerator.current_accelerator()
         candidates.append((f"device={accel.type} (the model on the GPU)", dict(device=accel)))
