@@ -117,6 +117,7 @@ class OffloadOptimizer(Optimizer):
     minimal_size = property(lambda self: self.options.minimal_size)
     master_dtype = property(lambda self: self.options.master_dtype)
     grad_sum_dtype = property(lambda self: self.options.grad_sum_dtype)
+    fused_master_step = property(lambda self: self.options.fused_master_step)
     overlap = property(lambda self: self.options.overlap)
     _slots = property(lambda self: self._table.slots)
     _staging = property(lambda self: self._grads.staging)
