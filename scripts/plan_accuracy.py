@@ -76,8 +76,10 @@ def step(micro_batches):
         logits = model(tokens)
         if not isinstance(logits, list):
             logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
-        loss_fn(logits, labels).backward()
-        del logits
+        loss = loss_fn(logits, labels)
+        del logits  # as the recipe's loop: the logits go before backward
+        loss.backward()
+        del loss
 step(1)  # the throwaway copy: the runtime's one-time allocations happen here
 import ctypes, ctypes.util, gc
 gc.collect()

@@ -139,8 +139,11 @@ def trace_training_step(
                     if not isinstance(logits, list):
                         logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
                     loss = loss_fn(logits, labels)
+                    # The recipe's loop drops the logits before backward (its loss helper returns
+                    # the loss alone); the loss keeps what its backward needs.
+                    del logits
                     loss.backward()
-                    del logits, loss
+                    del loss
                 if optimizer is not None:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
