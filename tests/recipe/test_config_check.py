@@ -1,6 +1,7 @@
 """Unit tests of the recipes' config check: settings read, and rules taken from the optimizer's
 declared capabilities rather than from a list of names (no assets, no model)."""
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from omegaconf import OmegaConf
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim import OptimizerCapabilities
 from torchtune_offload.recipe import check_recipe_config, resolve_optimizer_component
+from torchtune_offload.recipe.base_options import accepted_form, check_base_options
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"full": "full.yaml", "lora": "lora.yaml", "distributed": "full_distributed.yaml"}
@@ -130,3 +132,44 @@ def test_a_misspelt_fsdp_boolean_is_reported_once(key):
 def test_a_gpu_device_without_one_is_a_listed_problem(device):
     message = _problems("full", f"device={device}")
     assert f"device={device}: this machine has no cuda device" in message
+
+
+# ------------------------------------------------- option values the base optimizer refuses
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    (["optimizer.lr=fast"], ["optimizer.lr='fast': AdamW refuses it", "'<=' not supported", "Give a number such as 0.001",
+                             "e.g. optimizer.lr=0.001"]),
+    (["optimizer.betas=0.9"], ["optimizer.betas=0.9: AdamW refuses it", "a list of 2 numbers",
+                               "optimizer.betas=[0.9,0.999]"]),
+    (["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW",
+      "optimizer.lr=-1"], ["optimizer.lr=-1: OffloadOptimizer (base AdamW) refuses it", "Invalid learning rate",
+                           "Give a number"]),
+    (["optimizer._component_=torch.optim.SGD", "optimizer.momentum=x", "optimizer.nesterov=True"],
+     ["optimizer.momentum='x': SGD refuses it", "optimizer.nesterov=True: SGD refuses it",
+      "Nesterov momentum requires a momentum"]),
+])
+@pytest.mark.parametrize("recipe", ["full", "distributed"])
+def test_a_refused_option_value_names_the_key_the_value_and_the_accepted_form(recipe, overrides, fragments):
+    if recipe == "distributed" and "OffloadOptimizer" in overrides[0]:
+        pytest.skip("the offload optimizers are refused under FSDP2 for their own reason")
+    message = _problems(recipe, *overrides)
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_check_base_options_gives_the_python_api_a_value_error_naming_the_key():
+    with pytest.raises(ValueError) as err:
+        check_base_options(torch.optim.AdamW, {"lr": "fast", "weight_decay": 0.1})
+    message = str(err.value)
+    assert message.startswith("optimizer.lr='fast': AdamW refuses it") and "weight_decay" not in message
+    check_base_options(torch.optim.AdamW, {"lr": 1e-3, "betas": (0.8, 0.9)})  # accepted: no error
+
+
+def test_accepted_forms_come_from_the_signature():
+    sgd = inspect.signature(torch.optim.SGD.__init__).parameters
+    adamw = inspect.signature(torch.optim.AdamW.__init__).parameters
+    assert accepted_form(adamw["amsgrad"]) == "True or False"
+    assert accepted_form(adamw["foreach"]) == "True, False or null"
+    assert accepted_form(adamw["eps"]) == "a number such as 1e-08"
+    assert accepted_form(sgd["momentum"]) == "a number such as 0"

@@ -69,8 +69,13 @@ CASES: Dict[str, Case] = {
     "offload_option_typo": Case([*OFFLOAD, "optimizer.offload_gradient=True"],
                                 ("optimizer.offload_gradient", "Did you mean 'offload_gradients'")),
     "base_option_typo": Case([*OFFLOAD, "optimizer.weight_decy=0.1"], ("optimizer.weight_decy", "Did you mean 'weight_decay'")),
-    "lr_word": Case(["optimizer.lr=fast"], ("optimizer", "AdamW refuses its options")),
-    "negative_lr": Case([*OFFLOAD, "optimizer.lr=-1"], ("OffloadOptimizer refuses its options", "Invalid learning rate")),
+    "lr_word": Case(["optimizer.lr=fast"], ("optimizer.lr='fast': AdamW refuses it", "Give a number such as 0.001")),
+    "lr_word_offload": Case([*OFFLOAD, "optimizer.lr=fast"],
+                            ("optimizer.lr='fast': OffloadOptimizer (base AdamW) refuses it", "Give a number")),
+    "betas_number": Case(["optimizer.betas=0.9"], ("optimizer.betas=0.9", "a list of 2 numbers", "optimizer.betas=[0.9,0.999]")),
+    "negative_lr": Case([*OFFLOAD, "optimizer.lr=-1"], ("optimizer.lr=-1: OffloadOptimizer (base AdamW) refuses it",
+                                                       "Invalid learning rate")),
+    "lora_lr_word": Case(["optimizer.lr=fast"], ("optimizer.lr='fast': AdamW refuses it", "Give a number"), kind="lora"),
     "negative_minimal_size": Case([*OFFLOAD, "optimizer.minimal_size=-1"], ("optimizer.minimal_size=-1", "non-negative integer")),
     "offload_gradients_number": Case([*OFFLOAD, "optimizer.offload_gradients=2"], ("optimizer.offload_gradients=2", "True or False")),
     "overlap_word": Case([*OFFLOAD, "optimizer.overlap=maybe"], ("optimizer.overlap='maybe'", "True or False")),
@@ -116,8 +121,8 @@ def earlier_run(tiny_assets, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def results(tiny_assets, earlier_run, tmp_path_factory):
-    """Runs every case through ``tune run``; per case: (return code, output, files before, files after)."""
+def results(tiny_assets, earlier_run, tmp_path_factory, request):
+    """Runs every selected case through ``tune run``; per case: (return code, output, files before, files after)."""
     root = tmp_path_factory.mktemp("catalogue")
     tune = shutil.which("tune")
     base = [tune] if tune else [sys.executable, "-m", "torchtune._cli.tune"]
@@ -137,8 +142,11 @@ def results(tiny_assets, earlier_run, tmp_path_factory):
                               text=True, timeout=300)
         return proc.returncode, proc.stdout + proc.stderr, before, _snapshot(out)
 
+    # Only the cases this session runs (pytest -k selects a few).
+    selected = [item.callspec.params["name"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec") and "name" in item.callspec.params]
     with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
-        return dict(zip(CASES, pool.map(run, CASES)))
+        return dict(zip(selected, pool.map(run, selected)))
 
 
 def test_the_catalogue_has_at_least_30_cases():

@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
 from torchtune_offload.optim.optimizer_class import resolve_optimizer, resolve_optimizer_class
+from torchtune_offload.recipe.base_options import base_option_problems
 
 
 def _is_int(v: Any, *, low: int) -> bool:
@@ -83,15 +84,21 @@ def optimizer_option_problems(
             problems.append(f"optimizer.{key}: not an option of {name}. {hint}")
     if problems or reported:
         return problems
+    if base is not None:
+        # The base optimizer's options first: each refused value is named with its accepted form.
+        name = f"{component.__name__} (base {base.__name__})"
+        problems = base_option_problems(base, {k: v for k, v in options.items() if k not in (own or ())},
+                                        owner=name)
+        if problems or caps.device_types is not None:
+            # An offloader that needs an accelerator (torchao's) is not built on this probe.
+            return problems
+    else:
+        return base_option_problems(component, options, named=caps.named_parameters)
     param = torch.nn.Parameter(torch.zeros(1))
     try:
-        if caps.offloads and caps.device_types is not None:
-            base([param], **{k: v for k, v in options.items() if k not in (own or ())})
-        elif caps.named_parameters:
-            component([("probe", param)], **options)
-        else:
-            component([param], **options)
+        component([("probe", param)] if caps.named_parameters else [param], **options)
     except (ValueError, TypeError, RuntimeError) as err:
+        # The engine's own options name their key (optimizer.<key>) in its message.
         problems.append(f"optimizer: {component.__name__} refuses its options: {err}")
     return problems
 
