@@ -99,6 +99,23 @@ CASES: Dict[str, Case] = {
     "dataset_missing": Case([], ("dataset.data_files", "not found"), damage=_remove("data/train.json")),
     "lora_checkpoint_truncated": Case([], ("checkpointer.checkpoint_files", "not a complete safetensors file"), kind="lora",
                                       damage=_truncate("model/model.safetensors")),
+    # torchtune's way to resume ({out}: the case's output_dir, which holds the earlier run).
+    "torchtune_resume_epoch_files": Case(
+        ["resume_from_checkpoint=True", "checkpointer.checkpoint_files=[epoch_0/model-00001-of-00001.safetensors]"],
+        ("checkpointer.checkpoint_files=[epoch_0/model-00001-of-00001.safetensors]", "torchtune's way to resume",
+         "set resume_from_checkpoint=True with no path", "now step_00000003")),
+    "torchtune_resume_output_dir": Case(
+        ["resume_from_checkpoint=True", "checkpointer.checkpoint_dir={out}",
+         "checkpointer.checkpoint_files=[epoch_1/model-00001-of-00001.safetensors]",
+         "checkpointer.recipe_checkpoint=recipe_state/recipe_state.pt"],
+        ("epoch_1/model-00001-of-00001.safetensors", "torchtune's way to resume", "the model you fine-tuned from")),
+    "torchtune_recipe_checkpoint": Case(["resume_from_checkpoint=True", "checkpointer.recipe_checkpoint=recipe_state/recipe_state.pt"],
+                                        ("checkpointer.recipe_checkpoint=recipe_state/recipe_state.pt",
+                                         "resume_from_checkpoint=True with no path")),
+    "torchtune_lora_adapter_checkpoint": Case(
+        ["resume_from_checkpoint=True", "checkpointer.adapter_checkpoint=epoch_0/adapter_model.pt"],
+        ("checkpointer.adapter_checkpoint=epoch_0/adapter_model.pt", "resume_from_checkpoint=True with no path"),
+        kind="lora"),
     # Runs.
     "earlier_run_would_be_replaced": Case([], ("holds the checkpoints of an earlier run", "overwrite_checkpoints=True"),
                                           overwrite=False),
@@ -137,7 +154,7 @@ def results(tiny_assets, earlier_run, tmp_path_factory, request):
         before = _snapshot(out)
         cmd = [*base, "run", RECIPES[case.kind], "--config", f"configs/tiny/{case.kind}.yaml", f"output_dir={out}",
                *tiny_asset_overrides(assets), *(["overwrite_checkpoints=True"] if case.overwrite else []),
-               *case.overrides]
+               *[o.replace("{out}", str(out)) for o in case.overrides]]
         proc = subprocess.run(cmd, cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True,
                               text=True, timeout=300)
         return proc.returncode, proc.stdout + proc.stderr, before, _snapshot(out)

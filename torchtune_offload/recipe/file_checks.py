@@ -14,8 +14,8 @@ from typing import Any, Iterable, List, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from torchtune_offload.recipe.resume import no_checkpoint_problem
-from torchtune_offload.recipe.step_checkpoints import CHECKPOINTS_DIR, checkpoint_folders
+from torchtune_offload.recipe.resume import no_checkpoint_problem, run_output_dir
+from torchtune_offload.recipe.step_checkpoints import CHECKPOINTS_DIR, checkpoint_folders, newest_checkpoint
 
 #: Dataset sources read from local files (``datasets.load_dataset(source, data_files=...)``).
 _LOCAL_SOURCES = ("json", "csv", "text", "parquet", "arrow")
@@ -94,7 +94,43 @@ def _json_problem(path: Path) -> Optional[str]:
     return None
 
 
-def _checkpoint_problems(ck: DictConfig, *, resume: bool, step_resume: bool) -> Iterable[str]:
+#: torchtune's epoch folders in ``output_dir`` (``epoch_0/model-00001-of-00001.safetensors``).
+_EPOCH_FILE = re.compile(r"^(.*/)?epoch_\d+/")
+
+
+def _how_to_resume_here(out: Path) -> str:
+    newest = newest_checkpoint(out)
+    found = (f"it continues from the newest complete checkpoint there, now {newest.name}" if newest is not None
+             else "none is there yet: the run to resume must have written one (save_every_n_steps, or an epoch end)")
+    return (f"This project resumes from its own checkpoints in {out / CHECKPOINTS_DIR}: keep "
+            "checkpointer.checkpoint_dir and checkpointer.checkpoint_files at the model you fine-tuned from "
+            "(the files the interrupted run was started with), leave checkpointer.recipe_checkpoint and adapter_checkpoint unset, and set "
+            f"resume_from_checkpoint=True with no path; {found}.")
+
+
+def torchtune_resume_problem(ck: DictConfig, *, directory: Path, files: List[str], out: Path) -> Optional[str]:
+    """torchtune's documented way to resume (``checkpoint_files`` naming ``output_dir``'s
+    ``epoch_<N>/`` files, ``recipe_checkpoint`` naming its recipe state) recognised before any
+    weight is read, with how to resume here; ``None`` when the config does not use it.
+
+    Weights saved at an epoch's end are not what a run stood at mid-epoch, and a LoRA epoch folder
+    holds merged weights, which are no base to add adapters to: the convention is refused, not mapped.
+    """
+    epoch_files = [f for f in files if _EPOCH_FILE.match(f)]
+    in_output = out.resolve() in (directory.resolve(), *directory.resolve().parents)
+    if epoch_files or (in_output and files):
+        shown = ", ".join((epoch_files or files)[:2])
+        return (f"checkpointer.checkpoint_files=[{shown}] with resume_from_checkpoint=True is torchtune's way to "
+                f"resume (the weights saved in {out} at an epoch's end). " + _how_to_resume_here(out))
+    for key, what in (("recipe_checkpoint", "recipe state"), ("adapter_checkpoint", "adapter weights of an epoch")):
+        value = ck.get(key)
+        if value:
+            return (f"checkpointer.{key}={value} with resume_from_checkpoint=True: torchtune's {what} is not read "
+                    "here. " + _how_to_resume_here(out))
+    return None
+
+
+def _checkpoint_problems(ck: DictConfig, *, resume: bool, step_resume: bool, out: Path) -> Iterable[str]:
     directory = Path(str(ck.get("checkpoint_dir", "")))
     if not directory.is_dir():
         yield (f"checkpointer.checkpoint_dir={directory}: no such directory. Point it at the downloaded "
@@ -104,6 +140,11 @@ def _checkpoint_problems(ck: DictConfig, *, resume: bool, step_resume: bool) -> 
     files = ck.get("checkpoint_files")
     if not isinstance(files, (list, ListConfig)):
         return  # a filename pattern: torchtune expands it
+    if resume and step_resume:
+        convention = torchtune_resume_problem(ck, directory=directory, files=_listed(files), out=out)
+        if convention:
+            yield convention
+            return
     if resume and not step_resume:
         # As torchtune resolves them: its full fine-tune resumes from the weights it saved.
         directory = Path(str(ck.get("output_dir", directory)))
@@ -162,8 +203,9 @@ def file_problems(cfg: DictConfig, *, step_resume: bool = False) -> List[str]:
             torchtune does, from the weights and recipe state saved in ``output_dir``.
     """
     resume = cfg.get("resume_from_checkpoint") is True
-    problems = list(_checkpoint_problems(cfg.checkpointer, resume=resume, step_resume=step_resume))
-    if resume and step_resume:
+    problems = list(_checkpoint_problems(cfg.checkpointer, resume=resume, step_resume=step_resume,
+                                         out=run_output_dir(cfg)))
+    if resume and step_resume and not any("torchtune's" in p for p in problems):
         missing = no_checkpoint_problem(cfg)
         if missing:
             problems.append(missing)
