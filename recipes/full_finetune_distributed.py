@@ -12,6 +12,11 @@ runs on a CPU device, and shares the single-device recipe's gradient math, loop,
 figures: the logged loss is the mean over every rank's tokens, so it equals a one-process run over
 the same global batch.
 
+Checkpoints to resume from are written every ``save_every_n_steps`` steps and at each epoch's end
+into ``output_dir/checkpoints`` (gathered to rank 0, with every rank's data position and RNG
+states: :mod:`torchtune_offload.recipe.distributed_checkpoints`); ``resume_from_checkpoint=True``
+continues exactly from the newest one on the same number of ranks.
+
 Weights are read on rank 0 only and broadcast shard by shard, so host memory holds one full copy
 per node, not one per rank. Before that, every rank checks that the node's host memory holds what
 its ranks will keep there (``host_memory_check``, as in the single-device recipes). ``fsdp_cpu_offload=True`` keeps the sharded parameters, gradients and
@@ -19,7 +24,6 @@ optimizer state in host memory, where a plain ``torch.optim.AdamW`` then steps (
 this setup; the offload optimizers of the single-device recipes are rejected with the reason).
 """
 
-import dataclasses
 import os
 import sys
 import time
@@ -29,18 +33,13 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torchtune import config, training, utils
 
 from torchtune_offload.distributed import parse_shard_policy, plan_shard, set_host_threads, shard_model
 from torchtune_offload.recipe import (
+    DistributedCheckpoints,
     MemoryMonitor,
     Progress,
     SavePoint,
@@ -56,6 +55,7 @@ from torchtune_offload.recipe import (
     check_recipe_config,
     instantiate_model,
     load_checkpoint,
+    load_full_optimizer_state,
     save_atomically,
 )
 
@@ -89,7 +89,9 @@ class FullFinetuneRecipeDistributed:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.host_memory = check_host_memory(
             cfg, s, ranks=(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
-        check_files(cfg)  # missing or damaged files fail here, not after the weights load
+        # Missing or damaged files, and a checkpoint to resume that another rank count wrote, fail
+        # here, not after the weights load.
+        check_files(cfg, step_resume=True, world_size=world_size)
         self._policy = parse_shard_policy(
             cfg.get("fsdp_shard_policy"), custom_sharded_layers=cfg.get("custom_sharded_layers")
         )
@@ -105,6 +107,10 @@ class FullFinetuneRecipeDistributed:
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self._is_rank_zero = self.rank == 0
         self.progress = Progress.start(s)
+        # With resume_from_checkpoint=True: the newest complete checkpoint, read in setup() by rank 0.
+        self._checkpoints = DistributedCheckpoints(cfg, keep_last=s.keep_last_n_checkpoints,
+                                                   resume=s.resume_from_checkpoint, rank=self.rank,
+                                                   world_size=self.world_size)
         # What cleanup() closes; set by setup(), which may fail part-way.
         self._metric_logger = None
         self._memory = None
@@ -122,15 +128,14 @@ class FullFinetuneRecipeDistributed:
         # 1. Logging first (rank 0), so that the config is recorded even if a later step fails.
         if self._is_rank_zero:
             self._metric_logger = build_metric_logger(cfg)
-        # 2. Weights and recipe state, read on rank 0 only; the recipe state is broadcast.
+        # 2. The configured weights, read on rank 0 only; when resuming, rank 0 replaces them with
+        # the checkpoint's trained ones and every rank gets the position and its own part.
         ckpt: Dict[str, Any] = {}
         self._checkpointer = None
         if self._is_rank_zero:
-            self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=self.progress)
-        if s.resume_from_checkpoint:
-            state = [dataclasses.asdict(self.progress)]
-            dist.broadcast_object_list(state, src=0)
-            self.progress = Progress(**state[0])
+            self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=None)
+        full = ckpt.pop(training.MODEL_KEY, {})
+        self.progress = self._checkpoints.restore_progress(self.progress, full)
         # 3. Shard the meta model, materialise it, and scatter rank 0's weights into the shards.
         t0 = time.perf_counter()
         mesh = init_device_mesh(s.device.type, (self.world_size,), mesh_dim_names=("dp",))
@@ -145,7 +150,6 @@ class FullFinetuneRecipeDistributed:
             for m in self._model.modules():
                 if hasattr(m, "rope_init"):  # RoPE caches are not in the state dict
                     m.rope_init()
-        full = ckpt.pop(training.MODEL_KEY, {})
         if full:
             dtypes = {k: v.dtype for k, v in self._model.state_dict().items()}
             full = {k: v.to(dtypes.get(k, v.dtype)) for k, v in full.items()}
@@ -164,7 +168,8 @@ class FullFinetuneRecipeDistributed:
         # 4. Optimizer over the shards; when resuming, rank 0's full state is scattered into it.
         self._optimizer = build_optimizer(cfg.optimizer, self._model, s)
         if s.resume_from_checkpoint:
-            self._load_optimizer_state(ckpt.get(training.OPT_KEY, {}))
+            load_full_optimizer_state(self._model, self._optimizer, self._checkpoints.take_optimizer_state(),
+                                      is_rank_zero=self._is_rank_zero)
         # 5. Loss and data; each rank reads its own part of every global batch, which sets how
         # many steps an epoch has.
         loss_fn = build_loss(cfg.loss, self._model, s, verbose=self._is_rank_zero)
@@ -174,14 +179,18 @@ class FullFinetuneRecipeDistributed:
         )
         self.progress.measure_epoch(self._dataloader, s)
         # 6. Schedule, profiler and memory figures, wired into the shared loop.
-        lr_scheduler = build_lr_scheduler(cfg.get("lr_scheduler"), optimizer=self._optimizer, progress=self.progress)
+        self._lr_scheduler = build_lr_scheduler(cfg.get("lr_scheduler"), optimizer=self._optimizer,
+                                                progress=self.progress)
         profiler = build_profiler(cfg.get("profiler"))
         self._memory = MemoryMonitor(s.device, optimizer=self._optimizer)
         self._loop = TrainLoop(
             model=self._model, loss_fn=loss_fn, dataloader=self._dataloader, optimizer=self._optimizer,
-            lr_scheduler=lr_scheduler, profiler=profiler, metric_logger=self._metric_logger,
+            lr_scheduler=self._lr_scheduler, profiler=profiler, metric_logger=self._metric_logger,
             memory=self._memory, settings=s, progress=self.progress, is_rank_zero=self._is_rank_zero,
         )
+        # 7. Last, so nothing drawn during setup moves them: data position, schedule, RNGs.
+        self._checkpoints.restore_position(progress=self.progress, dataloader=self._dataloader,
+                                           lr_scheduler=self._lr_scheduler)
         dist.barrier()
         self._log(
             f"Setup done: global batch {s.batch_size * s.gradient_accumulation_steps * self.world_size}."
@@ -189,53 +198,27 @@ class FullFinetuneRecipeDistributed:
 
     # ----------------------------------------------------------------------------- checkpoints
 
-    def _full_optimizer_state(self) -> Dict[str, Any]:
-        """Every rank takes part; rank 0 gets the full (unsharded) state on the host."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        states = {
-            key: get_optimizer_state_dict(self._model, opt, options=options) for key, opt in self._optimizer.parts().items()
-        }
-        return states[None] if None in states else states
-
-    def _load_optimizer_state(self, full: Dict[str, Any]) -> None:
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        for key, opt in self._optimizer.parts().items():
-            part = full if key is None else full.get(key, {})
-            set_optimizer_state_dict(
-                self._model, opt, optim_state_dict=part if self._is_rank_zero else {}, options=options
-            )
-            # torch broadcasts the state tensors, but other ranks keep their own hyper-parameters
-            # where the checkpoint has keys they lack (a scheduler's initial_lr): send them too.
-            groups = [[{k: v for k, v in g.items() if k != "params"} for g in part.get("param_groups", [])]]
-            dist.broadcast_object_list(groups, src=0)
-            for group, saved in zip(opt.param_groups, groups[0]):
-                group.update(saved)
-
     def _save_epoch(self) -> None:
-        """The finished epoch's checkpoint in torchtune's format; with its recipe state when
-        another epoch follows (resume restarts at that epoch's start)."""
-        epoch = self.progress.epochs_run - 1
-        intermediate = self.progress.epochs_run < self.settings.epochs
+        """The finished epoch's weights in the checkpoint's own format, for inference and export."""
         # Every rank gathers; only rank 0 receives the full tensors and writes them.
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         ckpt = {training.MODEL_KEY: get_model_state_dict(self._model, options=options)}
-        if intermediate:
-            ckpt.update(self.progress.state())
-            ckpt[training.OPT_KEY] = self._full_optimizer_state()
-            # Resume restarts at an epoch boundary, where the sampler's order depends only on the
-            # epoch; the loader state is stored for torchtune's tools, not read back.
-            ckpt[training.DATALOADER_KEY] = self._dataloader.state_dict()
         if self._is_rank_zero:
-            save_atomically(self._checkpointer, ckpt, epoch=epoch, intermediate_checkpoint=intermediate)
+            save_atomically(self._checkpointer, ckpt, epoch=self.progress.epochs_run - 1,
+                            intermediate_checkpoint=False)
         dist.barrier()
 
     # ------------------------------------------------------------------------------------ run
 
     def train(self) -> None:
-        # The loop pauses at each epoch's end (this recipe saves no step checkpoints).
+        # The loop pauses where a checkpoint is due; progress says where training stands.
         for point in self._loop.run():
             if point is SavePoint.EPOCH:
                 self._save_epoch()
+            if self.progress.epochs_run < self.settings.epochs:
+                # A checkpoint to resume from, mid-epoch or at the next epoch's start.
+                self._checkpoints.save(model=self._model, optimizer=self._optimizer, progress=self.progress,
+                                       dataloader=self._dataloader, lr_scheduler=self._lr_scheduler)
         self._trained = True
 
     def cleanup(self) -> None:

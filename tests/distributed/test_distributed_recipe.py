@@ -5,7 +5,8 @@ references run in this process (without torchrun the recipe makes a one-rank gro
 run sees the same global batch: two ranks read the even and odd samples of what one process reads
 at twice the batch size, so the logged losses (the mean over all ranks' tokens) agree to fp32
 rounding. The two-rank run also differs in everything that must not change the math: the shard
-policy (embedding and output units), activation checkpointing, and where it starts (resume).
+policy (embedding and output units) and activation checkpointing. Resuming after a kill is
+``test_distributed_kill_and_resume.py``.
 """
 
 import shutil
@@ -78,17 +79,9 @@ def _tune_run_two_ranks(*runs: List[str]) -> None:
 def runs(tiny_assets, tmp_path_factory) -> Dict[str, Path]:
     root = tmp_path_factory.mktemp("distributed_runs")
     assets = tiny_asset_overrides(tiny_assets)
-    out = {name: root / name for name in ("one", "two", "resumed")}
+    out = {name: root / name for name in ("one", "two")}
     _run_in_process(assets + TRAIN + ONE_PROCESS + [f"output_dir={out['one']}"])
-    # Resume the one-process run's intermediate checkpoint (epoch 0) on two ranks.
-    shutil.copytree(out["one"], out["resumed"], ignore=shutil.ignore_patterns("epoch_1", "logs"))
-    _tune_run_two_ranks(
-        assets + TRAIN + TWO_RANKS + [f"output_dir={out['two']}"],
-        assets + TRAIN + TWO_RANKS + [
-            f"output_dir={out['resumed']}", "resume_from_checkpoint=True",
-            "checkpointer.checkpoint_files=[epoch_0/model-00001-of-00001.safetensors]",
-        ],
-    )
+    _tune_run_two_ranks(assets + TRAIN + TWO_RANKS + [f"output_dir={out['two']}"])
     return out
 
 
@@ -110,9 +103,11 @@ def test_two_ranks_save_the_full_model_and_optimizer_state_of_one_process(runs):
         assert two.keys() == one.keys()
         for key in one:
             torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5, msg=key)
-    two = torch.load(runs["two"] / "recipe_state" / "recipe_state.pt", weights_only=False)
-    one = torch.load(runs["one"] / "recipe_state" / "recipe_state.pt", weights_only=False)
-    assert two["epochs_run"] == one["epochs_run"] == 1
+    # The checkpoint to resume from at epoch 1's start (global step 3), written on each rank count.
+    two = torch.load(runs["two"] / "checkpoints" / f"step_{STEPS:08d}" / "training_state.pt", weights_only=False)
+    one = torch.load(runs["one"] / "checkpoints" / f"step_{STEPS:08d}" / "training_state.pt", weights_only=False)
+    assert two["progress"]["epochs_run"] == one["progress"]["epochs_run"] == 1
+    assert len(two["ranks"]) == 2 and len(one["ranks"]) == 1
     states_two, states_one = two["optimizer"]["state"], one["optimizer"]["state"]
     assert states_two.keys() == states_one.keys() and "tok_embeddings.weight" in states_one
     for name in states_one:
@@ -120,9 +115,30 @@ def test_two_ranks_save_the_full_model_and_optimizer_state_of_one_process(runs):
             torch.testing.assert_close(states_two[name][key], states_one[name][key], rtol=1e-3, atol=1e-7)
 
 
-def test_two_ranks_resume_a_one_process_checkpoint(runs):
-    resumed, straight = _losses(runs["resumed"]), _losses(runs["one"])[STEPS:]
-    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight), **LOSS_TOL)
+def test_another_rank_count_is_refused_before_any_weight_is_read(runs, tiny_assets, monkeypatch):
+    # The one-process run's checkpoint, resumed by a run that would have two ranks.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    module = load_recipe_module("full_finetune_distributed")
+    cfg = _cfg(CONFIG, tiny_asset_overrides(tiny_assets) + TRAIN + TWO_RANKS + [
+        f"output_dir={runs['one']}", "resume_from_checkpoint=True"])
+    with pytest.raises(ValueError) as err:
+        module.FullFinetuneRecipeDistributed(cfg)
+    message = str(err.value)
+    assert f"step_{STEPS:08d} was written on 1 ranks and this run has 2" in message
+    assert "resume with tune run --nproc_per_node 1" in message
+    assert not dist.is_initialized()
+
+
+def test_a_resumed_one_process_run_ends_like_the_straight_one(runs, tiny_assets, tmp_path):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(runs["one"], resumed, ignore=shutil.ignore_patterns("epoch_1", "logs"))
+    _run_in_process(tiny_asset_overrides(tiny_assets) + TRAIN + ONE_PROCESS + [
+        f"output_dir={resumed}", "resume_from_checkpoint=True"])
+    assert _losses(resumed) == _losses(runs["one"])[STEPS:]
+    a = load_file(resumed / "epoch_1" / "model-00001-of-00001.safetensors")
+    b = load_file(runs["one"] / "epoch_1" / "model-00001-of-00001.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in b)
 
 
 # ------------------------------------------------------------- one process, in this process
@@ -181,8 +197,11 @@ def test_host_preflight_counts_the_optimizer_state_rank_0_loads_on_resume(runs, 
     cfg = _cfg(CONFIG, tiny_asset_overrides(tiny_assets) + [f"output_dir={runs['one']}", "resume_from_checkpoint=True"])
     settings = check_recipe_config(cfg, recipe="distributed")
     need = host_preflight.sharded_host_memory_need(cfg, settings, world_size=2, local_world_size=2)
-    state = runs["one"] / "recipe_state" / "recipe_state.pt"
-    assert need.phases["loading the checkpoint"]["optimizer state being loaded (rank 0)"] == state.stat().st_size
+    state = runs["one"] / "checkpoints" / f"step_{STEPS:08d}" / "training_state.pt"
+    load = need.phases["loading the checkpoint"]
+    assert load["optimizer state being loaded (rank 0)"] == state.stat().st_size
+    # The configured weights are read on rank 0; the trained ones replace them tensor by tensor.
+    assert load["checkpoint files (rank 0)"] == (Path(tiny_assets) / "model" / "model.safetensors").stat().st_size
 
 
 def test_a_distributed_run_that_does_not_fit_fails_before_the_process_group_starts(tiny_assets, tmp_path,

@@ -18,6 +18,7 @@ from torchtune_offload.recipe.builders import (
 from torchtune_offload.recipe.config import RecipeSettings, check_recipe_config
 from torchtune_offload.recipe.optimizer_rules import resolve_optimizer_component
 from torchtune_offload.recipe.disk_log import read_disk_log
+from torchtune_offload.recipe.distributed_checkpoints import DistributedCheckpoints, load_full_optimizer_state
 from torchtune_offload.recipe.file_checks import check_files
 from torchtune_offload.recipe.host_preflight import HostMemoryNeed, check_host_memory, host_memory_need
 from torchtune_offload.recipe.grad_math import loss_scale, sum_over_ranks
@@ -28,6 +29,7 @@ from torchtune_offload.recipe.run_optimizer import HoldingOptimizer, InBackwardO
 from torchtune_offload.recipe.train_loop import SavePoint, TrainLoop
 
 __all__ = [
+    "DistributedCheckpoints",
     "HoldingOptimizer",
     "HostMemoryNeed",
     "InBackwardOptimizers",
@@ -51,6 +53,7 @@ __all__ = [
     "host_memory_need",
     "instantiate_model",
     "load_checkpoint",
+    "load_full_optimizer_state",
     "loss_scale",
     "read_disk_log",
     "resolve_optimizer_component",

@@ -35,7 +35,7 @@ _SINGLE_DEVICE_KEYS = {
     "lr_scheduler", "max_steps_per_epoch", "metric_logger", "model", "optimizer", "output_dir",
     "profiler", "resume_from_checkpoint", "seed", "shuffle", "tokenizer", "overwrite_checkpoints",
 }
-# Resumable checkpoints at any step (recipe/step_checkpoints.py): the single-device recipes.
+# Resumable checkpoints at any step (recipe/step_checkpoints.py, recipe/distributed_checkpoints.py).
 _STEP_CHECKPOINT_KEYS = ("save_every_n_steps", "keep_last_n_checkpoints")
 RECIPE_KEYS = {
     "full": _SINGLE_DEVICE_KEYS | {"optimizer_in_bwd", "host_memory_check", *_STEP_CHECKPOINT_KEYS},
@@ -44,7 +44,7 @@ RECIPE_KEYS = {
     "distributed": _SINGLE_DEVICE_KEYS | {
         "optimizer_in_bwd", "fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_shard_policy",
         "custom_sharded_layers", "tensor_parallel_dim", "tensor_parallel_plan", "ac_mode", "ac_option",
-        "enable_async_checkpointing", "host_memory_check",
+        "enable_async_checkpointing", "host_memory_check", *_STEP_CHECKPOINT_KEYS,
     },
 }
 _REQUIRED = ("model", "tokenizer", "dataset", "checkpointer", "optimizer", "loss", "metric_logger",

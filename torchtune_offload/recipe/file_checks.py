@@ -193,7 +193,7 @@ def _earlier_run_problems(cfg: DictConfig) -> Iterable[str]:
                "overwrite_checkpoints=True.")
 
 
-def file_problems(cfg: DictConfig, *, step_resume: bool = False) -> List[str]:
+def file_problems(cfg: DictConfig, *, step_resume: bool = False, world_size: Optional[int] = None) -> List[str]:
     """Every problem with the files ``cfg`` names: checkpoint, tokenizer, local dataset files.
 
     Args:
@@ -201,12 +201,14 @@ def file_problems(cfg: DictConfig, *, step_resume: bool = False) -> List[str]:
         step_resume: the recipe resumes from step checkpoints (``output_dir/checkpoints``) and
             reads the configured weights from ``checkpoint_dir`` even then; else it resumes as
             torchtune does, from the weights and recipe state saved in ``output_dir``.
+        world_size: the distributed recipe's rank count (a checkpoint to resume must have been
+            written with it); ``None`` for a single-device recipe.
     """
     resume = cfg.get("resume_from_checkpoint") is True
     problems = list(_checkpoint_problems(cfg.checkpointer, resume=resume, step_resume=step_resume,
                                          out=run_output_dir(cfg)))
     if resume and step_resume and not any("torchtune's" in p for p in problems):
-        missing = no_checkpoint_problem(cfg)
+        missing = no_checkpoint_problem(cfg, world_size=world_size)
         if missing:
             problems.append(missing)
     for key in ("path", "special_tokens_path", "merges_file"):
@@ -219,8 +221,8 @@ def file_problems(cfg: DictConfig, *, step_resume: bool = False) -> List[str]:
     return problems
 
 
-def check_files(cfg: DictConfig, *, step_resume: bool = False) -> None:
+def check_files(cfg: DictConfig, *, step_resume: bool = False, world_size: Optional[int] = None) -> None:
     """Raises one ``ValueError`` listing every problem of :func:`file_problems`, if any."""
-    problems = file_problems(cfg, step_resume=step_resume)
+    problems = file_problems(cfg, step_resume=step_resume, world_size=world_size)
     if problems:
         raise ValueError("Files the config names cannot be used:\n  - " + "\n  - ".join(problems))

@@ -29,7 +29,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchtune import config, training, utils
-from torchtune.training.checkpointing._utils import get_recipe_checkpoint_path
 
 from torchtune_offload.optim.host_arena import pinned_allocation_bytes
 from torchtune_offload.optim.host_memory import HostMemoryPlan, nbytes, optimizer_state_bytes, plan_host_memory
@@ -195,15 +194,6 @@ def _shard(param: torch.Tensor, world_size: int) -> torch.Tensor:
     return torch.empty((rows, *param.shape[1:]), dtype=param.dtype, device="meta")
 
 
-def _recipe_state_file(cfg_checkpointer: DictConfig) -> Optional[Path]:
-    """torchtune's recipe state the checkpointer will read on resume, where it exists."""
-    try:
-        return get_recipe_checkpoint_path(Path(str(cfg_checkpointer.output_dir)),
-                                          cfg_checkpointer.get("recipe_checkpoint"), should_load_recipe_state=True)
-    except ValueError:  # missing: the file checks report it
-        return None
-
-
 def sharded_host_memory_need(
     cfg: DictConfig,
     settings: RecipeSettings,
@@ -239,13 +229,11 @@ def sharded_host_memory_need(
     ckpt, note = _checkpoint_bytes(cfg.checkpointer)
     notes += [note] if note else []
     load["checkpoint files (rank 0)"] = ckpt
-    if settings.resume_from_checkpoint:
-        # Rank 0 holds the full optimizer state from torchtune's recipe state beside the weights.
-        state_file = _recipe_state_file(cfg.checkpointer)
-        if state_file is None:
-            notes.append("the recipe state to resume from was not found: its size is not counted")
-        else:
-            load["optimizer state being loaded (rank 0)"] = state_file.stat().st_size
+    newest = newest_checkpoint(run_output_dir(cfg)) if settings.resume_from_checkpoint else None
+    if newest is not None:
+        # Rank 0 holds the step checkpoint's training state (the full optimizer state) beside the
+        # configured weights, which its trained weights replace tensor by tensor.
+        load["optimizer state being loaded (rank 0)"] = (newest / STATE_FILE).stat().st_size
     train: Dict[str, int] = {}
     if on_host:
         load["parameter shards"] = train["parameter shards"] = held(shards)

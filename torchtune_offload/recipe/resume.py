@@ -25,6 +25,7 @@ from torchtune_offload.recipe.step_checkpoints import (
     newest_checkpoint,
     restore_rng_states,
     rng_states,
+    saved_ranks,
 )
 
 log = utils.get_logger("INFO")
@@ -35,14 +36,33 @@ def run_output_dir(cfg: DictConfig) -> Path:
     return Path(str(OmegaConf.select(cfg, "checkpointer.output_dir", default=None) or cfg.get("output_dir", ".")))
 
 
-def no_checkpoint_problem(cfg: DictConfig) -> Optional[str]:
-    """Why ``resume_from_checkpoint=True`` cannot resume (no complete checkpoint), else ``None``."""
+def no_checkpoint_problem(cfg: DictConfig, *, world_size: Optional[int] = None) -> Optional[str]:
+    """Why ``resume_from_checkpoint=True`` cannot resume, else ``None``: no complete checkpoint,
+    or one written with another rank count (read from its manifest, before any weight).
+
+    Args:
+        cfg: the recipe config.
+        world_size: the distributed recipe's rank count; ``None`` for a single-device recipe.
+    """
     out = run_output_dir(cfg)
-    if newest_checkpoint(out) is not None:
+    newest = newest_checkpoint(out)
+    if newest is None:
+        return (f"resume_from_checkpoint=True: {out / CHECKPOINTS_DIR} holds no complete checkpoint to resume from. "
+                "Start without resume_from_checkpoint (add overwrite_checkpoints=True if output_dir holds an earlier "
+                "run's files), or point output_dir at the run to resume.")
+    saved = saved_ranks(newest)
+    if saved == world_size:
         return None
-    return (f"resume_from_checkpoint=True: {out / CHECKPOINTS_DIR} holds no complete checkpoint to resume from. "
-            "Start without resume_from_checkpoint (add overwrite_checkpoints=True if output_dir holds an earlier "
-            "run's files), or point output_dir at the run to resume.")
+    if world_size is None:
+        return (f"resume_from_checkpoint=True: {newest} was written by the distributed recipe on {saved} ranks. "
+                f"Resume it with tune run --nproc_per_node {saved} recipes/full_finetune_distributed.py.")
+    if saved is None:
+        return (f"resume_from_checkpoint=True: {newest} was written by a single-device recipe, whose checkpoint "
+                "holds no rank's data position. Resume it with that recipe, or start fresh in another output_dir.")
+    return (f"resume_from_checkpoint=True: {newest} was written on {saved} ranks and this run has {world_size}. "
+            "Each rank's data position and RNG states are in it, so only the same rank count continues the run "
+            f"exactly: resume with tune run --nproc_per_node {saved} (on several nodes, {saved} ranks in all), or "
+            "start fresh in another output_dir.")
 
 
 class TrainingCheckpoints:

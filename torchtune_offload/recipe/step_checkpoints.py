@@ -129,7 +129,7 @@ class StepCheckpoints:
         return complete_checkpoints(self.root.parent)
 
     def save(self, *, global_step: int, epoch: int, step_in_epoch: int, weights: Dict[str, torch.Tensor],
-             state: Dict[str, Any]) -> Path:
+             state: Dict[str, Any], ranks: Optional[int] = None) -> Path:
         """Writes one checkpoint atomically and removes the ones beyond ``keep_last``.
 
         Args:
@@ -138,6 +138,8 @@ class StepCheckpoints:
             step_in_epoch: optimizer steps done in ``epoch``.
             weights: the trained weights by state-dict name (on any device).
             state: the rest of the training state (tensors may be on any device).
+            ranks: the distributed recipe's rank count (its state holds each rank's position);
+                ``None`` for a single-device recipe's checkpoint.
 
         Returns:
             The checkpoint folder.
@@ -157,6 +159,8 @@ class StepCheckpoints:
             "step_in_epoch": step_in_epoch,
             "files": {f: (staging / f).stat().st_size for f in (WEIGHTS_FILE, STATE_FILE)},
         }
+        if ranks is not None:
+            manifest["ranks"] = ranks
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
         fsync_tree(staging)
         final = self.root / name
@@ -214,6 +218,12 @@ class StepCheckpoints:
                              "saves. Delete the folder to resume from the one before it.")
         return ResumePoint(path=path, global_step=manifest["global_step"], epoch=manifest["epoch"],
                            step_in_epoch=manifest["step_in_epoch"], run_id=manifest["run_id"], state=state)
+
+
+def saved_ranks(path: Path) -> Optional[int]:
+    """The rank count a checkpoint was written by (read from its manifest alone, no weight), or
+    ``None`` for a single-device recipe's checkpoint."""
+    return json.loads((path / MANIFEST_FILE).read_text()).get("ranks")
 
 
 def describe(point: ResumePoint, *, steps_per_epoch: int) -> str:

@@ -1,0 +1,182 @@
+"""Step checkpoints of the distributed (FSDP2) recipe, with the single-device recipes' contract.
+
+The sharded weights and optimizer state are gathered to rank 0 as full state dicts (torch's
+distributed state-dict API, moved to the host one tensor at a time) and rank 0 writes them with
+:class:`torchtune_offload.recipe.step_checkpoints.StepCheckpoints`: the same folder, staging,
+flush, rename and manifest written last as a single-device checkpoint. Each rank's dataloader
+position and RNG states are gathered beside them (``state["ranks"][rank]``) and the manifest
+records the rank count. On resume rank 0 reads the checkpoint and scatters it back into the shards;
+each rank takes its own position and RNG states, so the run continues exactly. A checkpoint written
+on another number of ranks is refused before any weight is read (``resume.no_checkpoint_problem``).
+
+Why gather rather than ``torch.distributed.checkpoint``'s per-rank files: one format for every
+recipe, one atomic rename (a per-rank save needs every rank's files and a commit across ranks),
+and the full state dicts load at any FSDP layout. The price: rank 0's host holds the full weights
+and optimizer state while saving and loading, as the recipe's epoch save already does.
+"""
+
+import dataclasses
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torchtune import utils
+
+from torchtune_offload.recipe.progress import Progress
+from torchtune_offload.recipe.resume import run_output_dir
+from torchtune_offload.recipe.run_optimizer import RunOptimizer
+from torchtune_offload.recipe.step_checkpoints import (
+    WEIGHTS_FILE,
+    ResumePoint,
+    StepCheckpoints,
+    describe,
+    newest_checkpoint,
+    restore_rng_states,
+    rng_states,
+)
+
+log = utils.get_logger("INFO")
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: RunOptimizer) -> Dict[str, Any]:
+    """Every rank takes part; rank 0 gets the full (unsharded) state on the host."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    states = {key: get_optimizer_state_dict(model, opt, options=options) for key, opt in optimizer.parts().items()}
+    return states[None] if None in states else states
+
+
+def load_full_optimizer_state(model: torch.nn.Module, optimizer: RunOptimizer, full: Dict[str, Any], *,
+                              is_rank_zero: bool) -> None:
+    """Scatters rank 0's full optimizer state into every rank's shards (``full`` is read on rank 0)."""
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    for key, opt in optimizer.parts().items():
+        part = full if key is None else full.get(key, {})
+        set_optimizer_state_dict(model, opt, optim_state_dict=part if is_rank_zero else {}, options=options)
+        # torch broadcasts the state tensors, but other ranks keep their own hyper-parameters
+        # where the checkpoint has keys they lack (a scheduler's initial_lr): send them too.
+        groups = [[{k: v for k, v in g.items() if k != "params"} for g in part.get("param_groups", [])]]
+        dist.broadcast_object_list(groups, src=0)
+        for group, saved in zip(opt.param_groups, groups[0]):
+            group.update(saved)
+
+
+class DistributedCheckpoints:
+    """Resumes a distributed run where it stood and saves where it stands; rank 0 reads and writes.
+
+    Args:
+        cfg: the recipe config.
+        keep_last: ``keep_last_n_checkpoints``.
+        resume: ``resume_from_checkpoint``.
+        rank: this process's rank.
+        world_size: ranks in the run.
+    """
+
+    def __init__(self, cfg: Any, *, keep_last: int, resume: bool, rank: int, world_size: int) -> None:
+        self._out = run_output_dir(cfg)
+        self._keep_last = keep_last
+        self._resume = resume
+        self.rank, self.world_size = rank, world_size
+        self._point: Optional[ResumePoint] = None
+        #: This rank's part of the checkpoint resumed from: its data position and RNG states.
+        self._mine: Optional[Dict[str, Any]] = None
+        self._store = StepCheckpoints(self._out, keep_last=keep_last) if rank == 0 else None
+
+    # ------------------------------------------------------------------------------- resume
+
+    def restore_progress(self, progress: Progress, full_weights: Dict[str, torch.Tensor]) -> Progress:
+        """When resuming: rank 0 loads the newest checkpoint (checked) and puts its trained weights
+        into ``full_weights`` (rank 0's configured weights, replaced tensor by tensor); every rank
+        gets the position and its own data position and RNG states. Collective.
+
+        Returns:
+            The run's position, the same on every rank.
+
+        Raises:
+            ValueError: if the checkpoint's files do not belong together or do not fit the model.
+        """
+        if not self._resume:
+            return progress
+        ranks: List[Any] = [None] * self.world_size
+        if self.rank == 0:
+            self._point = StepCheckpoints.load(newest_checkpoint(self._out))
+            progress.restore(self._point.state["progress"])
+            self._store = StepCheckpoints(self._out, keep_last=self._keep_last, run_id=self._point.run_id)
+            self._store.prune()  # a run killed between a save and its pruning left one too many
+            self._read_weights(full_weights)
+            ranks = self._point.state.pop("ranks")
+        state = [dataclasses.asdict(progress)]
+        dist.broadcast_object_list(state, src=0)
+        mine: List[Any] = [None]
+        dist.scatter_object_list(mine, ranks if self.rank == 0 else None, src=0)
+        self._mine = mine[0]
+        return Progress(**state[0])
+
+    def _read_weights(self, full: Dict[str, torch.Tensor]) -> None:
+        path = self._point.path / WEIGHTS_FILE
+        with safe_open(path, framework="pt") as f:
+            saved = set(f.keys())
+            if saved != set(full):
+                missing, unexpected = sorted(set(full) - saved), sorted(saved - set(full))
+                raise ValueError(
+                    f"resume_from_checkpoint=True: {self._point.path} does not hold this model's weights (missing "
+                    f"{missing[:3]}, unexpected {unexpected[:3]}). Resume with the config that wrote it.")
+            for name in list(full):
+                tensor = f.get_tensor(name)
+                if tensor.shape != full[name].shape:
+                    raise ValueError(f"resume_from_checkpoint=True: {self._point.path}: {name} is "
+                                     f"{list(tensor.shape)} there and {list(full[name].shape)} in the model.")
+                full[name] = tensor  # the configured tensor is freed as its trained one arrives
+
+    def take_optimizer_state(self) -> Dict[str, Any]:
+        """Rank 0's full optimizer state to scatter (empty on other ranks; handed over once)."""
+        return self._point.state.pop("optimizer") if self._point is not None else {}
+
+    def restore_position(self, *, progress: Progress, dataloader: Any, lr_scheduler: Optional[Any]) -> None:
+        """Puts this rank's data position, the LR schedule and this rank's RNG states back, last
+        in setup(). Collective."""
+        if self._mine is None:
+            return
+        if progress.steps_run_in_epoch > 0:
+            # At an epoch's start the sampler's order depends on the epoch alone.
+            dataloader.load_state_dict(self._mine["dataloader"])
+        schedule = [self._point.state.get("lr_scheduler") if self._point is not None else None]
+        dist.broadcast_object_list(schedule, src=0)
+        if lr_scheduler is not None and schedule[0] is not None:
+            lr_scheduler.load_state_dict(schedule[0])
+        restore_rng_states(self._mine["rng"])
+        if self._point is not None:
+            log.info(describe(self._point, steps_per_epoch=progress.steps_per_epoch)
+                     + f" Each of the {self.world_size} ranks takes its own data position and RNG states.")
+        self._point = self._mine = None
+
+    # --------------------------------------------------------------------------------- save
+
+    def save(self, *, model: torch.nn.Module, optimizer: RunOptimizer, progress: Progress, dataloader: Any,
+             lr_scheduler: Optional[Any]) -> None:
+        """Saves a checkpoint to continue from where ``progress`` stands. Collective: every rank
+        gathers; rank 0 writes; all leave once it is in place."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=options)
+        optimizer_state = full_optimizer_state(model, optimizer)
+        ranks: Optional[List[Any]] = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object({"dataloader": dataloader.state_dict(), "rng": rng_states()}, ranks, dst=0)
+        if self.rank == 0:
+            state = {
+                "progress": progress.state(),
+                "optimizer": optimizer_state,
+                "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+                "ranks": ranks,
+            }
+            path = self._store.save(global_step=progress.global_step, epoch=progress.epochs_run,
+                                    step_in_epoch=progress.steps_run_in_epoch, weights=weights, state=state,
+                                    ranks=self.world_size)
+            log.info(f"Checkpoint saved to {path}: resume_from_checkpoint=True on {self.world_size} ranks "
+                     "continues from here.")
+        dist.barrier()
