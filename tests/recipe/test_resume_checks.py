@@ -1,8 +1,12 @@
 """Resuming with another kind of optimizer than the one that saved the state is refused, saying how to go on."""
 
 import pytest
+import torch
+from omegaconf import OmegaConf
 
 from tests.recipe.test_recipes import FULL_OFFLOAD, RESUME, run_recipe
+from torchtune_offload.recipe.resume import no_checkpoint_problem
+from torchtune_offload.recipe.step_checkpoints import StepCheckpoints
 
 
 @pytest.mark.parametrize("saved_with, resumed_with, saved_kind", [
@@ -36,3 +40,18 @@ def test_the_preflight_counts_what_a_resume_loads(tiny_assets, tmp_path):
     assert need.phases["loading the checkpoint"]["checkpoint files"] == configured.stat().st_size
     state = tmp_path / "checkpoints" / "step_00000004" / "training_state.pt"
     assert need.phases["training"]["optimizer state being loaded"] == state.stat().st_size
+
+
+@pytest.mark.parametrize("saved_ranks, world_size, fragment", [
+    (None, None, None),
+    (2, 2, None),
+    (2, None, "was written by the distributed recipe on 2 ranks. Resume it with tune run --nproc_per_node 2"),
+    (None, 2, "was written by a single-device recipe"),
+    (4, 2, "was written on 4 ranks and this run has 2"),
+])
+def test_a_checkpoint_is_resumed_only_by_a_run_of_its_rank_count(tmp_path, saved_ranks, world_size, fragment):
+    # Read from the manifest alone, before any weight: the recipes call it from their constructor.
+    StepCheckpoints(tmp_path, keep_last=1).save(global_step=1, epoch=0, step_in_epoch=1,
+                                               weights={"w": torch.zeros(2)}, state={}, ranks=saved_ranks)
+    problem = no_checkpoint_problem(OmegaConf.create({"output_dir": str(tmp_path)}), world_size=world_size)
+    assert problem is None if fragment is None else fragment in problem

@@ -21,7 +21,11 @@ from tests.recipe.test_recipes import run_recipe
 from tests.recipe_harness import tiny_asset_overrides, working_tree_env
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPES = {"full": "recipes/full_finetune_single_device.py", "lora": "recipes/lora_finetune_single_device.py"}
+RECIPES = {"full": "recipes/full_finetune_single_device.py", "lora": "recipes/lora_finetune_single_device.py",
+           "distributed": "recipes/full_finetune_distributed.py"}
+CONFIGS = {"full": "full", "lora": "lora", "distributed": "full_distributed"}
+# How tune run launches each kind: the distributed recipe on two ranks, as its users run it.
+LAUNCH = {"full": [], "lora": [], "distributed": ["--nproc_per_node", "2"]}
 OFFLOAD = ["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW"]
 CPU_AO = "optimizer._component_=torchtune_offload.CPUOffloadOptimizer"
 PARALLEL = 4
@@ -116,6 +120,22 @@ CASES: Dict[str, Case] = {
         ["resume_from_checkpoint=True", "checkpointer.adapter_checkpoint=epoch_0/adapter_model.pt"],
         ("checkpointer.adapter_checkpoint=epoch_0/adapter_model.pt", "resume_from_checkpoint=True with no path"),
         kind="lora"),
+    # The distributed recipe (two ranks; the earlier run is a single-device one).
+    "dist_save_every_word": Case(["save_every_n_steps=often"], ("save_every_n_steps='often'", "integer >= 1"),
+                                 kind="distributed"),
+    "dist_offload_optimizer": Case([*OFFLOAD, "clip_grad_norm=null"],
+                                   ("not supported under FSDP2", "fsdp_cpu_offload=True"), kind="distributed"),
+    "dist_fsdp_cpu_offload_on_cpu": Case(["fsdp_cpu_offload=True"], ("fsdp_cpu_offload=True with device=cpu",
+                                                                     "Set fsdp_cpu_offload=False"), kind="distributed"),
+    "dist_shard_policy_typo": Case(["fsdp_shard_policy=[layer]"], ("fsdp_shard_policy[0]='layer'",), kind="distributed"),
+    "dist_lr_word": Case(["optimizer.lr=fast"], ("optimizer.lr='fast': AdamW refuses it", "Give a number"),
+                         kind="distributed"),
+    "dist_resume_single_device_checkpoint": Case(["resume_from_checkpoint=True"],
+                                                 ("was written by a single-device recipe", "another output_dir"),
+                                                 kind="distributed"),
+    "dist_torchtune_resume_epoch_files": Case(
+        ["resume_from_checkpoint=True", "checkpointer.checkpoint_files=[epoch_0/model-00001-of-00001.safetensors]"],
+        ("torchtune's way to resume", "set resume_from_checkpoint=True with no path"), kind="distributed"),
     # Runs.
     "earlier_run_would_be_replaced": Case([], ("holds the checkpoints of an earlier run", "overwrite_checkpoints=True"),
                                           overwrite=False),
@@ -152,7 +172,8 @@ def results(tiny_assets, earlier_run, tmp_path_factory, request):
             case.damage(assets)
         out = shutil.copytree(earlier_run, root / name / "out")
         before = _snapshot(out)
-        cmd = [*base, "run", RECIPES[case.kind], "--config", f"configs/tiny/{case.kind}.yaml", f"output_dir={out}",
+        cmd = [*base, "run", *LAUNCH[case.kind], RECIPES[case.kind], "--config", f"configs/tiny/{CONFIGS[case.kind]}.yaml",
+               f"output_dir={out}",
                *tiny_asset_overrides(assets), *(["overwrite_checkpoints=True"] if case.overwrite else []),
                *[o.replace("{out}", str(out)) for o in case.overrides]]
         proc = subprocess.run(cmd, cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True,
