@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim import OptimizerCapabilities
 from torchtune_offload.recipe import check_recipe_config, resolve_optimizer_component
-from torchtune_offload.recipe.base_options import accepted_form, check_base_options
+from torchtune_offload.optim.base_options import accepted_form, check_base_options
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"full": "full.yaml", "lora": "lora.yaml", "distributed": "full_distributed.yaml"}

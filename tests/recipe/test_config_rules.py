@@ -5,6 +5,8 @@ kinds of checkpointed optimizer states are values, and each kind's adapter answe
 import pytest
 import torch
 
+import torchtune_offload
+
 from tests.recipe.test_config_check import _cfg, _problems
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.recipe import (
@@ -78,3 +80,10 @@ def test_every_kind_answers_the_loops_calls():
         run.close()
     assert plain.memory_report() is None and holding.memory_report().num_offloaded == 2
     assert plain.name == "SGD" and holding.name == "OffloadOptimizer (offload)"
+
+
+@pytest.mark.parametrize("component", ["OffloadOptimizer", "CPUOffloadOptimizer"])
+def test_the_python_api_names_a_refused_option_value_like_the_config_check(component):
+    model = _params()
+    with pytest.raises(ValueError, match=r"optimizer\.lr='fast': .*refuses it.*Give a number"):
+        getattr(torchtune_offload, component)(model.named_parameters(), "torch.optim.AdamW", lr="fast")

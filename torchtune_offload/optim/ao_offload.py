@@ -11,6 +11,7 @@ from typing import Any, List, Union
 import torch
 import torchao.optim
 
+from torchtune_offload.optim.base_options import check_base_options
 from torchtune_offload.optim.capabilities import OFFLOAD_STEPS_AFTER_BACKWARD, OptimizerCapabilities
 from torchtune_offload.optim.grad_norm import total_norm
 from torchtune_offload.optim.host_arena import ALLOCATOR, NONE
@@ -79,6 +80,8 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         **kwargs: Any,
     ) -> None:
         base_class = resolve_optimizer_class(optimizer_class)
+        # A refused option value is named with its key on any machine, before the device check.
+        check_base_options(base_class, kwargs, owner=f"CPUOffloadOptimizer (base {base_class.__name__})")
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         if accelerator is None or accelerator.type not in self.capabilities.device_types:
             raise ValueError(

@@ -12,6 +12,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch.optim import Optimizer
 
+from torchtune_offload.optim.base_options import check_base_options
 from torchtune_offload.optim.capabilities import ENGINE_CAPABILITIES
 from torchtune_offload.optim.grad_norm import clip_, combine_norms
 from torchtune_offload.optim.host_allocator import release_freed_host_memory
@@ -81,6 +82,8 @@ class OffloadOptimizer(Optimizer):
         **kwargs: Any,
     ) -> None:
         self.base_class = resolve_optimizer_class(optimizer_class)
+        # A refused option value is named here, on a one-element probe, before any host buffer exists.
+        check_base_options(self.base_class, kwargs, owner=f"OffloadOptimizer (base {self.base_class.__name__})")
         self.options = OffloadOptions.parse(
             offload_gradients=offload_gradients, minimal_size=minimal_size, master_dtype=master_dtype,
             grad_sum_dtype=grad_sum_dtype, fused_master_step=fused_master_step, overlap=overlap,

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
 from torchtune_offload.optim.optimizer_class import resolve_optimizer, resolve_optimizer_class
-from torchtune_offload.recipe.base_options import base_option_problems
+from torchtune_offload.optim.base_options import base_option_problems
 
 
 def _is_int(v: Any, *, low: int) -> bool:
