@@ -17,7 +17,6 @@ run. The baseline's tensors stay allocated throughout: the machine needs memory 
 """
 
 import argparse
-import platform
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from torchtune_offload import AdamW8bit, OffloadOptimizer
+from torchtune_offload.bench.machine import cpu_name
 
 LAYER = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192),
          (2048,), (2048,)]
@@ -36,16 +36,6 @@ def shapes(target: float) -> List[tuple]:
     while sum(torch.Size(s).numel() for s in out) < target:
         out.extend(LAYER)
     return out
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def params_of(dims: List[tuple], dtype: torch.dtype) -> List[torch.nn.Parameter]:

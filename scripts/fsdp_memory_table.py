@@ -38,7 +38,6 @@ matrix in the root (see torchtune_offload/distributed/policies.py).
 import argparse
 import json
 import os
-import platform
 import socket
 import sys
 import tempfile
@@ -47,6 +46,8 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import torch
+
+from torchtune_offload.bench.machine import cpu_name
 
 MIB = 2**20
 POLICIES = {"layers": ["layers"], "layers+embeddings": ["layers", "embeddings"]}
@@ -270,15 +271,7 @@ def _free_port() -> int:
 
 
 def _device() -> str:
-    cpu = platform.processor() or "CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {len(os.sched_getaffinity(0))} cores; gloo; torch {torch.__version__}"
+    return f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores; gloo; torch {torch.__version__}"
 
 
 def table(rows: List[Dict[str, Any]]) -> str:

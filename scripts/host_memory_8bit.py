@@ -14,7 +14,6 @@ growth. Prints a markdown table naming the CPU.
 import argparse
 import gc
 import json
-import platform
 import subprocess
 import sys
 
@@ -23,22 +22,12 @@ import torch
 from torch import nn
 
 from torchtune_offload import OffloadOptimizer
+from torchtune_offload.bench.machine import cpu_name
 
 OPTIMIZERS = {
     "torchtune_offload.AdamW8bit": "OffloadOptimizer, torchtune_offload.AdamW8bit, offload_gradients",
     "torch.optim.AdamW": "OffloadOptimizer, torch AdamW (bf16 states), offload_gradients",
 }
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def probe(optimizer_class: str, *, layers: int, width: int, steps: int) -> dict:

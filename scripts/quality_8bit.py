@@ -21,7 +21,6 @@ two 8-bit curves and between bitsandbytes' and fp32 AdamW's, and each run's wall
 import argparse
 import copy
 import math
-import platform
 import statistics
 import sys
 import time
@@ -34,17 +33,7 @@ from torchtune_offload import AdamW8bit
 from torchtune_offload.assets import init_tensor
 from torchtune_offload.data import SyntheticTokens
 from torchtune_offload.models import llama3_2_mid
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from torchtune_offload.bench.machine import cpu_name
 
 
 def _bitsandbytes_adamw8bit(params, **options):
