@@ -94,6 +94,10 @@ RECIPES = ("full_finetune_single_device", "full_finetune_distributed", "lora_fin
 TINY_CONFIGS = ("tiny/full", "tiny/full_distributed", "tiny/lora")
 
 
+#: Names of the project's own entries in a site-packages folder (package, hook, dist-info, editable finder).
+_PROJECT_ENTRIES = ("torchtune_offload", "editable___torchtune_offload", "editable__.torchtune_offload")
+
+
 def _venv_on_these_dependencies(path: Path) -> Path:
     """A fresh virtual environment that imports this interpreter's installed dependencies.
 
@@ -111,7 +115,18 @@ def _venv_on_these_dependencies(path: Path) -> Path:
         capture_output=True, text=True, check=True,
     ).stdout.strip()
     host = sorted({p for p in sys.path if p.endswith("-packages") and Path(p).is_dir()})
-    (Path(purelib) / "host_dependencies.pth").write_text("\n".join(host) + "\n")
+    # This interpreter's site-packages without the project itself: CI installs it there (a regular
+    # install), and that copy would shadow the one under test (setuptools' editable finder comes
+    # after the path-based one).
+    views = []
+    for i, site in enumerate(host):
+        view = path / f"host_site_{i}"
+        view.mkdir()
+        for entry in Path(site).iterdir():
+            if not entry.name.lower().replace("-", "_").lstrip("_").startswith(_PROJECT_ENTRIES):
+                (view / entry.name).symlink_to(entry)
+        views.append(str(view))
+    (Path(purelib) / "host_dependencies.pth").write_text("\n".join(views) + "\n")
     return python
 
 
