@@ -24,6 +24,9 @@ import psutil
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config
+# Recipes run under torchtune's ``tune`` launcher; the libraries its commands import are part of every
+# run's RSS, so the process baseline measured here (process_baseline) holds them too.
+from torchtune._cli import tune as _tune_launcher  # noqa: F401
 from torchtune.config._utils import _merge_yaml_and_cli_args
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
@@ -282,7 +285,8 @@ def default_variants() -> List[str]:
 
 
 def process_baseline(cfg: DictConfig, *, device: torch.device) -> Tuple[int, List[str]]:
-    """What every run of ``cfg`` holds besides its tensors, measured in this process: the libraries,
+    """What every run of ``cfg`` holds besides its tensors, measured in this process: the libraries
+    (``tune``'s launcher included, imported with this module),
     PyTorch's CPU runtime once it has run a kernel (and ``device``'s, where this machine has it), and
     the tokenizer and dataset, built for real.
 
