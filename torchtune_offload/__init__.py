@@ -9,7 +9,8 @@
 The package has one folder per concern, each importing only the ones listed before it:
 ``optim`` (the engine), ``models`` (tiny test architectures), ``data`` (synthetic benchmark data),
 ``distributed`` (FSDP2 sharding), ``assets`` (the offline asset generator), ``recipe`` (what the
-recipes share), ``bench`` (the optimizer sweep).
+recipes share), ``bench`` (the optimizer sweep), ``plan`` (the memory planner), ``cli``
+(``tune-offload``). docs/architecture.md has the floors and who owns what.
 """
 
 from torchtune_offload.optim import (
