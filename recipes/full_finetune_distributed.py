@@ -215,7 +215,7 @@ class FullFinetuneRecipeDistributed:
         for point in self._loop.run():
             if point is SavePoint.EPOCH:
                 self._save_epoch()
-            if self.progress.epochs_run < self.settings.epochs:
+            if not self.progress.finished:
                 # A checkpoint to resume from, mid-epoch or at the next epoch's start.
                 self._checkpoints.save(model=self._model, optimizer=self._optimizer, progress=self.progress,
                                        dataloader=self._dataloader, lr_scheduler=self._lr_scheduler)

@@ -101,7 +101,7 @@ class FullFinetuneRecipeSingleDevice:
                 # The epoch's weights in the checkpoint's own format, for inference and export.
                 save_atomically(self._checkpointer, {training.MODEL_KEY: self._model.state_dict()},
                                 epoch=self.progress.epochs_run - 1, intermediate_checkpoint=False)
-            if self.progress.epochs_run < self.settings.epochs:
+            if not self.progress.finished:
                 # A checkpoint to resume from, mid-epoch or at the next epoch's start.
                 self._checkpoints.save(
                     weights=self._model.state_dict(), optimizer_state=self._optimizer.state_dict(),

@@ -144,7 +144,7 @@ class LoRAFinetuneRecipeSingleDevice:
         for point in self._loop.run():
             if point is SavePoint.EPOCH:
                 self._save_epoch(self.progress.epochs_run - 1)
-            if self.progress.epochs_run < self.settings.epochs:
+            if not self.progress.finished:
                 # A checkpoint to resume from: the adapters and the training state.
                 self._checkpoints.save(
                     weights=get_adapter_state_dict(self._model.state_dict()),

@@ -23,6 +23,7 @@ from torchtune_offload.optim.capabilities import OptimizerCapabilities
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
 from torchtune_offload.recipe.optimizer_rules import (
     capability_problems,
+    is_int,
     optimizer_option_problems,
     resolve_optimizer_component,
 )
@@ -86,10 +87,6 @@ class RecipeSettings:
     offload_gradients: bool = False
 
 
-def _is_int(v: Any, *, low: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-
 class _Reader:
     """Reads top-level keys with their defaults, noting each bad value in ``problems``."""
 
@@ -111,7 +108,7 @@ class _Reader:
 
     def count(self, key: str, default: Optional[int], *, low: int, fix: str = "") -> Optional[int]:
         value = self.get(key, default)
-        if not _is_int(value, low=low):
+        if not is_int(value, low=low):
             self.problems.append(f"{key}={value!r}: must be an integer >= {low}{fix}.")
         return value
 
@@ -198,7 +195,7 @@ def _numbers(read: _Reader) -> Dict[str, Any]:
     accum = read.count("gradient_accumulation_steps", 1, low=1)
     log_every = read.count("log_every_n_steps", 1, low=1)
     max_steps = read.get("max_steps_per_epoch", None)
-    if max_steps is not None and not _is_int(max_steps, low=1):
+    if max_steps is not None and not is_int(max_steps, low=1):
         read.problems.append(f"max_steps_per_epoch={max_steps!r}: must be null or an integer >= 1.")
     clip = read.get("clip_grad_norm", None)
     if clip is not None:
@@ -216,7 +213,7 @@ def _numbers(read: _Reader) -> Dict[str, Any]:
 def _checkpoint_settings(read: _Reader) -> Dict[str, Any]:
     """How often step checkpoints are written and how many are kept."""
     save_every = read.get("save_every_n_steps", None)
-    if save_every is not None and not _is_int(save_every, low=1):
+    if save_every is not None and not is_int(save_every, low=1):
         read.problems.append(f"save_every_n_steps={save_every!r}: must be null (checkpoints at epoch ends only) or an "
                              "integer >= 1.")
     keep_last = read.count("keep_last_n_checkpoints", 2, low=1,
@@ -255,7 +252,7 @@ def _optimizer_settings(cfg: DictConfig, problems: List[str], *, in_bwd: bool, c
         if clip is not None:
             problems.append("optimizer_in_bwd=True with clip_grad_norm set: clipping needs all gradients "
                             "before any step. Set clip_grad_norm=null or optimizer_in_bwd=False.")
-        if _is_int(accum, low=2):
+        if is_int(accum, low=2):
             problems.append("optimizer_in_bwd=True with gradient_accumulation_steps > 1: each backward "
                             "steps at once. Set gradient_accumulation_steps=1 or optimizer_in_bwd=False.")
     return {"optimizer_class": optimizer_class, "optimizer_capabilities": caps,

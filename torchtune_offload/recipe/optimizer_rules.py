@@ -15,7 +15,8 @@ from torchtune_offload.optim.optimizer_class import resolve_optimizer, resolve_o
 from torchtune_offload.optim.base_options import base_option_problems
 
 
-def _is_int(v: Any, *, low: int) -> bool:
+def is_int(v: Any, *, low: int) -> bool:
+    """An integer (not a bool) of at least ``low``: how every count in a config is checked."""
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
@@ -127,7 +128,7 @@ def capability_problems(
             f"{caps.why_not('can_clip')}. Set clip_grad_norm=null, or "
             "optimizer._component_=torchtune_offload.OffloadOptimizer."
         )
-    if offload_gradients and _is_int(accum, low=2) and not caps.accumulates_offloaded_grads:
+    if offload_gradients and is_int(accum, low=2) and not caps.accumulates_offloaded_grads:
         problems.append(
             f"gradient_accumulation_steps > 1 with {component} and optimizer.offload_gradients=True: "
             f"{caps.why_not('accumulates_offloaded_grads')}. Set gradient_accumulation_steps=1, "

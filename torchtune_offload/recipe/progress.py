@@ -70,6 +70,11 @@ class Progress:
     def total_steps(self) -> int:
         return self.total_epochs * self.steps_per_epoch
 
+    @property
+    def finished(self) -> bool:
+        """Every epoch is done: nothing is left to resume."""
+        return self.epochs_run >= self.total_epochs
+
     def advance(self) -> None:
         """One optimizer step done (the train loop's)."""
         self.steps_run_in_epoch += 1

@@ -154,7 +154,7 @@ class TrainLoop:
         end. Host work is finished before each pause, so the weights and states can be read."""
         s, p = self.settings, self.progress
         self.profiler.start()
-        while p.epochs_run < s.epochs:
+        while not p.finished:
             self.dataloader.sampler.set_epoch(p.epochs_run)
             batches = iter(self.dataloader)
             pbar = tqdm(total=p.steps_per_epoch, initial=p.steps_run_in_epoch, disable=not self.is_rank_zero)
