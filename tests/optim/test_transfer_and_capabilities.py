@@ -1,5 +1,7 @@
 """Unit tests of the engine's host/device copies (CPU path) and of the optimizer capability lookup."""
 
+import dataclasses
+
 import bitsandbytes.optim
 import pytest
 import torch
@@ -36,9 +38,11 @@ def test_to_device_casts_like_copy():
 
 
 def test_plain_torch_optimizers_get_the_defaults():
-    for cls in (torch.optim.AdamW, torch.optim.SGD, torch.optim.Adam):
+    for cls in (torch.optim.AdamW, torch.optim.SGD, torch.optim.Adam, torch.optim.LBFGS):
         caps = capabilities_of(cls)
-        assert caps is PLAIN_CAPABILITIES
+        # Only elementwise_update differs (torch's classes cannot declare it; a table does).
+        assert dataclasses.replace(caps, elementwise_update=False) == PLAIN_CAPABILITIES
+        assert caps.elementwise_update == (cls is not torch.optim.LBFGS)
         assert caps.can_clip and caps.runs_under_fsdp2 and caps.steps_in_backward
         assert not caps.holds_gradients and not caps.offloads and caps.device_types is None
 

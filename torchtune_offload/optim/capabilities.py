@@ -33,6 +33,10 @@ class OptimizerCapabilities:
         step_timings: reports, through ``step_timings()``, where its last ``step()`` spent its time.
         precision_policy: takes ``master_dtype`` (fp32 master weights and state for bf16
             parameters) and ``grad_sum_dtype`` (the dtype gradients are summed in).
+        elementwise_update: its update of each element reads only that element's parameter,
+            gradient and state (and per-tensor scalars such as a step count), so a tensor can be
+            stepped slice by slice with the same result (``update_on="device"`` streams such
+            states in slices; blockwise or factored states are staged whole).
         overlaps_host_step: takes ``overlap`` and can run its host steps beside GPU work, told
             through ``expect_final_backward(clipping=...)`` which backward ends a window, through
             ``register_forward_waits(model)`` that the next forward waits per module, and
@@ -51,6 +55,7 @@ class OptimizerCapabilities:
     precision_policy: bool = False
     step_timings: bool = False
     overlaps_host_step: bool = False
+    elementwise_update: bool = False
     reasons: Mapping[str, str] = field(default_factory=dict)
 
     def why_not(self, capability: str) -> str:
@@ -101,6 +106,12 @@ _PLAIN_BY_MODULE_PREFIX: Mapping[str, OptimizerCapabilities] = {
 }
 
 
+#: torch's optimizers whose update is elementwise (see ``OptimizerCapabilities.elementwise_update``);
+#: torch's classes cannot declare it themselves.
+_ELEMENTWISE_TORCH = frozenset({"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam",
+                                "Adadelta", "Rprop", "ASGD"})
+
+
 def capabilities_of(optimizer_class: type) -> OptimizerCapabilities:
     """What ``optimizer_class`` can do: its own declaration, or the table's defaults.
 
@@ -114,4 +125,6 @@ def capabilities_of(optimizer_class: type) -> OptimizerCapabilities:
     for prefix, capabilities in _PLAIN_BY_MODULE_PREFIX.items():
         if module.startswith(prefix):
             return capabilities
+    if module.startswith("torch.optim") and optimizer_class.__name__ in _ELEMENTWISE_TORCH:
+        return dataclasses.replace(PLAIN_CAPABILITIES, elementwise_update=True)
     return PLAIN_CAPABILITIES

@@ -63,12 +63,24 @@ def host_buffer_dtypes(
     return buffers
 
 
-def _probe_state_bytes(optimizer_class: type, shape: torch.Size, dtype: torch.dtype, options: Dict[str, Any]) -> int:
+def probe_state(optimizer_class: type, shape: torch.Size, dtype: torch.dtype,
+                options: Dict[str, Any]) -> Dict[str, Any]:
+    """The state ``optimizer_class`` keeps for one parameter of ``shape`` and ``dtype`` after a
+    step, with meta tensors in place of its tensors (nothing is allocated).
+
+    Raises:
+        Exception: whatever the optimizer raises on meta tensors.
+    """
     p = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
     p.grad = torch.empty_like(p)
     opt = optimizer_class([p], **{k: v for k, v in options.items() if k not in _KERNEL_OPTIONS})
     opt.step()
-    return sum(nbytes(t) for t in opt.state[p].values() if isinstance(t, torch.Tensor))
+    return dict(opt.state[p])
+
+
+def _probe_state_bytes(optimizer_class: type, shape: torch.Size, dtype: torch.dtype, options: Dict[str, Any]) -> int:
+    state = probe_state(optimizer_class, shape, dtype, options)
+    return sum(nbytes(t) for t in state.values() if isinstance(t, torch.Tensor))
 
 
 def optimizer_state_bytes(

@@ -7,6 +7,7 @@ import torch
 from torchtune_offload.optim.host_arena import NONE, buffer_bytes, pinned_allocation_bytes
 from torchtune_offload.optim.param_table import ParameterTable
 from torchtune_offload.optim.staging import StagingRing
+from torchtune_offload.optim.state_streamer import StateStreamer
 
 
 @dataclass
@@ -14,12 +15,18 @@ class OffloadMemoryReport:
     """Where an offload optimizer keeps its memory, in bytes.
 
     Attributes:
-        num_offloaded: parameters stepped on the host.
-        num_on_device: parameters stepped on the device (fewer than ``minimal_size`` elements).
+        num_offloaded: parameters whose optimizer state lives on the host (stepped on the host, or
+            with ``update_on="device"`` streamed to the device's update).
+        num_on_device: parameters stepped on the device with their state there (fewer than
+            ``minimal_size`` elements).
         device_bytes_saved: optimizer state (and, with ``offload_gradients``, gradient memory) that
             lives on the host instead of the device. Zero for state not yet created by a first step.
         host_bytes: all host memory the optimizer holds: parameter copies, gradient buffers, state.
         pinned_bytes: the part of ``host_bytes`` that is page-locked (accelerators only).
+        device_staging_bytes: ``update_on="device"``: the device buffers that stage streamed
+            states, at most ``device_staging_mib``; with the device update's own temporaries
+            (and, at the first step, the states the base optimizer creates for one slice) this
+            is all the device memory the states take.
     """
 
     num_offloaded: int
@@ -27,10 +34,13 @@ class OffloadMemoryReport:
     device_bytes_saved: int
     host_bytes: int
     pinned_bytes: int
+    device_staging_bytes: int = 0
 
 
-def engine_memory_report(table: ParameterTable, staging: StagingRing, *, offload_gradients: bool) -> OffloadMemoryReport:
-    """The report of ``OffloadOptimizer``'s memory, from its parameter table and staging ring.
+def engine_memory_report(table: ParameterTable, staging: StagingRing, streamer: StateStreamer, *,
+                         offload_gradients: bool) -> OffloadMemoryReport:
+    """The report of ``OffloadOptimizer``'s memory, from its parameter table, staging ring and
+    state streamer.
 
     Host buffers are counted as allocated, as ``OffloadOptimizer.plan_host_memory`` plans: on CUDA
     each at its size rounded up to a page, in one page-locked block; on other accelerators each at
@@ -51,7 +61,11 @@ def engine_memory_report(table: ParameterTable, staging: StagingRing, *, offload
         host += state_bytes + held
         pinned_total += held
         saved += state_bytes + (grad_bytes if offload_gradients else 0)
-    num_offloaded = len(table.offloaded)
+    # Streamed states: exact-size blocks, page-locked where the device allows, like the buffers.
+    saved += streamer.state_bytes
+    host += streamer.host_bytes
+    pinned_total += streamer.host_bytes
+    num_offloaded = len(table.offloaded) + len(table.streamed)
     # Only buffers made by the transfer engine are pinned; states are plain host memory.
     staging_bytes = staging.num_allocated * pinned_allocation_bytes(staging.chunk_bytes, pinned=pinned)
     return OffloadMemoryReport(
@@ -60,4 +74,5 @@ def engine_memory_report(table: ParameterTable, staging: StagingRing, *, offload
         device_bytes_saved=saved,
         host_bytes=host + staging_bytes,
         pinned_bytes=pinned_total + staging_bytes if pinned else 0,
+        device_staging_bytes=streamer.device_staging_bytes,
     )

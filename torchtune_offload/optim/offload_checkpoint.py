@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from torchtune_offload.optim.param_table import ParameterTable
+from torchtune_offload.optim.state_streamer import StateStreamer
 
 STATE_DICT_FORMAT = "torchtune_offload.OffloadOptimizer/1"
 
@@ -24,6 +25,7 @@ def state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], *, bas
         "format": STATE_DICT_FORMAT,
         "optimizer_class": class_path(base_class),
         "minimal_size": table.minimal_size,
+        "update_on": table.update_on,
         "param_groups": groups,
         "state": {
             s.key: {
@@ -40,13 +42,16 @@ def state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], *, bas
 
 
 def load_state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], sd: Any, *,
-                    base_class: type) -> None:
-    """Restores ``sd`` into the slots and ``param_groups`` after checking that it fits.
+                    base_class: type, streamer: StateStreamer) -> None:
+    """Restores ``sd`` into the slots and ``param_groups`` after checking that it fits; streamed
+    slots' states go straight into their host buffers through ``streamer``.
 
     Raises:
         ValueError: listing every mismatch; nothing is loaded in that case.
     """
     problems = mismatches(table, sd, base_class=base_class, num_groups=len(param_groups))
+    if not problems:
+        problems = [p for s in table.streamed for p in [streamer.load_problem(s, sd["state"][s.key]["optimizer"])] if p]
     if problems:
         raise ValueError(
             "optimizer checkpoint does not fit this model and optimizer:\n  - "
@@ -58,7 +63,10 @@ def load_state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], s
         group.update({k: v for k, v in saved.items() if k != "params"})
     for slot in table.slots:
         saved = sd["state"][slot.key]
-        slot.optimizer.load_state_dict(saved["optimizer"])
+        if slot.streamed:
+            streamer.load(slot, saved["optimizer"])
+        else:
+            slot.optimizer.load_state_dict(saved["optimizer"])
         if slot.has_master:
             with torch.no_grad():
                 slot.step_param.copy_(saved["master"])
@@ -78,6 +86,10 @@ def mismatches(table: ParameterTable, sd: Any, *, base_class: type, num_groups: 
     mine = class_path(base_class)
     if sd["optimizer_class"] != mine:
         problems.append(f"optimizer_class: checkpoint {sd['optimizer_class']}, now {mine}")
+    # Checkpoints from before update_on existed were all updated on the host.
+    if sd.get("update_on", "host") != table.update_on:
+        problems.append(f"update_on: checkpoint {sd.get('update_on', 'host')}, now {table.update_on} (the "
+                        "states are laid out differently; resume with the update_on that wrote it)")
     saved_state = sd["state"]
     missing = [s.key for s in table.slots if s.key not in saved_state]
     unexpected = [k for k in saved_state if k not in table.slot_of_key]

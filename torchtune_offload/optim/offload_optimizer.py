@@ -2,7 +2,8 @@
 
 A facade over collaborators, each the only writer of its own state (docs/architecture.md):
 ``param_table`` (the slots), ``host_grads`` (gradients on their way to the host),
-``slot_step`` (updates), ``overlap_scheduler`` (host work on worker threads), ``step_timings``,
+``slot_step`` (updates), ``overlap_scheduler`` (host work on worker threads), ``state_streamer``
+(``update_on="device"``: states streamed to the device's update), ``step_timings``,
 ``offload_checkpoint`` and ``memory_report``.
 """
 
@@ -22,11 +23,12 @@ from torchtune_offload.optim.host_memory import HostMemoryPlan
 from torchtune_offload.optim.memory_report import OffloadMemoryReport, engine_memory_report
 import torchtune_offload.optim.offload_checkpoint as offload_checkpoint
 from torchtune_offload.optim.offload_checkpoint import STATE_DICT_FORMAT
-from torchtune_offload.optim.offload_options import OffloadOptions, precision_option
+from torchtune_offload.optim.offload_options import DEVICE_STAGING_MIB, OffloadOptions, precision_option
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
 from torchtune_offload.optim.overlap_scheduler import OverlapScheduler
 from torchtune_offload.optim.param_table import ParameterTable, named_groups, plan_table_memory, training_device
 from torchtune_offload.optim.slot_step import SlotStepper
+from torchtune_offload.optim.state_streamer import StateStreamer, plan_streamed_memory
 from torchtune_offload.optim.step_timings import StepTimings
 from torchtune_offload.optim.transfer import TransferEngine
 
@@ -56,7 +58,7 @@ class OffloadOptimizer(Optimizer):
         optimizer_class: the base optimizer, a class or a dotted path such as
             ``"torch.optim.AdamW"``, ``"torch.optim.SGD"`` or ``"bitsandbytes.optim.AdamW8bit"``.
         offload_gradients, minimal_size, master_dtype, grad_sum_dtype, fused_master_step, overlap,
-            overlap_timeout_s: the engine's own options, described in
+            overlap_timeout_s, update_on, device_staging_mib: the engine's own options, described in
             :class:`~torchtune_offload.optim.offload_options.OffloadOptions`.
         **kwargs: passed to the base optimizer, e.g. ``lr``, ``weight_decay``, ``betas``.
 
@@ -79,6 +81,8 @@ class OffloadOptimizer(Optimizer):
         fused_master_step: bool = True,
         overlap: bool = False,
         overlap_timeout_s: Optional[float] = None,
+        update_on: str = "host",
+        device_staging_mib: float = DEVICE_STAGING_MIB,
         **kwargs: Any,
     ) -> None:
         self.base_class = resolve_optimizer_class(optimizer_class)
@@ -87,7 +91,7 @@ class OffloadOptimizer(Optimizer):
         self.options = OffloadOptions.parse(
             offload_gradients=offload_gradients, minimal_size=minimal_size, master_dtype=master_dtype,
             grad_sum_dtype=grad_sum_dtype, fused_master_step=fused_master_step, overlap=overlap,
-            overlap_timeout_s=overlap_timeout_s,
+            overlap_timeout_s=overlap_timeout_s, update_on=update_on, device_staging_mib=device_staging_mib,
         )
         groups = named_groups(params)
         self.device = training_device(groups)
@@ -98,17 +102,19 @@ class OffloadOptimizer(Optimizer):
         self._table = ParameterTable(
             groups, base_class=self.base_class, options=kwargs, accelerator=self._transfer.is_accelerator,
             minimal_size=opts.minimal_size, master_dtype=opts.master_dtype,
-            grad_sum_dtype=opts.grad_sum_dtype, pinning=pinning_of(self.device),
+            grad_sum_dtype=opts.grad_sum_dtype, pinning=pinning_of(self.device), update_on=opts.update_on,
         )
-        self._timings = StepTimings()
+        self._timings = StepTimings(streams_states=opts.update_on == "device")
+        self._streamer = StateStreamer(self._table, self._transfer, self._timings,
+                                       staging_bytes=opts.device_staging_bytes, overlap=opts.overlap)
         self._grads = HostGradients(self._table, self._transfer, self._timings,
                                     offload_gradients=opts.offload_gradients)
         self._stepper = SlotStepper(self._table, self._grads, self._transfer, self._timings,
-                                    fused_master_step=opts.fused_master_step)
+                                    fused_master_step=opts.fused_master_step, streamer=self._streamer)
         self._scheduler = OverlapScheduler(self._table, self._grads, self._stepper, self._transfer,
                                            self._timings, timeout_s=opts.overlap_timeout_s)
         self._hooks = []
-        if opts.offload_gradients or opts.overlap:
+        if opts.update_on == "host" and (opts.offload_gradients or opts.overlap):
             self._hooks.extend(s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self._table.slots)
         defaults = {k: v for k, v in self._table.slots[0].optimizer.defaults.items() if k != "fused"}
         # Inheriting Optimizer lets torch's LR schedulers and torchtune's get_lr accept us; the
@@ -134,6 +140,10 @@ class OffloadOptimizer(Optimizer):
         on an accelerator, ``optim/host_arena.py``) and ``gradient_accumulation_steps`` (with
         ``offload_gradients``, more than one adds the staging ring)."""
         own, kwargs = split_options(cls.__init__, options)
+        if own["update_on"] == "device":
+            trainable = [p for g in named_groups(params) for _, p in g["params"] if p.requires_grad]
+            return plan_streamed_memory(trainable, base_class=resolve_optimizer_class(optimizer_class),
+                                        options=kwargs, minimal_size=own["minimal_size"], pinning=pinning_of(device))
         return plan_table_memory(
             params, base_class=resolve_optimizer_class(optimizer_class), options=kwargs,
             minimal_size=own["minimal_size"], pinning=pinning_of(device),
@@ -153,9 +163,11 @@ class OffloadOptimizer(Optimizer):
         self._scheduler.after_backward_grad(slot)
 
     def synchronize(self) -> None:
-        """Waits for every queued host step and upload (errors raised in a worker are raised here):
-        needed before reading weights outside a forward that :meth:`register_forward_waits` covers."""
+        """Waits for every queued host step and upload (errors raised in a worker are raised here)
+        and every queued device update: needed before reading weights outside a forward that
+        :meth:`register_forward_waits` covers."""
         self._scheduler.synchronize()
+        self._streamer.synchronize()
 
     def expect_final_backward(self, *, clipping: bool) -> None:
         """Announces that the next ``backward()`` ends the accumulation window (``overlap=True``;
@@ -169,7 +181,7 @@ class OffloadOptimizer(Optimizer):
         Raises:
             RuntimeError: if the previous announced window was not stepped.
         """
-        if self.options.overlap:
+        if self.options.overlap and self.options.update_on == "host":
             self._scheduler.announce(clipping=clipping, param_groups=self.param_groups)
 
     def register_forward_waits(self, model: torch.nn.Module) -> None:
@@ -179,6 +191,7 @@ class OffloadOptimizer(Optimizer):
         needs :meth:`synchronize` first.
         """
         self._scheduler.register_forward_waits(model)
+        self._streamer.register_forward_waits(model)
 
     def _grads_to_step(self):
         self._scheduler.synchronize()
@@ -255,7 +268,8 @@ class OffloadOptimizer(Optimizer):
         if self._scheduler.window is not None:
             self._scheduler.step(self.param_groups)
         else:
-            self._scheduler.synchronize()
+            # Queued device updates first: they use the hyper-parameters of their own step.
+            self.synchronize()
             self._stepper.step_serial(self.param_groups)
         self._timings.close_step(started=start, copies=self._transfer.copy_seconds())
         return loss
@@ -276,8 +290,9 @@ class OffloadOptimizer(Optimizer):
             raise RuntimeError("zero_grad() after expect_final_backward() and before step(): the "
                                "window's gradients are with the host steps; call step() first.")
         if not set_to_none:
-            # Device gradients may still be being copied down; zeroing must come after.
+            # Device gradients may still be being copied down, or read by queued updates.
             self._transfer.compute_waits_for_copies()
+            self._streamer.synchronize()
         for slot in self._table.slots:
             # Host sums a queued step still reads are left to it.
             self._grads.zero(slot, set_to_none=set_to_none, host=self._scheduler.pending(slot) is None)
@@ -296,13 +311,14 @@ class OffloadOptimizer(Optimizer):
                 on-host/on-device split (``minimal_size``). Nothing is loaded in that case.
         """
         self.synchronize()
-        offload_checkpoint.load_state_dict(self._table, self.param_groups, state_dict, base_class=self.base_class)
+        offload_checkpoint.load_state_dict(self._table, self.param_groups, state_dict, base_class=self.base_class,
+                                           streamer=self._streamer)
         self._stepper.sync_hyperparameters(self.param_groups)
 
     def memory_report(self) -> OffloadMemoryReport:
         """The bytes this optimizer keeps on the host and spares the device (host buffers as
         allocated, as :meth:`plan_host_memory` plans)."""
-        return engine_memory_report(self._table, self._grads.staging,
+        return engine_memory_report(self._table, self._grads.staging, self._streamer,
                                     offload_gradients=self.options.offload_gradients)
 
     def close(self) -> None:
@@ -315,3 +331,4 @@ class OffloadOptimizer(Optimizer):
                 handle.remove()
             self._hooks.clear()
             self._scheduler.close()
+            self._streamer.close()

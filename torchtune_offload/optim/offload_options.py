@@ -6,6 +6,11 @@ from typing import Any, Optional
 
 import torch
 
+#: Where offloaded parameters are updated (see ``OffloadOptions.update_on``).
+UPDATE_ON = ("host", "device")
+#: The default bound on the device memory that stages streamed states, in MiB.
+DEVICE_STAGING_MIB = 256.0
+
 #: Spellings accepted for the precision options (torch dtypes are accepted too).
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32}
 
@@ -58,6 +63,15 @@ class OffloadOptions:
             ``step()`` waits for the host work before returning.
         overlap_timeout_s: with ``overlap``, the longest wait for one piece of host work before a
             RuntimeError says what was stuck; ``None`` (default) waits without a limit.
+        update_on: ``"host"`` (default): offloaded parameters are updated on the host, on host
+            copies. ``"device"``: parameters and gradients stay on the device and only the
+            optimizer states of offloaded parameters live in (pinned) host memory; at ``step()``
+            they are brought to the device slice by slice, the base optimizer updates there, and
+            they go back (``optim/state_streamer.py``). Plain training's results, with no host
+            arithmetic and host memory for the states alone; it needs the gradients on the
+            device, so ``offload_gradients``, ``master_dtype`` and ``grad_sum_dtype`` do not apply.
+        device_staging_mib: with ``update_on="device"``, the bound on the device memory that
+            stages states on their way (two buffers of half of it each), in MiB.
     """
 
     offload_gradients: bool
@@ -67,6 +81,12 @@ class OffloadOptions:
     fused_master_step: bool
     overlap: bool
     overlap_timeout_s: Optional[float]
+    update_on: str = "host"
+    device_staging_mib: float = DEVICE_STAGING_MIB
+
+    @property
+    def device_staging_bytes(self) -> int:
+        return int(self.device_staging_mib * 2**20)
 
     @classmethod
     def parse(
@@ -79,6 +99,8 @@ class OffloadOptions:
         fused_master_step: Any,
         overlap: Any,
         overlap_timeout_s: Any,
+        update_on: Any = "host",
+        device_staging_mib: Any = DEVICE_STAGING_MIB,
     ) -> "OffloadOptions":
         """Checks config values (YAML strings included) and returns them typed.
 
@@ -103,8 +125,36 @@ class OffloadOptions:
                 f"optimizer.overlap_timeout_s={overlap_timeout_s!r} must be a positive number of seconds, "
                 "or null to wait for host work without a limit."
             )
+        _check_update_on(update_on, device_staging_mib, offload_gradients=offload, master_dtype=master_dtype,
+                         grad_sum_dtype=grad_sum_dtype)
         return cls(
             offload_gradients=offload, minimal_size=minimal_size, master_dtype=master,
             grad_sum_dtype=grad_sum, fused_master_step=fused, overlap=overlapped,
             overlap_timeout_s=None if overlap_timeout_s is None else float(overlap_timeout_s),
+            update_on=update_on, device_staging_mib=float(device_staging_mib),
         )
+
+
+def _check_update_on(update_on: Any, device_staging_mib: Any, *, offload_gradients: bool, master_dtype: Any,
+                     grad_sum_dtype: Any) -> None:
+    """Refuses an ``update_on`` value, a staging bound, or a combination that cannot work."""
+    if update_on not in UPDATE_ON:
+        raise ValueError(f"optimizer.update_on={update_on!r}: use 'host' (updates on host copies, the "
+                         "default) or 'device' (states in host memory, updates on the device).")
+    if (isinstance(device_staging_mib, bool) or not isinstance(device_staging_mib, (int, float))
+            or not device_staging_mib > 0):
+        raise ValueError(f"optimizer.device_staging_mib={device_staging_mib!r} must be a positive number of "
+                         f"MiB (the default is {DEVICE_STAGING_MIB:g}).")
+    if update_on != "device":
+        return
+    # Each of these needs the gradient (or a copy of the weights) on the host, which this mode never makes.
+    refused = [(offload_gradients, "offload_gradients=True", "gradients stay on the device for the device's "
+                "update", "optimizer.offload_gradients=False"),
+               (master_dtype is not None, f"master_dtype={master_dtype}", "fp32 master weights are a host "
+                "engine feature", "~optimizer.master_dtype"),
+               (grad_sum_dtype is not None, f"grad_sum_dtype={grad_sum_dtype}", "gradients are summed on the "
+                "device in their own dtype", "~optimizer.grad_sum_dtype")]
+    for bad, setting, why, fix in refused:
+        if bad:
+            raise ValueError(f"optimizer.update_on=device with optimizer.{setting}: {why}. Set {fix}, or "
+                             "optimizer.update_on=host.")

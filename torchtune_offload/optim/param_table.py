@@ -34,6 +34,8 @@ class Slot:
         param: the model's parameter.
         group_index: its parameter group.
         offloaded: the base optimizer steps a host copy.
+        streamed: ``update_on="device"``: the base optimizer steps the parameter on the device,
+            with states kept in host memory between steps (``state_streamer.StateStreamer``).
         step_param: what the base optimizer updates: the host copy when offloaded, an fp32 master
             on the device for a device-resident parameter with ``master_dtype``, else ``param``.
         host_grad: offloaded only: the host gradient the step reads.
@@ -43,7 +45,7 @@ class Slot:
             allow; on the device: the parameter itself); None when ``step_param`` is the result.
     """
 
-    __slots__ = ("index", "key", "param", "group_index", "offloaded", "step_param", "host_grad",
+    __slots__ = ("index", "key", "param", "group_index", "offloaded", "streamed", "step_param", "host_grad",
                  "optimizer", "out")
 
     def __init__(self, *, index: int, key: str, param: torch.Tensor, group_index: int) -> None:
@@ -52,6 +54,7 @@ class Slot:
         self.param = param
         self.group_index = group_index
         self.offloaded = False
+        self.streamed = False
         self.step_param = param
         self.host_grad: Optional[torch.Tensor] = None
         self.optimizer: Optional[Optimizer] = None
@@ -151,6 +154,8 @@ class ParameterTable:
         grad_sum_dtype: the dtype of host gradient buffers, ``None`` for the parameter's.
         pinning: how host buffers are page-locked (``optim/host_arena.py``); may fall back to
             torch's allocator, see :attr:`pinning`.
+        update_on: ``"device"``: no parameter is offloaded; those of at least ``minimal_size``
+            elements are *streamed* instead (their states are the streamer's to keep).
 
     Raises:
         ValueError: if a parameter is given twice, or one tensor under two names.
@@ -158,8 +163,9 @@ class ParameterTable:
 
     def __init__(self, groups: List[Dict[str, Any]], *, base_class: type, options: Dict[str, Any],
                  accelerator: bool, minimal_size: int, master_dtype: Optional[torch.dtype],
-                 grad_sum_dtype: Optional[torch.dtype], pinning: str) -> None:
+                 grad_sum_dtype: Optional[torch.dtype], pinning: str, update_on: str = "host") -> None:
         self.minimal_size = minimal_size
+        self.update_on = update_on
         self.master_dtype = master_dtype
         self.grad_sum_dtype = grad_sum_dtype
         self.pinning = pinning
@@ -168,10 +174,12 @@ class ParameterTable:
             # The fused CPU kernel is several times faster than the per-tensor loop; on a CPU-only
             # machine the default is kept so the emulation matches plain AdamW bit for bit.
             host_options["fused"] = True
-        buffers = self._allocate_host_buffers(groups)
+        buffers = self._allocate_host_buffers(groups) if update_on == "host" else {}
         self.slots: List[Slot] = []
         #: The parameter groups torch's ``Optimizer`` is built with: each base optimizer's options.
         self.outer_groups: List[Dict[str, Any]] = []
+        #: Per outer group, the options its base optimizers were built with (on the device).
+        self.group_options: List[Dict[str, Any]] = []
         seen = set()
         for group in groups:
             group_options = {k: v for k, v in group.items() if k != "params"}
@@ -192,6 +200,7 @@ class ParameterTable:
             hyper = {k: v for k, v in members[0].optimizer.param_groups[0].items() if k != "params"}
             hyper.pop("fused", None)  # a host-side detail; schedulers and logs need not see it
             self.outer_groups.append({**hyper, "params": [s.param for s in members]})
+            self.group_options.append({**options, **group_options})
             self.slots.extend(members)
         self.slot_of: Dict[torch.Tensor, Slot] = {s.param: s for s in self.slots}
         self.slot_of_key: Dict[str, Slot] = {s.key: s for s in self.slots}
@@ -199,6 +208,10 @@ class ParameterTable:
     @property
     def offloaded(self) -> List[Slot]:
         return [s for s in self.slots if s.offloaded]
+
+    @property
+    def streamed(self) -> List[Slot]:
+        return [s for s in self.slots if s.streamed]
 
     @property
     def largest_offloaded_bytes(self) -> int:
@@ -251,6 +264,10 @@ class ParameterTable:
                 # consumed when the dtypes match, so a master costs no extra buffer then.
                 slot.out = buffers.get("device-dtype copies", slot.host_grad)
             slot.optimizer = base_class([slot.step_param], **host_options)
+        elif self.update_on == "device":
+            # The device's own update, with the options as given: plain training's kernel.
+            slot.streamed = offloads(param, self.minimal_size)
+            slot.optimizer = base_class([param], **options)
         elif master != param.dtype:
             slot.step_param = param.detach().to(master)
             slot.out = param

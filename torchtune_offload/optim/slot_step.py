@@ -16,6 +16,7 @@ import torch
 import torchtune_offload.optim.fused_step as fused_step
 from torchtune_offload.optim.host_grads import HostGradients
 from torchtune_offload.optim.param_table import ParameterTable, Slot
+from torchtune_offload.optim.state_streamer import StateStreamer
 from torchtune_offload.optim.step_timings import StepTimings
 from torchtune_offload.optim.transfer import TransferEngine
 
@@ -29,11 +30,13 @@ class SlotStepper:
         transfer: sends the updated weights back to the device.
         timings: where host-step seconds are counted.
         fused_master_step: use the fused one-pass master update where it applies.
+        streamer: updates the streamed slots (``update_on="device"``).
     """
 
     def __init__(self, table: ParameterTable, grads: HostGradients, transfer: TransferEngine,
-                 timings: StepTimings, *, fused_master_step: bool) -> None:
+                 timings: StepTimings, *, fused_master_step: bool, streamer: StateStreamer) -> None:
         self._table = table
+        self._streamer = streamer
         self._grads = grads
         self._transfer = transfer
         self._timings = timings
@@ -61,16 +64,21 @@ class SlotStepper:
                     inner[k] = v
 
     def step_on_device(self) -> None:
-        """Steps the parameters that stay on the device (on an accelerator, beside the host work)."""
+        """Steps the parameters that stay on the device (on an accelerator, beside the host work);
+        streamed slots through the streamer, which may queue them for the next forward."""
+        streamed = []
         for slot in self._table.slots:
             if slot.offloaded:
                 continue
             self._grads.forget_norm(slot)  # an announced window's, of the gradient this step consumes
             if slot.param.grad is not None:
-                if slot.has_master:
+                if slot.streamed:
+                    streamed.append(slot)
+                elif slot.has_master:
                     self.step_slot(slot, slot.param.grad)
                 else:
                     slot.optimizer.step()
+        self._streamer.update(streamed)
 
     def host_step(self, slot: Slot, *, waited: bool) -> object:
         """Steps an offloaded slot on its landed host gradient and sends its new weights up.

@@ -13,7 +13,8 @@ from typing import Dict, Iterator
 class StepTimings:
     """Counters summed since the last ``step()``, closed into one record per step."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, streams_states: bool = False) -> None:
+        self._streams_states = streams_states
         self._wait_s = 0.0
         self._host_step_s = 0.0
         self._lock = threading.Lock()
@@ -52,6 +53,9 @@ class StepTimings:
             "param_copy_s": copies["param"],
             "offload_step_s": time.perf_counter() - started,
         }
+        if self._streams_states:
+            self._last["state_upload_s"] = copies["state_up"]
+            self._last["state_download_s"] = copies["state_down"]
         if host_step_s > 0:
             self._last["host_step_hidden"] = min(1.0, max(0.0, 1.0 - wait_s / host_step_s))
 
@@ -65,6 +69,8 @@ class StepTimings:
         ``host_step_hidden``: ``1 - offload_wait_s / host_step_s`` clamped to [0, 1], the share of
         the host step the training thread did not wait for. With overlap the host work of a window
         finishes during the next one, so the figures describe the steady state over steps, not
-        one window.
+        one window. With ``update_on="device"``, ``state_upload_s`` / ``state_download_s``: the
+        streamed states' copies, and ``offload_wait_s`` includes the updates the training thread
+        waited for.
         """
         return dict(self._last)

@@ -18,6 +18,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 
+#: What is copied: gradients down, weights up, streamed optimizer states up and down.
+COPY_KINDS = ("grad", "param", "state_up", "state_down")
+
+
 class TransferEngine:
     """Copies tensors between one device and host memory.
 
@@ -35,8 +39,8 @@ class TransferEngine:
         self.stream = self._module.Stream(device=self.device) if self.is_accelerator else None
         self.h2d_stream = self._module.Stream(device=self.device) if self.is_accelerator else None
         self._lock = threading.Lock()
-        # Copy durations per direction: seconds (CPU), or timing-event pairs not yet read.
-        self._seconds = {"grad": 0.0, "param": 0.0}
+        # Copy durations per kind: seconds (CPU), or timing-event pairs not yet read.
+        self._seconds = dict.fromkeys(COPY_KINDS, 0.0)
         self._timed: List[Tuple[str, object, object]] = []
 
     def host_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -54,13 +58,14 @@ class TransferEngine:
             self._seconds[kind] += seconds
 
     def copy_seconds(self) -> Dict[str, float]:
-        """Seconds spent copying gradients down (``grad``) and weights up (``param``) since the last call.
+        """Seconds spent copying since the last call, by kind (:data:`COPY_KINDS`): gradients down
+        (``grad``), weights up (``param``), streamed states up and down.
 
         On an accelerator, copies still in flight are counted at a later call.
         """
         with self._lock:
             timed, self._timed = self._timed, []
-            result, self._seconds = self._seconds, {"grad": 0.0, "param": 0.0}
+            result, self._seconds = self._seconds, dict.fromkeys(COPY_KINDS, 0.0)
         for kind, start, end in timed:
             if end.query():
                 result[kind] += start.elapsed_time(end) / 1000
@@ -87,20 +92,10 @@ class TransferEngine:
         Returns:
             An event to wait on before reading ``dst``, or ``None`` when the copy is complete.
         """
-        if not self.is_accelerator:
-            start = time.perf_counter()
-            dst.copy_(src)
-            self._add_seconds("grad", time.perf_counter() - start)
-            return None
-        self.stream.wait_stream(self._module.current_stream(self.device))
-        begin, end = self._timing_event(), self._timing_event()
-        with self._side_stream():
-            begin.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-        with self._lock:
-            self._timed.append(("grad", begin, end))
-        if release_source:
+        if self.is_accelerator:
+            self.stream.wait_stream(self._module.current_stream(self.device))
+        end = self.timed_copy(dst, src, kind="grad", stream=self.stream)
+        if release_source and self.is_accelerator:
             src.record_stream(self.stream)
         return end
 
@@ -113,18 +108,27 @@ class TransferEngine:
         Returns:
             The copy's event on an accelerator, else ``None`` (the copy is complete).
         """
+        return self.timed_copy(dst, src, kind="param", stream=self.h2d_stream)
+
+    def timed_copy(self, dst: torch.Tensor, src: torch.Tensor, *, kind: str, stream: Optional[object]) -> Optional[object]:
+        """Copies ``src`` into ``dst`` on ``stream`` (an accelerator stream; ignored on a CPU-only
+        machine, where the copy is synchronous), counting its time under ``kind``.
+
+        Returns:
+            The event that ends the copy on an accelerator, else ``None`` (the copy is complete).
+        """
         if not self.is_accelerator:
             start = time.perf_counter()
             dst.copy_(src)
-            self._add_seconds("param", time.perf_counter() - start)
+            self._add_seconds(kind, time.perf_counter() - start)
             return None
         begin, end = self._timing_event(), self._timing_event()
-        with self._side_stream(self.h2d_stream):
+        with self._side_stream(stream):
             begin.record()
             dst.copy_(src, non_blocking=True)
             end.record()
         with self._lock:
-            self._timed.append(("param", begin, end))
+            self._timed.append((kind, begin, end))
         return end
 
     def compute_waits_for(self, event: Optional[object]) -> None:

@@ -1,0 +1,237 @@
+"""``OffloadOptimizer(update_on="device")``: states in host memory, the device's own update, on
+the CPU emulation path, side by side with the same base optimizer without offload."""
+
+import dataclasses
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from tests.optim.side_by_side import assert_same_params, batches, plain_hooks, tiny_model, train, twin
+from torchtune_offload import AdamW8bit, OffloadOptimizer
+from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES
+from torchtune_offload.optim.host_arena import aligned_bytes
+
+# Every weight (24*96 = 2304 elements and up) is streamed, every bias stays on the device.
+MINIMAL_SIZE = 1000
+# Two staging buffers of 8 KiB: fp32 AdamW states (8 bytes an element) of 512 elements at a time,
+# so every streamed weight (2304, 15360 and 1280 elements) is stepped in several slices.
+SMALL_BOUND_MIB = 16 / 1024
+
+
+def device_opt(model: nn.Module, base="torch.optim.AdamW", **kwargs) -> OffloadOptimizer:
+    kwargs.setdefault("device_staging_mib", SMALL_BOUND_MIB)
+    return OffloadOptimizer(model.named_parameters(), base, update_on="device", minimal_size=MINIMAL_SIZE, **kwargs)
+
+
+def cosine(opt):
+    return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5, eta_min=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("grad_accum", [1, 3])
+@pytest.mark.parametrize("clip", [None, 0.5])
+@pytest.mark.parametrize("with_scheduler", [False, True])
+def test_matches_plain_adamw_bit_for_bit(dtype, overlap, grad_accum, clip, with_scheduler):
+    ref = tiny_model().to(dtype)
+    model = twin(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    # The same number of slices for bf16 states as for fp32 ones.
+    opt = device_opt(model, lr=1e-2, weight_decay=0.1, overlap=overlap,
+                     device_staging_mib=SMALL_BOUND_MIB * dtype.itemsize / 4)
+    if overlap:
+        opt.register_forward_waits(model)
+    assert {s.streamed for s in opt._slots} == {True, False}
+    assert all(len(opt._streamer.slices(s)) > 1 for s in opt._slots if s.streamed)
+    data = [(x.to(dtype), y.to(dtype)) for x, y in batches(num=5 * grad_accum)]
+    ref_scale, ref_clip = plain_hooks(ref)
+    ref_norms = train(ref, ref_opt, data, grad_accum=grad_accum, clip=clip,
+                      scheduler=cosine(ref_opt) if with_scheduler else None, scale_grads=ref_scale, clip_grads=ref_clip)
+    norms = train(model, opt, data, grad_accum=grad_accum, clip=clip,
+                  scheduler=cosine(opt) if with_scheduler else None, scale_grads=opt.scale_grads_,
+                  clip_grads=opt.clip_grad_norm_)
+    opt.synchronize()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert norms == ref_norms
+    if clip is not None:
+        assert max(ref_norms) > clip, "the clip threshold must bite for this test to mean anything"
+    if with_scheduler:
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] != 1e-2
+    # The states are the base optimizer's, in host buffers, equal to the plain run's.
+    for slot, p in zip(opt._slots, ref.parameters()):
+        for key, value in ref_opt.state[p].items():
+            assert torch.equal(slot.optimizer.state[slot.param][key], value), (slot.key, key)
+
+
+def test_overlap_updates_each_module_right_before_its_forward():
+    """The queued updates wait for the forward that needs them, module by module."""
+    model = tiny_model()
+    opt = device_opt(model, lr=1e-2, overlap=True)
+    opt.register_forward_waits(model)
+    x, y = batches(num=1)[0]
+    ((model(x) - y) ** 2).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    opt.zero_grad()
+    # Step returned with the streamed weights not updated yet; the device-resident biases were.
+    streamed = [s.streamed for s in opt._slots]
+    for changed_expected, p, old in zip(streamed, model.parameters(), before):
+        assert torch.equal(p, old) == changed_expected
+    seen = []
+    hooks = [m.register_forward_pre_hook(lambda m, _args, i=i: seen.append(
+        (i, torch.equal(model[i].weight, before[2 * (i // 2)])))) for i, m in enumerate(model) if isinstance(m, nn.Linear)]
+    model(x)
+    for h in hooks:
+        h.remove()
+    # Each linear's hook (registered after the waits) sees its weight already updated.
+    assert seen == [(0, False), (2, False), (4, False)]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_resume_is_bit_identical_and_loads_into_host_buffers(overlap):
+    data = batches(num=12)
+    kwargs = dict(lr=1e-2, overlap=overlap)
+
+    def run(model, opt, sched, chunk):
+        train(model, opt, chunk, grad_accum=2, clip=0.5, scheduler=sched, scale_grads=opt.scale_grads_,
+              clip_grads=opt.clip_grad_norm_)
+
+    straight = tiny_model()
+    opt = device_opt(straight, **kwargs)
+    opt.register_forward_waits(straight)
+    run(straight, opt, cosine(opt), data)
+    opt.synchronize()  # the last step's updates wait for a forward that does not come
+
+    first = tiny_model()
+    opt = device_opt(first, **kwargs)
+    opt.register_forward_waits(first)
+    sched = cosine(opt)
+    run(first, opt, sched, data[:6])
+    buf = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+
+    resumed = tiny_model(seed=123)
+    resumed.load_state_dict(ckpt["model"])
+    opt = device_opt(resumed, **{**kwargs, "lr": 5.0})
+    opt.register_forward_waits(resumed)
+    host_before = {s.key: {k: t.data_ptr() for k, t in opt._streamer._host[s.index].items()} for s in opt._slots
+                   if s.streamed}
+    sched = cosine(opt)
+    opt.load_state_dict(ckpt["opt"])
+    sched.load_state_dict(ckpt["sched"])
+    for slot in opt._slots:
+        if slot.streamed:
+            state = slot.optimizer.state[slot.param]
+            assert {k: state[k].data_ptr() for k in host_before[slot.key]} == host_before[slot.key]
+    run(resumed, opt, sched, data[6:])
+    opt.synchronize()
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_from_the_host_engine_is_refused_by_name():
+    model = tiny_model()
+    host = OffloadOptimizer(model.named_parameters(), minimal_size=MINIMAL_SIZE)
+    with pytest.raises(ValueError, match="update_on: checkpoint host, now device"):
+        device_opt(tiny_model()).load_state_dict(host.state_dict())
+
+
+class SlicedAdamW(torch.optim.AdamW):
+    """AdamW that declares itself elementwise and records the bytes of every state it is given."""
+
+    capabilities = dataclasses.replace(PLAIN_CAPABILITIES, elementwise_update=True)
+    staged: list = []
+
+    def step(self, closure=None):
+        for p in self.param_groups[0]["params"]:
+            SlicedAdamW.staged.append(sum(t.numel() * t.element_size() for t in self.state[p].values()
+                                          if isinstance(t, torch.Tensor) and t.dim() > 0))
+        return super().step(closure)
+
+
+def test_device_staging_never_exceeds_the_bound():
+    model = tiny_model()
+    bound = SMALL_BOUND_MIB * 2**20
+    largest = max(p.numel() * 8 for p in model.parameters())  # fp32 AdamW: 8 bytes of state an element
+    assert bound < largest, "the bound must be smaller than the largest tensor's states"
+    SlicedAdamW.staged = []
+    opt = device_opt(model, SlicedAdamW, lr=1e-2)
+    scale, clip = opt.scale_grads_, opt.clip_grad_norm_
+    train(model, opt, batches(num=3), grad_accum=1, clip=None, scale_grads=scale, clip_grads=clip)
+    report = opt.memory_report()
+    assert 0 < report.device_staging_bytes <= bound
+    staged = [b for b in SlicedAdamW.staged if b]  # the first step's slices start with no state
+    assert staged and max(staged) <= bound / 2
+    # Each staged state lies in one of the staging buffers.
+    buffers = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in opt._streamer._buffers]
+    assert sum(hi - lo for lo, hi in buffers) == report.device_staging_bytes
+
+
+def test_too_small_a_bound_for_whole_staged_states_is_refused_before_allocating():
+    model = tiny_model().bfloat16()
+    with pytest.raises(ValueError, match=r"optimizer\.device_staging_mib.*staged whole.*at least"):
+        device_opt(model, AdamW8bit, lr=1e-3, min_8bit_size=1000)
+
+
+@pytest.mark.parametrize("base, options, bound_mib", [
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True), SMALL_BOUND_MIB / 2),  # one state, 4 bytes
+    (torch.optim.Adam, dict(lr=1e-2, amsgrad=True, weight_decay=0.1), SMALL_BOUND_MIB),
+    (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.5, centered=True), SMALL_BOUND_MIB),
+    # Blockwise 8-bit states (absmax per 256 elements) are staged whole.
+    (AdamW8bit, dict(lr=1e-3, min_8bit_size=1000), 1.0),
+])
+def test_other_base_optimizers_match_themselves_without_offload(base, options, bound_mib):
+    ref = tiny_model().bfloat16() if base is AdamW8bit else tiny_model()
+    model = twin(ref)
+    ref_opt = base(ref.parameters(), **options)
+    opt = device_opt(model, base, device_staging_mib=bound_mib, **options)
+    whole = base is AdamW8bit
+    assert all((len(opt._streamer.slices(s)) == 1) == whole for s in opt._slots if s.streamed)
+    data = [(x.to(ref[0].weight.dtype), y.to(ref[0].weight.dtype)) for x, y in batches(num=8)]
+    scale, clip = plain_hooks(ref)
+    train(ref, ref_opt, data, grad_accum=2, clip=0.5, scale_grads=scale, clip_grads=clip)
+    train(model, opt, data, grad_accum=2, clip=0.5, scale_grads=opt.scale_grads_, clip_grads=opt.clip_grad_norm_)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_host_memory_is_the_states_exactly():
+    model = tiny_model().bfloat16()
+    opt = device_opt(model, lr=1e-2)
+    planned = OffloadOptimizer.plan_host_memory(model.named_parameters(), "torch.optim.AdamW", device="cpu",
+                                                update_on="device", minimal_size=MINIMAL_SIZE)
+    streamed = [p for p in model.parameters() if p.numel() >= MINIMAL_SIZE]
+    # Two bf16 states an element, each buffer on a page boundary; nothing else on the host.
+    expected = sum(2 * aligned_bytes(p.numel() * 2) for p in streamed)
+    assert opt.memory_report().host_bytes == planned.total == expected
+    x, y = batches(num=1)[0]
+    ((model(x.bfloat16()) - y.bfloat16()) ** 2).sum().backward()
+    opt.step()
+    report = opt.memory_report()
+    assert report.host_bytes == expected
+    assert report.device_bytes_saved == sum(4 * p.numel() for p in streamed)
+    assert report.num_offloaded == len(streamed)
+    assert set(opt.step_timings()) >= {"state_upload_s", "state_download_s", "offload_step_s"}
+
+
+@pytest.mark.parametrize("options, keys", [
+    (dict(offload_gradients=True), r"optimizer\.update_on=device with optimizer\.offload_gradients=True.*"
+                                   r"optimizer\.offload_gradients=False"),
+    (dict(master_dtype="fp32"), r"optimizer\.update_on=device with optimizer\.master_dtype=fp32"),
+    (dict(grad_sum_dtype="fp32"), r"optimizer\.update_on=device with optimizer\.grad_sum_dtype=fp32"),
+    (dict(device_staging_mib=0), r"optimizer\.device_staging_mib=0 must be a positive number"),
+    (dict(device_staging_mib="big"), r"optimizer\.device_staging_mib='big'"),
+])
+def test_combinations_that_cannot_work_are_refused_naming_both_keys(options, keys):
+    with pytest.raises(ValueError, match=keys):
+        device_opt(tiny_model(), **options)
+
+
+def test_bad_update_on_is_named():
+    with pytest.raises(ValueError, match=r"optimizer\.update_on='gpu': use 'host'.*or 'device'"):
+        OffloadOptimizer(tiny_model().named_parameters(), update_on="gpu")

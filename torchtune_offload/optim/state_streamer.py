@@ -1,0 +1,448 @@
+"""``update_on="device"``: optimizer states in (pinned) host memory, updates on the device.
+
+The design of axlearn PR #867 ("weight-only offloading"): parameters and gradients stay on the
+device; only the optimizer states of the *streamed* slots (see ``param_table.Slot.streamed``) live
+in host memory, in exact-size blocks page-locked where the device allows (``host_arena``). At
+``step()`` each streamed slot's states are brought to the device through a bounded staging area,
+the slot's base optimizer updates the parameter there with its own kernel, and the states go back.
+The results are plain training's by construction and the host does no arithmetic.
+
+Chunking. No tensor needs a full-size device copy of its states: the staging area is two buffers
+of half the bound (``device_staging_mib``) each, and a slot whose base optimizer updates elementwise
+(``capabilities.elementwise_update``: torch's Adam, AdamW, SGD, ...) is stepped slice by slice along
+the flattened tensor, alternating buffers, so that on an accelerator the upload of one slice, the
+update of the one before and the download of the one before that overlap (one stream each). A slot
+whose states are not elementwise (blockwise 8-bit states with their absmax, factored states) is
+staged whole in one buffer; a bound too small for it is refused when the optimizer is built. Slices
+are whole multiples of :data:`SLICE_ELEMENTS` elements, so that vectorised kernels see the same
+alignment as for the whole tensor.
+
+Between steps the base optimizer's ``state`` holds the host tensors (and its scalar states, such as
+the step count, where it keeps them), so its ``state_dict`` is the checkpoint as it is. Each step
+swaps in device views for one slice at a time, resetting the scalar states to their value before
+the step, and keeps the scalars of the last slice: every slice sees the same step count.
+
+Ordering. Without ``overlap`` (or without forward waits) every update runs in ``step()``, on the
+compute stream. With ``overlap`` and ``register_forward_waits`` they run in the next forward's order:
+on an accelerator on a side stream, each module's forward waiting only for its own parameters'
+updates; on a CPU-only machine (the exact emulation) each update runs when the forward of the
+module that owns it is about to, so the tests check the wait of every module.
+"""
+
+import contextlib
+import functools
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from torchtune_offload.optim.capabilities import capabilities_of
+from torchtune_offload.optim.host_arena import NONE, buffer_bytes, host_buffers
+from torchtune_offload.optim.host_memory import HostMemoryPlan, offloads, probe_state
+from torchtune_offload.optim.param_table import ParameterTable, Slot
+from torchtune_offload.optim.step_timings import StepTimings
+from torchtune_offload.optim.transfer import TransferEngine
+
+#: Slices are whole multiples of this many elements (2 KiB of fp32, a multiple of any vector width).
+SLICE_ELEMENTS = 512
+#: Each staged state starts at a multiple of this many bytes of its staging buffer.
+STAGING_ALIGNMENT = 256
+
+
+def _staged_bytes(numel: int, dtype: torch.dtype) -> int:
+    return -(-numel * dtype.itemsize // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
+
+#: ``(key, shape, dtype)`` of each array state of a slot, in the base optimizer's order.
+Layout = List[Tuple[str, torch.Size, torch.dtype]]
+
+
+def state_layout(cls: type, options: Dict[str, Any], param: torch.Tensor) -> Tuple[Layout, List[str]]:
+    """The array states (``(key, shape, dtype)``) and the scalar state keys optimizer ``cls``
+    built with ``options`` keeps for ``param``, probed on meta tensors.
+
+    Raises:
+        ValueError: if the optimizer cannot step on meta tensors (its states then cannot be
+            planned before they exist).
+    """
+    try:
+        state = probe_state(cls, param.shape, param.dtype, options)
+    except Exception as err:  # any optimizer may fail on meta tensors; say which and why
+        raise ValueError(
+            f"optimizer.update_on=device: {cls.__name__}'s state could not be sized on meta tensors "
+            f"({type(err).__name__}: {err}), so its host buffers cannot be planned. Use optimizer.update_on=host."
+        ) from None
+    arrays = [(k, v.shape, v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    scalars = [k for k in state if k not in {a[0] for a in arrays}]
+    return arrays, scalars
+
+
+def plan_state_bytes(layout: Layout, *, pinning: str) -> int:
+    """Host bytes of one slot's array states as :class:`StateStreamer` allocates them."""
+    return sum(buffer_bytes(int(torch.Size(shape).numel()) * dtype.itemsize, pinning=pinning)
+               for _, shape, dtype in layout)
+
+
+def plan_streamed_memory(params: List[torch.Tensor], *, base_class: type, options: Dict[str, Any],
+                         minimal_size: int, pinning: str) -> HostMemoryPlan:
+    """The host memory of ``update_on="device"`` for trainable ``params`` (meta tensors work): the
+    array states of those with at least ``minimal_size`` elements, nothing else."""
+    plan = HostMemoryPlan()
+    sizes: Dict[Tuple[torch.Size, torch.dtype], int] = {}
+    for p in params:
+        if offloads(p, minimal_size):
+            key = (p.shape, p.dtype)
+            if key not in sizes:
+                sizes[key] = plan_state_bytes(state_layout(base_class, options, p)[0], pinning=pinning)
+            plan.add("optimizer state" + ("" if pinning == NONE else " (pinned)"), sizes[key])
+    return plan
+
+
+class _Plan:
+    """How one streamed slot is staged: its layout, and its slices ``(start, stop)`` in elements
+    (one slice of the whole tensor when staged whole)."""
+
+    __slots__ = ("layout", "scalars", "whole", "slices")
+
+    def __init__(self, layout: Layout, scalars: List[str], *, whole: bool, slices: List[Tuple[int, int]]) -> None:
+        self.layout = layout
+        self.scalars = scalars
+        self.whole = whole
+        self.slices = slices
+
+
+def _slice_plan(slot: Slot, layout: Layout, scalars: List[str], half_bytes: int) -> _Plan:
+    """Slices of ``slot`` that fit one staging buffer of ``half_bytes``.
+
+    Raises:
+        ValueError: naming ``optimizer.device_staging_mib`` if one buffer cannot hold what must
+            be staged at once.
+    """
+    param = slot.param
+    numel = param.numel()
+    elementwise = (capabilities_of(type(slot.optimizer)).elementwise_update and param.is_contiguous()
+                   and all(torch.Size(shape).numel() == numel for _, shape, _ in layout))
+    padding = STAGING_ALIGNMENT * len(layout)
+    if not elementwise:
+        need = sum(_staged_bytes(torch.Size(s).numel(), d) for _, s, d in layout)
+        if need > half_bytes:
+            raise ValueError(
+                f"optimizer.device_staging_mib: {slot.key}'s {type(slot.optimizer).__name__} states are staged "
+                f"whole ({need / 2**20:.3g} MiB; they are not elementwise), but one of the two staging buffers "
+                f"holds {half_bytes / 2**20:.3g} MiB. Set optimizer.device_staging_mib to at least "
+                f"{2 * need / 2**20:.3g}, or optimizer.update_on=host."
+            )
+        return _Plan(layout, scalars, whole=True, slices=[(0, numel)])
+    per_element = sum(d.itemsize for _, _, d in layout)
+    if not per_element:  # no array state (SGD without momentum): the update needs no staging
+        return _Plan(layout, scalars, whole=True, slices=[(0, numel)])
+    span = (half_bytes - padding) // per_element // SLICE_ELEMENTS * SLICE_ELEMENTS
+    if span <= 0:
+        raise ValueError(
+            f"optimizer.device_staging_mib: a staging buffer of {half_bytes} bytes cannot hold one slice of "
+            f"{SLICE_ELEMENTS} elements of {slot.key}'s states ({per_element} bytes each). Set "
+            f"optimizer.device_staging_mib to at least {2 * (SLICE_ELEMENTS * per_element + padding) / 2**20:.3g}."
+        )
+    return _Plan(layout, scalars, whole=False, slices=[(a, min(a + span, numel)) for a in range(0, numel, span)])
+
+
+def _check_created(slot: Slot, plan: _Plan, state: Dict[str, Any], start: int, stop: int) -> None:
+    """The states the base optimizer created at its first step are those planned from the probe
+    (never copied into buffers of another size or dtype)."""
+    planned = {key for key, _, _ in plan.layout}
+    extra = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and k not in planned]
+    if extra:
+        raise RuntimeError(f"{slot.key}: {type(slot.optimizer).__name__} created states {extra} that its probe on "
+                           "meta tensors did not; use optimizer.update_on=host with it.")
+    for key, shape, dtype in plan.layout:
+        value = state.get(key)
+        numel = torch.Size(shape).numel() if plan.whole else stop - start
+        if not isinstance(value, torch.Tensor) or value.numel() != numel or value.dtype != dtype:
+            found = f"{value.dtype}[{value.numel()}]" if isinstance(value, torch.Tensor) else "missing"
+            raise RuntimeError(
+                f"{slot.key}: {type(slot.optimizer).__name__} created state {key!r} as {found}, but its probe on "
+                f"meta tensors planned {dtype}[{numel}]; its states depend on more than its options, shape and "
+                "dtype. Use optimizer.update_on=host with it."
+            )
+
+
+class StateStreamer:
+    """The only writer of the streamed slots' host states, the staging buffers and the queue of
+    device updates.
+
+    Args:
+        table: the slots (built with ``update_on="device"``).
+        transfer: copies and their timings.
+        timings: where the training thread's waits for updates are counted.
+        staging_bytes: the bound on the device staging area (two buffers of half of it).
+        overlap: run updates in the next forward's order, with forward waits (see module docs).
+
+    Raises:
+        ValueError: if a base optimizer's state cannot be planned, or the bound is too small.
+    """
+
+    def __init__(self, table: ParameterTable, transfer: TransferEngine, timings: StepTimings, *,
+                 staging_bytes: int, overlap: bool) -> None:
+        self._table = table
+        self._transfer = transfer
+        self._timings = timings
+        self.staging_bound = staging_bytes
+        self.overlap = overlap
+        self._plans: Dict[int, _Plan] = {}
+        layouts: Dict[Tuple[type, torch.Size, torch.dtype], Tuple[Layout, List[str]]] = {}
+        for slot in table.streamed:
+            key = (type(slot.optimizer), slot.param.shape, slot.param.dtype)
+            if key not in layouts:  # one probe per distinct kind of tensor
+                layouts[key] = state_layout(type(slot.optimizer), table.group_options[slot.group_index], slot.param)
+            self._plans[slot.index] = _slice_plan(slot, *layouts[key], staging_bytes // 2)
+        self._host = self._allocate_host_states()
+        self._initialised = {index: False for index in self._plans}
+        largest = max((self._slice_bytes(plan, a, b) for plan in self._plans.values() for a, b in plan.slices),
+                      default=0)
+        device = transfer.device
+        # Two buffers, each as large as the largest slice needs and never above half the bound.
+        self._buffers = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(2 if largest else 0)]
+        accelerator = transfer.is_accelerator and bool(self._plans)
+        module = torch.get_device_module(device) if accelerator else None
+        self._module = module
+        self._up = module.Stream(device=device) if accelerator else None
+        self._down = module.Stream(device=device) if accelerator else None
+        self._update_stream = module.Stream(device=device) if accelerator and overlap else None
+        self._buffer_free: List[Optional[object]] = [None, None]
+        self._downloaded: Dict[int, Optional[object]] = {}
+        self._next_buffer = 0
+        # Queued updates (overlap with forward waits): slot index -> its gradient (CPU), or the
+        # event that ends its update (accelerator).
+        self._pending: Dict[int, Any] = {}
+        self._order: Dict[int, int] = {}
+        self.forward_waits = False
+        self._hooks: List[Any] = []
+
+    # ------------------------------------------------------------------------- memory
+
+    def _allocate_host_states(self) -> Dict[int, Dict[str, torch.Tensor]]:
+        """Every streamed slot's array states in one block, each at a page boundary."""
+        specs = [(index, key, shape, dtype) for index, plan in self._plans.items() for key, shape, dtype in plan.layout]
+        made = host_buffers([(shape, dtype) for _, _, shape, dtype in specs], pinning=self._table.pinning)
+        host: Dict[int, Dict[str, torch.Tensor]] = {index: {} for index in self._plans}
+        for (index, key, _, _), tensor in zip(specs, made):
+            host[index][key] = tensor
+        return host
+
+    @staticmethod
+    def _slice_bytes(plan: _Plan, start: int, stop: int) -> int:
+        if plan.whole:
+            return sum(_staged_bytes(torch.Size(s).numel(), d) for _, s, d in plan.layout)
+        return sum(_staged_bytes(stop - start, d) for _, _, d in plan.layout)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes of the states, as allocated."""
+        return sum(plan_state_bytes(plan.layout, pinning=self._table.pinning) for plan in self._plans.values())
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the streamed states themselves (what the device is spared)."""
+        return sum(t.numel() * t.element_size() for states in self._host.values() for t in states.values())
+
+    @property
+    def device_staging_bytes(self) -> int:
+        """Device bytes of the staging buffers (at most the bound)."""
+        return sum(b.numel() for b in self._buffers)
+
+    def slices(self, slot: Slot) -> List[Tuple[int, int]]:
+        """The slices ``(start, stop)`` the slot is staged in (one when staged whole)."""
+        return list(self._plans[slot.index].slices)
+
+    # ------------------------------------------------------------------------- the update
+
+    def _staged_views(self, buffer: torch.Tensor, plan: _Plan, start: int, stop: int) -> Dict[str, torch.Tensor]:
+        views, offset = {}, 0
+        for key, shape, dtype in plan.layout:
+            numel = torch.Size(shape).numel() if plan.whole else stop - start
+            view = buffer[offset:offset + numel * dtype.itemsize].view(dtype)
+            views[key] = view.view(shape) if plan.whole else view
+            offset += _staged_bytes(numel, dtype)
+        return views
+
+    def _host_slice(self, slot: Slot, key: str, start: int, stop: int) -> torch.Tensor:
+        tensor = self._host[slot.index][key]
+        return tensor if self._plans[slot.index].whole else tensor.view(-1)[start:stop]
+
+    def _run(self, slot: Slot, grad: torch.Tensor, stream: Optional[object]) -> Optional[object]:
+        """Updates ``slot`` on the device with ``grad``, slice by slice, on ``stream`` (the compute
+        or update stream; None on a CPU-only machine). Returns the event that ends its last update."""
+        plan = self._plans[slot.index]
+        opt = slot.optimizer
+        param = slot.param
+        host_state = opt.state.get(param, {})
+        scalars = {k: host_state[k] for k in plan.scalars if k in host_state}
+        initialised = self._initialised[slot.index]
+        flat_param = param.detach() if plan.whole else param.detach().view(-1)
+        flat_grad = grad if plan.whole else grad.view(-1)
+        if self._up is not None and self._downloaded.get(slot.index) is not None:
+            # The previous step's downloads of this slot must be in host memory before uploads read it.
+            self._up.wait_event(self._downloaded[slot.index])
+        computed = None
+        new_scalars: Dict[str, Any] = {}
+        for start, stop in plan.slices:
+            index = self._next_buffer
+            self._next_buffer ^= 1
+            staged = self._staged_views(self._buffers[index], plan, start, stop) if self._buffers else {}
+            if self._up is not None and self._buffer_free[index] is not None:
+                self._up.wait_event(self._buffer_free[index])
+            uploaded = None
+            if initialised:
+                for key, view in staged.items():
+                    uploaded = self._transfer.timed_copy(view, self._host_slice(slot, key, start, stop),
+                                                         kind="state_up", stream=self._up)
+            if stream is not None and uploaded is not None:
+                stream.wait_event(uploaded)
+            view = flat_param if plan.whole else flat_param[start:stop]
+            view.grad = flat_grad if plan.whole else flat_grad[start:stop]
+            # Every slice starts from the scalars before the step (each takes one step).
+            state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
+            if initialised:
+                state.update(staged)
+            opt.param_groups[0]["params"] = [view]
+            opt.state.clear()
+            if initialised or scalars:
+                opt.state[view] = state
+            with self._stream(stream):
+                opt.step()
+                computed = self._module.Event() if stream is not None else None
+                if computed is not None:
+                    computed.record(stream)
+            result = opt.state[view]
+            view.grad = None
+            if not initialised:
+                _check_created(slot, plan, result, start, stop)
+            if self._down is not None:
+                self._down.wait_event(computed)
+            freed = None
+            for key, _, _ in plan.layout:
+                freed = self._transfer.timed_copy(self._host_slice(slot, key, start, stop), result[key],
+                                                  kind="state_down", stream=self._down)
+                if self._down is not None and result[key].data_ptr() != staged[key].data_ptr():
+                    # A state the base optimizer created (first step): keep its memory until copied.
+                    result[key].record_stream(self._down)
+            self._buffer_free[index] = freed
+            new_scalars = {k: result[k] for k in plan.scalars if k in result}
+        self._downloaded[slot.index] = self._buffer_free[self._next_buffer ^ 1]
+        opt.param_groups[0]["params"] = [param]
+        opt.state.clear()
+        opt.state[param] = {**{k: self._host[slot.index][k] for k, _, _ in plan.layout}, **new_scalars}
+        self._initialised[slot.index] = True
+        return computed
+
+    def _stream(self, stream):
+        return self._module.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    # -------------------------------------------------------------------------- queueing
+
+    def update(self, slots: List[Slot]) -> None:
+        """Updates the streamed ``slots`` (those with a gradient) now, or queues them for the
+        next forward (``overlap`` with forward waits)."""
+        self.synchronize()
+        queue = self.overlap and self.forward_waits
+        if queue:
+            slots = sorted(slots, key=lambda s: self._order.get(s.index, len(self._order) + s.index))
+        if not queue or self._update_stream is None:
+            for slot in slots:
+                if queue:  # CPU emulation: each update waits for the forward that needs it
+                    self._pending[slot.index] = slot.param.grad
+                else:
+                    self._run(slot, slot.param.grad, self._current_stream())
+            return
+        # Accelerator: the updates run on a side stream, in the next forward's order.
+        self._update_stream.wait_stream(self._current_stream())
+        for slot in slots:
+            grad = slot.param.grad
+            grad.record_stream(self._update_stream)
+            self._pending[slot.index] = self._run(slot, grad, self._update_stream)
+
+    def _current_stream(self) -> Optional[object]:
+        return self._module.current_stream(self._transfer.device) if self._module is not None else None
+
+    def wait(self, slot: Slot) -> None:
+        """Orders what comes next after the slot's queued update (running it now on a CPU-only machine)."""
+        if slot.index not in self._pending:
+            return
+        queued = self._pending.pop(slot.index)
+        if self._update_stream is None:
+            with self._timings.waiting(), torch.no_grad():
+                self._run(slot, queued, None)
+        elif queued is not None:
+            self._current_stream().wait_event(queued)
+
+    def synchronize(self) -> None:
+        """Finishes every queued update, and waits until the states are back in host memory."""
+        for index in sorted(self._pending, key=lambda i: self._order.get(i, len(self._order) + i)):
+            self.wait(self._table.slots[index])
+        if self._down is not None:
+            self._down.synchronize()
+
+    def register_forward_waits(self, model: torch.nn.Module) -> None:
+        """Each module of ``model`` waits, right before its forward, for its own parameters'
+        updates, which are queued in the order of these modules; ``model.state_dict()`` waits for all."""
+        owned: Dict[torch.nn.Module, List[Slot]] = {}
+        for module in model.modules():
+            slots = [self._table.slot_of[p] for p in module.parameters(recurse=False)
+                     if p in self._table.slot_of and self._table.slot_of[p].streamed]
+            for slot in slots:
+                self._order.setdefault(slot.index, len(self._order))
+            if slots:
+                owned[module] = slots
+        for module, slots in owned.items():
+            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._forward_wait, slots)))
+        self._hooks.append(model.register_state_dict_pre_hook(lambda *_args, **_kwargs: self.synchronize()))
+        self.forward_waits = True
+
+    @torch.compiler.disable
+    def _forward_wait(self, slots: List[Slot], _module: torch.nn.Module, _args: Any) -> None:
+        for slot in slots:
+            self.wait(slot)
+
+    # ---------------------------------------------------------------------- checkpoints
+
+    def load(self, slot: Slot, saved: Dict[str, Any]) -> None:
+        """Restores one streamed slot from its base optimizer's ``state_dict``: the array states
+        into the host buffers (no device copy), the rest through the base optimizer's own loader."""
+        plan = self._plans[slot.index]
+        states = saved.get("state", {})
+        arrays = next(iter(states.values()), {}) if states else {}
+        scalars_only = {"state": {k: {n: v for n, v in st.items() if n not in self._host[slot.index]}
+                                  for k, st in states.items()},
+                        "param_groups": saved["param_groups"]}
+        slot.optimizer.load_state_dict(scalars_only)
+        if not arrays:
+            self._initialised[slot.index] = False
+            slot.optimizer.state.clear()
+            return
+        with torch.no_grad():
+            for key, _, _ in plan.layout:
+                self._host[slot.index][key].copy_(arrays[key])
+        current = slot.optimizer.state[slot.param]
+        current.update({key: self._host[slot.index][key] for key, _, _ in plan.layout})
+        self._initialised[slot.index] = True
+
+    def load_problem(self, slot: Slot, saved: Dict[str, Any]) -> Optional[str]:
+        """Why ``saved`` (a base optimizer ``state_dict``) cannot be loaded into ``slot``, or None."""
+        states = saved.get("state", {}) if isinstance(saved, dict) else {}
+        if not states:
+            return None
+        arrays = next(iter(states.values()))
+        for key, shape, dtype in self._plans[slot.index].layout:
+            value = arrays.get(key)
+            if not isinstance(value, torch.Tensor) or value.shape != torch.Size(shape) or value.dtype != dtype:
+                found = "missing" if not isinstance(value, torch.Tensor) else f"{value.dtype}{list(value.shape)}"
+                return f"{slot.key}: state {key!r} is {found} in the checkpoint, {dtype}{list(shape)} here"
+        return None
+
+    def close(self) -> None:
+        """Finishes queued updates and removes the forward waits."""
+        try:
+            self.synchronize()
+        finally:
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks.clear()
+            self.forward_waits = False
