@@ -176,6 +176,25 @@ def test_full_offload_matches_plain_adamw(runs, tiny_assets, offload_gradients, 
     _assert_same_tensors(off.params, plain.params, **FP32)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_full_device_update_matches_plain_adamw_bit_for_bit(runs, overlap):
+    """update_on=device runs plain AdamW's own kernel on the device (here the CPU emulation): the
+    same bits as plain AdamW, slice by slice through a staging area smaller than the largest weight."""
+    plain = runs("full", *FULL_EQUIV)
+    dev = runs("full", *FULL_EQUIV, *FULL_OFFLOAD, "optimizer.update_on=device", "optimizer.device_staging_mib=0.25",
+               f"optimizer.overlap={overlap}")
+    opt = dev.recipe._optimizer.optimizer
+    assert opt.options.update_on == "device" and opt.overlap is overlap
+    report = opt.memory_report()
+    assert report.num_offloaded > 0 and 0 < report.device_staging_bytes <= 0.25 * 2**20
+    assert any(len(opt._streamer.slices(s)) > 1 for s in opt._slots if s.streamed)
+    assert dev.losses == plain.losses and len(dev.losses) == 5
+    assert torch.equal(_grad_norms(dev), _grad_norms(plain))
+    assert all(torch.equal(dev.params[k], plain.params[k]) for k in plain.params)
+    assert {"optimizer_host", "optimizer_device_staging", "offload_wait_s", "state_upload_s",
+            "state_download_s"} <= dev.log[-1].keys()
+
+
 # ---------------------------------------------------------------------- full: learns, bitsandbytes
 
 
@@ -416,6 +435,12 @@ BAD_CONFIGS = [
     _case("lr_not_a_number", ["optimizer.lr=fast"], "optimizer.lr='fast': AdamW refuses it", "Give a number"),
     _case("negative_lr", [*OFFLOAD, "optimizer.lr=-1"], "optimizer.lr=-1: OffloadOptimizer (base AdamW) refuses it",
           "Invalid learning rate"),
+    _case("device_update_with_offload_gradients",
+          [*OFFLOAD, "optimizer.update_on=device", "optimizer.offload_gradients=True"],
+          "optimizer.update_on=device with optimizer.offload_gradients=True", "Set optimizer.offload_gradients=False"),
+    _case("update_on_typo", [*OFFLOAD, "optimizer.update_on=gpu"], "optimizer.update_on='gpu': use 'host'"),
+    _case("device_staging_negative", [*OFFLOAD, "optimizer.update_on=device", "optimizer.device_staging_mib=-4"],
+          "optimizer.device_staging_mib=-4 must be a positive number"),
     _case("negative_minimal_size", [*OFFLOAD, "optimizer.minimal_size=-1"],
           "optimizer.minimal_size=-1 must be a non-negative integer"),
     _case("lora_option_typo", ["optimizer.lrr=1e-3"], "Did you mean 'lr'", kind="lora"),

@@ -50,9 +50,14 @@ VARIANTS: Dict[str, Tuple[Dict[str, object], List[str], str]] = {
                                "states on the host"),
     "offload_grads_8bit": (_ours(optimizer_class="torchtune_offload.AdamW8bit", offload_gradients=True), [],
                            "OffloadOptimizer, offload_gradients, 8-bit AdamW states on the host"),
+    "offload_device_update": (_ours(update_on="device"), [],
+                              "OffloadOptimizer, states in host memory, updates on the device"),
+    "offload_device_update_overlap": (_ours(update_on="device", overlap=True), [],
+                                      "OffloadOptimizer, states in host memory, updates on the device in the "
+                                      "next forward's order"),
 }
 OFFLOAD_ONLY_KEYS = ("optimizer_class", "offload_gradients", "minimal_size", "master_dtype", "grad_sum_dtype",
-                    "fused_master_step", "overlap")
+                    "fused_master_step", "overlap", "update_on", "device_staging_mib")
 _OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 GIB = 1024**3
 

@@ -97,6 +97,8 @@ class MemoryMonitor:
             out["optimizer_host"] = r.host_bytes / GIB
             out["optimizer_pinned"] = r.pinned_bytes / GIB
             out["optimizer_device_saved"] = r.device_bytes_saved / GIB
+            if r.device_staging_bytes:
+                out["optimizer_device_staging"] = r.device_staging_bytes / GIB
         return out
 
     def close(self) -> None:
