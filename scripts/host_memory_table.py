@@ -31,6 +31,8 @@ POLICIES = {
     "OffloadOptimizer, torchtune_offload AdamW8bit, offload_gradients":
         (OffloadOptimizer, dict(optimizer_class="torchtune_offload.AdamW8bit", offload_gradients=True), 1),
     "torchao CPUOffloadOptimizer, AdamW": (CPUOffloadOptimizer, dict(optimizer_class=ADAMW), 1),
+    "OffloadOptimizer, AdamW, update_on=device (states only; weights and gradients on the device)":
+        (OffloadOptimizer, dict(optimizer_class=ADAMW, update_on="device"), 1),
 }
 MACHINES_GB = (32, 64, 128)
 

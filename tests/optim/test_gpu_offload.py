@@ -145,3 +145,36 @@ def test_host_buffers_are_pinned_at_their_planned_size(master_dtype):
     plan = OffloadOptimizer.plan_host_memory(model.named_parameters(), device=device, master_dtype=master_dtype,
                                              minimal_size=MINIMAL_SIZE, lr=1e-2)
     assert opt.memory_report().pinned_bytes == sum(v for k, v in plan.parts.items() if k.endswith("(pinned)"))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("grad_accum", [1, 3])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_device_update_matches_plain_adamw_bit_for_bit(overlap, grad_accum, clip):
+    """update_on=device runs plain AdamW's own device kernel (foreach) on staged slices: the same bits,
+    with the states in pinned host memory and a staging area smaller than the largest weight."""
+    device = _device()
+    ref = tiny_model(device=device)
+    model = twin(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", update_on="device", overlap=overlap,
+                           device_staging_mib=16 / 1024, minimal_size=MINIMAL_SIZE, lr=1e-2, weight_decay=0.1)
+    if overlap:
+        opt.register_forward_waits(model)
+    assert all(len(opt._streamer.slices(s)) > 1 for s in opt._slots if s.streamed)
+    data = batches(num=5 * grad_accum, device=device)
+    ref_norms = train(ref, ref_opt, data, grad_accum=grad_accum, clip=clip,
+                      scale_grads=plain_hooks(ref)[0], clip_grads=plain_hooks(ref)[1])
+    norms = train(model, opt, data, grad_accum=grad_accum, clip=clip, scale_grads=opt.scale_grads_,
+                  clip_grads=opt.clip_grad_norm_)
+    opt.synchronize()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert norms == ref_norms
+    for slot, p in zip(opt._slots, ref.parameters()):
+        if slot.streamed:
+            state = slot.optimizer.state[slot.param]
+            assert all(state[k].is_pinned() and torch.equal(state[k], v.cpu())
+                       for k, v in ref_opt.state[p].items() if k != "step")
+    report = opt.memory_report()
+    assert 0 < report.device_staging_bytes <= 16 * 1024 and report.pinned_bytes == report.host_bytes
