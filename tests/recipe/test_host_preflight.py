@@ -69,7 +69,20 @@ def test_a_run_that_does_not_fit_fails_in_init_with_figures(tiny_assets, tmp_pat
     sized = re.search(r"optimizer_class=torchtune_offload\.AdamW8bit \(8-bit states, fused host step\): "
                       r"([0-9.]+) GiB, does not fit either", message)
     assert sized, message
+    # The device update is suggested and sized too: states alone on the host.
+    assert re.search(r"optimizer\.update_on=device optimizer\.offload_gradients=False \(states alone on the host, "
+                     r"updates on the device, if the weights and gradients fit it\): ([0-9.]+) GiB", message), message
     assert not (tmp_path / "logs").exists()  # nothing was set up
+
+
+def test_device_update_plan_is_its_report(tiny_assets, tmp_path):
+    run = run_recipe("full", tiny_assets, tmp_path, *FULL_OFFLOAD, "optimizer.update_on=device",
+                     "max_steps_per_epoch=2", "batch_size=4")
+    train = run.recipe.host_memory.phases["training"]
+    report = run.recipe._optimizer.memory_report()
+    # The streamed states, exactly; no parameter copies or gradient buffers on the host.
+    assert train["optimizer state"] == report.host_bytes > 0
+    assert not {"parameter copies", "gradient buffers"} & train.keys()
 
 
 def test_the_check_can_be_turned_off(tiny_assets, tmp_path, monkeypatch):

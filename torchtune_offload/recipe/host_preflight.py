@@ -112,12 +112,11 @@ def optimizer_plan(
     model: nn.Module,
     settings: RecipeSettings,
     *,
-    optimizer_class: Optional[str] = None,
+    optimizer_options: Optional[Dict[str, Any]] = None,
 ) -> HostMemoryPlan:
-    """The host memory of the configured optimizer (or of ``optimizer_class`` as its base) for ``model``."""
+    """The host memory of the configured optimizer (with ``optimizer_options`` changed) for ``model``."""
     options = {k: v for k, v in OmegaConf.to_container(cfg_optimizer, resolve=True).items() if k != "_component_"}
-    if optimizer_class is not None:
-        options["optimizer_class"] = optimizer_class
+    options.update(optimizer_options or {})
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # As build_optimizer passes them: offloaders take names, plain optimizers tensors.
     params = trainable if settings.optimizer_capabilities.named_parameters else [p for _, p in trainable]
@@ -130,7 +129,7 @@ def host_memory_need(
     settings: RecipeSettings,
     *,
     mark_trainable: Optional[Callable[[nn.Module], Any]] = None,
-    optimizer_class: Optional[str] = None,
+    optimizer_options: Optional[Dict[str, Any]] = None,
     device: Optional[torch.device] = None,
     step_bytes: Optional[int] = None,
 ) -> HostMemoryNeed:
@@ -140,7 +139,8 @@ def host_memory_need(
         cfg: the recipe config.
         settings: its checked settings.
         mark_trainable: sets ``requires_grad`` on the meta model as the recipe will (LoRA: adapters only).
-        optimizer_class: size the run with this base optimizer instead (for suggestions).
+        optimizer_options: size the run with these offload optimizer options changed (for
+            suggestions), e.g. ``{"optimizer_class": "torchtune_offload.AdamW8bit"}``.
         device: size the run on this device instead (for suggestions).
         step_bytes: for a ``device=cpu`` run, the traced peak of its training step (weights,
             gradients, activations: ``torchtune_offload.plan``), counted in place of the weights
@@ -163,14 +163,14 @@ def host_memory_need(
     train: Dict[str, int] = {}
     if on_cpu:
         load["model"] = weights
-        grads_freed = settings.offload_gradients
+        grads_freed = (optimizer_options or {}).get("offload_gradients", settings.offload_gradients)
         if step_bytes is not None:
             train["training step (traced: weights, gradients, activations)"] = step_bytes
         else:
             train["model"] = weights
             if not grads_freed:
                 train["gradients"] = trainable
-    plan = optimizer_plan(cfg.optimizer, model, settings, optimizer_class=optimizer_class)
+    plan = optimizer_plan(cfg.optimizer, model, settings, optimizer_options=optimizer_options)
     train.update(plan.parts)
     notes += list(plan.notes)
     newest = newest_checkpoint(run_output_dir(cfg)) if settings.resume_from_checkpoint else None
@@ -259,7 +259,12 @@ def _suggestions(cfg: DictConfig, settings: RecipeSettings, need: HostMemoryNeed
         base = resolve_optimizer_class(OmegaConf.select(cfg, "optimizer.optimizer_class", default="torch.optim.AdamW"))
         if base in (torch.optim.AdamW, torch.optim.Adam):
             candidates.append(("optimizer.optimizer_class=torchtune_offload.AdamW8bit (8-bit states, fused host step)",
-                               dict(optimizer_class="torchtune_offload.AdamW8bit")))
+                               dict(optimizer_options={"optimizer_class": "torchtune_offload.AdamW8bit"})))
+        if OmegaConf.select(cfg, "optimizer.update_on", default="host") != "device":
+            # States alone on the host; the weights and gradients must then fit the device (the planner says).
+            candidates.append(("optimizer.update_on=device optimizer.offload_gradients=False (states alone on the "
+                               "host, updates on the device, if the weights and gradients fit it)",
+                               dict(optimizer_options={"update_on": "device", "offload_gradients": False})))
     if settings.device.type == "cpu" and torch.accelerator.is_available():
         accel = torch.accelerator.current_accelerator()
         candidates.append((f"device={accel.type} (the model on the GPU)", dict(device=accel)))
