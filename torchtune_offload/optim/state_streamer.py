@@ -298,15 +298,16 @@ class StateStreamer:
                 stream.wait_event(uploaded)
             view = flat_param if plan.whole else flat_param[start:stop]
             view.grad = flat_grad if plan.whole else flat_grad[start:stop]
-            # Every slice starts from the scalars before the step (each takes one step).
-            state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
-            if initialised:
-                state.update(staged)
-            opt.param_groups[0]["params"] = [view]
-            opt.state.clear()
-            if initialised or scalars:
-                opt.state[view] = state
             with self._stream(stream):
+                # Every slice starts from the scalars before the step (each takes one step); a
+                # scalar on the device (a fused kernel's step count) is copied on the update's stream.
+                state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
+                if initialised:
+                    state.update(staged)
+                opt.param_groups[0]["params"] = [view]
+                opt.state.clear()
+                if initialised or scalars:
+                    opt.state[view] = state
                 opt.step()
                 computed = self._module.Event() if stream is not None else None
                 if computed is not None:
