@@ -67,21 +67,36 @@ def test_fused_pass_matches_the_reference(param_dtype, grad_dtype, numel):
             assert worst <= 1 and fraction <= 1e-3, (key, worst, fraction)
 
 
+def _build(tmp_path, name, extra):
+    """The pass compiled with extra flags, loaded with its argument types."""
+    out = tmp_path / f"{name}.so"
+    subprocess.run([*fused_step.c_compiler(), "-O3", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC",
+                    "-fopenmp", *extra, str(adamw8bit.SOURCE), "-o", str(out), "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.adamw8bit_step.restype = None
+    lib.adamw8bit_step.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+                                   + [ctypes.c_float] * 8 + [ctypes.c_int])
+    return lib
+
+
+def _vector_and_scalar(tmp_path):
+    if "avx512vbmi" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX-512 VBMI, so only the portable loop runs here")
+    return [_build(tmp_path, name, extra) for name, extra in (("vector", ["-march=native"]),
+                                                              ("scalar", ["-march=native", "-mno-avx512vbmi"]))]
+
+
+def _step(lib, p, g, state, s):
+    q1, q2 = adamw8bit.quantization_maps()
+    lib.adamw8bit_step(p.data_ptr(), g.data_ptr(), *(state[k].data_ptr() for k in ("state1", "state2", "absmax1", "absmax2")),
+                       q1.data_ptr(), q2.data_ptr(), p.numel(), adamw8bit._DTYPES[p.dtype], adamw8bit._DTYPES[g.dtype],
+                       *s.values(), 2)
+
+
 @needs_cc
 def test_portable_c_matches_the_avx512_c(tmp_path):
     """The scalar C loop (no AVX-512 VBMI) and the vector one give identical bytes."""
-    if "avx512vbmi" not in open("/proc/cpuinfo").read():
-        pytest.skip("this CPU has no AVX-512 VBMI, so only the portable loop runs here")
-    libraries = []
-    for name, extra in (("vector", ["-march=native"]), ("scalar", ["-march=native", "-mno-avx512vbmi"])):
-        out = tmp_path / f"{name}.so"
-        subprocess.run([*fused_step.c_compiler(), "-O3", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC",
-                        "-fopenmp", *extra, str(adamw8bit.SOURCE), "-o", str(out), "-lm"], check=True)
-        lib = ctypes.CDLL(str(out))
-        lib.adamw8bit_step.restype = None
-        lib.adamw8bit_step.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-                                       + [ctypes.c_float] * 8 + [ctypes.c_int])
-        libraries.append(lib)
+    libraries = _vector_and_scalar(tmp_path)
     numel = 256 * 64 + 5
     results = []
     for lib in libraries:
@@ -89,15 +104,40 @@ def test_portable_c_matches_the_avx512_c(tmp_path):
         blocks = -(-numel // 256)
         state = {"state1": torch.zeros(numel, dtype=torch.uint8), "state2": torch.zeros(numel, dtype=torch.uint8),
                  "absmax1": torch.zeros(blocks), "absmax2": torch.zeros(blocks)}
-        q1, q2 = adamw8bit.quantization_maps()
         for step, g in enumerate(_grads(numel, 3, dtype=torch.bfloat16), start=1):
-            s = adamw8bit._scalars({"betas": (0.9, 0.999), "lr": 1e-3, "weight_decay": 0.01, "eps": 1e-8}, step)
-            lib.adamw8bit_step(p.data_ptr(), g.data_ptr(), *(state[k].data_ptr() for k in state), q1.data_ptr(),
-                               q2.data_ptr(), numel, 1, 1, *s.values(), 2)
+            _step(lib, p, g, state, adamw8bit._scalars({"betas": (0.9, 0.999), "lr": 1e-3, "weight_decay": 0.01,
+                                                        "eps": 1e-8}, step))
         results.append((p, state))
     (p_vec, s_vec), (p_sca, s_sca) = results
     assert torch.equal(p_vec, p_sca)
     assert all(torch.equal(s_vec[k], s_sca[k]) for k in s_vec)
+
+
+@needs_cc
+def test_ties_and_near_ties_get_the_references_codes(tmp_path):
+    """First moments exactly at a midpoint between two codes (where ratios of bf16 gradients often
+    fall), one float step either side of one, at the codes, zero, tiny and denormal: both C loops
+    give the reference's codes, bit for bit (a tie goes to the lower code)."""
+    q1, q2 = adamw8bit.quantization_maps()
+    inf = torch.tensor(float("inf"))
+    mids = torch.cat([adamw8bit._midpoints(q1), adamw8bit._midpoints(q2)])
+    values = torch.cat([mids, mids.nextafter(inf), mids.nextafter(-inf), q1, -q2, -mids,
+                        torch.tensor([0.0, -0.0, 2.0**-31, -(2.0**-31), 2.0**-40, 1e-40, -1e-40])])
+    # Blocks of 255 values and a 1: with betas 0 the first moment is the gradient, scaled by 1.
+    values = values[: len(values) // 255 * 255].view(-1, 255)
+    g = torch.cat([torch.ones(len(values), 1), values], dim=1).reshape(-1)
+    s = adamw8bit._scalars({"betas": (0.0, 0.0), "lr": 1e-3, "weight_decay": 0.0, "eps": 1e-8}, 1)
+    expected = {"state1": torch.zeros(g.numel(), dtype=torch.uint8), "state2": torch.zeros(g.numel(), dtype=torch.uint8),
+                "absmax1": torch.zeros(len(values)), "absmax2": torch.zeros(len(values))}
+    p_ref = torch.zeros_like(g)
+    adamw8bit.reference_step_8bit(p_ref, g, expected, s)
+    for lib in _vector_and_scalar(tmp_path):
+        state = {k: torch.zeros_like(t) for k, t in expected.items()}
+        p = torch.zeros_like(g)
+        _step(lib, p, g, state, s)
+        assert torch.equal(p, p_ref)
+        for key in expected:
+            assert torch.equal(state[key], expected[key]), key
 
 
 def _train_three(steps: int, dtype: torch.dtype, *, grads=None):

@@ -4,8 +4,12 @@
  * Per block of 256 elements: dequantize both moments with the block's old absmax, update them and
  * the parameter in float32 (each operation rounded once, as the pure-torch reference does), keep
  * the updated moments in a stack buffer that stays in L1, then take each moment's new absmax and
- * requantize every element to its nearest code. Blocks are independent, so OpenMP splits them
- * over the threads; each thread reads and writes every byte once.
+ * requantize every element to its nearest code, the reference's code bit for bit (ties included).
+ * Blocks are independent, so OpenMP splits them over the threads; each thread reads and writes
+ * every byte once. With AVX-512 (VBMI for byte permutes) whole blocks take a vector path: 64
+ * elements at a time, in the order that unpacking looked-up bytes leaves them, each code
+ * estimated in fixed point and only the rare lanes near a midpoint checked against it. The
+ * portable loop does the rest (and all of it without AVX-512), with the same results.
  */
 #include <math.h>
 #include <stdint.h>
@@ -72,17 +76,19 @@ static void build_table(const float *code, int is_signed, QuantTable *t) {
         const int count = (g == 0 || g == GROUPS - 1) ? 1 : (is_signed ? 1 << (g - 1) : 1 << g);
         t->first[g] = first;
         t->last[g] = count - 1;
-        if (count > 1) {
-            const float lo = position_value(code, zero, first), hi = position_value(code, zero, first + count - 1);
-            const float step = (hi - lo) / (float)(count - 1);
-            t->scale[g] = 1.0f / step;
-            t->offset[g] = 0.5f - lo * t->scale[g];
-        } else {
-            t->scale[g] = 0.0f;
-            t->offset[g] = 0.5f;
-        }
+        const float lo = position_value(code, zero, first);
         if (g < GROUPS - 1)
             bounds[g] = (position_value(code, zero, first + count - 1) + position_value(code, zero, first + count)) * 0.5f;
+        if (count > 1) {
+            const float step = (position_value(code, zero, first + count - 1) - lo) / (float)(count - 1);
+            t->scale[g] = 1.0f / step;
+        } else {
+            /* A lone code steps as if to a next code twice as far as its upper boundary, so that a
+             * value at that boundary is near a whole position and gets checked (a negative value
+             * there goes up: the reference sends that tie to the larger magnitude); 1 has none. */
+            t->scale[g] = g < GROUPS - 1 ? 0.5f / (bounds[g] - lo) : 0.0f;
+        }
+        t->offset[g] = 0.5f - lo * t->scale[g];
         first += count;
     }
     t->positions = first;
@@ -171,81 +177,139 @@ static void quantize_block(const float *values, int64_t len, float absmax, const
         QUANTIZE_BLOCK(v, len, max2, t2, q2);                                                          \
     }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 
-/* quantize_one over a whole block, 16 elements at a time, with the tables in registers. */
-static void quantize_block_avx512(const float *values, int64_t len, float absmax, const QuantTable *t,
-                                  uint8_t *out) {
-    if (len != BLOCK || absmax == 0.0f) {
-        quantize_block(values, len, absmax, t, out);
+/* The vector quantizer's tables, 32 entries each, indexed by binade: entry b holds the group at the
+ * binade's lower edge. A binade holds at most one group boundary, and the group above it is the
+ * one at the lower edge of binade b + 1, so a lane above bound[b] just reads entry b + 1. The
+ * group's first position and the signed map's offset of 127 are folded into offset, so that the
+ * code index is trunc(y * scale + offset), capped at top. */
+/* The vector quantizer's tables, 32 entries each, indexed by binade: entry b holds the group at the
+ * binade's lower edge. A binade holds at most one group boundary, and the group above it is the
+ * one at the lower edge of binade b + 1, so a lane above bound[b] just reads entry b + 1. The
+ * estimate is in fixed point, FRACTION_BITS below the position: trunc(y * scale + offset) with
+ * the group's first position and the signed map's 127 folded into offset; its top bits, capped
+ * at top, are the code index. */
+#define FRACTION_BITS 12
+
+typedef struct {
+    float bound[BINADES], scale[BINADES], offset[BINADES];
+    int32_t top[BINADES];
+    float below[CODES + 2]; /* below[c]: the midpoint under code index c's position, as the reference computes it; +inf past the end */
+} VecTable;
+
+static void build_vec_table(const QuantTable *t, VecTable *v) {
+    const int base = t->is_signed ? 127 : 0;
+    const float unit = (float)(1 << FRACTION_BITS);
+    for (int b = 0; b < BINADES; b++) {
+        const int g = t->group_below[b];
+        v->bound[b] = t->boundary[b];
+        /* build_table's scale and offset (0.5 - lo * scale) times a power of two, so rounded alike. */
+        v->scale[b] = t->scale[g] * unit;
+        v->offset[b] = (t->offset[g] + (float)(t->first[g] + base)) * unit + 1.0f; /* + 1: see quantize16 */
+        v->top[b] = t->first[g] + t->last[g] + base;
+    }
+    for (int c = 0; c < CODES + 2; c++) {
+        const int j = c - base; /* position */
+        v->below[c] = j >= 1 && j < t->positions ? t->midpoint[j - 1] : (j < 1 ? -INFINITY : INFINITY);
+    }
+}
+
+/* The code index of the near lanes (see quantize16) settled against the exact midpoints: the
+ * estimate rounded to the nearest position j, then j - 1 or j as y lies below or past the midpoint
+ * between them (a tie, for a negative value, goes past it: the reference sends it to the larger
+ * magnitude), capped at the group's top as before. A negative value exactly at the boundary of
+ * its binade's two groups is the one tie the comparison with bound sent down: it goes up here. */
+static __attribute__((noinline)) __m512i settle(__mmask16 near, __mmask16 negative, __m512i code, __m512i fixed,
+                                                __m512 y, __m512i b, const __m512 bound[2], const __m512i top[2],
+                                                const VecTable *t) {
+    /* (fixed holds one unit more than the estimate) */
+    const __m512i j = _mm512_srli_epi32(_mm512_add_epi32(fixed, _mm512_set1_epi32((1 << (FRACTION_BITS - 1)) - 1)),
+                                        FRACTION_BITS);
+    const __m512 mid = _mm512_mask_i32gather_ps(y, near, j, t->below, 4);
+    const __mmask16 past = _mm512_mask_cmp_ps_mask(near & ~negative, y, mid, _CMP_GT_OQ) |
+                           _mm512_mask_cmp_ps_mask(near & negative, y, mid, _CMP_GE_OQ);
+    __m512i settled = _mm512_mask_add_epi32(_mm512_sub_epi32(j, _mm512_set1_epi32(1)), past, j, _mm512_setzero_si512());
+    const __m512i cap = _mm512_permutex2var_epi32(top[0], b, top[1]);
+    settled = _mm512_min_epi32(settled, cap);
+    const __mmask16 tie = _mm512_mask_cmp_ps_mask(near & negative, y, _mm512_permutex2var_ps(bound[0], b, bound[1]), _CMP_EQ_OQ);
+    settled = _mm512_mask_add_epi32(settled, tie, cap, _mm512_set1_epi32(1));
+    return _mm512_mask_mov_epi32(code, near, settled);
+}
+
+/* quantize_one for 16 values already scaled by 1 / absmax. Lanes below 2^-31 are raised to it
+ * (still the zero group) so that every exponent indexes the 32-entry tables, which read its low
+ * five bits (FIRST_EXPONENT is 96 = 3 * 32). The estimate's float rounding (one fused
+ * multiply-add, fine here: it only finds a candidate) is a small fraction of one fixed-point unit,
+ * 2^-12 of a step, so where it lies more than one unit from a whole position it rounds as the
+ * exact midpoints do; only lanes within one unit (about 0.05% of values, and values at or next
+ * to a midpoint, which the ratios of bf16 gradients often are) go through exact_position. A
+ * negative lane of the signed map gets 254 minus its positive code index, 127 - position: the
+ * position of 1 (code 255) gives -1 there, which quantize64's unsigned-saturating pack turns into
+ * code 0, the negative code nearest -1. */
+static inline __m512i quantize16(__m512 x, int is_signed, int exact, __mmask16 *any_near, const VecTable *t,
+                                 const __m512 bound[2], const __m512 scale[2], const __m512 offset[2],
+                                 const __m512i top[2]) {
+    const __m512 tiny = _mm512_castsi512_ps(_mm512_set1_epi32(FIRST_EXPONENT << 23));
+    /* |x| raised to tiny in one instruction (imm 0x0b: larger magnitude, sign cleared). */
+    const __m512 y = is_signed ? _mm512_range_ps(x, tiny, 0x0b) : _mm512_max_ps(x, tiny);
+    __m512i b = _mm512_srli_epi32(_mm512_castps_si512(y), 23);
+    const __mmask16 above = _mm512_cmp_ps_mask(y, _mm512_permutex2var_ps(bound[0], b, bound[1]), _CMP_GT_OQ);
+    b = _mm512_mask_add_epi32(b, above, b, _mm512_set1_epi32(1));
+    const __m512i fixed = _mm512_cvttps_epi32(_mm512_fmadd_ps(y, _mm512_permutex2var_ps(scale[0], b, scale[1]),
+                                                              _mm512_permutex2var_ps(offset[0], b, offset[1])));
+    __m512i code = _mm512_min_epi32(_mm512_srli_epi32(fixed, FRACTION_BITS), _mm512_permutex2var_epi32(top[0], b, top[1]));
+    /* Near: the fraction is 0 or one unit short of it. The offsets hold one unit more than the
+     * estimate, so that is no bits set from 1 to FRACTION_BITS - 1 (the one unit only moves a near
+     * lane's code). */
+    const __mmask16 near = _mm512_testn_epi32_mask(fixed, _mm512_set1_epi32((1 << FRACTION_BITS) - 2));
+    const __mmask16 negative = is_signed ? _mm512_movepi32_mask(_mm512_castps_si512(x)) : 0;
+    *any_near |= near;
+    if (exact && near) code = settle(near, negative, code, fixed, y, b, bound, top, t);
+    if (is_signed) code = _mm512_mask_sub_epi32(code, negative, _mm512_set1_epi32(254), code);
+    return code;
+}
+
+/* Codes of the 64 values at values (in the lane order of dequantize64) into out[0..63], in order;
+ * with exact 0 it gives up (returns 0) where a lane needs settling, which the caller then asks for
+ * with exact 1 (kept out of line, as the loop runs faster without its code). */
+static inline int quantize64(const float *values, __m512 inv, int is_signed, int exact, const VecTable *t, uint8_t *out) {
+    const __m512 bound[2] = {_mm512_loadu_ps(t->bound), _mm512_loadu_ps(t->bound + 16)};
+    const __m512 scale[2] = {_mm512_loadu_ps(t->scale), _mm512_loadu_ps(t->scale + 16)};
+    const __m512 offset[2] = {_mm512_loadu_ps(t->offset), _mm512_loadu_ps(t->offset + 16)};
+    const __m512i top[2] = {_mm512_loadu_si512(t->top), _mm512_loadu_si512(t->top + 16)};
+    __m512i c[4];
+    __mmask16 near = 0;
+    for (int k = 0; k < 4; k++)
+        c[k] = quantize16(_mm512_mul_ps(_mm512_loadu_ps(values + 16 * k), inv), is_signed, exact, &near, t, bound, scale,
+                          offset, top);
+    if (near && !exact) return 0;
+    /* Packing within 128-bit lanes undoes dequantize64's unpacking: the bytes come out in order. */
+    const __m512i words01 = _mm512_packus_epi32(c[0], c[1]), words23 = _mm512_packus_epi32(c[2], c[3]);
+    _mm512_storeu_si512(out, _mm512_packus_epi16(words01, words23));
+    return 1;
+}
+
+static __attribute__((noinline)) void quantize64_exact(const float *values, __m512 inv, int is_signed,
+                                                      const VecTable *t, uint8_t *out) {
+    quantize64(values, inv, is_signed, 1, t, out);
+}
+
+/* quantize_block for the lane-ordered block at values. */
+static inline void quantize_block_avx512(const float *values, float absmax, int is_signed, const VecTable *t,
+                                         uint8_t *out) {
+    if (absmax == 0.0f) { /* no scale: bitsandbytes writes code 0 */
+        memset(out, 0, BLOCK);
         return;
     }
     const __m512 inv = _mm512_set1_ps(1.0f / absmax);
-    const __m512i below0 = _mm512_loadu_si512(t->group_below), below1 = _mm512_loadu_si512(t->group_below + 16);
-    const __m512 bound0 = _mm512_loadu_ps(t->boundary), bound1 = _mm512_loadu_ps(t->boundary + 16);
-    const __m512 scale = _mm512_loadu_ps(t->scale), offset = _mm512_loadu_ps(t->offset);
-    const __m512i first = _mm512_loadu_si512(t->first), last = _mm512_loadu_si512(t->last);
-    const __m512i exponent0 = _mm512_set1_epi32(FIRST_EXPONENT), zero = _mm512_setzero_si512();
-    const __m512 near_lo = _mm512_set1_ps(NEAR), near_hi = _mm512_set1_ps(1.0f - NEAR);
-    const __m512i top = _mm512_set1_epi32(BINADES - 1), one = _mm512_set1_epi32(1), mid = _mm512_set1_epi32(127);
-    for (int64_t i = 0; i < BLOCK; i += 16) {
-        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(values + i), inv);
-        const __m512 y = _mm512_abs_ps(x);
-        __m512i b = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(y), 23), exponent0);
-        b = _mm512_min_epi32(_mm512_max_epi32(b, zero), top);
-        __m512i g = _mm512_permutex2var_epi32(below0, b, below1);
-        const __mmask16 above = _mm512_cmp_ps_mask(_mm512_permutex2var_ps(bound0, b, bound1), y, _CMP_LT_OQ);
-        g = _mm512_mask_add_epi32(g, above, g, one);
-        const __m512 kf = _mm512_add_ps(_mm512_mul_ps(y, _mm512_permutexvar_ps(g, scale)), _mm512_permutexvar_ps(g, offset));
-        __m512i k = _mm512_max_epi32(_mm512_cvttps_epi32(kf), zero);
-        k = _mm512_min_epi32(k, _mm512_permutexvar_epi32(g, last));
-        __m512i j = _mm512_add_epi32(_mm512_permutexvar_epi32(g, first), k);
-        const __m512 frac = _mm512_sub_ps(kf, _mm512_roundscale_ps(kf, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
-        const __mmask16 near = _mm512_cmp_ps_mask(frac, near_lo, _CMP_LT_OQ) | _mm512_cmp_ps_mask(frac, near_hi, _CMP_GT_OQ);
-        if (near) { /* rare: settle these lanes against the exact midpoints, as quantize_one does */
-            int32_t lanes[16];
-            float ys[16], xs[16];
-            _mm512_storeu_si512(lanes, j);
-            _mm512_storeu_ps(ys, y);
-            _mm512_storeu_ps(xs, x);
-            for (int l = 0; l < 16; l++)
-                if (near >> l & 1) lanes[l] = exact_position(t, ys[l], lanes[l], t->is_signed && xs[l] < 0.0f);
-            j = _mm512_loadu_si512(lanes);
-        }
-        if (t->is_signed) {
-            const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-            const __m512i down = _mm512_sub_epi32(mid, _mm512_min_epi32(j, mid));
-            j = _mm512_mask_blend_epi32(negative, _mm512_add_epi32(mid, j), down);
-        }
-        _mm_storeu_si128((__m128i *)(out + i), _mm512_cvtepi32_epi8(j));
-    }
-}
-
-static inline __m512 load16(const void *base, int is_bf16, int64_t i) {
-    if (is_bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i))), 16));
-    return _mm512_loadu_ps((const float *)base + i);
-}
-
-/* float_to_bf16 on 16 lanes: round to nearest even, NaN stays NaN. */
-static inline void store16(void *base, int is_bf16, int64_t i, __m512 x) {
-    if (!is_bf16) {
-        _mm512_storeu_ps((float *)base + i, x);
-        return;
-    }
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
-    _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), _mm512_cvtepi32_epi16(rounded));
+    for (int64_t i = 0; i < BLOCK; i += 64)
+        if (!quantize64(values + i, inv, is_signed, 0, t, out + i)) quantize64_exact(values + i, inv, is_signed, t, out + i);
 }
 
 /* A 256-entry float table as four 256-entry byte tables (byte k of every code), so that 64 codes
- * are looked up with byte permutes (two 128-byte halves each, chosen by the code's top bit)
- * instead of gathers, which are slow on many x86 cores. */
+ * are looked up with byte permutes instead of gathers, which are slow on many x86 cores. */
 typedef struct {
     uint8_t plane[4][CODES];
 } ByteTable;
@@ -258,69 +322,151 @@ static void build_byte_table(const float *code, ByteTable *t) {
     }
 }
 
-/* code[q[i]] * absmax for the 64 codes at q, into out[0..63]. */
-static inline void dequantize64(const uint8_t *q, const ByteTable *t, __m512 absmax, float *out) {
-    /* Unpacking interleaves within 128-bit lanes; this order makes the result come out in order. */
-    static const uint8_t order[64] = {
-        0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39,
-        52, 53, 54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31,
-        44, 45, 46, 47, 60, 61, 62, 63};
-    const __m512i codes = _mm512_permutexvar_epi8(_mm512_loadu_si512(order), _mm512_loadu_si512(q));
+/* code[q[i]] * absmax for the 64 codes at q, as four vectors in "lane order": out[k] lane 4L + s
+ * holds element 16L + 4k + s (L the 128-bit lane, s = 0..3), the order in which unpacking within
+ * 128-bit lanes leaves them. The AdamW math is elementwise, so the gradient and parameter are
+ * loaded in the same order (load64), and quantize64's packing restores the natural order. */
+static inline void dequantize64(const uint8_t *q, const ByteTable *t, __m512 absmax, __m512 out[4]) {
+    const __m512i codes = _mm512_loadu_si512(q);
     const __mmask64 upper = _mm512_movepi8_mask(codes);
     __m512i bytes[4];
     for (int k = 0; k < 4; k++) {
         const uint8_t *plane = t->plane[k];
-        const __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(plane), codes, _mm512_loadu_si512(plane + 64));
-        const __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(plane + 128), codes, _mm512_loadu_si512(plane + 192));
-        bytes[k] = _mm512_mask_blend_epi8(upper, lo, hi);
+        /* Codes of 128 and up look up the upper half; the others keep their code as the index of
+         * the second permute, which looks up the lower half in just those lanes (no blend). */
+        __m512i r = _mm512_mask2_permutex2var_epi8(_mm512_loadu_si512(plane + 128), codes, upper,
+                                                   _mm512_loadu_si512(plane + 192));
+        bytes[k] = _mm512_mask2_permutex2var_epi8(_mm512_loadu_si512(plane), r, ~upper, _mm512_loadu_si512(plane + 64));
     }
     const __m512i w01lo = _mm512_unpacklo_epi8(bytes[0], bytes[1]), w01hi = _mm512_unpackhi_epi8(bytes[0], bytes[1]);
     const __m512i w23lo = _mm512_unpacklo_epi8(bytes[2], bytes[3]), w23hi = _mm512_unpackhi_epi8(bytes[2], bytes[3]);
-    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01lo, w23lo)), absmax));
-    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01lo, w23lo)), absmax));
-    _mm512_storeu_ps(out + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01hi, w23hi)), absmax));
-    _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01hi, w23hi)), absmax));
+    out[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01lo, w23lo)), absmax);
+    out[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01lo, w23lo)), absmax);
+    out[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01hi, w23hi)), absmax);
+    out[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01hi, w23hi)), absmax);
 }
 
-/* The ADAMW8BIT_BLOCK loop for a whole block, 16 elements at a time, same operations in the same order. */
+/* The lane order of dequantize64 as word indices into 64 bf16 elements: word 2i + 1 of out[k]
+ * is element 16(i / 4) + 4k + i % 4 (the even words are zeroed: the float's low half). */
+static const uint16_t lane_order_words[4][32] = {
+#define W(k, i) 0, 16 * ((i) / 4) + 4 * (k) + (i) % 4
+#define ROW(k) {W(k, 0), W(k, 1), W(k, 2), W(k, 3), W(k, 4), W(k, 5), W(k, 6), W(k, 7), W(k, 8), W(k, 9), \
+                W(k, 10), W(k, 11), W(k, 12), W(k, 13), W(k, 14), W(k, 15)}
+    ROW(0), ROW(1), ROW(2), ROW(3)
+#undef ROW
+#undef W
+};
+
+/* 64 elements from base + i (bf16 or float32) as floats in dequantize64's lane order. */
+static inline void load64(const void *base, int is_bf16, int64_t i, __m512 out[4]) {
+    if (is_bf16) {
+        const uint16_t *p = (const uint16_t *)base + i;
+        const __m512i lo = _mm512_loadu_si512(p), hi = _mm512_loadu_si512(p + 32);
+        for (int k = 0; k < 4; k++) /* a bf16's bits are the top half of its float's */
+            out[k] = _mm512_castsi512_ps(_mm512_maskz_permutex2var_epi16(
+                0xaaaaaaaau, lo, _mm512_loadu_si512(lane_order_words[k]), hi));
+        return;
+    }
+    /* float32: a 4 x 4 transpose of 128-bit lanes (its own inverse, used by store64). */
+    const float *p = (const float *)base + i;
+    const __m512 n0 = _mm512_loadu_ps(p), n1 = _mm512_loadu_ps(p + 16), n2 = _mm512_loadu_ps(p + 32),
+                 n3 = _mm512_loadu_ps(p + 48);
+    const __m512 t0 = _mm512_shuffle_f32x4(n0, n1, 0x44), t1 = _mm512_shuffle_f32x4(n0, n1, 0xee);
+    const __m512 t2 = _mm512_shuffle_f32x4(n2, n3, 0x44), t3 = _mm512_shuffle_f32x4(n2, n3, 0xee);
+    out[0] = _mm512_shuffle_f32x4(t0, t2, 0x88);
+    out[1] = _mm512_shuffle_f32x4(t0, t2, 0xdd);
+    out[2] = _mm512_shuffle_f32x4(t1, t3, 0x88);
+    out[3] = _mm512_shuffle_f32x4(t1, t3, 0xdd);
+}
+
+/* float_to_bf16 on 16 lanes, as 32-bit lanes holding the bf16 in their low half. */
+static inline __m512i round_bf16(__m512 x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
+}
+
+/* float_to_bf16 of the 64 lane-ordered floats in x, into out[0..63] in order. */
+static inline void store64_bf16(uint16_t *out, const __m512 x[4]) {
+#if defined(__AVX512BF16__)
+    /* One instruction rounds two vectors to nearest even (a NaN to a quiet NaN, as float_to_bf16
+     * does), but it reads denormal inputs as zero where torch keeps them. So a result with a zero
+     * exponent (a zero, or a flushed denormal; rare) sends the 64 elements the exact way below. */
+    const __m512i a = (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]), b = (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]);
+    /* 64-bit groups of four: a holds x[0]'s then x[1]'s, b x[2]'s then x[3]'s; interleave them. */
+    const __m512i out0 = _mm512_permutex2var_epi64(a, _mm512_set_epi64(13, 9, 5, 1, 12, 8, 4, 0), b);
+    const __m512i out1 = _mm512_permutex2var_epi64(a, _mm512_set_epi64(15, 11, 7, 3, 14, 10, 6, 2), b);
+    const __m512i exponent = _mm512_set1_epi16(0x7f80);
+    if (!(_mm512_testn_epi16_mask(out0, exponent) | _mm512_testn_epi16_mask(out1, exponent))) {
+        _mm512_storeu_si512(out, out0);
+        _mm512_storeu_si512(out + 32, out1);
+        return;
+    }
+#endif
+    /* Packing within 128-bit lanes puts elements 16L..16L+7 (then 16L+8..16L+15) in lane L. */
+    const __m512i lo = _mm512_packus_epi32(round_bf16(x[0]), round_bf16(x[1]));
+    const __m512i hi = _mm512_packus_epi32(round_bf16(x[2]), round_bf16(x[3]));
+    _mm512_storeu_si512(out, _mm512_permutex2var_epi64(lo, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi));
+    _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi64(lo, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), hi));
+}
+
+/* The 64 lane-ordered floats in x into base + i, as bf16 or float32. */
+static inline void store64(void *base, int is_bf16, int64_t i, const __m512 x[4]) {
+    if (is_bf16) {
+        store64_bf16((uint16_t *)base + i, x);
+        return;
+    }
+    const __m512 t0 = _mm512_shuffle_f32x4(x[0], x[1], 0x44), t1 = _mm512_shuffle_f32x4(x[0], x[1], 0xee);
+    const __m512 t2 = _mm512_shuffle_f32x4(x[2], x[3], 0x44), t3 = _mm512_shuffle_f32x4(x[2], x[3], 0xee);
+    float *p = (float *)base + i;
+    _mm512_storeu_ps(p, _mm512_shuffle_f32x4(t0, t2, 0x88));
+    _mm512_storeu_ps(p + 16, _mm512_shuffle_f32x4(t0, t2, 0xdd));
+    _mm512_storeu_ps(p + 32, _mm512_shuffle_f32x4(t1, t3, 0x88));
+    _mm512_storeu_ps(p + 48, _mm512_shuffle_f32x4(t1, t3, 0xdd));
+}
+
+/* The ADAMW8BIT_BLOCK loop for a whole block, 64 elements at a time in lane order, same
+ * operations in the same order; the moments wait in m and v (lane order, in L1) for the absmax. */
 static void block_avx512(void *param, int param_bf16, const void *grad, int grad_bf16, uint8_t *q1, uint8_t *q2,
                          float *absmax1, float *absmax2, const ByteTable *code1, const ByteTable *code2,
-                         const QuantTable *t1, const QuantTable *t2, const Scalars *s) {
+                         const VecTable *t1, const VecTable *t2, const Scalars *s) {
     float m[BLOCK], v[BLOCK];
-    for (int64_t i = 0; i < BLOCK; i += 64) {
-        dequantize64(q1 + i, code1, _mm512_set1_ps(*absmax1), m + i);
-        dequantize64(q2 + i, code2, _mm512_set1_ps(*absmax2), v + i);
-    }
+    const __m512 old1 = _mm512_set1_ps(*absmax1), old2 = _mm512_set1_ps(*absmax2);
     const __m512 beta1 = _mm512_set1_ps(s->beta1), omb1 = _mm512_set1_ps(s->one_minus_beta1);
     const __m512 beta2 = _mm512_set1_ps(s->beta2), omb2 = _mm512_set1_ps(s->one_minus_beta2);
     const __m512 c2 = _mm512_set1_ps(s->inv_bias_correction2_sqrt), eps = _mm512_set1_ps(s->eps);
     const __m512 decay = _mm512_set1_ps(s->decay), step = _mm512_set1_ps(s->neg_step_size);
     __m512 max1 = _mm512_setzero_ps(), max2 = _mm512_setzero_ps();
-    for (int64_t i = 0; i < BLOCK; i += 16) {
-        const __m512 g = load16(grad, grad_bf16, i);
-        __m512 mi = _mm512_loadu_ps(m + i), vi = _mm512_loadu_ps(v + i);
-        mi = _mm512_add_ps(_mm512_mul_ps(mi, beta1), _mm512_mul_ps(g, omb1));
-        vi = _mm512_add_ps(_mm512_mul_ps(vi, beta2), _mm512_mul_ps(_mm512_mul_ps(g, g), omb2));
-        const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), c2), eps);
-        __m512 p = _mm512_mul_ps(load16(param, param_bf16, i), decay);
-        p = _mm512_add_ps(p, _mm512_mul_ps(_mm512_div_ps(mi, denom), step));
-        store16(param, param_bf16, i, p);
-        _mm512_storeu_ps(m + i, mi);
-        _mm512_storeu_ps(v + i, vi);
-        max1 = _mm512_max_ps(max1, _mm512_abs_ps(mi));
-        max2 = _mm512_max_ps(max2, _mm512_abs_ps(vi));
+    for (int64_t i = 0; i < BLOCK; i += 64) {
+        __m512 mi[4], vi[4], g[4], p[4];
+        dequantize64(q1 + i, code1, old1, mi);
+        dequantize64(q2 + i, code2, old2, vi);
+        load64(grad, grad_bf16, i, g);
+        load64(param, param_bf16, i, p);
+        for (int k = 0; k < 4; k++) {
+            mi[k] = _mm512_add_ps(_mm512_mul_ps(mi[k], beta1), _mm512_mul_ps(g[k], omb1));
+            vi[k] = _mm512_add_ps(_mm512_mul_ps(vi[k], beta2), _mm512_mul_ps(_mm512_mul_ps(g[k], g[k]), omb2));
+            const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi[k]), c2), eps);
+            p[k] = _mm512_mul_ps(p[k], decay);
+            p[k] = _mm512_add_ps(p[k], _mm512_mul_ps(_mm512_div_ps(mi[k], denom), step));
+            _mm512_storeu_ps(m + i + 16 * k, mi[k]);
+            _mm512_storeu_ps(v + i + 16 * k, vi[k]);
+            max1 = _mm512_max_ps(max1, _mm512_abs_ps(mi[k]));
+            max2 = _mm512_max_ps(max2, vi[k]); /* v >= +0: v and g * g are */
+        }
+        store64(param, param_bf16, i, p);
     }
-    *absmax1 = _mm512_reduce_max_ps(max1);
-    *absmax2 = _mm512_reduce_max_ps(max2);
-    quantize_block_avx512(m, BLOCK, *absmax1, t1, q1);
-    quantize_block_avx512(v, BLOCK, *absmax2, t2, q2);
+    const float new1 = _mm512_reduce_max_ps(max1), new2 = _mm512_reduce_max_ps(max2);
+    *absmax1 = new1;
+    *absmax2 = new2;
+    quantize_block_avx512(m, new1, 1, t1, q1);
+    quantize_block_avx512(v, new2, 0, t2, q2);
 }
 #define HAVE_AVX512_BLOCK 1
-#define QUANTIZE_BLOCK quantize_block_avx512
-#else
-#define QUANTIZE_BLOCK quantize_block
 #endif
-
+#define QUANTIZE_BLOCK quantize_block
 ADAMW8BIT_BLOCK(block_fp32_fp32, float, FLOAT_AS_IS, FLOAT_AS_IS, float, FLOAT_AS_IS)
 ADAMW8BIT_BLOCK(block_fp32_bf16, float, FLOAT_AS_IS, FLOAT_AS_IS, uint16_t, bf16_to_float)
 ADAMW8BIT_BLOCK(block_bf16_fp32, uint16_t, bf16_to_float, float_to_bf16, float, FLOAT_AS_IS)
@@ -339,8 +485,11 @@ void adamw8bit_step(void *param, const void *grad, uint8_t *state1, uint8_t *sta
     build_table(code2, 0, &t2);
 #ifdef HAVE_AVX512_BLOCK
     ByteTable b1, b2;
+    VecTable v1, v2;
     build_byte_table(code1, &b1);
     build_byte_table(code2, &b2);
+    build_vec_table(&t1, &v1);
+    build_vec_table(&t2, &v2);
 #endif
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -351,7 +500,7 @@ void adamw8bit_step(void *param, const void *grad, uint8_t *state1, uint8_t *sta
 #ifdef HAVE_AVX512_BLOCK
         if (len == BLOCK) {
             block_avx512((char *)param + start * (param_dtype ? 2 : 4), param_dtype, (const char *)grad + start * (grad_dtype ? 2 : 4),
-                         grad_dtype, q1, q2, a1, a2, &b1, &b2, &t1, &t2, &s);
+                         grad_dtype, q1, q2, a1, a2, &b1, &b2, &v1, &v2, &s);
             continue;
         }
 #endif
