@@ -34,6 +34,9 @@ OFFLOAD = ["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimize
 CASES = {
     "full_offload": ("full", [*OFFLOAD, "optimizer.minimal_size=1024"]),
     "full_adamw": ("full", []),
+    # States in host buffers, updated on the (emulated) device slice by slice, queued for the next forward.
+    "full_device_update": ("full", [*OFFLOAD[:2], "optimizer.update_on=device", "optimizer.overlap=True",
+                                    "optimizer.minimal_size=1024", "optimizer.device_staging_mib=0.25"]),
     "lora_offload": ("lora", [*OFFLOAD, "optimizer.minimal_size=256"]),
     "lora_adamw": ("lora", []),
 }
