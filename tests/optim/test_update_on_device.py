@@ -12,6 +12,7 @@ from tests.optim.side_by_side import assert_same_params, batches, plain_hooks, t
 from torchtune_offload import AdamW8bit, OffloadOptimizer
 from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES
 from torchtune_offload.optim.host_arena import aligned_bytes
+from torchtune_offload.optim.state_streamer import plan_device_staging
 
 # Every weight (24*96 = 2304 elements and up) is streamed, every bias stays on the device.
 MINIMAL_SIZE = 1000
@@ -216,6 +217,10 @@ def test_host_memory_is_the_states_exactly():
     assert report.host_bytes == expected
     assert report.device_bytes_saved == sum(4 * p.numel() for p in streamed)
     assert report.num_offloaded == len(streamed)
+    # The planner's figure for the staging buffers is what was allocated.
+    assert plan_device_staging(list(model.named_parameters()), base_class=torch.optim.AdamW, options={"lr": 1e-2},
+                               minimal_size=MINIMAL_SIZE,
+                               staging_bytes=int(SMALL_BOUND_MIB * 2**20)) == report.device_staging_bytes
     assert set(opt.step_timings()) >= {"state_upload_s", "state_download_s", "offload_step_s"}
 
 

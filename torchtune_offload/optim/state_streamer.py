@@ -109,23 +109,23 @@ class _Plan:
         self.slices = slices
 
 
-def _slice_plan(slot: Slot, layout: Layout, scalars: List[str], half_bytes: int) -> _Plan:
-    """Slices of ``slot`` that fit one staging buffer of ``half_bytes``.
+def _slice_plan(key: str, cls: type, param: torch.Tensor, layout: Layout, scalars: List[str],
+                half_bytes: int) -> _Plan:
+    """Slices of parameter ``key`` (stepped by ``cls``) that fit one staging buffer of ``half_bytes``.
 
     Raises:
         ValueError: naming ``optimizer.device_staging_mib`` if one buffer cannot hold what must
             be staged at once.
     """
-    param = slot.param
     numel = param.numel()
-    elementwise = (capabilities_of(type(slot.optimizer)).elementwise_update and param.is_contiguous()
+    elementwise = (capabilities_of(cls).elementwise_update and param.is_contiguous()
                    and all(torch.Size(shape).numel() == numel for _, shape, _ in layout))
     padding = STAGING_ALIGNMENT * len(layout)
     if not elementwise:
         need = sum(_staged_bytes(torch.Size(s).numel(), d) for _, s, d in layout)
         if need > half_bytes:
             raise ValueError(
-                f"optimizer.device_staging_mib: {slot.key}'s {type(slot.optimizer).__name__} states are staged "
+                f"optimizer.device_staging_mib: {key}'s {cls.__name__} states are staged "
                 f"whole ({need / 2**20:.3g} MiB; they are not elementwise), but one of the two staging buffers "
                 f"holds {half_bytes / 2**20:.3g} MiB. Set optimizer.device_staging_mib to at least "
                 f"{2 * need / 2**20:.3g}, or optimizer.update_on=host."
@@ -138,10 +138,39 @@ def _slice_plan(slot: Slot, layout: Layout, scalars: List[str], half_bytes: int)
     if span <= 0:
         raise ValueError(
             f"optimizer.device_staging_mib: a staging buffer of {half_bytes} bytes cannot hold one slice of "
-            f"{SLICE_ELEMENTS} elements of {slot.key}'s states ({per_element} bytes each). Set "
+            f"{SLICE_ELEMENTS} elements of {key}'s states ({per_element} bytes each). Set "
             f"optimizer.device_staging_mib to at least {2 * (SLICE_ELEMENTS * per_element + padding) / 2**20:.3g}."
         )
     return _Plan(layout, scalars, whole=False, slices=[(a, min(a + span, numel)) for a in range(0, numel, span)])
+
+
+def _slice_bytes(plan: _Plan, start: int, stop: int) -> int:
+    """Staging bytes of one slice: each state at an aligned offset."""
+    if plan.whole:
+        return sum(_staged_bytes(torch.Size(s).numel(), d) for _, s, d in plan.layout)
+    return sum(_staged_bytes(stop - start, d) for _, _, d in plan.layout)
+
+
+def _largest_slice_bytes(plans: List[_Plan]) -> int:
+    return max((_slice_bytes(plan, a, b) for plan in plans for a, b in plan.slices), default=0)
+
+
+def plan_device_staging(params: List[Tuple[str, torch.Tensor]], *, base_class: type, options: Dict[str, Any],
+                        minimal_size: int, staging_bytes: int) -> int:
+    """The device bytes of :class:`StateStreamer`'s two staging buffers for trainable ``params``
+    (``(name, tensor)``; meta tensors work), allocating nothing.
+
+    Raises:
+        ValueError: as the streamer would, if a state cannot be planned or the bound is too small.
+    """
+    layouts: Dict[Tuple[torch.Size, torch.dtype], Tuple[Layout, List[str]]] = {}
+    plans = []
+    for key, p in params:
+        if offloads(p, minimal_size):
+            if (p.shape, p.dtype) not in layouts:
+                layouts[(p.shape, p.dtype)] = state_layout(base_class, options, p)
+            plans.append(_slice_plan(key, base_class, p, *layouts[(p.shape, p.dtype)], staging_bytes // 2))
+    return 2 * _largest_slice_bytes(plans)
 
 
 def _check_created(slot: Slot, plan: _Plan, state: Dict[str, Any], start: int, stop: int) -> None:
@@ -192,11 +221,11 @@ class StateStreamer:
             key = (type(slot.optimizer), slot.param.shape, slot.param.dtype)
             if key not in layouts:  # one probe per distinct kind of tensor
                 layouts[key] = state_layout(type(slot.optimizer), table.group_options[slot.group_index], slot.param)
-            self._plans[slot.index] = _slice_plan(slot, *layouts[key], staging_bytes // 2)
+            self._plans[slot.index] = _slice_plan(slot.key, type(slot.optimizer), slot.param, *layouts[key],
+                                                  staging_bytes // 2)
         self._host = self._allocate_host_states()
         self._initialised = {index: False for index in self._plans}
-        largest = max((self._slice_bytes(plan, a, b) for plan in self._plans.values() for a, b in plan.slices),
-                      default=0)
+        largest = _largest_slice_bytes(list(self._plans.values()))
         device = transfer.device
         # Two buffers, each as large as the largest slice needs and never above half the bound.
         self._buffers = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(2 if largest else 0)]
@@ -226,12 +255,6 @@ class StateStreamer:
         for (index, key, _, _), tensor in zip(specs, made):
             host[index][key] = tensor
         return host
-
-    @staticmethod
-    def _slice_bytes(plan: _Plan, start: int, stop: int) -> int:
-        if plan.whole:
-            return sum(_staged_bytes(torch.Size(s).numel(), d) for _, s, d in plan.layout)
-        return sum(_staged_bytes(stop - start, d) for _, _, d in plan.layout)
 
     @property
     def host_bytes(self) -> int:
