@@ -19,9 +19,10 @@ The math is that of the serial path: the same tensors, the same operations, in t
 per tensor. Only the moment each runs changes.
 """
 
+import functools
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -87,3 +88,35 @@ class Window:
     seen: Set[int] = field(default_factory=set)
     stragglers: List[int] = field(default_factory=list)
     coef: Optional[torch.Tensor] = None
+
+
+# A compiled module (compile=True) runs this eagerly instead of tracing waits on threads or streams.
+@torch.compiler.disable
+def _wait_for(wait: Callable[[Any], None], slots: List[Any], _module: torch.nn.Module, _args: Any) -> None:
+    for slot in slots:
+        wait(slot)
+
+
+def register_module_waits(model: torch.nn.Module, own: Callable[[torch.nn.Parameter], Optional[Any]],
+                          wait: Callable[[Any], None], synchronize: Callable[[], None]) -> Tuple[List[Any], List[Any]]:
+    """Makes each module of ``model`` call ``wait(slot)`` for its own parameters' slots right before
+    its forward, and ``model.state_dict()`` call ``synchronize()`` first.
+
+    Args:
+        model: the model whose forward needs the results.
+        own: the slot of a parameter whose work the forward must wait for, or None.
+        wait: waits for one slot's queued work.
+        synchronize: waits for all of it.
+
+    Returns:
+        The hook handles, and the slots in the order of the modules that own them (the order of
+        ``model.modules()``, the forward's for torchtune's models).
+    """
+    handles, ordered = [], []
+    for module in model.modules():
+        slots = [slot for slot in map(own, module.parameters(recurse=False)) if slot is not None]
+        if slots:
+            ordered.extend(slots)
+            handles.append(module.register_forward_pre_hook(functools.partial(_wait_for, wait, slots)))
+    handles.append(model.register_state_dict_pre_hook(lambda *_args, **_kwargs: synchronize()))
+    return handles, ordered

@@ -7,14 +7,14 @@ was waiting for, instead of hanging on a stuck worker.
 """
 
 import concurrent.futures
-import functools
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from torchtune_offload.optim.grad_norm import clip_, clip_coefficient, combine_norms
 from torchtune_offload.optim.host_grads import HostGradients
-from torchtune_offload.optim.overlap import HostWorkers, Window, changed_hyperparameters, hyperparameters
+from torchtune_offload.optim.overlap import (HostWorkers, Window, changed_hyperparameters, hyperparameters,
+                                             register_module_waits)
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.slot_step import SlotStepper
 from torchtune_offload.optim.step_timings import StepTimings
@@ -230,22 +230,13 @@ class OverlapScheduler:
     def register_forward_waits(self, model: torch.nn.Module) -> None:
         """Each module of ``model`` waits, right before its forward, for its own parameters' host
         steps and uploads; ``model.state_dict()`` waits for all of them."""
-        owned: Dict[torch.nn.Module, List[Slot]] = {}
-        for module in model.modules():
-            slots = [self._table.slot_of[p] for p in module.parameters(recurse=False)
-                     if p in self._table.slot_of and self._table.slot_of[p].offloaded]
-            if slots:
-                owned[module] = slots
-        for module, slots in owned.items():
-            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._forward_wait, slots)))
-        self._hooks.append(model.register_state_dict_pre_hook(lambda *_args, **_kwargs: self.synchronize()))
-        self.forward_waits = True
+        def own(param: torch.nn.Parameter) -> Optional[Slot]:
+            slot = self._table.slot_of.get(param)
+            return slot if slot is not None and slot.offloaded else None
 
-    # A compiled module (compile=True) runs this eagerly instead of tracing waits on threads.
-    @torch.compiler.disable
-    def _forward_wait(self, slots: List[Slot], _module: torch.nn.Module, _args: Any) -> None:
-        for slot in slots:
-            self.wait_done(slot)
+        handles, _ = register_module_waits(model, own, self.wait_done, self.synchronize)
+        self._hooks.extend(handles)
+        self.forward_waits = True
 
     def close(self) -> None:
         """Removes the forward waits and stops the workers (after what they have queued)."""

@@ -30,7 +30,6 @@ module that owns it is about to, so the tests check the wait of every module.
 """
 
 import contextlib
-import functools
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -38,6 +37,7 @@ import torch
 from torchtune_offload.optim.capabilities import capabilities_of
 from torchtune_offload.optim.host_arena import NONE, buffer_bytes, host_buffers
 from torchtune_offload.optim.host_memory import HostMemoryPlan, offloads, probe_state
+from torchtune_offload.optim.overlap import register_module_waits
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.step_timings import StepTimings
 from torchtune_offload.optim.transfer import TransferEngine
@@ -407,23 +407,15 @@ class StateStreamer:
     def register_forward_waits(self, model: torch.nn.Module) -> None:
         """Each module of ``model`` waits, right before its forward, for its own parameters'
         updates, which are queued in the order of these modules; ``model.state_dict()`` waits for all."""
-        owned: Dict[torch.nn.Module, List[Slot]] = {}
-        for module in model.modules():
-            slots = [self._table.slot_of[p] for p in module.parameters(recurse=False)
-                     if p in self._table.slot_of and self._table.slot_of[p].streamed]
-            for slot in slots:
-                self._order.setdefault(slot.index, len(self._order))
-            if slots:
-                owned[module] = slots
-        for module, slots in owned.items():
-            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._forward_wait, slots)))
-        self._hooks.append(model.register_state_dict_pre_hook(lambda *_args, **_kwargs: self.synchronize()))
-        self.forward_waits = True
+        def own(param: torch.nn.Parameter) -> Optional[Slot]:
+            slot = self._table.slot_of.get(param)
+            return slot if slot is not None and slot.streamed else None
 
-    @torch.compiler.disable
-    def _forward_wait(self, slots: List[Slot], _module: torch.nn.Module, _args: Any) -> None:
-        for slot in slots:
-            self.wait(slot)
+        handles, ordered = register_module_waits(model, own, self.wait, self.synchronize)
+        self._hooks.extend(handles)
+        for slot in ordered:
+            self._order.setdefault(slot.index, len(self._order))
+        self.forward_waits = True
 
     # ---------------------------------------------------------------------- checkpoints
 
