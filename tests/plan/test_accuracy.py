@@ -61,15 +61,15 @@ def test_mid_size_llama_host_within_10_percent_and_step_within_15_percent(tiny_a
     _assert_within_bounds(rows)
 
 
-def test_mid_size_qlora_run_step_within_10_percent_and_host_within_15_percent(tiny_assets, tmp_path):
+def test_mid_size_qlora_run_step_and_host_within_10_percent(tiny_assets, tmp_path):
     # NF4 base weights, the LoRA recipe, OffloadOptimizer with offload_gradients: a real tune run.
     rows = _accuracy("configs/llama3_2/1B_lora_offload.yaml", [
         *_mid_overrides(tiny_assets, tmp_path), "model._component_=torchtune_offload.models.qlora_llama3_2_mid"])
     # The planner's figure for the run, its traced step (the device figure of a GPU run), within 10%.
     error, out = rows["training step (weights, gradients, activations)"]
     assert abs(error) <= 10, out
-    # The host peak: 15%. The LoRA recipe's RSS peak runs about 0.1 GiB above the plan for the
-    # unquantised LoRA model too (-8 to -12% here), so the gap is the recipe's host memory, not the
-    # QLoRA trace; the full recipe's is within 0.1% (test above).
+    # The host peak within 10% too (-1.8% here, -2.3% in a fresh virtual environment): the process
+    # baseline runs a miniature training step of the run's kind (planner.miniature_step), whose
+    # kernel code and caches the run holds from its first step; without it, -7.4% and -6.5%.
     error, out = rows["peak host memory (RSS)"]
-    assert abs(error) <= 15, out
+    assert abs(error) <= 10, out

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from tests.recipe_harness import tiny_asset_overrides, working_tree_env
-from torchtune_offload.plan.planner import load_config, plan_variant, process_baseline
+from torchtune_offload.plan.planner import load_config, miniature_step, plan_variant, process_baseline
 from torchtune_offload.plan.trace import trace_training_step
 from torchtune_offload.recipe import check_recipe_config, host_memory_need
 
@@ -82,6 +82,19 @@ def test_the_baseline_counts_the_built_tokenizer_and_dataset(tiny_assets, tmp_pa
     cfg.tokenizer.path = str(tmp_path / "missing.model")
     _, notes = process_baseline(cfg, device=torch.device(cfg.device))
     assert notes and "not counted" in notes[0]
+
+
+def test_the_baseline_runs_a_miniature_step_of_the_runs_kind(tiny_assets, tmp_path):
+    # Its kernel code and caches are what a real step leaves resident (planner.miniature_step).
+    overrides = [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "dtype=bf16",
+                 "enable_activation_checkpointing=True"]
+    for config, extra, kind in ((CONFIG, [], "full"), ("configs/tiny/lora.yaml", [], "LoRA"),
+                                ("configs/tiny/lora.yaml", ["model.quantize_base=True"], "QLoRA")):
+        assert miniature_step(load_config(config, [*overrides, *extra])) == kind
+    # A loss the miniature cannot build: one kernel instead, and a note says what is not counted.
+    cfg = load_config(CONFIG, [*overrides, "loss._component_=torchtune_offload.no_such_loss"])
+    baseline, notes = process_baseline(cfg, device=torch.device("cpu"))
+    assert baseline > 0 and len(notes) == 1 and "miniature training step could not run here" in notes[0], notes
 
 
 def test_a_lora_run_traces_with_frozen_base_weights(tiny_assets, tmp_path):
