@@ -80,10 +80,14 @@ def _build(tmp_path, name, extra):
 
 
 def _vector_and_scalar(tmp_path):
-    if "avx512vbmi" not in open("/proc/cpuinfo").read():
+    """The vector loop (also without AVX512_BF16's conversion where the CPU has it), then the scalar one."""
+    flags = open("/proc/cpuinfo").read()
+    if "avx512vbmi" not in flags:
         pytest.skip("this CPU has no AVX-512 VBMI, so only the portable loop runs here")
-    return [_build(tmp_path, name, extra) for name, extra in (("vector", ["-march=native"]),
-                                                              ("scalar", ["-march=native", "-mno-avx512vbmi"]))]
+    builds = [("vector", ["-march=native"]), ("scalar", ["-march=native", "-mno-avx512vbmi"])]
+    if "avx512_bf16" in flags:
+        builds.insert(1, ("vector-without-bf16", ["-march=native", "-mno-avx512bf16"]))
+    return [_build(tmp_path, name, extra) for name, extra in builds]
 
 
 def _step(lib, p, g, state, s):
@@ -95,22 +99,28 @@ def _step(lib, p, g, state, s):
 
 @needs_cc
 def test_portable_c_matches_the_avx512_c(tmp_path):
-    """The scalar C loop (no AVX-512 VBMI) and the vector one give identical bytes."""
+    """The scalar C loop (no AVX-512 VBMI) and the vector one give identical bytes, also on zero
+    and denormal parameters (which AVX512_BF16's conversion would flush)."""
     libraries = _vector_and_scalar(tmp_path)
     numel = 256 * 64 + 5
     results = []
     for lib in libraries:
         p = torch.randn(numel, generator=torch.Generator().manual_seed(0)).bfloat16()
+        p[::97] = 0.0
+        p[1::89] = torch.tensor(1e-39).bfloat16()  # denormal in bf16 too
         blocks = -(-numel // 256)
         state = {"state1": torch.zeros(numel, dtype=torch.uint8), "state2": torch.zeros(numel, dtype=torch.uint8),
                  "absmax1": torch.zeros(blocks), "absmax2": torch.zeros(blocks)}
         for step, g in enumerate(_grads(numel, 3, dtype=torch.bfloat16), start=1):
+            g[::97], g[1::89] = 0.0, 0.0  # so that those parameters only decay: zero, denormal results
             _step(lib, p, g, state, adamw8bit._scalars({"betas": (0.9, 0.999), "lr": 1e-3, "weight_decay": 0.01,
                                                         "eps": 1e-8}, step))
         results.append((p, state))
-    (p_vec, s_vec), (p_sca, s_sca) = results
-    assert torch.equal(p_vec, p_sca)
-    assert all(torch.equal(s_vec[k], s_sca[k]) for k in s_vec)
+    (p_vec, s_vec), *others = results
+    assert p_vec[1::89].float().abs().max() < 1.2e-38 and p_vec[1::89].float().abs().min() > 0
+    for p_other, s_other in others:
+        assert torch.equal(p_vec.view(torch.int16), p_other.view(torch.int16))
+        assert all(torch.equal(s_vec[k], s_other[k]) for k in s_vec)
 
 
 @needs_cc

@@ -7,9 +7,10 @@
  * requantize every element to its nearest code, the reference's code bit for bit (ties included).
  * Blocks are independent, so OpenMP splits them over the threads; each thread reads and writes
  * every byte once. With AVX-512 (VBMI for byte permutes) whole blocks take a vector path: 64
- * elements at a time, in the order that unpacking looked-up bytes leaves them, each code
- * estimated in fixed point and only the rare lanes near a midpoint checked against it. The
- * portable loop does the rest (and all of it without AVX-512), with the same results.
+ * elements at a time, even and odd elements in separate vectors (so bf16 converts with a shift),
+ * codes looked up by byte permutes, each new code estimated in fixed point from per-binade tables
+ * and only the rare lanes near a midpoint checked against it. The portable loop does the rest
+ * (and all of it without AVX-512), with the same results.
  */
 #include <math.h>
 #include <stdint.h>
@@ -180,23 +181,27 @@ static void quantize_block(const float *values, int64_t len, float absmax, const
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 
+/* The vector path works on 64 elements at a time in "pair order": four vectors holding the even
+ * elements of the first 32, their odd elements, then the same of the next 32. Then a bf16 vector
+ * of 32 elements gives its floats with a shift and a mask (a bf16's bits are the top half of its
+ * float's), one interleaving permute (or a shift and an or) puts rounded ones back, and all
+ * between is elementwise but for the byte permutes that look codes up and write them, which read
+ * and write in any order. */
+#define PAIR_ELEMENT(k, i) (((k) >> 1) * 32 + 2 * (i) + ((k) & 1)) /* element at lane i of vector k */
+
 /* The vector quantizer's tables, 32 entries each, indexed by binade: entry b holds the group at the
  * binade's lower edge. A binade holds at most one group boundary, and the group above it is the
  * one at the lower edge of binade b + 1, so a lane above bound[b] just reads entry b + 1. The
- * group's first position and the signed map's offset of 127 are folded into offset, so that the
- * code index is trunc(y * scale + offset), capped at top. */
-/* The vector quantizer's tables, 32 entries each, indexed by binade: entry b holds the group at the
- * binade's lower edge. A binade holds at most one group boundary, and the group above it is the
- * one at the lower edge of binade b + 1, so a lane above bound[b] just reads entry b + 1. The
- * estimate is in fixed point, FRACTION_BITS below the position: trunc(y * scale + offset) with
- * the group's first position and the signed map's 127 folded into offset; its top bits, capped
- * at top, are the code index. */
-#define FRACTION_BITS 12
+ * estimate is in fixed point, the code index in bits 16 to 23 and the fraction of a position
+ * below: trunc(y * scale + offset), with the group's first position and the signed map's 127
+ * folded into offset, capped at top. */
+#define FRACTION_BITS 16
+#define NEAR_UNITS 4 /* see quantize16 */
 
 typedef struct {
     float bound[BINADES], scale[BINADES], offset[BINADES];
     int32_t top[BINADES];
-    float below[CODES + 2]; /* below[c]: the midpoint under code index c's position, as the reference computes it; +inf past the end */
+    float below[CODES + 2]; /* below[c]: the midpoint under code index c's position, as the reference computes it */
 } VecTable;
 
 static void build_vec_table(const QuantTable *t, VecTable *v) {
@@ -205,10 +210,12 @@ static void build_vec_table(const QuantTable *t, VecTable *v) {
     for (int b = 0; b < BINADES; b++) {
         const int g = t->group_below[b];
         v->bound[b] = t->boundary[b];
-        /* build_table's scale and offset (0.5 - lo * scale) times a power of two, so rounded alike. */
+        /* build_table's scale and offset (0.5 - lo * scale) times a power of two, so rounded alike;
+         * the offset NEAR_UNITS more (see quantize16). */
         v->scale[b] = t->scale[g] * unit;
-        v->offset[b] = (t->offset[g] + (float)(t->first[g] + base)) * unit + 1.0f; /* + 1: see quantize16 */
-        v->top[b] = t->first[g] + t->last[g] + base;
+        v->offset[b] = (t->offset[g] + (float)(t->first[g] + base)) * unit + (float)NEAR_UNITS;
+        /* half a position past the top code: a capped lane is not near */
+        v->top[b] = ((t->first[g] + t->last[g] + base) << FRACTION_BITS) | (1 << (FRACTION_BITS - 1));
     }
     for (int c = 0; c < CODES + 2; c++) {
         const int j = c - base; /* position */
@@ -216,38 +223,41 @@ static void build_vec_table(const QuantTable *t, VecTable *v) {
     }
 }
 
-/* The code index of the near lanes (see quantize16) settled against the exact midpoints: the
- * estimate rounded to the nearest position j, then j - 1 or j as y lies below or past the midpoint
- * between them (a tie, for a negative value, goes past it: the reference sends it to the larger
- * magnitude), capped at the group's top as before. A negative value exactly at the boundary of
- * its binade's two groups is the one tie the comparison with bound sent down: it goes up here. */
-static __attribute__((noinline)) __m512i settle(__mmask16 near, __mmask16 negative, __m512i code, __m512i fixed,
-                                                __m512 y, __m512i b, const __m512 bound[2], const __m512i top[2],
+/* The fixed-point codes of the near lanes (see quantize16) settled against the exact midpoints:
+ * the estimate rounded to the nearest position j, then j - 1 or j as y lies below or past the
+ * midpoint between them (a tie, for a negative value, goes past it: the reference sends it to the
+ * larger magnitude), capped at the group's top as before. A negative value exactly at the
+ * boundary of its binade's two groups is the one tie that the comparison with bound sent down: it
+ * goes up here. */
+static __attribute__((noinline)) __m512i settle(__mmask16 near, __m512i fixed, __m512 x, __m512 y, __m512i b,
                                                 const VecTable *t) {
-    /* (fixed holds one unit more than the estimate) */
-    const __m512i j = _mm512_srli_epi32(_mm512_add_epi32(fixed, _mm512_set1_epi32((1 << (FRACTION_BITS - 1)) - 1)),
-                                        FRACTION_BITS);
+    const __mmask16 negative = _mm512_movepi32_mask(_mm512_castps_si512(x));
+    const __m512i j = _mm512_srli_epi32(
+        _mm512_add_epi32(fixed, _mm512_set1_epi32((1 << (FRACTION_BITS - 1)) - NEAR_UNITS)), FRACTION_BITS);
     const __m512 mid = _mm512_mask_i32gather_ps(y, near, j, t->below, 4);
     const __mmask16 past = _mm512_mask_cmp_ps_mask(near & ~negative, y, mid, _CMP_GT_OQ) |
                            _mm512_mask_cmp_ps_mask(near & negative, y, mid, _CMP_GE_OQ);
-    __m512i settled = _mm512_mask_add_epi32(_mm512_sub_epi32(j, _mm512_set1_epi32(1)), past, j, _mm512_setzero_si512());
-    const __m512i cap = _mm512_permutex2var_epi32(top[0], b, top[1]);
-    settled = _mm512_min_epi32(settled, cap);
-    const __mmask16 tie = _mm512_mask_cmp_ps_mask(near & negative, y, _mm512_permutex2var_ps(bound[0], b, bound[1]), _CMP_EQ_OQ);
-    settled = _mm512_mask_add_epi32(settled, tie, cap, _mm512_set1_epi32(1));
-    return _mm512_mask_mov_epi32(code, near, settled);
+    __m512i settled = _mm512_slli_epi32(_mm512_mask_sub_epi32(j, ~past, j, _mm512_set1_epi32(1)), FRACTION_BITS);
+    const __m512i top = _mm512_permutex2var_epi32(_mm512_loadu_si512(t->top), b, _mm512_loadu_si512(t->top + 16));
+    settled = _mm512_min_epi32(settled, top);
+    const __m512 bound = _mm512_permutex2var_ps(_mm512_loadu_ps(t->bound), b, _mm512_loadu_ps(t->bound + 16));
+    const __mmask16 tie = _mm512_mask_cmp_ps_mask(near & negative, y, bound, _CMP_EQ_OQ);
+    settled = _mm512_mask_add_epi32(settled, tie, top, _mm512_set1_epi32(1 << FRACTION_BITS));
+    return _mm512_mask_mov_epi32(fixed, near, settled);
 }
 
-/* quantize_one for 16 values already scaled by 1 / absmax. Lanes below 2^-31 are raised to it
- * (still the zero group) so that every exponent indexes the 32-entry tables, which read its low
- * five bits (FIRST_EXPONENT is 96 = 3 * 32). The estimate's float rounding (one fused
- * multiply-add, fine here: it only finds a candidate) is a small fraction of one fixed-point unit,
- * 2^-12 of a step, so where it lies more than one unit from a whole position it rounds as the
- * exact midpoints do; only lanes within one unit (about 0.05% of values, and values at or next
- * to a midpoint, which the ratios of bf16 gradients often are) go through exact_position. A
- * negative lane of the signed map gets 254 minus its positive code index, 127 - position: the
- * position of 1 (code 255) gives -1 there, which quantize64's unsigned-saturating pack turns into
- * code 0, the negative code nearest -1. */
+/* quantize_one for 16 values already scaled by 1 / absmax, as fixed-point codes (the code index in
+ * bits 16 to 23). Lanes below 2^-31 are raised to it (still the zero group) so that every exponent
+ * indexes the 32-entry tables, which read its low five bits (FIRST_EXPONENT is 96 = 3 * 32). The
+ * estimate's float rounding (one fused multiply-add, fine here: it only finds a candidate) stays
+ * within about one unit of 2^-16 of a position, so where it lies more than NEAR_UNITS from a whole
+ * position it rounds as the exact midpoints do; only lanes nearer (about 1e-4 of values, and
+ * values at or next to a midpoint, which the ratios of bf16 gradients often are) are settled
+ * exactly, with exact set, else only flagged in *any_near. The offsets hold NEAR_UNITS more than
+ * the estimate, so a near lane is one whose low 16 bits are under 2 * NEAR_UNITS. A negative
+ * lane of the signed map gets 254 minus its positive code index, 127 - position, in 16-bit
+ * saturating arithmetic: the position of 1 (code 255) gives code 0 there, the negative code
+ * nearest -1. */
 static inline __m512i quantize16(__m512 x, int is_signed, int exact, __mmask16 *any_near, const VecTable *t,
                                  const __m512 bound[2], const __m512 scale[2], const __m512 offset[2],
                                  const __m512i top[2]) {
@@ -257,23 +267,30 @@ static inline __m512i quantize16(__m512 x, int is_signed, int exact, __mmask16 *
     __m512i b = _mm512_srli_epi32(_mm512_castps_si512(y), 23);
     const __mmask16 above = _mm512_cmp_ps_mask(y, _mm512_permutex2var_ps(bound[0], b, bound[1]), _CMP_GT_OQ);
     b = _mm512_mask_add_epi32(b, above, b, _mm512_set1_epi32(1));
-    const __m512i fixed = _mm512_cvttps_epi32(_mm512_fmadd_ps(y, _mm512_permutex2var_ps(scale[0], b, scale[1]),
-                                                              _mm512_permutex2var_ps(offset[0], b, offset[1])));
-    __m512i code = _mm512_min_epi32(_mm512_srli_epi32(fixed, FRACTION_BITS), _mm512_permutex2var_epi32(top[0], b, top[1]));
-    /* Near: the fraction is 0 or one unit short of it. The offsets hold one unit more than the
-     * estimate, so that is no bits set from 1 to FRACTION_BITS - 1 (the one unit only moves a near
-     * lane's code). */
-    const __mmask16 near = _mm512_testn_epi32_mask(fixed, _mm512_set1_epi32((1 << FRACTION_BITS) - 2));
-    const __mmask16 negative = is_signed ? _mm512_movepi32_mask(_mm512_castps_si512(x)) : 0;
+    __m512i fixed = _mm512_cvttps_epi32(_mm512_fmadd_ps(y, _mm512_permutex2var_ps(scale[0], b, scale[1]),
+                                                        _mm512_permutex2var_ps(offset[0], b, offset[1])));
+    const __mmask16 near = _mm512_testn_epi32_mask(fixed, _mm512_set1_epi32((1 << FRACTION_BITS) - 2 * NEAR_UNITS));
     *any_near |= near;
-    if (exact && near) code = settle(near, negative, code, fixed, y, b, bound, top, t);
-    if (is_signed) code = _mm512_mask_sub_epi32(code, negative, _mm512_set1_epi32(254), code);
-    return code;
+    fixed = _mm512_min_epi32(fixed, _mm512_permutex2var_epi32(top[0], b, top[1]));
+    if (exact && near) fixed = settle(near, fixed, x, y, b, t);
+    if (is_signed) /* the sign bit of each high 16 bits is the lane's; the low 16 bits do not matter */
+        fixed = _mm512_mask_subs_epu16(fixed, _mm512_movepi16_mask(_mm512_castps_si512(x)),
+                                       _mm512_set1_epi32((254 << FRACTION_BITS) | 0xffff), fixed);
+    return fixed;
 }
 
-/* Codes of the 64 values at values (in the lane order of dequantize64) into out[0..63], in order;
- * with exact 0 it gives up (returns 0) where a lane needs settling, which the caller then asks for
- * with exact 1 (kept out of line, as the loop runs faster without its code). */
+/* Byte 2 of each 32-bit lane of two pair-order vectors, gathered into element order. */
+static const uint8_t code_bytes[64] = {
+#define B(j) (((j) & 1) << 6) + 4 * (((j) & 31) >> 1) + 2
+#define B8(j) B(j), B(j + 1), B(j + 2), B(j + 3), B(j + 4), B(j + 5), B(j + 6), B(j + 7)
+    B8(0), B8(8), B8(16), B8(24), B8(32), B8(40), B8(48), B8(56)
+#undef B8
+#undef B
+};
+
+/* Codes of the 64 pair-order values at values into out[0..63], in order; with exact 0 it gives up
+ * (returns 0) where a lane needs settling, which the caller then asks for with exact 1 (kept out of
+ * line, as the loop runs faster without its code). */
 static inline int quantize64(const float *values, __m512 inv, int is_signed, int exact, const VecTable *t, uint8_t *out) {
     const __m512 bound[2] = {_mm512_loadu_ps(t->bound), _mm512_loadu_ps(t->bound + 16)};
     const __m512 scale[2] = {_mm512_loadu_ps(t->scale), _mm512_loadu_ps(t->scale + 16)};
@@ -285,9 +302,9 @@ static inline int quantize64(const float *values, __m512 inv, int is_signed, int
         c[k] = quantize16(_mm512_mul_ps(_mm512_loadu_ps(values + 16 * k), inv), is_signed, exact, &near, t, bound, scale,
                           offset, top);
     if (near && !exact) return 0;
-    /* Packing within 128-bit lanes undoes dequantize64's unpacking: the bytes come out in order. */
-    const __m512i words01 = _mm512_packus_epi32(c[0], c[1]), words23 = _mm512_packus_epi32(c[2], c[3]);
-    _mm512_storeu_si512(out, _mm512_packus_epi16(words01, words23));
+    const __m512i order = _mm512_loadu_si512(code_bytes);
+    _mm512_storeu_si512(out, _mm512_mask_blend_epi8(0xffffffff00000000ull, _mm512_permutex2var_epi8(c[0], order, c[1]),
+                                                    _mm512_permutex2var_epi8(c[2], order, c[3])));
     return 1;
 }
 
@@ -296,7 +313,7 @@ static __attribute__((noinline)) void quantize64_exact(const float *values, __m5
     quantize64(values, inv, is_signed, 1, t, out);
 }
 
-/* quantize_block for the lane-ordered block at values. */
+/* quantize_block for the pair-order block at values. */
 static inline void quantize_block_avx512(const float *values, float absmax, int is_signed, const VecTable *t,
                                          uint8_t *out) {
     if (absmax == 0.0f) { /* no scale: bitsandbytes writes code 0 */
@@ -304,8 +321,10 @@ static inline void quantize_block_avx512(const float *values, float absmax, int 
         return;
     }
     const __m512 inv = _mm512_set1_ps(1.0f / absmax);
-    for (int64_t i = 0; i < BLOCK; i += 64)
-        if (!quantize64(values + i, inv, is_signed, 0, t, out + i)) quantize64_exact(values + i, inv, is_signed, t, out + i);
+    unsigned redo = 0; /* the chunks to settle, after the loop: a call inside it costs registers */
+    for (int i = 0; i < BLOCK / 64; i++) redo |= (unsigned)!quantize64(values + 64 * i, inv, is_signed, 0, t, out + 64 * i) << i;
+    for (int i = 0; redo; i++, redo >>= 1)
+        if (redo & 1) quantize64_exact(values + 64 * i, inv, is_signed, t, out + 64 * i);
 }
 
 /* A 256-entry float table as four 256-entry byte tables (byte k of every code), so that 64 codes
@@ -322,12 +341,19 @@ static void build_byte_table(const float *code, ByteTable *t) {
     }
 }
 
-/* code[q[i]] * absmax for the 64 codes at q, as four vectors in "lane order": out[k] lane 4L + s
- * holds element 16L + 4k + s (L the 128-bit lane, s = 0..3), the order in which unpacking within
- * 128-bit lanes leaves them. The AdamW math is elementwise, so the gradient and parameter are
- * loaded in the same order (load64), and quantize64's packing restores the natural order. */
+/* Unpacking four byte planes within 128-bit lanes leaves lane i of float vector k holding byte
+ * 16 (i / 4) + 4k + i % 4; so the codes are first put in that order from pair order. */
+static const uint8_t unpack_order[64] = {
+#define U(n) PAIR_ELEMENT(((n) % 16) / 4, 4 * ((n) / 16) + (n) % 4)
+#define U8(n) U(n), U(n + 1), U(n + 2), U(n + 3), U(n + 4), U(n + 5), U(n + 6), U(n + 7)
+    U8(0), U8(8), U8(16), U8(24), U8(32), U8(40), U8(48), U8(56)
+#undef U8
+#undef U
+};
+
+/* code[q[e]] * absmax for the 64 codes at q, in pair order. */
 static inline void dequantize64(const uint8_t *q, const ByteTable *t, __m512 absmax, __m512 out[4]) {
-    const __m512i codes = _mm512_loadu_si512(q);
+    const __m512i codes = _mm512_permutexvar_epi8(_mm512_loadu_si512(unpack_order), _mm512_loadu_si512(q));
     const __mmask64 upper = _mm512_movepi8_mask(codes);
     __m512i bytes[4];
     for (int k = 0; k < 4; k++) {
@@ -346,37 +372,28 @@ static inline void dequantize64(const uint8_t *q, const ByteTable *t, __m512 abs
     out[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01hi, w23hi)), absmax);
 }
 
-/* The lane order of dequantize64 as word indices into 64 bf16 elements: word 2i + 1 of out[k]
- * is element 16(i / 4) + 4k + i % 4 (the even words are zeroed: the float's low half). */
-static const uint16_t lane_order_words[4][32] = {
-#define W(k, i) 0, 16 * ((i) / 4) + 4 * (k) + (i) % 4
-#define ROW(k) {W(k, 0), W(k, 1), W(k, 2), W(k, 3), W(k, 4), W(k, 5), W(k, 6), W(k, 7), W(k, 8), W(k, 9), \
-                W(k, 10), W(k, 11), W(k, 12), W(k, 13), W(k, 14), W(k, 15)}
-    ROW(0), ROW(1), ROW(2), ROW(3)
-#undef ROW
-#undef W
-};
+/* Lane i of the even (odd) vector: element 2i (2i + 1) of two 16-float vectors side by side. */
+static const uint32_t even_lanes[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+static const uint32_t odd_lanes[16] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+/* The inverse: lane e of two pair-order vectors side by side, as a permute index (the even vector's
+ * lanes are 0 to 15, the odd one's 16 to 31): element e for e under 16, element 16 + e after. */
+static const uint32_t first_half[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+static const uint32_t second_half[16] = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
-/* 64 elements from base + i (bf16 or float32) as floats in dequantize64's lane order. */
+/* 64 elements from base + i (bf16 or float32) as floats in pair order. */
 static inline void load64(const void *base, int is_bf16, int64_t i, __m512 out[4]) {
-    if (is_bf16) {
-        const uint16_t *p = (const uint16_t *)base + i;
-        const __m512i lo = _mm512_loadu_si512(p), hi = _mm512_loadu_si512(p + 32);
-        for (int k = 0; k < 4; k++) /* a bf16's bits are the top half of its float's */
-            out[k] = _mm512_castsi512_ps(_mm512_maskz_permutex2var_epi16(
-                0xaaaaaaaau, lo, _mm512_loadu_si512(lane_order_words[k]), hi));
-        return;
+    for (int h = 0; h < 2; h++) {
+        if (is_bf16) {
+            const __m512i pairs = _mm512_loadu_si512((const uint16_t *)base + i + 32 * h);
+            out[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            out[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u)));
+        } else {
+            const float *p = (const float *)base + i + 32 * h;
+            const __m512 lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
+            out[2 * h] = _mm512_permutex2var_ps(lo, _mm512_loadu_si512(even_lanes), hi);
+            out[2 * h + 1] = _mm512_permutex2var_ps(lo, _mm512_loadu_si512(odd_lanes), hi);
+        }
     }
-    /* float32: a 4 x 4 transpose of 128-bit lanes (its own inverse, used by store64). */
-    const float *p = (const float *)base + i;
-    const __m512 n0 = _mm512_loadu_ps(p), n1 = _mm512_loadu_ps(p + 16), n2 = _mm512_loadu_ps(p + 32),
-                 n3 = _mm512_loadu_ps(p + 48);
-    const __m512 t0 = _mm512_shuffle_f32x4(n0, n1, 0x44), t1 = _mm512_shuffle_f32x4(n0, n1, 0xee);
-    const __m512 t2 = _mm512_shuffle_f32x4(n2, n3, 0x44), t3 = _mm512_shuffle_f32x4(n2, n3, 0xee);
-    out[0] = _mm512_shuffle_f32x4(t0, t2, 0x88);
-    out[1] = _mm512_shuffle_f32x4(t0, t2, 0xdd);
-    out[2] = _mm512_shuffle_f32x4(t1, t3, 0x88);
-    out[3] = _mm512_shuffle_f32x4(t1, t3, 0xdd);
 }
 
 /* float_to_bf16 on 16 lanes, as 32-bit lanes holding the bf16 in their low half. */
@@ -388,16 +405,16 @@ static inline __m512i round_bf16(__m512 x) {
     return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
 }
 
-/* float_to_bf16 of the 64 lane-ordered floats in x, into out[0..63] in order. */
+/* float_to_bf16 of the 64 pair-order floats in x, into out[0..63] in order. */
 static inline void store64_bf16(uint16_t *out, const __m512 x[4]) {
 #if defined(__AVX512BF16__)
     /* One instruction rounds two vectors to nearest even (a NaN to a quiet NaN, as float_to_bf16
      * does), but it reads denormal inputs as zero where torch keeps them. So a result with a zero
      * exponent (a zero, or a flushed denormal; rare) sends the 64 elements the exact way below. */
-    const __m512i a = (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]), b = (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]);
-    /* 64-bit groups of four: a holds x[0]'s then x[1]'s, b x[2]'s then x[3]'s; interleave them. */
-    const __m512i out0 = _mm512_permutex2var_epi64(a, _mm512_set_epi64(13, 9, 5, 1, 12, 8, 4, 0), b);
-    const __m512i out1 = _mm512_permutex2var_epi64(a, _mm512_set_epi64(15, 11, 7, 3, 14, 10, 6, 2), b);
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                                6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i out0 = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
+    const __m512i out1 = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
     const __m512i exponent = _mm512_set1_epi16(0x7f80);
     if (!(_mm512_testn_epi16_mask(out0, exponent) | _mm512_testn_epi16_mask(out1, exponent))) {
         _mm512_storeu_si512(out, out0);
@@ -405,30 +422,26 @@ static inline void store64_bf16(uint16_t *out, const __m512 x[4]) {
         return;
     }
 #endif
-    /* Packing within 128-bit lanes puts elements 16L..16L+7 (then 16L+8..16L+15) in lane L. */
-    const __m512i lo = _mm512_packus_epi32(round_bf16(x[0]), round_bf16(x[1]));
-    const __m512i hi = _mm512_packus_epi32(round_bf16(x[2]), round_bf16(x[3]));
-    _mm512_storeu_si512(out, _mm512_permutex2var_epi64(lo, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi));
-    _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi64(lo, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), hi));
+    /* The even element in the low half of each 32 bits, the odd one in the high half. */
+    _mm512_storeu_si512(out, _mm512_or_si512(round_bf16(x[0]), _mm512_slli_epi32(round_bf16(x[1]), 16)));
+    _mm512_storeu_si512(out + 32, _mm512_or_si512(round_bf16(x[2]), _mm512_slli_epi32(round_bf16(x[3]), 16)));
 }
 
-/* The 64 lane-ordered floats in x into base + i, as bf16 or float32. */
+/* The 64 pair-order floats in x into base + i, as bf16 or float32. */
 static inline void store64(void *base, int is_bf16, int64_t i, const __m512 x[4]) {
     if (is_bf16) {
         store64_bf16((uint16_t *)base + i, x);
         return;
     }
-    const __m512 t0 = _mm512_shuffle_f32x4(x[0], x[1], 0x44), t1 = _mm512_shuffle_f32x4(x[0], x[1], 0xee);
-    const __m512 t2 = _mm512_shuffle_f32x4(x[2], x[3], 0x44), t3 = _mm512_shuffle_f32x4(x[2], x[3], 0xee);
     float *p = (float *)base + i;
-    _mm512_storeu_ps(p, _mm512_shuffle_f32x4(t0, t2, 0x88));
-    _mm512_storeu_ps(p + 16, _mm512_shuffle_f32x4(t0, t2, 0xdd));
-    _mm512_storeu_ps(p + 32, _mm512_shuffle_f32x4(t1, t3, 0x88));
-    _mm512_storeu_ps(p + 48, _mm512_shuffle_f32x4(t1, t3, 0xdd));
+    for (int h = 0; h < 2; h++) {
+        _mm512_storeu_ps(p + 32 * h, _mm512_permutex2var_ps(x[2 * h], _mm512_loadu_si512(first_half), x[2 * h + 1]));
+        _mm512_storeu_ps(p + 32 * h + 16, _mm512_permutex2var_ps(x[2 * h], _mm512_loadu_si512(second_half), x[2 * h + 1]));
+    }
 }
 
-/* The ADAMW8BIT_BLOCK loop for a whole block, 64 elements at a time in lane order, same
- * operations in the same order; the moments wait in m and v (lane order, in L1) for the absmax. */
+/* The ADAMW8BIT_BLOCK loop for a whole block, 64 elements at a time in pair order, same
+ * operations in the same order; the moments wait in m and v (pair order, in L1) for the absmax. */
 static void block_avx512(void *param, int param_bf16, const void *grad, int grad_bf16, uint8_t *q1, uint8_t *q2,
                          float *absmax1, float *absmax2, const ByteTable *code1, const ByteTable *code2,
                          const VecTable *t1, const VecTable *t2, const Scalars *s) {
