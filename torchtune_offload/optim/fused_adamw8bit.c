@@ -466,7 +466,7 @@ static void block_avx512(void *param, int param_bf16, const void *grad, int grad
             p[k] = _mm512_add_ps(p[k], _mm512_mul_ps(_mm512_div_ps(mi[k], denom), step));
             _mm512_storeu_ps(m + i + 16 * k, mi[k]);
             _mm512_storeu_ps(v + i + 16 * k, vi[k]);
-            max1 = _mm512_max_ps(max1, _mm512_abs_ps(mi[k]));
+            max1 = _mm512_range_ps(max1, mi[k], 0x0b); /* max(max1, |m|) in one instruction (max1 >= 0) */
             max2 = _mm512_max_ps(max2, vi[k]); /* v >= +0: v and g * g are */
         }
         store64(param, param_bf16, i, p);
