@@ -29,12 +29,14 @@ from torchtune import config, modules, training
 # run's RSS, so the process baseline measured here (process_baseline) holds them too.
 from torchtune._cli import tune as _tune_launcher  # noqa: F401
 from torchtune.config._utils import _merge_yaml_and_cli_args
+from torchtune.models.llama3 import llama3, lora_llama3
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from torchtune_offload.bench.sweep import VARIANTS, overrides_for
 from torchtune_offload.optim.host_memory import offloads, optimizer_state_bytes
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class, split_options
+from torchtune_offload.optim.state_streamer import plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
                                                unquantised_twin)
 from torchtune_offload.plan.trace import StepTrace, UntraceableModelError, build_meta_model, trace_training_step
@@ -103,7 +105,14 @@ def _device_state(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Mod
         own, options = split_options(settings.optimizer_class.__init__, options)
         small = [p for p in trainable if not offloads(p, own["minimal_size"])]
         state, _ = optimizer_state_bytes(base, small, options)
-        return {"optimizer state (parameters below minimal_size)": state}
+        parts = {"optimizer state (parameters below minimal_size)": state}
+        if own.get("update_on") == "device":
+            # The states come to the device a slice at a time, through two staging buffers.
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            parts["state staging (update_on=device)"] = plan_device_staging(
+                named, base_class=base, options=options, minimal_size=own["minimal_size"],
+                staging_bytes=int(own["device_staging_mib"] * 2**20))
+        return parts
     if settings.optimizer_class.__module__.startswith("torch.optim") and not settings.optimizer_in_bwd:
         return {}  # traced with the step
     state, _ = optimizer_state_bytes(settings.optimizer_class, trainable, options)
@@ -317,8 +326,6 @@ def miniature_step(cfg: DictConfig) -> str:
     Returns:
         the fine-tune it ran: ``full``, ``LoRA`` or ``QLoRA``.
     """
-    from torchtune.models.llama3 import llama3, lora_llama3
-
     kind = configured_fine_tune(cfg.model)
     dtype = {"bf16": torch.bfloat16}.get(str(cfg.get("dtype", "fp32")), torch.float32)
     with training.set_default_dtype(dtype):
@@ -388,6 +395,43 @@ def process_baseline(cfg: DictConfig, *, device: torch.device) -> Tuple[int, Lis
     return psutil.Process(os.getpid()).memory_info().rss, notes
 
 
+#: The sweep's variants of each place the update runs, in order of preference.
+_DEVICE_UPDATE = ("offload_device_update_overlap", "offload_device_update")
+_HOST_UPDATE = ("offload_grads_overlap", "offload_grads", "offload_overlap", "offload")
+
+
+def update_on_advice(plans: List[VariantPlan], *, device_budget: Optional[int], host_budget: int) -> Optional[str]:
+    """Where the offloaded update should run, from the planned variants: on the device
+    (``update_on=device``: the states alone on the host) where the weights and gradients fit the
+    device, else on the host (``update_on=host`` with ``offload_gradients``). None without the
+    variants to compare or a device budget."""
+    planned = {p.name: p for p in plans if p.problem is None}
+    device = next((planned[n] for n in _DEVICE_UPDATE if n in planned), None)
+    host = next((planned[n] for n in _HOST_UPDATE if n in planned), None)
+    if device is None or device_budget is None:
+        return None
+
+    def fits(p: VariantPlan) -> bool:
+        return p.device_bytes <= device_budget and p.host_bytes <= host_budget
+
+    def figures(p: VariantPlan) -> str:
+        return f"{p.name}: {p.device_bytes / GIB:.2f} GiB device, {p.host_bytes / GIB:.2f} GiB host"
+
+    other = f" ({figures(host)}{', which fits' if fits(host) else ''})" if host is not None else ""
+    if fits(device):
+        return ("Where the update runs: the weights and gradients fit the device, so optimizer.update_on=device is "
+                f"the better choice ({figures(device)}): only the optimizer states are on the host, and the update "
+                "is the device's own kernel, with no host arithmetic. The host engine needs more host memory and "
+                f"is bound by the host's memory bandwidth{other}.")
+    if device.device_bytes > device_budget:
+        return ("Where the update runs: with optimizer.update_on=device the weights and gradients do not fit the "
+                f"device ({figures(device)}), so the host engine is the choice: optimizer.update_on=host with "
+                f"optimizer.offload_gradients=True, which keeps the gradients off the device too{other}.")
+    return (f"Where the update runs: optimizer.update_on=device fits the device but not the host ({figures(device)}); "
+            "8-bit states (optimizer.optimizer_class=torchtune_offload.AdamW8bit, with update_on=device about "
+            f"half the host memory) or a LoRA fine-tune need less{other}.")
+
+
 def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Optional[int], host_budget: int,
                  config_path: str, seq_len_note: str, fine_tunes: str = "") -> str:
     """A markdown table of the plans, with the budgets and a verdict per variant.
@@ -416,6 +460,9 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
         paged = f"{p.paged_bytes / GIB:.2f}" if p.paged_bytes else "-"
         lines.append(f"| {p.name} | {gib(p.device_bytes)} | {paged} | {verdict(p.device_bytes, device_budget)} | "
                      f"{gib(p.host_bytes)} | {verdict(p.host_bytes, host_budget)} | {what} |")
+    advice = update_on_advice(plans, device_budget=device_budget, host_budget=host_budget)
+    if advice:
+        lines += ["", advice]
     if fine_tunes:
         lines += ["", fine_tunes]
     for p in plans:
