@@ -10,7 +10,8 @@ from torch import nn
 
 from tests.optim.side_by_side import assert_same_params, batches, plain_hooks, tiny_model, train, twin
 from torchtune_offload import AdamW8bit, OffloadOptimizer
-from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES
+from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES, capabilities_of
+from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
 from torchtune_offload.optim.host_arena import aligned_bytes
 from torchtune_offload.optim.state_streamer import plan_device_staging
 
@@ -183,21 +184,34 @@ def test_too_small_a_bound_for_whole_staged_states_is_refused_before_allocating(
     (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True), SMALL_BOUND_MIB / 2),  # one state, 4 bytes
     (torch.optim.Adam, dict(lr=1e-2, amsgrad=True, weight_decay=0.1), SMALL_BOUND_MIB),
     (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.5, centered=True), SMALL_BOUND_MIB),
-    # Blockwise 8-bit states (absmax per 256 elements) are staged whole.
+    # Blockwise 8-bit states (absmax per 256 elements) are staged whole; bitsandbytes' state_dict
+    # packs them (its own loader unpacks them on resume).
     (AdamW8bit, dict(lr=1e-3, min_8bit_size=1000), 1.0),
+    ("bitsandbytes.optim.AdamW8bit", dict(lr=1e-3, min_8bit_size=1000), 1.0),
 ])
-def test_other_base_optimizers_match_themselves_without_offload(base, options, bound_mib):
-    ref = tiny_model().bfloat16() if base is AdamW8bit else tiny_model()
+def test_other_base_optimizers_match_themselves_without_offload_and_resume(base, options, bound_mib):
+    cls = resolve_optimizer_class(base)
+    ref = tiny_model().bfloat16() if cls is AdamW8bit else tiny_model()
     model = twin(ref)
-    ref_opt = base(ref.parameters(), **options)
+    ref_opt = cls(ref.parameters(), **options)
     opt = device_opt(model, base, device_staging_mib=bound_mib, **options)
-    whole = base is AdamW8bit
+    whole = not capabilities_of(cls).elementwise_update
     assert all((len(opt._streamer.slices(s)) == 1) == whole for s in opt._slots if s.streamed)
     data = [(x.to(ref[0].weight.dtype), y.to(ref[0].weight.dtype)) for x, y in batches(num=8)]
     scale, clip = plain_hooks(ref)
     train(ref, ref_opt, data, grad_accum=2, clip=0.5, scale_grads=scale, clip_grads=clip)
-    train(model, opt, data, grad_accum=2, clip=0.5, scale_grads=opt.scale_grads_, clip_grads=opt.clip_grad_norm_)
-    for a, b in zip(ref.parameters(), model.parameters()):
+    train(model, opt, data[:4], grad_accum=2, clip=0.5, scale_grads=opt.scale_grads_, clip_grads=opt.clip_grad_norm_)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    resumed = twin(model)
+    resumed.load_state_dict(saved["model"])
+    opt = device_opt(resumed, base, device_staging_mib=bound_mib, **options)
+    opt.load_state_dict(saved["opt"])
+    train(resumed, opt, data[4:], grad_accum=2, clip=0.5, scale_grads=opt.scale_grads_,
+          clip_grads=opt.clip_grad_norm_)
+    for a, b in zip(ref.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
 
 

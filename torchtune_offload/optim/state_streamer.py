@@ -193,6 +193,16 @@ def _check_created(slot: Slot, plan: _Plan, state: Dict[str, Any], start: int, s
             )
 
 
+def _placed_scalar(value: Any, param: torch.Tensor, group: Dict[str, Any]) -> Any:
+    """A loaded scalar state where torch's optimizers keep it: a step count on the parameter's
+    device for fused or capturable kernels, else on the host, as saved."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if group.get("fused") or group.get("capturable"):
+        return value.to(device=param.device, dtype=torch.float32)
+    return value.clone()
+
+
 class StateStreamer:
     """The only writer of the streamed slots' host states, the staging buffers and the queue of
     device updates.
@@ -248,12 +258,16 @@ class StateStreamer:
     # ------------------------------------------------------------------------- memory
 
     def _allocate_host_states(self) -> Dict[int, Dict[str, torch.Tensor]]:
-        """Every streamed slot's array states in one block, each at a page boundary."""
+        """Every streamed slot's array states, each at a page boundary, in one block per dtype
+        (``torch.save`` refuses views of one storage as different dtypes: 8-bit codes and their
+        fp32 absmax go in two blocks)."""
         specs = [(index, key, shape, dtype) for index, plan in self._plans.items() for key, shape, dtype in plan.layout]
-        made = host_buffers([(shape, dtype) for _, _, shape, dtype in specs], pinning=self._table.pinning)
         host: Dict[int, Dict[str, torch.Tensor]] = {index: {} for index in self._plans}
-        for (index, key, _, _), tensor in zip(specs, made):
-            host[index][key] = tensor
+        for dtype in dict.fromkeys(spec[3] for spec in specs):
+            members = [spec for spec in specs if spec[3] == dtype]
+            made = host_buffers([(shape, dtype) for _, _, shape, _ in members], pinning=self._table.pinning)
+            for (index, key, _, _), tensor in zip(members, made):
+                host[index][key] = tensor
         return host
 
     @property
@@ -421,37 +435,59 @@ class StateStreamer:
 
     def load(self, slot: Slot, saved: Dict[str, Any]) -> None:
         """Restores one streamed slot from its base optimizer's ``state_dict``: the array states
-        into the host buffers (no device copy), the rest through the base optimizer's own loader."""
+        into the host buffers, the rest through the base optimizer's own loader. States saved as
+        plain tensors (torch's optimizers, ``AdamW8bit``) are copied in directly, with no device
+        copy; a format that packs them (bitsandbytes' quantisation state) goes through the base
+        optimizer's loader first, one tensor's states on the device at a time.
+
+        Raises:
+            ValueError: if the loaded states are not those the host buffers were planned for.
+        """
         plan = self._plans[slot.index]
         states = saved.get("state", {})
         arrays = next(iter(states.values()), {}) if states else {}
-        scalars_only = {"state": {k: {n: v for n, v in st.items() if n not in self._host[slot.index]}
-                                  for k, st in states.items()},
-                        "param_groups": saved["param_groups"]}
-        slot.optimizer.load_state_dict(scalars_only)
+        planned = [key for key, _, _ in plan.layout]
+        if arrays and not all(key in arrays for key in planned):
+            slot.optimizer.load_state_dict(saved)
+            arrays = dict(slot.optimizer.state[slot.param])
+            problem = self._layout_problem(slot, arrays)
+            if problem:
+                raise ValueError(f"optimizer checkpoint does not fit this optimizer: {problem}")
+        else:
+            # The hyper-parameters through the base optimizer's loader; the states by hand (its
+            # loader would move them to the parameter's device).
+            slot.optimizer.load_state_dict({"state": {}, "param_groups": saved["param_groups"]})
+            group = slot.optimizer.param_groups[0]
+            slot.optimizer.state[slot.param] = {k: _placed_scalar(v, slot.param, group)
+                                                for k, v in arrays.items() if k not in planned}
         if not arrays:
             self._initialised[slot.index] = False
             slot.optimizer.state.clear()
             return
         with torch.no_grad():
-            for key, _, _ in plan.layout:
+            for key in planned:
                 self._host[slot.index][key].copy_(arrays[key])
-        current = slot.optimizer.state[slot.param]
-        current.update({key: self._host[slot.index][key] for key, _, _ in plan.layout})
+        slot.optimizer.state[slot.param].update({key: self._host[slot.index][key] for key in planned})
         self._initialised[slot.index] = True
 
-    def load_problem(self, slot: Slot, saved: Dict[str, Any]) -> Optional[str]:
-        """Why ``saved`` (a base optimizer ``state_dict``) cannot be loaded into ``slot``, or None."""
-        states = saved.get("state", {}) if isinstance(saved, dict) else {}
-        if not states:
-            return None
-        arrays = next(iter(states.values()))
+    def _layout_problem(self, slot: Slot, arrays: Dict[str, Any]) -> Optional[str]:
         for key, shape, dtype in self._plans[slot.index].layout:
             value = arrays.get(key)
             if not isinstance(value, torch.Tensor) or value.shape != torch.Size(shape) or value.dtype != dtype:
                 found = "missing" if not isinstance(value, torch.Tensor) else f"{value.dtype}{list(value.shape)}"
                 return f"{slot.key}: state {key!r} is {found} in the checkpoint, {dtype}{list(shape)} here"
         return None
+
+    def load_problem(self, slot: Slot, saved: Dict[str, Any]) -> Optional[str]:
+        """Why ``saved`` (a base optimizer ``state_dict``) cannot be loaded into ``slot``, or None
+        (a format that packs its states is checked once its own loader has unpacked them)."""
+        states = saved.get("state", {}) if isinstance(saved, dict) else {}
+        if not states:
+            return None
+        arrays = next(iter(states.values()))
+        if any(isinstance(v, dict) for v in arrays.values()):
+            return None
+        return self._layout_problem(slot, arrays)
 
     def close(self) -> None:
         """Finishes queued updates and removes the forward waits."""
