@@ -51,6 +51,7 @@ STAGING_ALIGNMENT = 256
 def _staged_bytes(numel: int, dtype: torch.dtype) -> int:
     return -(-numel * dtype.itemsize // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
 
+
 #: ``(key, shape, dtype)`` of each array state of a slot, in the base optimizer's order.
 Layout = List[Tuple[str, torch.Size, torch.dtype]]
 
