@@ -66,7 +66,8 @@ def engine_memory_report(table: ParameterTable, staging: StagingRing, streamer: 
     host += streamer.host_bytes
     pinned_total += streamer.host_bytes
     num_offloaded = len(table.offloaded) + len(table.streamed)
-    # Only buffers made by the transfer engine are pinned; states are plain host memory.
+    # Of the host engine's memory only its buffers and the staging ring are pinned; its base
+    # optimizers' states are plain host memory.
     staging_bytes = staging.num_allocated * pinned_allocation_bytes(staging.chunk_bytes, pinned=pinned)
     return OffloadMemoryReport(
         num_offloaded=num_offloaded,
