@@ -184,6 +184,8 @@ def test_too_small_a_bound_for_whole_staged_states_is_refused_before_allocating(
     (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True), SMALL_BOUND_MIB / 2),  # one state, 4 bytes
     (torch.optim.Adam, dict(lr=1e-2, amsgrad=True, weight_decay=0.1), SMALL_BOUND_MIB),
     (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.5, centered=True), SMALL_BOUND_MIB),
+    # Adagrad makes its state in its constructor: adopted into the host buffers at once.
+    (torch.optim.Adagrad, dict(lr=1e-2, initial_accumulator_value=0.1), SMALL_BOUND_MIB / 2),
     # Blockwise 8-bit states (absmax per 256 elements) are staged whole; bitsandbytes' state_dict
     # packs them (its own loader unpacks them on resume).
     (AdamW8bit, dict(lr=1e-3, min_8bit_size=1000), 1.0),
@@ -254,3 +256,97 @@ def test_combinations_that_cannot_work_are_refused_naming_both_keys(options, key
 def test_bad_update_on_is_named():
     with pytest.raises(ValueError, match=r"optimizer\.update_on='gpu': use 'host'.*or 'device'"):
         OffloadOptimizer(tiny_model().named_parameters(), update_on="gpu")
+
+
+def test_a_groups_own_options_plan_its_own_states():
+    """Two weights of one shape in two groups, amsgrad (a third state) in the second only."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 48))
+    ref = twin(model)
+    ref_opt = torch.optim.Adam([{"params": list(ref[0].parameters())},
+                                {"params": list(ref[2].parameters()), "amsgrad": True}], lr=1e-2)
+    named = list(model.named_parameters())
+    opt = OffloadOptimizer([{"params": named[:2]}, {"params": named[2:], "amsgrad": True}], "torch.optim.Adam", lr=1e-2,
+                           update_on="device", minimal_size=MINIMAL_SIZE, device_staging_mib=SMALL_BOUND_MIB)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(6, 48, generator=g)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(x).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert "max_exp_avg_sq" in opt._slots[2].optimizer.state[opt._slots[2].param]
+
+
+def test_a_parameter_no_module_owns_is_updated_in_step():
+    """With overlap, only updates a registered module's forward waits for are queued."""
+    model = tiny_model()
+    extra = nn.Parameter(torch.ones(2048))
+    opt = OffloadOptimizer([*model.named_parameters(), ("extra", extra)], "torch.optim.AdamW", lr=1e-2, overlap=True,
+                           update_on="device", minimal_size=MINIMAL_SIZE, device_staging_mib=SMALL_BOUND_MIB)
+    opt.register_forward_waits(model)
+    x, y = batches(num=1)[0]
+    (((model(x) - y) ** 2).sum() + extra.sum()).backward()
+    opt.step()
+    assert not torch.equal(extra, torch.ones(2048))  # updated in step(), not left waiting for a forward
+    assert torch.equal(model[0].weight, twin(tiny_model())[0].weight)  # queued for the next forward
+
+
+class FailingAdamW(torch.optim.AdamW):
+    """AdamW whose third slice step on a real tensor raises, once (its meta probe steps as usual)."""
+
+    capabilities = dataclasses.replace(PLAIN_CAPABILITIES, elementwise_update=True)
+    calls = 0
+
+    def step(self, closure=None):
+        if not self.param_groups[0]["params"][0].is_meta:
+            FailingAdamW.calls += 1
+            if FailingAdamW.calls == 3:
+                raise RuntimeError("boom")
+        return super().step(closure)
+
+
+def test_a_failed_update_leaves_the_optimizer_on_its_host_states():
+    model = tiny_model()
+    FailingAdamW.calls = 0
+    # Every parameter streamed, so that the third step is the first weight's third slice.
+    opt = OffloadOptimizer(model.named_parameters(), FailingAdamW, lr=1e-2, update_on="device", minimal_size=1,
+                           device_staging_mib=SMALL_BOUND_MIB)
+    x, y = batches(num=1)[0]
+    with pytest.raises(RuntimeError, match="boom"):
+        ((model(x) - y) ** 2).sum().backward()
+        opt.step()
+    slot = next(s for s in opt._slots if s.streamed)
+    assert FailingAdamW.calls == 3 and len(opt._streamer.slices(slot)) > 3  # it failed inside the first slot
+    (stepped,) = slot.optimizer.param_groups[0]["params"]
+    assert stepped is slot.param
+    assert all(key is slot.param for key in slot.optimizer.state)
+
+
+def test_a_bitsandbytes_checkpoint_with_other_states_is_refused_before_anything_loads():
+    model = tiny_model()
+    opt = device_opt(model, "bitsandbytes.optim.AdamW8bit", lr=1e-3, min_8bit_size=1000, device_staging_mib=1.0)
+    x, y = batches(num=1)[0]
+    ((model(x) - y) ** 2).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    # The same shapes, but 32-bit states for the smaller weights (below min_8bit_size 3000).
+    other = device_opt(twin(model), "bitsandbytes.optim.AdamW8bit", lr=1e-3, min_8bit_size=3000,
+                       device_staging_mib=1.0)
+    with pytest.raises(ValueError, match=r"0\.weight: state 'state1' is torch\.uint8\[96, 24\] in the checkpoint, "
+                                         r"torch\.float32\[96, 24\] here"):
+        other.load_state_dict(saved)
+    assert all(not s.optimizer.state for s in other._slots), "a slot was loaded before the refusal"
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(update_on="host", device_staging_mib=64),
+     r"optimizer\.device_staging_mib=64 with optimizer\.update_on=host"),
+    (dict(update_on="device", overlap_timeout_s=30),
+     r"optimizer\.overlap_timeout_s=30 with optimizer\.update_on=device"),
+])
+def test_options_of_the_other_mode_are_refused_not_ignored(options, message):
+    with pytest.raises(ValueError, match=message):
+        OffloadOptimizer(tiny_model().named_parameters(), **options)

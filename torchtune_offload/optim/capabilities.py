@@ -37,6 +37,9 @@ class OptimizerCapabilities:
             gradient and state (and per-tensor scalars such as a step count), so a tensor can be
             stepped slice by slice with the same result (``update_on="device"`` streams such
             states in slices; blockwise or factored states are staged whole).
+        kernels_on_current_stream: its update's device kernels run on torch's current stream
+            (so ``update_on="device"`` with ``overlap`` may run them on a side stream, ordered by
+            events); bitsandbytes' optimizer kernels run on CUDA's legacy default stream.
         overlaps_host_step: takes ``overlap`` and can run its host steps beside GPU work, told
             through ``expect_final_backward(clipping=...)`` which backward ends a window, through
             ``register_forward_waits(model)`` that the next forward waits per module, and
@@ -56,6 +59,7 @@ class OptimizerCapabilities:
     step_timings: bool = False
     overlaps_host_step: bool = False
     elementwise_update: bool = False
+    kernels_on_current_stream: bool = True
     reasons: Mapping[str, str] = field(default_factory=dict)
 
     def why_not(self, capability: str) -> str:
@@ -97,6 +101,7 @@ _PLAIN_BY_MODULE_PREFIX: Mapping[str, OptimizerCapabilities] = {
     "bitsandbytes.": dataclasses.replace(
         PLAIN_CAPABILITIES,
         runs_under_fsdp2=False,
+        kernels_on_current_stream=False,
         reasons={
             **PLAIN_CAPABILITIES.reasons,
             "runs_under_fsdp2": "bitsandbytes' update kernels have no DTensor sharding rules, so "

@@ -23,7 +23,7 @@ from torchtune_offload.optim.host_memory import HostMemoryPlan
 from torchtune_offload.optim.memory_report import OffloadMemoryReport, engine_memory_report
 import torchtune_offload.optim.offload_checkpoint as offload_checkpoint
 from torchtune_offload.optim.offload_checkpoint import STATE_DICT_FORMAT
-from torchtune_offload.optim.offload_options import DEVICE_STAGING_MIB, OffloadOptions, precision_option
+from torchtune_offload.optim.offload_options import OffloadOptions, precision_option
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
 from torchtune_offload.optim.overlap_scheduler import OverlapScheduler
 from torchtune_offload.optim.param_table import ParameterTable, named_groups, plan_table_memory, training_device
@@ -82,7 +82,7 @@ class OffloadOptimizer(Optimizer):
         overlap: bool = False,
         overlap_timeout_s: Optional[float] = None,
         update_on: str = "host",
-        device_staging_mib: float = DEVICE_STAGING_MIB,
+        device_staging_mib: Optional[float] = None,
         **kwargs: Any,
     ) -> None:
         self.base_class = resolve_optimizer_class(optimizer_class)
@@ -292,7 +292,7 @@ class OffloadOptimizer(Optimizer):
         if not set_to_none:
             # Device gradients may still be being copied down, or read by queued updates.
             self._transfer.compute_waits_for_copies()
-            self._streamer.synchronize()
+            self._streamer.wait_pending()
         for slot in self._table.slots:
             # Host sums a queued step still reads are left to it.
             self._grads.zero(slot, set_to_none=set_to_none, host=self._scheduler.pending(slot) is None)

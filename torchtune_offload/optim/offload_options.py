@@ -71,7 +71,8 @@ class OffloadOptions:
             arithmetic and host memory for the states alone; it needs the gradients on the
             device, so ``offload_gradients``, ``master_dtype`` and ``grad_sum_dtype`` do not apply.
         device_staging_mib: with ``update_on="device"``, the bound on the device memory that
-            stages states on their way (two buffers of half of it each), in MiB.
+            stages states on their way (two buffers of half of it each), in MiB; ``None``
+            (default): 256. Refused with ``update_on="host"``.
     """
 
     offload_gradients: bool
@@ -100,7 +101,7 @@ class OffloadOptions:
         overlap: Any,
         overlap_timeout_s: Any,
         update_on: Any = "host",
-        device_staging_mib: Any = DEVICE_STAGING_MIB,
+        device_staging_mib: Any = None,
     ) -> "OffloadOptions":
         """Checks config values (YAML strings included) and returns them typed.
 
@@ -126,27 +127,37 @@ class OffloadOptions:
                 "or null to wait for host work without a limit."
             )
         _check_update_on(update_on, device_staging_mib, offload_gradients=offload, master_dtype=master_dtype,
-                         grad_sum_dtype=grad_sum_dtype)
+                         grad_sum_dtype=grad_sum_dtype, overlap_timeout_s=overlap_timeout_s)
         return cls(
             offload_gradients=offload, minimal_size=minimal_size, master_dtype=master,
             grad_sum_dtype=grad_sum, fused_master_step=fused, overlap=overlapped,
             overlap_timeout_s=None if overlap_timeout_s is None else float(overlap_timeout_s),
-            update_on=update_on, device_staging_mib=float(device_staging_mib),
+            update_on=update_on,
+            device_staging_mib=DEVICE_STAGING_MIB if device_staging_mib is None else float(device_staging_mib),
         )
 
 
 def _check_update_on(update_on: Any, device_staging_mib: Any, *, offload_gradients: bool, master_dtype: Any,
-                     grad_sum_dtype: Any) -> None:
+                     grad_sum_dtype: Any, overlap_timeout_s: Any) -> None:
     """Refuses an ``update_on`` value, a staging bound, or a combination that cannot work."""
     if update_on not in UPDATE_ON:
         raise ValueError(f"optimizer.update_on={update_on!r}: use 'host' (updates on host copies, the "
                          "default) or 'device' (states in host memory, updates on the device).")
-    if (isinstance(device_staging_mib, bool) or not isinstance(device_staging_mib, (int, float))
-            or not device_staging_mib > 0):
+    if device_staging_mib is not None and (isinstance(device_staging_mib, bool)
+                                           or not isinstance(device_staging_mib, (int, float))
+                                           or not device_staging_mib > 0):
         raise ValueError(f"optimizer.device_staging_mib={device_staging_mib!r} must be a positive number of "
                          f"MiB (the default is {DEVICE_STAGING_MIB:g}).")
     if update_on != "device":
+        if device_staging_mib is not None:
+            raise ValueError(f"optimizer.device_staging_mib={device_staging_mib} with optimizer.update_on=host: the "
+                             "bound applies to states staged on the device. Set optimizer.update_on=device, or "
+                             "remove it (~optimizer.device_staging_mib).")
         return
+    if overlap_timeout_s is not None:
+        raise ValueError(f"optimizer.overlap_timeout_s={overlap_timeout_s} with optimizer.update_on=device: the "
+                         "timeout bounds waits for host workers, which this mode does not use. Remove it "
+                         "(~optimizer.overlap_timeout_s), or set optimizer.update_on=host.")
     # Each of these needs the gradient (or a copy of the weights) on the host, which this mode never makes.
     refused = [(offload_gradients, "offload_gradients=True", "gradients stay on the device for the device's "
                 "update", "optimizer.offload_gradients=False"),

@@ -30,12 +30,13 @@ module that owns it is about to, so the tests check the wait of every module.
 """
 
 import contextlib
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from torchtune_offload.optim.capabilities import capabilities_of
-from torchtune_offload.optim.host_arena import NONE, buffer_bytes, host_buffers
+from torchtune_offload.optim.host_arena import ALLOCATOR, NONE, PageLockError, buffer_bytes, host_buffers
 from torchtune_offload.optim.host_memory import HostMemoryPlan, offloads, probe_state
 from torchtune_offload.optim.overlap import register_module_waits
 from torchtune_offload.optim.param_table import ParameterTable, Slot
@@ -123,11 +124,17 @@ def _slice_plan(key: str, cls: type, param: torch.Tensor, layout: Layout, scalar
                    and all(torch.Size(shape).numel() == numel for _, shape, _ in layout))
     padding = STAGING_ALIGNMENT * len(layout)
     if not elementwise:
+        if not capabilities_of(cls).elementwise_update:
+            why_whole = "its update is not declared elementwise"
+        elif not param.is_contiguous():
+            why_whole = "the parameter is not contiguous"
+        else:
+            why_whole = "its states are not shaped like the parameter"
         need = sum(_staged_bytes(torch.Size(s).numel(), d) for _, s, d in layout)
         if need > half_bytes:
             raise ValueError(
                 f"optimizer.device_staging_mib: {key}'s {cls.__name__} states are staged "
-                f"whole ({need / 2**20:.3g} MiB; they are not elementwise), but one of the two staging buffers "
+                f"whole ({need / 2**20:.3g} MiB; {why_whole}), but one of the two staging buffers "
                 f"holds {half_bytes / 2**20:.3g} MiB. Set optimizer.device_staging_mib to at least "
                 f"{2 * need / 2**20:.3g}, or optimizer.update_on=host."
             )
@@ -227,15 +234,19 @@ class StateStreamer:
         self.staging_bound = staging_bytes
         self.overlap = overlap
         self._plans: Dict[int, _Plan] = {}
-        layouts: Dict[Tuple[type, torch.Size, torch.dtype], Tuple[Layout, List[str]]] = {}
+        layouts: Dict[Tuple[type, int, torch.Size, torch.dtype], Tuple[Layout, List[str]]] = {}
         for slot in table.streamed:
-            key = (type(slot.optimizer), slot.param.shape, slot.param.dtype)
+            # A group's options can change the states (amsgrad, momentum): one probe per group and kind of tensor.
+            key = (type(slot.optimizer), slot.group_index, slot.param.shape, slot.param.dtype)
             if key not in layouts:  # one probe per distinct kind of tensor
                 layouts[key] = state_layout(type(slot.optimizer), table.group_options[slot.group_index], slot.param)
             self._plans[slot.index] = _slice_plan(slot.key, type(slot.optimizer), slot.param, *layouts[key],
                                                   staging_bytes // 2)
+        self.pinning = table.pinning
         self._host = self._allocate_host_states()
-        self._initialised = {index: False for index in self._plans}
+        self._initialised = {index: self._adopt_constructed_states(table.slots[index]) for index in self._plans}
+        # bitsandbytes' kernels ignore torch's current stream: its updates are never moved to a side stream.
+        self._side_stream_safe = all(capabilities_of(type(s.optimizer)).kernels_on_current_stream for s in table.streamed)
         largest = _largest_slice_bytes(list(self._plans.values()))
         device = transfer.device
         # Two buffers, each as large as the largest slice needs and never above half the bound.
@@ -263,18 +274,48 @@ class StateStreamer:
         (``torch.save`` refuses views of one storage as different dtypes: 8-bit codes and their
         fp32 absmax go in two blocks)."""
         specs = [(index, key, shape, dtype) for index, plan in self._plans.items() for key, shape, dtype in plan.layout]
+        try:
+            made = self._carve(specs)
+        except PageLockError as err:
+            warnings.warn(f"host memory could not be page-locked in place ({err}); pinning each state buffer with "
+                          "torch's allocator instead, which rounds it up to a power of two", stacklevel=4)
+            self.pinning = ALLOCATOR
+            made = self._carve(specs)
         host: Dict[int, Dict[str, torch.Tensor]] = {index: {} for index in self._plans}
+        for (index, key, _, _), tensor in zip(specs, made):
+            host[index][key] = tensor
+        return host
+
+    def _carve(self, specs: List[Tuple[int, str, torch.Size, torch.dtype]]) -> List[torch.Tensor]:
+        made: Dict[Tuple[int, str], torch.Tensor] = {}
         for dtype in dict.fromkeys(spec[3] for spec in specs):
             members = [spec for spec in specs if spec[3] == dtype]
-            made = host_buffers([(shape, dtype) for _, _, shape, _ in members], pinning=self._table.pinning)
-            for (index, key, _, _), tensor in zip(members, made):
-                host[index][key] = tensor
-        return host
+            for (index, key, _, _), tensor in zip(members, host_buffers([(shape, dtype) for _, _, shape, _ in members],
+                                                                         pinning=self.pinning)):
+                made[(index, key)] = tensor
+        return [made[(index, key)] for index, key, _, _ in specs]
+
+    def _adopt_constructed_states(self, slot: Slot) -> bool:
+        """Moves array states the base optimizer made in its constructor (Adagrad's ``sum``) into
+        the host buffers, freeing their device copies. Returns whether the slot has states now."""
+        state = slot.optimizer.state.get(slot.param)
+        if not state:
+            return False
+        plan = self._plans[slot.index]
+        problem = self._layout_problem(slot, state)
+        if problem:
+            raise RuntimeError(f"{type(slot.optimizer).__name__}'s constructor made states its meta probe did not "
+                               f"plan ({problem}); use optimizer.update_on=host with it.")
+        with torch.no_grad():
+            for key, _, _ in plan.layout:
+                self._host[slot.index][key].copy_(state[key])
+        state.update({key: self._host[slot.index][key] for key, _, _ in plan.layout})
+        return True
 
     @property
     def host_bytes(self) -> int:
         """Host bytes of the states, as allocated."""
-        return sum(plan_state_bytes(plan.layout, pinning=self._table.pinning) for plan in self._plans.values())
+        return sum(plan_state_bytes(plan.layout, pinning=self.pinning) for plan in self._plans.values())
 
     @property
     def state_bytes(self) -> int:
@@ -311,66 +352,85 @@ class StateStreamer:
         plan = self._plans[slot.index]
         opt = slot.optimizer
         param = slot.param
-        host_state = opt.state.get(param, {})
+        host_state = dict(opt.state.get(param, {}))
         scalars = {k: host_state[k] for k in plan.scalars if k in host_state}
-        initialised = self._initialised[slot.index]
-        flat_param = param.detach() if plan.whole else param.detach().view(-1)
-        flat_grad = grad if plan.whole else grad.view(-1)
         if self._up is not None and self._downloaded.get(slot.index) is not None:
             # The previous step's downloads of this slot must be in host memory before uploads read it.
             self._up.wait_event(self._downloaded[slot.index])
-        computed = None
-        new_scalars: Dict[str, Any] = {}
-        for start, stop in plan.slices:
-            index = self._next_buffer
-            self._next_buffer ^= 1
-            staged = self._staged_views(self._buffers[index], plan, start, stop) if self._buffers else {}
-            if self._up is not None and self._buffer_free[index] is not None:
-                self._up.wait_event(self._buffer_free[index])
-            uploaded = None
-            if initialised:
-                for key, view in staged.items():
-                    uploaded = self._transfer.timed_copy(view, self._host_slice(slot, key, start, stop),
-                                                         kind="state_up", stream=self._up)
-            if stream is not None and uploaded is not None:
-                stream.wait_event(uploaded)
-            view = flat_param if plan.whole else flat_param[start:stop]
-            view.grad = flat_grad if plan.whole else flat_grad[start:stop]
-            with self._stream(stream):
-                # Every slice starts from the scalars before the step (each takes one step); a
-                # scalar on the device (a fused kernel's step count) is copied on the update's stream.
-                state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
-                if initialised:
-                    state.update(staged)
-                opt.param_groups[0]["params"] = [view]
-                opt.state.clear()
-                if initialised or scalars:
-                    opt.state[view] = state
-                opt.step()
-                computed = self._module.Event() if stream is not None else None
-                if computed is not None:
-                    computed.record(stream)
-            result = opt.state[view]
-            view.grad = None
-            if not initialised:
-                _check_created(slot, plan, result, start, stop)
-            if self._down is not None:
-                self._down.wait_event(computed)
-            freed = None
-            for key, _, _ in plan.layout:
-                freed = self._transfer.timed_copy(self._host_slice(slot, key, start, stop), result[key],
-                                                  kind="state_down", stream=self._down)
-                if self._down is not None and result[key].data_ptr() != staged[key].data_ptr():
-                    # A state the base optimizer created (first step): keep its memory until copied.
-                    result[key].record_stream(self._down)
-            self._buffer_free[index] = freed
-            new_scalars = {k: result[k] for k in plan.scalars if k in result}
-        self._downloaded[slot.index] = self._buffer_free[self._next_buffer ^ 1]
-        opt.param_groups[0]["params"] = [param]
-        opt.state.clear()
+        computed, new_scalars = None, scalars
+        try:
+            for start, stop in plan.slices:
+                computed, new_scalars = self._run_slice(slot, grad, stream, start, stop, scalars)
+        finally:
+            # Whatever happened, the base optimizer steps the parameter and keeps the host states
+            # (a failed step leaves the states it had, so state_dict() never saves staging memory).
+            opt.param_groups[0]["params"] = [param]
+            opt.state.clear()
+            if self._initialised[slot.index] or host_state:
+                opt.state[param] = {**host_state, **{k: self._host[slot.index][k] for k, _, _ in plan.layout}}
         opt.state[param] = {**{k: self._host[slot.index][k] for k, _, _ in plan.layout}, **new_scalars}
         self._initialised[slot.index] = True
         return computed
+
+    def _run_slice(self, slot: Slot, grad: torch.Tensor, stream: Optional[object], start: int, stop: int,
+                   scalars: Dict[str, Any]) -> Tuple[Optional[object], Dict[str, Any]]:
+        """One slice of :meth:`_run`: upload, update, download. Returns the update's event and the
+        scalar states after it."""
+        plan = self._plans[slot.index]
+        opt = slot.optimizer
+        initialised = self._initialised[slot.index]
+        staged: Dict[str, torch.Tensor] = {}
+        index = None
+        if plan.layout:  # a base optimizer without array states (SGD without momentum) stages nothing
+            index = self._next_buffer
+            self._next_buffer ^= 1
+            staged = self._staged_views(self._buffers[index], plan, start, stop)
+            if self._up is not None and self._buffer_free[index] is not None:
+                self._up.wait_event(self._buffer_free[index])
+        if initialised:
+            uploaded = None
+            for key, view in staged.items():
+                uploaded = self._transfer.timed_copy(view, self._host_slice(slot, key, start, stop),
+                                                     kind="state_up", stream=self._up)
+            if stream is not None and uploaded is not None:
+                stream.wait_event(uploaded)
+        view = slot.param.detach() if plan.whole else slot.param.detach().view(-1)[start:stop]
+        view.grad = grad if plan.whole else grad.view(-1)[start:stop]
+        computed = None
+        with self._stream(stream):
+            # Every slice starts from the scalars before the step (each takes one step); a scalar
+            # on the device (a fused kernel's step count) is copied on the update's stream.
+            state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
+            if initialised:
+                state.update(staged)
+            opt.param_groups[0]["params"] = [view]
+            opt.state.clear()
+            if state:
+                opt.state[view] = state
+            opt.step()
+            result = opt.state[view]
+            if not initialised:
+                _check_created(slot, plan, result, start, stop)
+                # The states the first step created go through the staging buffer too, and are
+                # freed on this stream right away: the device never holds more than one slice of them.
+                for key, target in staged.items():
+                    target.copy_(result[key])
+            if stream is not None:
+                computed = self._module.Event()
+                computed.record(stream)
+        view.grad = None
+        new_scalars = {k: result[k] for k in plan.scalars if k in result}
+        if index is None:
+            return computed, new_scalars
+        if self._down is not None:
+            self._down.wait_event(computed)
+        freed = None
+        for key, target in staged.items():
+            freed = self._transfer.timed_copy(self._host_slice(slot, key, start, stop), target,
+                                              kind="state_down", stream=self._down)
+        self._buffer_free[index] = freed
+        self._downloaded[slot.index] = freed
+        return computed, new_scalars
 
     def _stream(self, stream):
         return self._module.stream(stream) if stream is not None else contextlib.nullcontext()
@@ -378,22 +438,23 @@ class StateStreamer:
     # -------------------------------------------------------------------------- queueing
 
     def update(self, slots: List[Slot]) -> None:
-        """Updates the streamed ``slots`` (those with a gradient) now, or queues them for the
-        next forward (``overlap`` with forward waits)."""
-        self.synchronize()
-        queue = self.overlap and self.forward_waits
-        if queue:
-            slots = sorted(slots, key=lambda s: self._order.get(s.index, len(self._order) + s.index))
-        if not queue or self._update_stream is None:
-            for slot in slots:
-                if queue:  # CPU emulation: each update waits for the forward that needs it
-                    self._pending[slot.index] = slot.param.grad
-                else:
-                    self._run(slot, slot.param.grad, self._current_stream())
-            return
-        # Accelerator: the updates run on a side stream, in the next forward's order.
-        self._update_stream.wait_stream(self._current_stream())
+        """Updates the streamed ``slots`` (those with a gradient) now, or queues those a
+        registered module's forward waits for (``overlap`` with forward waits; on an accelerator
+        only for base optimizers whose kernels run on torch's current stream)."""
+        self.wait_pending()
+        queue = self.overlap and self.forward_waits and (self._update_stream is None or self._side_stream_safe)
+        queued = sorted((s for s in slots if queue and s.index in self._order), key=lambda s: self._order[s.index])
         for slot in slots:
+            if slot not in queued:  # nothing would wait for it: now, on the compute stream
+                self._run(slot, slot.param.grad, self._current_stream())
+        if self._update_stream is None:
+            for slot in queued:  # CPU emulation: each update waits for the forward that needs it
+                self._pending[slot.index] = slot.param.grad
+            return
+        if queued:
+            # Accelerator: the updates run on a side stream, in the next forward's order.
+            self._update_stream.wait_stream(self._current_stream())
+        for slot in queued:
             grad = slot.param.grad
             grad.record_stream(self._update_stream)
             self._pending[slot.index] = self._run(slot, grad, self._update_stream)
@@ -412,10 +473,14 @@ class StateStreamer:
         elif queued is not None:
             self._current_stream().wait_event(queued)
 
+    def wait_pending(self) -> None:
+        """Orders what comes next after every queued update (running them on a CPU-only machine)."""
+        for index in sorted(self._pending, key=lambda i: self._order[i]):
+            self.wait(self._table.slots[index])
+
     def synchronize(self) -> None:
         """Finishes every queued update, and waits until the states are back in host memory."""
-        for index in sorted(self._pending, key=lambda i: self._order.get(i, len(self._order) + i)):
-            self.wait(self._table.slots[index])
+        self.wait_pending()
         if self._down is not None:
             self._down.synchronize()
 
@@ -487,7 +552,15 @@ class StateStreamer:
             return None
         arrays = next(iter(states.values()))
         if any(isinstance(v, dict) for v in arrays.values()):
-            return None
+            # A packed format (bitsandbytes'): unpacked by its own loader into a throwaway optimizer
+            # over a meta parameter, so that nothing is loaded before every slot is checked.
+            probe = torch.nn.Parameter(torch.empty(slot.param.shape, dtype=slot.param.dtype, device="meta"))
+            try:
+                throwaway = type(slot.optimizer)([probe], **self._table.group_options[slot.group_index])
+                throwaway.load_state_dict(saved)
+            except Exception as err:  # any loader may refuse a checkpoint: say which slot and why
+                return f"{slot.key}: its {type(slot.optimizer).__name__} state could not be read ({err})"
+            arrays = dict(throwaway.state[probe])
         return self._layout_problem(slot, arrays)
 
     def close(self) -> None:

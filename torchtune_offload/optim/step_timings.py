@@ -70,7 +70,7 @@ class StepTimings:
         the host step the training thread did not wait for. With overlap the host work of a window
         finishes during the next one, so the figures describe the steady state over steps, not
         one window. With ``update_on="device"``, ``state_upload_s`` / ``state_download_s``: the
-        streamed states' copies, and ``offload_wait_s`` includes the updates the training thread
-        waited for.
+        streamed states' copies (on an accelerator, counted once they have finished), and on a
+        CPU-only machine ``offload_wait_s`` includes the queued updates the forward ran.
         """
         return dict(self._last)

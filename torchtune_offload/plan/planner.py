@@ -35,6 +35,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from torchtune_offload.bench.sweep import VARIANTS, overrides_for
 from torchtune_offload.optim.host_memory import offloads, optimizer_state_bytes
+from torchtune_offload.optim.offload_options import DEVICE_STAGING_MIB
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class, split_options
 from torchtune_offload.optim.state_streamer import plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
@@ -111,7 +112,7 @@ def _device_state(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Mod
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             parts["state staging (update_on=device)"] = plan_device_staging(
                 named, base_class=base, options=options, minimal_size=own["minimal_size"],
-                staging_bytes=int(own["device_staging_mib"] * 2**20))
+                staging_bytes=int((own["device_staging_mib"] or DEVICE_STAGING_MIB) * 2**20))
         return parts
     if settings.optimizer_class.__module__.startswith("torch.optim") and not settings.optimizer_in_bwd:
         return {}  # traced with the step
@@ -428,8 +429,9 @@ def update_on_advice(plans: List[VariantPlan], *, device_budget: Optional[int], 
                 f"device ({figures(device)}), so the host engine is the choice: optimizer.update_on=host with "
                 f"optimizer.offload_gradients=True, which keeps the gradients off the device too{other}.")
     return (f"Where the update runs: optimizer.update_on=device fits the device but not the host ({figures(device)}); "
-            "8-bit states (optimizer.optimizer_class=torchtune_offload.AdamW8bit, with update_on=device about "
-            f"half the host memory) or a LoRA fine-tune need less{other}.")
+            "8-bit states with update_on=device (optimizer.optimizer_class=bitsandbytes.optim.AdamW8bit: about half "
+            "the host memory; staged whole, so optimizer.device_staging_mib must hold twice the largest tensor's "
+            f"states) or a LoRA fine-tune need less{other}.")
 
 
 def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Optional[int], host_budget: int,
