@@ -77,6 +77,16 @@ def state_layout(cls: type, options: Dict[str, Any], param: torch.Tensor) -> Tup
     return arrays, scalars
 
 
+def _cached_layout(cache: Dict[tuple, Tuple[Layout, List[str]]], cls: type, options: Dict[str, Any],
+                   param: torch.Tensor, *, group: int = 0) -> Tuple[Layout, List[str]]:
+    """:func:`state_layout`, probed once per optimizer class, parameter group (its options can
+    change the states: amsgrad, momentum), shape and dtype."""
+    key = (cls, group, param.shape, param.dtype)
+    if key not in cache:
+        cache[key] = state_layout(cls, options, param)
+    return cache[key]
+
+
 def plan_state_bytes(layout: Layout, *, pinning: str) -> int:
     """Host bytes of one slot's array states as :class:`StateStreamer` allocates them."""
     return sum(buffer_bytes(int(torch.Size(shape).numel()) * dtype.itemsize, pinning=pinning)
@@ -87,14 +97,11 @@ def plan_streamed_memory(params: List[torch.Tensor], *, base_class: type, option
                          minimal_size: int, pinning: str) -> HostMemoryPlan:
     """The host memory of ``update_on="device"`` for trainable ``params`` (meta tensors work): the
     array states of those with at least ``minimal_size`` elements, nothing else."""
-    plan = HostMemoryPlan()
-    sizes: Dict[Tuple[torch.Size, torch.dtype], int] = {}
+    plan, cache = HostMemoryPlan(), {}
     for p in params:
         if offloads(p, minimal_size):
-            key = (p.shape, p.dtype)
-            if key not in sizes:
-                sizes[key] = plan_state_bytes(state_layout(base_class, options, p)[0], pinning=pinning)
-            plan.add("optimizer state" + ("" if pinning == NONE else " (pinned)"), sizes[key])
+            layout, _ = _cached_layout(cache, base_class, options, p)
+            plan.add("optimizer state" + ("" if pinning == NONE else " (pinned)"), plan_state_bytes(layout, pinning=pinning))
     return plan
 
 
@@ -171,14 +178,26 @@ def plan_device_staging(params: List[Tuple[str, torch.Tensor]], *, base_class: t
     Raises:
         ValueError: as the streamer would, if a state cannot be planned or the bound is too small.
     """
-    layouts: Dict[Tuple[torch.Size, torch.dtype], Tuple[Layout, List[str]]] = {}
-    plans = []
-    for key, p in params:
-        if offloads(p, minimal_size):
-            if (p.shape, p.dtype) not in layouts:
-                layouts[(p.shape, p.dtype)] = state_layout(base_class, options, p)
-            plans.append(_slice_plan(key, base_class, p, *layouts[(p.shape, p.dtype)], staging_bytes // 2))
+    cache: Dict[tuple, Tuple[Layout, List[str]]] = {}
+    plans = [_slice_plan(key, base_class, p, *_cached_layout(cache, base_class, options, p), staging_bytes // 2)
+             for key, p in params if offloads(p, minimal_size)]
     return 2 * _largest_slice_bytes(plans)
+
+
+def _layout_mismatch(layout: Layout, state: Dict[str, Any]) -> Optional[Tuple[str, str, str]]:
+    """The first state of ``layout`` that ``state`` lacks or holds in another shape or dtype, as
+    ``(key, what state holds, what the layout plans)``; None if all match."""
+    for key, shape, dtype in layout:
+        value = state.get(key)
+        if not isinstance(value, torch.Tensor) or value.shape != torch.Size(shape) or value.dtype != dtype:
+            found = f"{value.dtype}{list(value.shape)}" if isinstance(value, torch.Tensor) else "missing"
+            return key, found, f"{dtype}{list(shape)}"
+    return None
+
+
+def _describe(mismatch: Tuple[str, str, str]) -> str:
+    key, found, planned = mismatch
+    return f"state {key!r} is {found}, {planned} planned"
 
 
 def _check_created(slot: Slot, plan: _Plan, state: Dict[str, Any], start: int, stop: int) -> None:
@@ -186,19 +205,13 @@ def _check_created(slot: Slot, plan: _Plan, state: Dict[str, Any], start: int, s
     (never copied into buffers of another size or dtype)."""
     planned = {key for key, _, _ in plan.layout}
     extra = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and k not in planned]
-    if extra:
-        raise RuntimeError(f"{slot.key}: {type(slot.optimizer).__name__} created states {extra} that its probe on "
-                           "meta tensors did not; use optimizer.update_on=host with it.")
-    for key, shape, dtype in plan.layout:
-        value = state.get(key)
-        numel = torch.Size(shape).numel() if plan.whole else stop - start
-        if not isinstance(value, torch.Tensor) or value.numel() != numel or value.dtype != dtype:
-            found = f"{value.dtype}[{value.numel()}]" if isinstance(value, torch.Tensor) else "missing"
-            raise RuntimeError(
-                f"{slot.key}: {type(slot.optimizer).__name__} created state {key!r} as {found}, but its probe on "
-                f"meta tensors planned {dtype}[{numel}]; its states depend on more than its options, shape and "
-                "dtype. Use optimizer.update_on=host with it."
-            )
+    layout = plan.layout if plan.whole else [(k, torch.Size([stop - start]), d) for k, _, d in plan.layout]
+    mismatch = _layout_mismatch(layout, state)
+    problem = f"created states {extra} it did not plan" if extra else mismatch and _describe(mismatch)
+    if problem:
+        raise RuntimeError(f"{slot.key}: {type(slot.optimizer).__name__} {problem} (by its probe on meta tensors); "
+                           "its states depend on more than its options, shape and dtype. Use "
+                           "optimizer.update_on=host with it.")
 
 
 def _placed_scalar(value: Any, param: torch.Tensor, group: Dict[str, Any]) -> Any:
@@ -231,17 +244,14 @@ class StateStreamer:
         self._table = table
         self._transfer = transfer
         self._timings = timings
-        self.staging_bound = staging_bytes
         self.overlap = overlap
         self._plans: Dict[int, _Plan] = {}
-        layouts: Dict[Tuple[type, int, torch.Size, torch.dtype], Tuple[Layout, List[str]]] = {}
+        cache: Dict[tuple, Tuple[Layout, List[str]]] = {}
         for slot in table.streamed:
-            # A group's options can change the states (amsgrad, momentum): one probe per group and kind of tensor.
-            key = (type(slot.optimizer), slot.group_index, slot.param.shape, slot.param.dtype)
-            if key not in layouts:  # one probe per distinct kind of tensor
-                layouts[key] = state_layout(type(slot.optimizer), table.group_options[slot.group_index], slot.param)
-            self._plans[slot.index] = _slice_plan(slot.key, type(slot.optimizer), slot.param, *layouts[key],
-                                                  staging_bytes // 2)
+            cls = type(slot.optimizer)
+            layout = _cached_layout(cache, cls, table.group_options[slot.group_index], slot.param,
+                                    group=slot.group_index)
+            self._plans[slot.index] = _slice_plan(slot.key, cls, slot.param, *layout, staging_bytes // 2)
         self.pinning = table.pinning
         self._host = self._allocate_host_states()
         self._initialised = {index: self._adopt_constructed_states(table.slots[index]) for index in self._plans}
@@ -302,10 +312,10 @@ class StateStreamer:
         if not state:
             return False
         plan = self._plans[slot.index]
-        problem = self._layout_problem(slot, state)
-        if problem:
-            raise RuntimeError(f"{type(slot.optimizer).__name__}'s constructor made states its meta probe did not "
-                               f"plan ({problem}); use optimizer.update_on=host with it.")
+        mismatch = _layout_mismatch(plan.layout, state)
+        if mismatch:
+            raise RuntimeError(f"{slot.key}: {type(slot.optimizer).__name__}'s constructor made states its meta probe "
+                               f"did not plan ({_describe(mismatch)}); use optimizer.update_on=host with it.")
         with torch.no_grad():
             for key, _, _ in plan.layout:
                 self._host[slot.index][key].copy_(state[key])
@@ -352,23 +362,24 @@ class StateStreamer:
         plan = self._plans[slot.index]
         opt = slot.optimizer
         param = slot.param
-        host_state = dict(opt.state.get(param, {}))
+        host_state = opt.state.get(param, {})
         scalars = {k: host_state[k] for k in plan.scalars if k in host_state}
         if self._up is not None and self._downloaded.get(slot.index) is not None:
             # The previous step's downloads of this slot must be in host memory before uploads read it.
             self._up.wait_event(self._downloaded[slot.index])
-        computed, new_scalars = None, scalars
+        computed, new_scalars, done = None, scalars, False
         try:
             for start, stop in plan.slices:
                 computed, new_scalars = self._run_slice(slot, grad, stream, start, stop, scalars)
+            done = True
         finally:
             # Whatever happened, the base optimizer steps the parameter and keeps the host states
-            # (a failed step leaves the states it had, so state_dict() never saves staging memory).
+            # (a failed step keeps the scalars it had, so state_dict() never saves staging memory).
             opt.param_groups[0]["params"] = [param]
             opt.state.clear()
-            if self._initialised[slot.index] or host_state:
-                opt.state[param] = {**host_state, **{k: self._host[slot.index][k] for k, _, _ in plan.layout}}
-        opt.state[param] = {**{k: self._host[slot.index][k] for k, _, _ in plan.layout}, **new_scalars}
+            if done or self._initialised[slot.index]:
+                opt.state[param] = {**{k: self._host[slot.index][k] for k, _, _ in plan.layout},
+                                    **(new_scalars if done else scalars)}
         self._initialised[slot.index] = True
         return computed
 
@@ -438,10 +449,10 @@ class StateStreamer:
     # -------------------------------------------------------------------------- queueing
 
     def update(self, slots: List[Slot]) -> None:
-        """Updates the streamed ``slots`` (those with a gradient) now, or queues those a
+        """Updates the streamed ``slots`` (those with a gradient; what was queued before must be
+        finished, as ``OffloadOptimizer.step`` does first) now, or queues those a
         registered module's forward waits for (``overlap`` with forward waits; on an accelerator
         only for base optimizers whose kernels run on torch's current stream)."""
-        self.wait_pending()
         queue = self.overlap and self.forward_waits and (self._update_stream is None or self._side_stream_safe)
         queued = sorted((s for s in slots if queue and s.index in self._order), key=lambda s: self._order[s.index])
         for slot in slots:
@@ -537,12 +548,11 @@ class StateStreamer:
         self._initialised[slot.index] = True
 
     def _layout_problem(self, slot: Slot, arrays: Dict[str, Any]) -> Optional[str]:
-        for key, shape, dtype in self._plans[slot.index].layout:
-            value = arrays.get(key)
-            if not isinstance(value, torch.Tensor) or value.shape != torch.Size(shape) or value.dtype != dtype:
-                found = "missing" if not isinstance(value, torch.Tensor) else f"{value.dtype}{list(value.shape)}"
-                return f"{slot.key}: state {key!r} is {found} in the checkpoint, {dtype}{list(shape)} here"
-        return None
+        mismatch = _layout_mismatch(self._plans[slot.index].layout, arrays)
+        if mismatch is None:
+            return None
+        key, found, planned = mismatch
+        return f"{slot.key}: state {key!r} is {found} in the checkpoint, {planned} here"
 
     def load_problem(self, slot: Slot, saved: Dict[str, Any]) -> Optional[str]:
         """Why ``saved`` (a base optimizer ``state_dict``) cannot be loaded into ``slot``, or None
