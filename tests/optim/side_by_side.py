@@ -5,6 +5,7 @@ compute, dominate on an accelerator, which is where ordering races would show.
 """
 
 import copy
+import io
 from typing import Callable, List, Optional
 
 import torch
@@ -81,3 +82,11 @@ def plain_hooks(model: nn.Module):
 def assert_same_params(a: nn.Module, b: nn.Module, **tol) -> None:
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, msg=lambda m: f"{name}: {m}", **tol)
+
+
+def through_a_file(checkpoint: dict) -> dict:
+    """``checkpoint`` saved with ``torch.save`` and loaded back, as a resume reads it."""
+    buf = io.BytesIO()
+    torch.save(checkpoint, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)

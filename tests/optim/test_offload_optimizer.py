@@ -1,12 +1,11 @@
 """OffloadOptimizer against plain optimizers, trained side by side on the CPU emulation path."""
 
-import io
 
 import pytest
 import torch
 from torch import nn
 
-from tests.optim.side_by_side import assert_same_params, batches, plain_hooks, tiny_model, train, twin
+from tests.optim.side_by_side import assert_same_params, batches, plain_hooks, through_a_file, tiny_model, train, twin
 from torchtune.config._utils import _get_component_from_path
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
 
@@ -101,10 +100,7 @@ def test_resume_is_bit_identical(offload_gradients):
     opt = OffloadOptimizer(first.named_parameters(), **kwargs)
     sched = cosine(opt)
     run(first, opt, sched, data[:6])
-    buf = io.BytesIO()
-    torch.save({"model": first.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=False)
+    ckpt = through_a_file({"model": first.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
 
     resumed = tiny_model(seed=123)
     resumed.load_state_dict(ckpt["model"])

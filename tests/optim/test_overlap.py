@@ -6,7 +6,6 @@ The CPU emulation runs the real pipeline (worker threads, futures, per-module wa
 wait shows up here as a wrong weight; the stress test widens every race with random delays.
 """
 
-import io
 import random
 import threading
 import time
@@ -16,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.optim.side_by_side import assert_same_params, batches, tiny_model, twin
+from tests.optim.side_by_side import assert_same_params, batches, through_a_file, tiny_model, twin
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim.transfer import TransferEngine
 from torchtune_offload.optim.slot_step import SlotStepper
@@ -176,11 +175,8 @@ def test_overlapped_resume_is_bit_identical(offload_gradients, master_dtype):
     opt = offload(first, **kwargs)
     sched = cosine(opt)
     train_windows(first, opt, data[:6], grad_accum=2, clip=0.5, scheduler=sched)
-    buf = io.BytesIO()
     # Neither call is preceded by synchronize(): both wait for the queued host steps themselves.
-    torch.save({"model": first.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=False)
+    ckpt = through_a_file({"model": first.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
 
     resumed = tiny_model(seed=123).to(dtype)
     resumed.load_state_dict(ckpt["model"])

@@ -2,13 +2,12 @@
 the CPU emulation path, side by side with the same base optimizer without offload."""
 
 import dataclasses
-import io
 
 import pytest
 import torch
 from torch import nn
 
-from tests.optim.side_by_side import assert_same_params, batches, plain_hooks, tiny_model, train, twin
+from tests.optim.side_by_side import batches, plain_hooks, through_a_file, tiny_model, train, twin
 from torchtune_offload import AdamW8bit, OffloadOptimizer
 from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES, capabilities_of
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
@@ -112,10 +111,7 @@ def test_resume_is_bit_identical_and_loads_into_host_buffers(overlap):
     opt.register_forward_waits(first)
     sched = cosine(opt)
     run(first, opt, sched, data[:6])
-    buf = io.BytesIO()
-    torch.save({"model": first.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=False)
+    ckpt = through_a_file({"model": first.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
 
     resumed = tiny_model(seed=123)
     resumed.load_state_dict(ckpt["model"])
@@ -203,10 +199,7 @@ def test_other_base_optimizers_match_themselves_without_offload_and_resume(base,
     scale, clip = plain_hooks(ref)
     train(ref, ref_opt, data, grad_accum=2, clip=0.5, scale_grads=scale, clip_grads=clip)
     train(model, opt, data[:4], grad_accum=2, clip=0.5, scale_grads=opt.scale_grads_, clip_grads=opt.clip_grad_norm_)
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=False)
+    saved = through_a_file({"model": model.state_dict(), "opt": opt.state_dict()})
     resumed = twin(model)
     resumed.load_state_dict(saved["model"])
     opt = device_opt(resumed, base, device_staging_mib=bound_mib, **options)
