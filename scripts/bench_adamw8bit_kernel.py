@@ -1,0 +1,234 @@
+"""Where the fused 8-bit AdamW pass spends its time, side by side with torch's fused bf16 AdamW.
+
+Usage: python scripts/bench_adamw8bit_kernel.py [--params 100e6] [--threads 1] [--rounds 10]
+                                                [--no-instructions]
+
+Steps one flat bf16 tensor of --params parameters (random values, gradients of 1e-3, states of two
+real steps) with torch's fused AdamW (bf16 states) and with copies of the C pass of
+`torchtune_offload.AdamW8bit` (`torchtune_offload/optim/fused_adamw8bit.c`): the pass itself, and
+ablations built from its source with one part taken out. An ablation's results are wrong; its time
+is the point: what the pass would cost without that part. All of them step in turn, round after
+round (each round in another order), on --threads threads (default 1: the cost per core), and the
+table gives the median of --rounds rounds after two warm-up rounds, in Mparam/s, nanoseconds per
+16 elements (one AVX-512 vector of floats) and as a ratio to torch's step in the same rounds.
+
+Unless --no-instructions is given, a second table gives the throughput of the AVX-512 instructions
+the pass is made of on this CPU, from a generated C loop of independent instructions (none where no
+compiler or no AVX-512 is found): nanoseconds per instruction, and in cycles of the clock that a
+chain of dependent scalar additions shows.
+"""
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from torchtune_offload import AdamW8bit
+from torchtune_offload.bench.machine import cpu_name
+from torchtune_offload.optim import adamw8bit, fused_step
+
+_NO_DIVIDER = [
+    ("_mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi[k]), c2), eps)", "_mm512_add_ps(_mm512_mul_ps(vi[k], c2), eps)"),
+    ("_mm512_mul_ps(_mm512_div_ps(mi[k], denom), step)", "_mm512_mul_ps(_mm512_mul_ps(mi[k], denom), step)"),
+]
+# What makes the requantization exact: the comparison with the group boundary inside a binade, the
+# cap at a group's last code, the check of lanes near a midpoint, and the signed map's negative codes.
+_INEXACT_REQUANTIZATION = [
+    ("    const __mmask16 above = _mm512_cmp_ps_mask(y, _mm512_permutex2var_ps(bound[0], b, bound[1]), _CMP_GT_OQ);\n"
+     "    b = _mm512_mask_add_epi32(b, above, b, _mm512_set1_epi32(1));\n", ""),
+    ("    fixed = _mm512_min_epi32(fixed, _mm512_permutex2var_epi32(top[0], b, top[1]));\n", ""),
+    ("_mm512_testn_epi32_mask(fixed, _mm512_set1_epi32((1 << FRACTION_BITS) - 2 * NEAR_UNITS))", "0"),
+    ("    if (is_signed) /* the sign bit", "    if (0) /* the sign bit"),
+]
+#: Each ablation: its row name and the (text, replacement) pairs that make it from the pass's source.
+ABLATIONS: Dict[str, List[Tuple[str, str]]] = {
+    "the pass": [],
+    "without the requantization (codes left as they were)": [
+        ("    quantize_block_avx512(m, new1, 1, t1, q1);\n    quantize_block_avx512(v, new2, 0, t2, q2);\n", ""),
+    ],
+    "without the square root and the division": _NO_DIVIDER,
+    "requantization without its exact parts (group boundary, cap, near check, sign)": _INEXACT_REQUANTIZATION,
+    "both of the last two": _NO_DIVIDER + _INEXACT_REQUANTIZATION,
+}
+_STEP_CONSTANTS = ("beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "inv_bias_correction2_sqrt", "eps",
+                   "decay", "neg_step_size")
+
+
+def ablated_source(source: str, replacements: List[Tuple[str, str]]) -> str:
+    """``source`` with each text replaced; a text that is not there exactly once is an error, so an
+    edit of the pass cannot silently leave an ablation measuring the whole pass."""
+    for old, new in replacements:
+        if source.count(old) != 1:
+            raise SystemExit(f"{adamw8bit.SOURCE.name} no longer holds this text exactly once; update ABLATIONS "
+                             f"in {Path(__file__).name}:\n{old}")
+        source = source.replace(old, new)
+    return source
+
+
+def build(source: str, directory: str, name: str) -> Callable[..., None]:
+    path = Path(directory) / f"{name}.c"
+    path.write_text(source)
+    kernel = fused_step.build_library(path).adamw8bit_step
+    kernel.restype = None
+    kernel.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+                       + [ctypes.c_float] * 8 + [ctypes.c_int])
+    return kernel
+
+
+def pass_step(kernel: Callable[..., None], param: torch.Tensor, grad: torch.Tensor, state: Dict[str, torch.Tensor],
+              threads: int) -> Callable[[], None]:
+    """One step of ``kernel`` on these tensors (which it keeps alive), with the constants of the optimizer's
+    third step."""
+    s = adamw8bit._scalars({"betas": (0.9, 0.999), "lr": 1e-5, "weight_decay": 0.01, "eps": 1e-8}, 3)
+    code1, code2 = adamw8bit.quantization_maps("cpu")
+    args = (param.data_ptr(), grad.data_ptr(), state["state1"].data_ptr(), state["state2"].data_ptr(),
+            state["absmax1"].data_ptr(), state["absmax2"].data_ptr(), code1.data_ptr(), code2.data_ptr(),
+            param.numel(), 1, 1, *[s[k] for k in _STEP_CONSTANTS], threads)
+    tensors = (param, grad, state, code1, code2)  # the step holds them: args are raw pointers into them
+
+    def step() -> None:
+        assert tensors
+        kernel(*args)
+
+    return step
+
+
+def medians(steps: Dict[str, Callable[[], None]], rounds: int) -> Dict[str, float]:
+    """Median seconds of each step over ``rounds`` rounds (after two warm-up rounds), all steps in
+    each round, the order rotated from round to round so that none always follows the same one."""
+    names = list(steps)
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    for r in range(rounds + 2):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            steps[name]()
+            if r >= 2:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+INSTRUCTIONS = {  # name: C statement on chain k (x, y: float; i: integer vectors)
+    "vmulps": "x{k} = _mm512_mul_ps(x{k}, c);",
+    "vfmadd231ps": "x{k} = _mm512_fmadd_ps(x{k}, c, c);",
+    "vaddps": "x{k} = _mm512_add_ps(x{k}, c);",
+    "vpaddd": "i{k} = _mm512_add_epi32(i{k}, ix);",
+    "vpermt2ps (32-entry table)": "x{k} = _mm512_permutex2var_ps(x{k}, ix, c);",
+    "vpermi2b (128-entry byte table)": "i{k} = _mm512_permutex2var_epi8(i{k}, ix, jx);",
+    "vpermb": "i{k} = _mm512_permutexvar_epi8(ix, i{k});",
+    "vpunpcklbw": "i{k} = _mm512_unpacklo_epi8(i{k}, ix);",
+    "vcvttps2dq": "i{k} = _mm512_cvttps_epi32(_mm512_castsi512_ps(i{k}));",
+    "vsqrtps": "x{k} = _mm512_sqrt_ps(x{k});",
+    "vdivps": "x{k} = _mm512_div_ps(x{k}, c);",
+    "vsqrtps with 2 vpermt2ps beside it (time per vsqrtps)":
+        "x{k} = _mm512_sqrt_ps(x{k}); y{k} = _mm512_permutex2var_ps(y{k}, ix, c); "
+        "z{k} = _mm512_permutex2var_ps(z{k}, ix, c);",
+}
+_CHAINS = 8
+
+
+def instruction_program() -> str:
+    lines = ["#include <immintrin.h>", "#include <stdio.h>", "#include <time.h>",
+             "static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); "
+             "return t.tv_sec + t.tv_nsec * 1e-9; }",
+             "int main(int argc, char **argv) {",
+             "  const long reps = 4000000; double sink = 0;",
+             "  const __m512 c = _mm512_set1_ps(0.999999f); const __m512i ix = _mm512_set1_epi32(argc + 2), "
+             "jx = _mm512_set1_epi32(argc);",
+             "  double t0, ns[64]; int n = 0;"]
+    chains = range(_CHAINS)
+    for name, statement in INSTRUCTIONS.items():
+        decl = " ".join(f"__m512 x{k} = _mm512_set1_ps(1.0f + {k} * 0.001f), y{k} = x{k}, z{k} = x{k}; "
+                        f"__m512i i{k} = _mm512_set1_epi32({k});" for k in chains)
+        body = " ".join(statement.format(k=k) for k in chains)
+        fold = " + ".join(f"_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(x{k}, y{k}), z{k})) + "
+                          f"_mm512_reduce_add_epi32(i{k})" for k in chains)
+        lines += [f"  {{ {decl}", f"    t0 = now(); for (long r = 0; r < reps; r++) {{ {body} }}",
+                  f"    ns[n++] = (now() - t0) / reps / {_CHAINS} * 1e9; sink += {fold}; }}"]
+    # The clock, measured after the instructions (the core has left any low-power state by then): a
+    # chain of dependent scalar additions runs one a cycle.
+    lines += ["  long a = 0; t0 = now(); for (long r = 0; r < 1000000000; r++) __asm__ volatile(\"add $1, %0\" "
+              ": \"+r\"(a)); const double ghz = 1e9 / (now() - t0) / 1e9;",
+              "  printf(\"clock %.2f GHz\\n\", ghz);"]
+    lines += [f"  printf(\"| {name} | %.3f | %.2f |\\n\", ns[{i}], ns[{i}] * ghz);" for i, name in enumerate(INSTRUCTIONS)]
+    lines += ["  return sink == 12345.0;", "}"]
+    return "\n".join(lines)
+
+
+def instruction_table(directory: str) -> Optional[str]:
+    """The instruction table's lines, or None where no compiler builds the AVX-512 loop here."""
+    compiler = fused_step.c_compiler()
+    if compiler is None:
+        return None
+    source, binary = Path(directory) / "instructions.c", Path(directory) / "instructions"
+    source.write_text(instruction_program())
+    built = subprocess.run([*compiler, "-O2", "-march=native", str(source), "-o", str(binary)], capture_output=True)
+    if built.returncode != 0:
+        return None
+    return subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=float, default=100e6, help="parameters in the tensor (default 100e6)")
+    parser.add_argument("--threads", type=int, default=1, help="threads of every step (default 1)")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds, after 2 warm-up (default 10)")
+    parser.add_argument("--no-instructions", action="store_true", help="skip the instruction table")
+    args = parser.parse_args()
+    if args.rounds < 10:
+        parser.error("--rounds must be at least 10")
+    numel = int(args.params) // adamw8bit.BLOCK_SIZE * adamw8bit.BLOCK_SIZE  # whole blocks: the vector path
+    if numel < adamw8bit.BLOCK_SIZE or args.threads < 1:
+        parser.error(f"--params must be at least {adamw8bit.BLOCK_SIZE} and --threads at least 1")
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(numel, generator=gen).bfloat16()
+    grad = (torch.randn(numel, generator=gen) * 1e-3).bfloat16()
+
+    # torch's step, and the states of two real steps of the pass for every copy of it to start from.
+    torch_param = torch.nn.Parameter(start.clone())
+    torch_param.grad = grad
+    torch_opt = torch.optim.AdamW([torch_param], lr=1e-5, weight_decay=0.01, fused=True)
+    ours = torch.nn.Parameter(start.clone())
+    ours.grad = grad
+    opt = AdamW8bit([ours], lr=1e-5, weight_decay=0.01)
+    if not adamw8bit.fused_available():
+        raise SystemExit("the fused pass does not build here (see the warning above)")
+    opt.step()
+    opt.step()
+    steps = {"torch fused AdamW, bf16 states": torch_opt.step}
+    source = adamw8bit.SOURCE.read_text()
+    with tempfile.TemporaryDirectory(prefix="bench_adamw8bit_") as directory:
+        for i, (name, replacements) in enumerate(ABLATIONS.items()):
+            kernel = build(ablated_source(source, replacements), directory, f"variant{i}")
+            state = {k: v.clone() for k, v in opt.state[ours].items() if torch.is_tensor(v)}
+            steps[name] = pass_step(kernel, ours.detach().clone(), grad, state, args.threads)
+        seconds = medians(steps, args.rounds)
+        instructions = None if args.no_instructions else instruction_table(directory)
+
+    base = seconds["torch fused AdamW, bf16 states"]
+    print(f"{cpu_name()}, {args.threads} thread{'s' if args.threads > 1 else ''}, torch {torch.__version__}; "
+          f"{numel / 1e6:.1f}M bf16 parameters in one tensor; median of {args.rounds} rounds\n")
+    print("| step | Mparam/s | ns per 16 elements | vs torch fused bf16 |")
+    print("|---|---:|---:|---:|")
+    for name, s in seconds.items():
+        print(f"| {name} | {numel / s / 1e6:.0f} | {s / numel * 16 * 1e9:.2f} | {base / s:.2f}x |")
+    if not args.no_instructions:
+        if instructions is None:
+            print("\ninstruction table: n/a (no C compiler here builds the AVX-512 loop)")
+        else:
+            clock, *rows = instructions.strip().splitlines()
+            print(f"\nAVX-512 instructions, {_CHAINS} independent chains each, one thread; {clock}\n")
+            print("| instruction (512-bit) | ns per instruction | cycles |")
+            print("|---|---:|---:|")
+            print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

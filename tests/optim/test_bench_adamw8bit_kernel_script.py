@@ -1,0 +1,41 @@
+"""scripts/bench_adamw8bit_kernel.py times the fused 8-bit pass and its ablations beside torch's fused bf16 AdamW."""
+
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.recipe_harness import working_tree_env
+from torchtune_offload.optim import adamw8bit, fused_step
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = runpy.run_path(str(REPO / "scripts" / "bench_adamw8bit_kernel.py"), run_name="bench_adamw8bit_kernel")
+
+
+def test_every_ablation_still_finds_its_text_in_the_pass():
+    source = adamw8bit.SOURCE.read_text()
+    for replacements in SCRIPT["ABLATIONS"].values():
+        ablated = SCRIPT["ablated_source"](source, replacements)
+        assert (ablated == source) == (not replacements)
+
+
+def test_a_text_the_pass_lost_stops_the_script_by_name():
+    with pytest.raises(SystemExit, match="update ABLATIONS"):
+        SCRIPT["ablated_source"]("int main(void) { return 0; }", [("quantize_block_avx512(m", "")])
+
+
+@pytest.mark.skipif(fused_step.c_compiler() is None, reason="needs a C compiler")
+def test_script_prints_the_pass_its_ablations_and_torch_in_one_table():
+    cmd = [sys.executable, "scripts/bench_adamw8bit_kernel.py", "--params", "65536", "--rounds", "10"]
+    out = subprocess.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"^.+, 1 thread, torch .+; 0\.1M bf16 parameters in one tensor; median of 10 rounds$",
+                     out.stdout, flags=re.M)
+    rows = dict(re.findall(r"^\| ([^|]+?) \| (\d+) \| [0-9.]+ \| [0-9.]+x \|$", out.stdout, flags=re.M))
+    assert list(rows) == ["torch fused AdamW, bf16 states", *SCRIPT["ABLATIONS"]]
+    assert all(int(rate) > 0 for rate in rows.values())
+    instructions = re.findall(r"^\| (v[^|]+?) \| [0-9.]+ \| [0-9.]+ \|$", out.stdout, flags=re.M)
+    assert instructions == list(SCRIPT["INSTRUCTIONS"]) or "instruction table: n/a" in out.stdout
