@@ -3,10 +3,14 @@
 Every case runs in an ``output_dir`` that holds an earlier run's files (weights, step
 checkpoints, logs). Each must fail in the recipe's constructor, before ``setup()`` reads any
 weight, with a ``ValueError`` naming the key and the fix, and must leave every file of the
-earlier run as it was. The runs are independent processes, started a few at a time.
+earlier run as it was. The distributed cases are ``tune run --nproc_per_node 2`` processes; the
+single-device ones go through torchtune's CLI entry point, many to a process
+(``tests/recipe/tune_run_batch.py``), as ``tune run`` itself runs a single-device recipe in its own
+process: that pays the imports once instead of once a case.
 """
 
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -29,6 +33,7 @@ LAUNCH = {"full": [], "lora": [], "distributed": ["--nproc_per_node", "2"]}
 OFFLOAD = ["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW"]
 CPU_AO = "optimizer._component_=torchtune_offload.CPUOffloadOptimizer"
 PARALLEL = 4
+BATCHES = 2  # processes for the single-device cases
 
 
 class Case(NamedTuple):
@@ -163,28 +168,48 @@ def results(tiny_assets, earlier_run, tmp_path_factory, request):
     root = tmp_path_factory.mktemp("catalogue")
     tune = shutil.which("tune")
     base = [tune] if tune else [sys.executable, "-m", "torchtune._cli.tune"]
+    env = working_tree_env(TIKTOKEN_CACHE_DIR="")
 
-    def run(name: str):
+    def prepare(name: str) -> Tuple[List[str], Path, Dict[str, str]]:
+        """The case's arguments to ``tune``, its output_dir (a copy of the earlier run) and that copy's files."""
         case = CASES[name]
         assets = tiny_assets
         if case.damage is not None:
             assets = shutil.copytree(tiny_assets, root / name / "assets")
             case.damage(assets)
         out = shutil.copytree(earlier_run, root / name / "out")
-        before = _snapshot(out)
-        cmd = [*base, "run", *LAUNCH[case.kind], RECIPES[case.kind], "--config", f"configs/tiny/{CONFIGS[case.kind]}.yaml",
-               f"output_dir={out}",
-               *tiny_asset_overrides(assets), *(["overwrite_checkpoints=True"] if case.overwrite else []),
-               *[o.replace("{out}", str(out)) for o in case.overrides]]
-        proc = subprocess.run(cmd, cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True,
-                              text=True, timeout=300)
-        return proc.returncode, proc.stdout + proc.stderr, before, _snapshot(out)
+        argv = ["run", *LAUNCH[case.kind], RECIPES[case.kind], "--config", f"configs/tiny/{CONFIGS[case.kind]}.yaml",
+                f"output_dir={out}", *tiny_asset_overrides(assets),
+                *(["overwrite_checkpoints=True"] if case.overwrite else []),
+                *[o.replace("{out}", str(out)) for o in case.overrides]]
+        return argv, out, _snapshot(out)
+
+    def run_process(argv: List[str]) -> List[Tuple[int, str]]:
+        proc = subprocess.run([*base, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        return [(proc.returncode, proc.stdout + proc.stderr)]
+
+    def run_batch(commands: List[List[str]], index: int) -> List[Tuple[int, str]]:
+        batch = root / f"batch_{index}"
+        batch.mkdir()
+        (batch / "commands.json").write_text(json.dumps(commands))
+        proc = subprocess.run([sys.executable, "-m", "tests.recipe.tune_run_batch", str(batch / "commands.json"),
+                               str(batch / "results.json")], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return [(r["returncode"], r["output"]) for r in json.loads((batch / "results.json").read_text())]
 
     # Only the cases this session runs (pytest -k selects a few).
     selected = [item.callspec.params["name"] for item in request.session.items
                 if item.module is request.module and hasattr(item, "callspec") and "name" in item.callspec.params]
+    prepared = {name: prepare(name) for name in selected}
+    single = [name for name in selected if CASES[name].kind != "distributed"]
+    groups = [[name] for name in selected if CASES[name].kind == "distributed"]
+    groups += [group for group in (single[i::BATCHES] for i in range(BATCHES)) if group]
     with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
-        return dict(zip(selected, pool.map(run, selected)))
+        futures = [pool.submit(run_process, prepared[g[0]][0]) if CASES[g[0]].kind == "distributed"
+                   else pool.submit(run_batch, [prepared[name][0] for name in g], i) for i, g in enumerate(groups)]
+        outcomes = {name: outcome for g, future in zip(groups, futures) for name, outcome in zip(g, future.result())}
+    return {name: (*outcomes[name], prepared[name][2], _snapshot(prepared[name][1])) for name in selected}
 
 
 def test_the_catalogue_has_at_least_30_cases():
