@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.recipe_harness import tiny_asset_overrides, working_tree_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,9 +41,11 @@ def test_tiny_host_within_10_percent_and_step_within_15_percent(tiny_assets):
     _assert_within_bounds(rows)
 
 
-def _mid_overrides(tiny_assets, tmp_path) -> list:
-    """The 1B configs pointed at a random-init mid-size Llama 3.2 checkpoint and synthetic data."""
-    mid = tmp_path / "mid"
+@pytest.fixture(scope="module")
+def mid_overrides(tiny_assets, tmp_path_factory) -> list:
+    """The 1B configs pointed at a random-init mid-size Llama 3.2 checkpoint (built once for the
+    module: the QLoRA model reads the same checkpoint) and synthetic data."""
+    mid = tmp_path_factory.mktemp("mid")
     built = subprocess.run([sys.executable, "-m", "torchtune_offload.assets", "--real-arch", "llama3_2_mid",
                             "--output-dir", str(mid), "--no-check"], cwd=REPO, env=working_tree_env(),
                            capture_output=True, text=True, timeout=300)
@@ -55,16 +59,16 @@ def _mid_overrides(tiny_assets, tmp_path) -> list:
     ]
 
 
-def test_mid_size_llama_host_within_10_percent_and_step_within_15_percent(tiny_assets, tmp_path):
+def test_mid_size_llama_host_within_10_percent_and_step_within_15_percent(mid_overrides):
     rows = _accuracy("configs/llama3_2/1B_full_offload_engine.yaml", [
-        *_mid_overrides(tiny_assets, tmp_path), "model._component_=torchtune_offload.models.llama3_2_mid"])
+        *mid_overrides, "model._component_=torchtune_offload.models.llama3_2_mid"])
     _assert_within_bounds(rows)
 
 
-def test_mid_size_qlora_run_step_and_host_within_10_percent(tiny_assets, tmp_path):
+def test_mid_size_qlora_run_step_and_host_within_10_percent(mid_overrides):
     # NF4 base weights, the LoRA recipe, OffloadOptimizer with offload_gradients: a real tune run.
     rows = _accuracy("configs/llama3_2/1B_lora_offload.yaml", [
-        *_mid_overrides(tiny_assets, tmp_path), "model._component_=torchtune_offload.models.qlora_llama3_2_mid"])
+        *mid_overrides, "model._component_=torchtune_offload.models.qlora_llama3_2_mid"])
     # The planner's figure for the run, its traced step (the device figure of a GPU run), within 10%.
     error, out = rows["training step (weights, gradients, activations)"]
     assert abs(error) <= 10, out
