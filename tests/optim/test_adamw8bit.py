@@ -72,11 +72,7 @@ def _build(tmp_path, name, extra):
     out = tmp_path / f"{name}.so"
     subprocess.run([*fused_step.c_compiler(), "-O3", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC",
                     "-fopenmp", *extra, str(adamw8bit.SOURCE), "-o", str(out), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
-    lib.adamw8bit_step.restype = None
-    lib.adamw8bit_step.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-                                   + [ctypes.c_float] * 8 + [ctypes.c_int])
-    return lib
+    return adamw8bit.bind_kernel(ctypes.CDLL(str(out)))
 
 
 def _vector_and_scalar(tmp_path):
@@ -113,7 +109,7 @@ def test_portable_c_matches_the_avx512_c(tmp_path):
                  "absmax1": torch.zeros(blocks), "absmax2": torch.zeros(blocks)}
         for step, g in enumerate(_grads(numel, 3, dtype=torch.bfloat16), start=1):
             g[::97], g[1::89] = 0.0, 0.0  # so that those parameters only decay: zero, denormal results
-            _step(lib, p, g, state, adamw8bit._scalars({"betas": (0.9, 0.999), "lr": 1e-3, "weight_decay": 0.01,
+            _step(lib, p, g, state, adamw8bit.step_constants({"betas": (0.9, 0.999), "lr": 1e-3, "weight_decay": 0.01,
                                                         "eps": 1e-8}, step))
         results.append((p, state))
     (p_vec, s_vec), *others = results
@@ -136,7 +132,7 @@ def test_ties_and_near_ties_get_the_references_codes(tmp_path):
     # Blocks of 255 values and a 1: with betas 0 the first moment is the gradient, scaled by 1.
     values = values[: len(values) // 255 * 255].view(-1, 255)
     g = torch.cat([torch.ones(len(values), 1), values], dim=1).reshape(-1)
-    s = adamw8bit._scalars({"betas": (0.0, 0.0), "lr": 1e-3, "weight_decay": 0.0, "eps": 1e-8}, 1)
+    s = adamw8bit.step_constants({"betas": (0.0, 0.0), "lr": 1e-3, "weight_decay": 0.0, "eps": 1e-8}, 1)
     expected = {"state1": torch.zeros(g.numel(), dtype=torch.uint8), "state2": torch.zeros(g.numel(), dtype=torch.uint8),
                 "absmax1": torch.zeros(len(values)), "absmax2": torch.zeros(len(values))}
     p_ref = torch.zeros_like(g)

@@ -95,8 +95,17 @@ def quantize(values: torch.Tensor, code: torch.Tensor) -> Tuple[torch.Tensor, to
     return codes.to(torch.uint8), absmax
 
 
-def _scalars(group: Dict[str, Any], step: int) -> Dict[str, float]:
-    """The step's float constants, computed in double as Python does and used in float32."""
+def step_constants(group: Dict[str, Any], step: int) -> Dict[str, float]:
+    """The float constants of a step of this optimizer, computed in double as Python does and used in
+    float32 by :func:`reference_step_8bit` and the C pass.
+
+    Args:
+        group: a parameter group's options (``betas``, ``lr``, ``eps``, ``weight_decay``).
+        step: the step's number, from 1.
+
+    Returns:
+        The constants by name, in the order the C pass takes them.
+    """
     beta1, beta2 = group["betas"]
     lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
     return {
@@ -153,6 +162,16 @@ def reference_step_32bit(param: torch.Tensor, grad: torch.Tensor, state: Dict[st
     param.copy_(p)
 
 
+def bind_kernel(library: ctypes.CDLL) -> ctypes.CDLL:
+    """``library`` (built from :data:`SOURCE`, or from a copy of it as the kernel benchmark builds)
+    with the argument types of its ``adamw8bit_step`` set, ready for :func:`fused_step_8bit`."""
+    kernel = library.adamw8bit_step
+    kernel.restype = None
+    kernel.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+                       + [ctypes.c_float] * 8 + [ctypes.c_int])
+    return library
+
+
 @functools.lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
     """The compiled pass, built once per process; None (and one warning) where it cannot be built."""
@@ -163,11 +182,7 @@ def _library() -> Optional[ctypes.CDLL]:
                       "AdamW8bit steps CPU tensors with its pure-torch reference, several times slower",
                       stacklevel=3)
         return None
-    kernel = library.adamw8bit_step
-    kernel.restype = None
-    kernel.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-                       + [ctypes.c_float] * 8 + [ctypes.c_int])
-    return library
+    return bind_kernel(library)
 
 
 def fused_available() -> bool:
@@ -175,9 +190,18 @@ def fused_available() -> bool:
     return _library() is not None
 
 
-def fused_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], s: Dict[str, float]) -> bool:
-    """The C pass of :func:`reference_step_8bit` on contiguous CPU tensors; False where it cannot run."""
-    library = _library()
+def fused_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], s: Dict[str, float], *,
+                    library: Optional[ctypes.CDLL] = None) -> bool:
+    """The C pass of :func:`reference_step_8bit` on contiguous CPU tensors, on all of torch's threads.
+
+    Args:
+        param, grad, state, s: as :func:`reference_step_8bit` takes them (``s`` from :func:`step_constants`).
+        library: a library from :func:`bind_kernel`; default: the pass, built at first use.
+
+    Returns:
+        False where the pass cannot be built here (nothing was stepped), else True.
+    """
+    library = library or _library()
     if library is None:
         return False
     qmap1, qmap2 = quantization_maps("cpu")
@@ -298,7 +322,7 @@ class AdamW8bit(torch.optim.Optimizer):
                     continue
                 state = self.state[p] or self._init_state(p)
                 state["step"] += 1
-                self._step_tensor(p, p.grad, state, _scalars(group, state["step"]))
+                self._step_tensor(p, p.grad, state, step_constants(group, state["step"]))
         return loss
 
     def _step_tensor(self, p: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], s: Dict[str, float]) -> None:

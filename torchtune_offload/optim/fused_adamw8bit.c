@@ -486,7 +486,7 @@ ADAMW8BIT_BLOCK(block_bf16_fp32, uint16_t, bf16_to_float, float_to_bf16, float, 
 ADAMW8BIT_BLOCK(block_bf16_bf16, uint16_t, bf16_to_float, float_to_bf16, uint16_t, bf16_to_float)
 
 /* param_dtype / grad_dtype: 0 float32, 1 bfloat16. The float arguments are the step's constants
- * (see adamw8bit._scalars); decay is 1 without weight decay (p * 1 is p exactly). */
+ * (see adamw8bit.step_constants); decay is 1 without weight decay (p * 1 is p exactly). */
 void adamw8bit_step(void *param, const void *grad, uint8_t *state1, uint8_t *state2, float *absmax1,
                     float *absmax2, const float *code1, const float *code2, int64_t n, int param_dtype,
                     int grad_dtype, float beta1, float one_minus_beta1, float beta2, float one_minus_beta2,
