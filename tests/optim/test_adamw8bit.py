@@ -109,8 +109,9 @@ def test_portable_c_matches_the_avx512_c(tmp_path):
                  "absmax1": torch.zeros(blocks), "absmax2": torch.zeros(blocks)}
         for step, g in enumerate(_grads(numel, 3, dtype=torch.bfloat16), start=1):
             g[::97], g[1::89] = 0.0, 0.0  # so that those parameters only decay: zero, denormal results
-            _step(lib, p, g, state, adamw8bit.step_constants({"betas": (0.9, 0.999), "lr": 1e-3, "weight_decay": 0.01,
-                                                        "eps": 1e-8}, step))
+            constants = adamw8bit.step_constants({"betas": (0.9, 0.999), "lr": 1e-3, "weight_decay": 0.01, "eps": 1e-8},
+                                                 step)
+            _step(lib, p, g, state, constants)
         results.append((p, state))
     (p_vec, s_vec), *others = results
     assert p_vec[1::89].float().abs().max() < 1.2e-38 and p_vec[1::89].float().abs().min() > 0

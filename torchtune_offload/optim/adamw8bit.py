@@ -201,7 +201,7 @@ def fused_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, An
     Returns:
         False where the pass cannot be built here (nothing was stepped), else True.
     """
-    library = library or _library()
+    library = library if library is not None else _library()
     if library is None:
         return False
     qmap1, qmap2 = quantization_maps("cpu")
