@@ -10,7 +10,8 @@
 #   pinned:MODEL    pinned host bytes against tensor bytes for MODEL (as for sweep), per offload optimizer
 #                   (table: OUT_DIR/pinned-MODEL.md)
 #   hoststep        the host step on all of the machine's CPU cores: torch's fused bf16 AdamW against the fused
-#                   8-bit pass (bench_host_step.py), and the pass's cost per core (bench_adamw8bit_kernel.py)
+#                   8-bit pass (bench_host_step.py), and the pass's cost per core and on all cores
+#                   (bench_adamw8bit_kernel.py)
 #                   (tables: OUT_DIR/hoststep.md)
 # Environment: STEPS (default 20), BATCH_SIZE (default 4), VARIANTS (default: all), VARIANT_TIMEOUT_S (default 240).
 set -uo pipefail
@@ -69,7 +70,9 @@ for stage in "$@"; do
     hoststep)
       { python scripts/bench_host_step.py --params 400e6 --steps 10 --baseline "torch fused AdamW, bf16" \
           --rows "fused C pass"
-        python scripts/bench_adamw8bit_kernel.py --params 100e6; } > "$out/hoststep.md" 2>&1
+        python scripts/bench_adamw8bit_kernel.py --params 100e6
+        python scripts/bench_adamw8bit_kernel.py --params 400e6 --threads "$(nproc)" --no-instructions
+      } > "$out/hoststep.md" 2>&1
       cat "$out/hoststep.md" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
