@@ -6,6 +6,8 @@ import subprocess
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 
 from tests.optim.side_by_side import assert_same_params, batches, tiny_model, twin
 from tests.optim.test_overlap import train_windows
@@ -234,6 +236,17 @@ def test_bad_options_name_the_key(kwargs, key):
 def test_bad_dtype_is_refused_before_any_state():
     with pytest.raises(ValueError, match="params: AdamW8bit steps bf16 and fp32"):
         AdamW8bit([torch.nn.Parameter(torch.randn(4).half())])
+
+
+def test_fsdp2_sharded_parameters_are_refused_before_any_state():
+    # Its C pass would read a DTensor's pointer as a plain tensor's (it crashed the process).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = fully_shard(torch.nn.Linear(64, 64))
+        with pytest.raises(ValueError, match="params: an FSDP2-sharded parameter.*torch.optim.AdamW"):
+            AdamW8bit(model.parameters())
+    finally:
+        dist.destroy_process_group()
 
 
 def test_lr_as_a_tensor():

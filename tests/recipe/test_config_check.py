@@ -78,6 +78,12 @@ def test_a_declared_capability_drives_the_fsdp2_rule():
     check_recipe_config(_cfg("full", f"optimizer._component_={HERE}.NoFSDP2SGD"), recipe="full")
 
 
+def test_the_8bit_host_optimizer_is_refused_under_fsdp2_and_accepted_on_one_device():
+    message = _problems("distributed", "optimizer._component_=torchtune_offload.AdamW8bit")
+    assert "not supported under FSDP2" in message and "blocks of 256 elements" in message
+    check_recipe_config(_cfg("full", "optimizer._component_=torchtune_offload.AdamW8bit"), recipe="full")
+
+
 def test_offload_only_keys_are_checked_for_offload_optimizers_only():
     message = _problems(
         "full", "optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.offload_gradients=maybe",

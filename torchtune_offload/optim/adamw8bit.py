@@ -18,14 +18,17 @@ sizes the state by stepping on them).
 """
 
 import ctypes
+import dataclasses
 import functools
 import math
 import warnings
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import torchtune_offload.optim.fused_step as fused_step
+from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES
 
 BLOCK_SIZE = 256
 SOURCE = fused_step.SOURCE.with_name("fused_adamw8bit.c")
@@ -244,8 +247,15 @@ class AdamW8bit(torch.optim.Optimizer):
             defaults, so that a config written for torch's or bitsandbytes' AdamW fails clearly.
 
     Raises:
-        ValueError: on a bad option (naming its key) or a parameter that is neither bf16 nor fp32.
+        ValueError: on a bad option (naming its key), a parameter that is neither bf16 nor fp32, or
+            an FSDP2-sharded parameter (a ``DTensor``).
     """
+
+    capabilities = dataclasses.replace(PLAIN_CAPABILITIES, runs_under_fsdp2=False, reasons={
+        **PLAIN_CAPABILITIES.reasons,
+        "runs_under_fsdp2": "its 8-bit states are quantized in blocks of 256 elements of a whole tensor, "
+        "which FSDP2's shards split, and its host pass steps plain tensors, not DTensor shards",
+    })
 
     def __init__(
         self,
@@ -290,6 +300,10 @@ class AdamW8bit(torch.optim.Optimizer):
                 if p.dtype not in _DTYPES:
                     raise ValueError(f"params: AdamW8bit steps bf16 and fp32 parameters, not {p.dtype}; "
                                      "convert the model (dtype: bf16) or use torch.optim.AdamW.")
+                if isinstance(p, DTensor):
+                    raise ValueError(f"params: an FSDP2-sharded parameter (DTensor); AdamW8bit cannot step it: "
+                                     f"{self.capabilities.why_not('runs_under_fsdp2')}. Use torch.optim.AdamW "
+                                     "(with fsdp_cpu_offload=True to keep its state on the host).")
 
     def _init_state(self, p: torch.Tensor) -> Dict[str, Any]:
         state = self.state[p]
