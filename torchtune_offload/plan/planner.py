@@ -40,7 +40,8 @@ from torchtune_offload.optim.optimizer_class import resolve_optimizer_class, spl
 from torchtune_offload.optim.state_streamer import plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
                                                unquantised_twin)
-from torchtune_offload.plan.trace import StepTrace, UntraceableModelError, build_meta_model, trace_training_step
+from torchtune_offload.plan.trace import (StepTrace, UntraceableModelError, build_meta_model, micro_batch_loss,
+                                          one_line, trace_training_step)
 from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
 from torchtune_offload.recipe.config import RECIPE_KEYS
 from torchtune_offload.recipe.host_preflight import available_host_memory
@@ -292,10 +293,6 @@ def format_fine_tunes(plans: List[VariantPlan], *, device_budget: Optional[int],
     return "\n".join(lines)
 
 
-def _first_line(err: BaseException) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else "no message"
-
-
 def default_variants() -> List[str]:
     """The configured optimizer, then the sweep's variants."""
     return ["config", *VARIANTS]
@@ -343,11 +340,7 @@ def miniature_step(cfg: DictConfig) -> str:
     if isinstance(loss_fn, CEWithChunkedOutputLoss):
         model.set_num_output_chunks(loss_fn.num_output_chunks)
     tokens = torch.randint(0, _MINIATURE["vocab_size"], (1, 64))
-    logits = model(tokens)
-    if not isinstance(logits, list):
-        logits, tokens = logits.reshape(-1, logits.size(-1)), tokens.reshape(-1)
-    loss = loss_fn(logits, tokens)
-    del logits
+    loss = micro_batch_loss(model, loss_fn, tokens, tokens)
     loss.backward()
     del loss, model, loss_fn, tokens
     gc.collect()
@@ -372,7 +365,7 @@ def process_baseline(cfg: DictConfig, *, device: torch.device) -> Tuple[int, Lis
             stepped = True
         except Exception as err:  # a loss or dtype the miniature cannot run: one kernel instead, as for a GPU run
             notes.append(f"the miniature training step could not run here ({type(err).__name__}: "
-                         f"{_first_line(err)}): the runtime's one-time memory of a step (36 MiB for a "
+                         f"{one_line(err)}): the runtime's one-time memory of a step (36 MiB for a "
                          "78M-parameter QLoRA run) is not counted")
     if not stepped:
         x = torch.randn(64, 64, requires_grad=True)

@@ -106,7 +106,7 @@ def trace_training_step(
         loss_fn = build_loss(cfg.loss, model, settings, verbose=False)
     except Exception as err:  # a model that is not a torchtune decoder, or a tensor type fake storage misses
         raise UntraceableModelError(_component(cfg), f"cannot be set up for a training step as the recipe sets "
-                                    f"it up ({type(err).__name__}: {_one_line(err)})") from err
+                                    f"it up ({type(err).__name__}: {one_line(err)})") from err
     trainable = [p for p in model.parameters() if p.requires_grad]
     hooks = []
     if free_gradients:
@@ -135,13 +135,7 @@ def trace_training_step(
                         tracker.reset_mod_stats()
                     tokens = torch.randint(0, vocab, (settings.batch_size, seq_len))
                     labels = torch.randint(0, vocab, (settings.batch_size, seq_len))
-                    logits = model(tokens)
-                    if not isinstance(logits, list):
-                        logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
-                    loss = loss_fn(logits, labels)
-                    # The recipe's loop drops the logits before backward (its loss helper returns
-                    # the loss alone); the loss keeps what its backward needs.
-                    del logits
+                    loss = micro_batch_loss(model, loss_fn, tokens, labels)
                     loss.backward()
                     del loss
                 if optimizer is not None:
@@ -149,7 +143,7 @@ def trace_training_step(
                     optimizer.zero_grad(set_to_none=True)
         except Exception as err:  # whatever an operator of the model refuses on fake tensors
             raise UntraceableModelError(_component(cfg), f"a training step could not be traced on fake tensors "
-                                        f"({type(err).__name__}: {_one_line(err)})") from err
+                                        f"({type(err).__name__}: {one_line(err)})") from err
         snapshot = tracker.get_tracker_snapshot("peak")
     for hook in hooks:
         hook.remove()
@@ -170,7 +164,7 @@ def build_meta_model(cfg: DictConfig, settings: RecipeSettings) -> nn.Module:
         model = meta_model(cfg.model, settings)
     except Exception as err:  # torchtune's instantiate raises whatever the import or the builder raises
         raise UntraceableModelError(
-            _component(cfg), f"cannot be built on the meta device ({type(err).__name__}: {_one_line(err)})",
+            _component(cfg), f"cannot be built on the meta device ({type(err).__name__}: {one_line(err)})",
             fix="Give the dotted path of a model builder that takes the other model.* keys, for example "
                 "torchtune.models.llama3_1.qlora_llama3_1_8b.") from err
     named = [*model.named_parameters(), *model.named_buffers()]
@@ -201,7 +195,19 @@ def _component(cfg: DictConfig) -> str:
     return str(cfg.model.get("_component_", "?"))
 
 
-def _one_line(err: BaseException) -> str:
+def micro_batch_loss(model: nn.Module, loss_fn: nn.Module, tokens: torch.Tensor,
+                     labels: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's loss as the recipes' loop computes it: whole logits flattened with the
+    labels (a chunked loss takes its list of chunks as they are). The logits are gone when this
+    returns, as the recipe's loss helper drops them before backward; the loss keeps what its
+    backward needs."""
+    logits = model(tokens)
+    if not isinstance(logits, list):
+        logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
+    return loss_fn(logits, labels)
+
+
+def one_line(err: BaseException) -> str:
     """The error's message on one line, cut at 300 characters (a line, not a page of a kernel's dump)."""
     text = " ".join(str(err).split())
     return text if len(text) <= 300 else text[:297] + "..."
