@@ -87,7 +87,7 @@ class OffloadOptions:
 
     @property
     def device_staging_bytes(self) -> int:
-        return int(self.device_staging_mib * 2**20)
+        return device_staging_bytes(self.device_staging_mib)
 
     @classmethod
     def parse(
@@ -135,6 +135,11 @@ class OffloadOptions:
             update_on=update_on,
             device_staging_mib=DEVICE_STAGING_MIB if device_staging_mib is None else float(device_staging_mib),
         )
+
+
+def device_staging_bytes(device_staging_mib: Optional[float]) -> int:
+    """The ``device_staging_mib`` bound in bytes; ``None`` is the default, 256 MiB."""
+    return int((DEVICE_STAGING_MIB if device_staging_mib is None else device_staging_mib) * 2**20)
 
 
 def _check_update_on(update_on: Any, device_staging_mib: Any, *, offload_gradients: bool, master_dtype: Any,

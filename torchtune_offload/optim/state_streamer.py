@@ -455,8 +455,9 @@ class StateStreamer:
         only for base optimizers whose kernels run on torch's current stream)."""
         queue = self.overlap and self.forward_waits and (self._update_stream is None or self._side_stream_safe)
         queued = sorted((s for s in slots if queue and s.index in self._order), key=lambda s: self._order[s.index])
+        waiting = {s.index for s in queued}
         for slot in slots:
-            if slot not in queued:  # nothing would wait for it: now, on the compute stream
+            if slot.index not in waiting:  # nothing would wait for it: now, on the compute stream
                 self._run(slot, slot.param.grad, self._current_stream())
         if self._update_stream is None:
             for slot in queued:  # CPU emulation: each update waits for the forward that needs it

@@ -35,7 +35,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from torchtune_offload.bench.sweep import VARIANTS, overrides_for
 from torchtune_offload.optim.host_memory import offloads, optimizer_state_bytes
-from torchtune_offload.optim.offload_options import DEVICE_STAGING_MIB
+from torchtune_offload.optim.offload_options import device_staging_bytes
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class, split_options
 from torchtune_offload.optim.state_streamer import plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
@@ -113,7 +113,7 @@ def _device_state(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Mod
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             parts["state staging (update_on=device)"] = plan_device_staging(
                 named, base_class=base, options=options, minimal_size=own["minimal_size"],
-                staging_bytes=int((own["device_staging_mib"] or DEVICE_STAGING_MIB) * 2**20))
+                staging_bytes=device_staging_bytes(own["device_staging_mib"]))
         return parts
     if settings.optimizer_class.__module__.startswith("torch.optim") and not settings.optimizer_in_bwd:
         return {}  # traced with the step
