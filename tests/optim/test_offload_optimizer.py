@@ -1,6 +1,5 @@
 """OffloadOptimizer against plain optimizers, trained side by side on the CPU emulation path."""
 
-
 import pytest
 import torch
 from torch import nn
