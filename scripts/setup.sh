@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 echo "[setup] installing torch==2.13.0"
 $PY -m pip install -q torch==2.13.0
-echo "[setup] installing torchtune-offload with its dev extra (torchtune 0.6.1, torchao <0.16, bitsandbytes, wandb, pytest)"
+echo "[setup] installing torchtune-offload with its dev extra (torchtune 0.6.1, torchao <0.16, bitsandbytes, wandb, pytest, pytest-xdist)"
 $PY -m pip install -q --upgrade ".[dev]"
 rm -rf build
 echo "[setup] building the tiny offline assets into \${XDG_CACHE_HOME:-~/.cache}/torchtune_offload/tiny"
