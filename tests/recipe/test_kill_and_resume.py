@@ -34,6 +34,9 @@ OFFLOAD = ["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimize
 CASES = {
     "full_offload": ("full", [*OFFLOAD, "optimizer.minimal_size=1024"]),
     "full_adamw": ("full", []),
+    # 8-bit host states (uint8 codes and fp32 absmax per block) in the step checkpoints.
+    "full_offload_8bit": ("full", [*OFFLOAD[:1], "optimizer.optimizer_class=torchtune_offload.AdamW8bit",
+                                   *OFFLOAD[2:], "optimizer.minimal_size=1024"]),
     # States in host buffers, updated on the (emulated) device slice by slice, queued for the next forward.
     "full_device_update": ("full", [*OFFLOAD[:2], "optimizer.update_on=device", "optimizer.overlap=True",
                                     "optimizer.minimal_size=1024", "optimizer.device_staging_mib=0.25"]),
@@ -122,7 +125,7 @@ def straight_runs(tiny_assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("straight")
     dirs = {name: root / name for name in CASES}
     names = list(CASES)
-    for pair in (names[:2], names[2:]):
+    for pair in (names[i:i + 2] for i in range(0, len(names), 2)):
         procs = [_tune_run(CASES[n][0], tiny_assets, dirs[n], CASES[n][1], "straight.txt") for n in pair]
         for proc in procs:
             _finish(proc)

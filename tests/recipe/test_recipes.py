@@ -195,6 +195,31 @@ def test_full_device_update_matches_plain_adamw_bit_for_bit(runs, overlap):
             "state_download_s"} <= dev.log[-1].keys()
 
 
+# ------------------------------------------------------------------------ full: 8-bit host states
+
+ADAMW8BIT = "optimizer._component_=torchtune_offload.AdamW8bit"
+OFFLOAD_8BIT = ["optimizer._component_=torchtune_offload.OffloadOptimizer",
+                "optimizer.optimizer_class=torchtune_offload.AdamW8bit", "optimizer.minimal_size=1024",
+                "optimizer.offload_gradients=True", "optimizer.overlap=True"]
+
+
+def test_full_offload_8bit_matches_adamw8bit_alone_and_learns(runs):
+    """AdamW8bit as the engine's host base optimizer (offload_gradients, overlap, accumulation,
+    clipping, the config's schedule) against AdamW8bit stepping the whole model itself."""
+    alone = runs("full", *FULL_EQUIV, ADAMW8BIT)
+    off = runs("full", *FULL_EQUIV, *OFFLOAD_8BIT)
+    opt = off.recipe._optimizer.optimizer
+    eight_bit = [s for s in opt._slots if s.offloaded and s.optimizer.state[s.step_param]["state1"].dtype == torch.uint8]
+    assert eight_bit and any(not s.offloaded for s in opt._slots)  # 8-bit host states, and device steps
+    assert len(off.losses) == len(alone.losses) == 5
+    # Gradient norms summed in another order may differ in the last bit, and so the clip's scale.
+    torch.testing.assert_close(torch.tensor(off.losses), torch.tensor(alone.losses), **FP32)
+    torch.testing.assert_close(_grad_norms(off), _grad_norms(alone), **FP32)
+    _assert_same_tensors(off.params, alone.params, **FP32)
+    learn = runs("full", *LEARN, *OFFLOAD_8BIT).losses
+    assert sum(learn[-5:]) / 5 < learn[0] - 1.0, learn
+
+
 # ---------------------------------------------------------------------- full: learns, bitsandbytes
 
 
