@@ -30,9 +30,9 @@ def _grads(n: int, steps: int, *, dtype: torch.dtype, seed: int = 0):
     return [(torch.randn(n, generator=gen) * scale).to(dtype) for _ in range(steps)]
 
 
-def _code_agreement(a: torch.Tensor, b: torch.Tensor):
+def _code_disagreement(a: torch.Tensor, b: torch.Tensor) -> str:
     diff = (a.int() - b.int()).abs()
-    return int(diff.max()), float((diff > 0).float().mean())
+    return f"codes up to {int(diff.max())} apart on {float((diff > 0).float().mean()):.2%} of elements"
 
 
 def test_maps_are_bitsandbytes():
@@ -45,8 +45,9 @@ def test_maps_are_bitsandbytes():
                                                      (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("numel", [256 * 40, 256 * 40 + 77])  # whole blocks; a partial last block
 def test_fused_pass_matches_the_reference(param_dtype, grad_dtype, numel):
-    """Each step from the same state: parameters and absmax bit for bit, codes at most one apart
-    on at most 0.1% of elements (the C pass finds the nearest code by arithmetic, not search)."""
+    """Each step from the same state: parameters, absmax and codes bit for bit (the issue allows
+    codes one apart on 0.1% of elements; the C pass settles every lane near a midpoint against the
+    reference's own midpoints, so none differs)."""
     assert adamw8bit.fused_available()
     start = torch.randn(numel).to(param_dtype)
     fused, ref = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
@@ -65,8 +66,7 @@ def test_fused_pass_matches_the_reference(param_dtype, grad_dtype, numel):
         assert torch.equal(fused, ref)
         assert torch.equal(a["absmax1"], b["absmax1"]) and torch.equal(a["absmax2"], b["absmax2"])
         for key in ("state1", "state2"):
-            worst, fraction = _code_agreement(a[key], b[key])
-            assert worst <= 1 and fraction <= 1e-3, (key, worst, fraction)
+            assert torch.equal(a[key], b[key]), (key, _code_disagreement(a[key], b[key]))
 
 
 def _build(tmp_path, name, extra):
@@ -224,7 +224,7 @@ def test_state_dict_of_another_bitsandbytes_optimizer_is_refused():
 
 @pytest.mark.parametrize("kwargs, key", [
     ({"amsgrad": True}, "amsgrad"), ({"maximize": True}, "maximize"), ({"is_paged": True}, "is_paged"),
-    ({"lr": -1.0}, "lr"), ({"lr": "fast"}, "lr"), ({"eps": -1e-8}, "eps"), ({"weight_decay": -0.1}, "weight_decay"),
+    ({"lr": -1.0}, "lr"), ({"lr": "fast"}, "lr"), ({"lr": torch.tensor([1e-3, 1e-4])}, "lr"), ({"eps": -1e-8}, "eps"), ({"weight_decay": -0.1}, "weight_decay"),
     ({"betas": (0.9, 1.0)}, "betas"), ({"betas": 0.9}, "betas"), ({"min_8bit_size": -1}, "min_8bit_size"),
     ({"fused": "yes"}, "fused"),
 ])

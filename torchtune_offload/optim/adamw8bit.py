@@ -219,7 +219,8 @@ def fused_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, An
 
 
 def _check_number(key: str, value: Any, low: float, high: float = math.inf, *, closed_high: bool = True) -> None:
-    number = float(value) if isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool) else None
+    one_number = isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+    number = float(value) if one_number and not isinstance(value, bool) else None
     if number is None or not (low <= number and (number <= high if closed_high else number < high)):
         bound = f"[{low}, {high}{']' if closed_high else ')'}"
         raise ValueError(f"optimizer.{key}={value!r} must be a number in {bound}.")
