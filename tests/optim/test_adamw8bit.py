@@ -3,6 +3,7 @@ the offload engine's base optimizer against itself without offload."""
 
 import ctypes
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,13 +79,20 @@ def _build(tmp_path, name, extra):
 
 
 def _vector_and_scalar(tmp_path):
-    """The vector loop (also without AVX512_BF16's conversion where the CPU has it), then the scalar one."""
-    flags = open("/proc/cpuinfo").read()
-    if "avx512vbmi" not in flags:
-        pytest.skip("this CPU has no AVX-512 VBMI, so only the portable loop runs here")
-    builds = [("vector", ["-march=native"]), ("scalar", ["-march=native", "-mno-avx512vbmi"])]
-    if "avx512_bf16" in flags:
-        builds.insert(1, ("vector-without-bf16", ["-march=native", "-mno-avx512bf16"]))
+    """Every build of the pass this CPU runs: the AVX-512 loop (also without AVX512_BF16's
+    conversion where the CPU has it), the portable loop with the AVX2 quantizer, and the portable
+    loop without either (x86 only: the flags are GCC's and clang's x86 ones)."""
+    flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").is_file() else ""
+    builds = []
+    if "avx512vbmi" in flags:
+        builds.append(("vector", ["-march=native"]))
+        if "avx512_bf16" in flags:
+            builds.append(("vector-without-bf16", ["-march=native", "-mno-avx512bf16"]))
+    if " avx2" in flags:
+        builds.append(("avx2", ["-march=native", "-mno-avx512f"]))
+    builds.append(("scalar", ["-march=native", "-mno-avx2"]))
+    if len(builds) < 2:
+        pytest.skip("this CPU runs only the portable loop: nothing to compare it with")
     return [_build(tmp_path, name, extra) for name, extra in builds]
 
 
@@ -97,8 +105,8 @@ def _step(lib, p, g, state, s):
 
 @needs_cc
 def test_portable_c_matches_the_avx512_c(tmp_path):
-    """The scalar C loop (no AVX-512 VBMI) and the vector one give identical bytes, also on zero
-    and denormal parameters (which AVX512_BF16's conversion would flush)."""
+    """The portable C loop (with and without the AVX2 quantizer) and the AVX-512 one give identical
+    bytes, also on zero and denormal parameters (which AVX512_BF16's conversion would flush)."""
     libraries = _vector_and_scalar(tmp_path)
     numel = 256 * 64 + 5
     results = []
@@ -125,8 +133,8 @@ def test_portable_c_matches_the_avx512_c(tmp_path):
 @needs_cc
 def test_ties_and_near_ties_get_the_references_codes(tmp_path):
     """First moments exactly at a midpoint between two codes (where ratios of bf16 gradients often
-    fall), one float step either side of one, at the codes, zero, tiny and denormal: both C loops
-    give the reference's codes, bit for bit (a tie goes to the lower code)."""
+    fall), one float step either side of one, at the codes, zero, tiny and denormal: the C loops
+    give the reference's codes, bit for bit (a tie goes to the lower code), in every build."""
     q1, q2 = adamw8bit.quantization_maps()
     inf = torch.tensor(float("inf"))
     mids = torch.cat([adamw8bit._midpoints(q1), adamw8bit._midpoints(q2)])
