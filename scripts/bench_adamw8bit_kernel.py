@@ -1,7 +1,7 @@
 """Where the fused 8-bit AdamW pass spends its time, side by side with torch's fused bf16 AdamW.
 
 Usage: python scripts/bench_adamw8bit_kernel.py [--params 100e6] [--threads 1] [--rounds 10]
-                                                [--no-instructions]
+                                                [--no-instructions] [--builds]
 
 Steps one flat bf16 tensor of --params parameters (random values, gradients of 1e-3, states of two
 real steps) with torch's fused AdamW (bf16 states) and with copies of the C pass of
@@ -13,6 +13,13 @@ would cost without that part. All of them step once a round, in an order shuffle
 rounds after two warm-up rounds, in Mparam/s, nanoseconds per 16 elements (one AVX-512 vector of
 floats) and as a ratio to torch's step in the same rounds. The ablations are of the pass's AVX-512
 path: where that path does not build (no AVX-512 with VBMI), the script says so and stops.
+
+With --builds it times, instead of the ablations, the whole pass as built for each instruction set
+an x86 CPU may have: this CPU's best (-march=native), without AVX-512 (the portable loop with its
+AVX2 quantizer: most desktop Intel cores, AMD's before Zen 4) and without AVX2 (the portable loop
+alone). To time torch's step with the kernels it would pick on such a CPU, run the script with
+ATEN_CPU_CAPABILITY=avx2 (or default) in the environment; the table's heading names the kernels
+torch used.
 
 Unless --no-instructions is given, a second table gives the throughput of the AVX-512 instructions
 the pass is made of on this CPU, from a generated C loop of independent instructions (the median of
@@ -26,6 +33,7 @@ import ctypes
 import random
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,6 +78,13 @@ ABLATIONS: Dict[str, List[Tuple[str, str]]] = {
 _VECTOR_PATH_REQUIRED = "\n#ifndef HAVE_AVX512_BLOCK\n#error the AVX-512 vector path is not built\n#endif\n"
 
 
+#: --builds: each row's name and the compiler options after -march=native (GCC's and clang's x86 names).
+BUILDS: Dict[str, Tuple[str, ...]] = {
+    "the pass, built for this CPU": (),
+    "the pass, built without AVX-512 (AVX2 quantizer)": ("-mno-avx512f",),
+    "the pass, built without AVX2 (portable loop)": ("-mno-avx2",),
+}
+
 #: Both optimizers' options.
 OPTIONS = {"lr": 1e-5, "weight_decay": 0.01}
 
@@ -93,6 +108,16 @@ def build(source: str, directory: str, name: str) -> ctypes.CDLL:
         return adamw8bit.bind_kernel(fused_step.build_library(path))
     except RuntimeError as err:
         raise SystemExit(f"the pass's AVX-512 path does not build here, so there is nothing to take apart: {err}")
+
+
+def build_for(flags: Tuple[str, ...]) -> Optional[ctypes.CDLL]:
+    """The unmodified pass built with ``flags`` after the usual ones; None (and why, on stderr) where
+    the compiler refuses them."""
+    try:
+        return adamw8bit.bind_kernel(fused_step.build_library(adamw8bit.SOURCE, flags=flags))
+    except RuntimeError as err:
+        print(f"the pass with {' '.join(flags)} does not build here: {err}", file=sys.stderr)
+        return None
 
 
 def pass_step(library: ctypes.CDLL, param: torch.Tensor, grad: torch.Tensor, state: Dict[str, torch.Tensor],
@@ -201,6 +226,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="threads of every step (default 1)")
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds, after 2 warm-up (default 10)")
     parser.add_argument("--no-instructions", action="store_true", help="skip the instruction table")
+    parser.add_argument("--builds", action="store_true",
+                        help="time the pass built for each instruction set instead of its ablations")
     args = parser.parse_args()
     if args.rounds < 10:
         parser.error("--rounds must be at least 10")
@@ -226,21 +253,31 @@ def main() -> None:
     steps = {"torch fused AdamW, bf16 states": torch_opt.step}
     source = adamw8bit.SOURCE.read_text()
     with tempfile.TemporaryDirectory(prefix="bench_adamw8bit_") as directory:
-        for i, (name, replacements) in enumerate(ABLATIONS.items()):
-            library = build(ablated_source(source, replacements), directory, f"variant{i}")
+        if args.builds:
+            libraries = {name: build_for(flags) for name, flags in BUILDS.items()}
+        else:
+            libraries = {name: build(ablated_source(source, replacements), directory, f"variant{i}")
+                         for i, (name, replacements) in enumerate(ABLATIONS.items())}
+        for name, library in libraries.items():
+            if library is None:
+                continue
             state = {k: v.clone() for k, v in opt.state[ours].items() if torch.is_tensor(v)}
             steps[name] = pass_step(library, ours.detach().clone(), grad, state, opt.param_groups[0])
         seconds = medians(steps, rounds=args.rounds)
-        instructions = None if args.no_instructions else instruction_table(directory)
+        instructions = None if args.no_instructions or args.builds else instruction_table(directory)
 
     base = seconds["torch fused AdamW, bf16 states"]
-    print(f"{cpu_name()}, {args.threads} thread{'s' if args.threads > 1 else ''}, torch {torch.__version__}; "
+    print(f"{cpu_name()}, {args.threads} thread{'s' if args.threads > 1 else ''}, torch {torch.__version__} "
+          f"({torch.backends.cpu.get_cpu_capability()} kernels); "
           f"{numel / 1e6:.1f}M bf16 parameters in one tensor; median of {args.rounds} rounds\n")
     print("| step | Mparam/s | ns per 16 elements | vs torch fused bf16 |")
     print("|---|---:|---:|---:|")
     for name, s in seconds.items():
         print(f"| {name} | {numel / s / 1e6:.0f} | {s / numel * 16 * 1e9:.2f} | {base / s:.2f}x |")
-    if not args.no_instructions:
+    if args.builds:
+        for name in (name for name, library in libraries.items() if library is None):
+            print(f"| {name} | n/a: it does not build here (see the message above) | | |")
+    elif not args.no_instructions:
         if instructions is None:
             print("\ninstruction table: n/a (no C compiler here builds the AVX-512 loop)")
         else:

@@ -1,8 +1,6 @@
 """AdamW8bit: the C pass against the pure-torch reference, against bitsandbytes' AdamW8bit, and as
 the offload engine's base optimizer against itself without offload."""
 
-import ctypes
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -70,30 +68,21 @@ def test_fused_pass_matches_the_reference(param_dtype, grad_dtype, numel):
             assert torch.equal(a[key], b[key]), (key, _code_disagreement(a[key], b[key]))
 
 
-def _build(tmp_path, name, extra):
-    """The pass compiled with extra flags, loaded with its argument types."""
-    out = tmp_path / f"{name}.so"
-    subprocess.run([*fused_step.c_compiler(), "-O3", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC",
-                    "-fopenmp", *extra, str(adamw8bit.SOURCE), "-o", str(out), "-lm"], check=True)
-    return adamw8bit.bind_kernel(ctypes.CDLL(str(out)))
-
-
-def _vector_and_scalar(tmp_path):
+def _every_build():
     """Every build of the pass this CPU runs: the AVX-512 loop (also without AVX512_BF16's
     conversion where the CPU has it), the portable loop with the AVX2 quantizer, and the portable
     loop without either (x86 only: the flags are GCC's and clang's x86 ones)."""
     flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").is_file() else ""
     builds = []
     if "avx512vbmi" in flags:
-        builds.append(("vector", ["-march=native"]))
+        builds.append([])
         if "avx512_bf16" in flags:
-            builds.append(("vector-without-bf16", ["-march=native", "-mno-avx512bf16"]))
+            builds.append(["-mno-avx512bf16"])
     if " avx2" in flags:
-        builds.append(("avx2", ["-march=native", "-mno-avx512f"]))
-    builds.append(("scalar", ["-march=native", "-mno-avx2"]))
+        builds += [["-mno-avx512f"], ["-mno-avx2"]]
     if len(builds) < 2:
         pytest.skip("this CPU runs only the portable loop: nothing to compare it with")
-    return [_build(tmp_path, name, extra) for name, extra in builds]
+    return [adamw8bit.bind_kernel(fused_step.build_library(adamw8bit.SOURCE, flags=extra)) for extra in builds]
 
 
 def _step(lib, p, g, state, s):
@@ -104,10 +93,10 @@ def _step(lib, p, g, state, s):
 
 
 @needs_cc
-def test_portable_c_matches_the_avx512_c(tmp_path):
+def test_portable_c_matches_the_avx512_c():
     """The portable C loop (with and without the AVX2 quantizer) and the AVX-512 one give identical
     bytes, also on zero and denormal parameters (which AVX512_BF16's conversion would flush)."""
-    libraries = _vector_and_scalar(tmp_path)
+    libraries = _every_build()
     numel = 256 * 64 + 5
     results = []
     for lib in libraries:
@@ -131,7 +120,7 @@ def test_portable_c_matches_the_avx512_c(tmp_path):
 
 
 @needs_cc
-def test_ties_and_near_ties_get_the_references_codes(tmp_path):
+def test_ties_and_near_ties_get_the_references_codes():
     """First moments exactly at a midpoint between two codes (where ratios of bf16 gradients often
     fall), one float step either side of one, at the codes, zero, tiny and denormal: the C loops
     give the reference's codes, bit for bit (a tie goes to the lower code), in every build."""
@@ -148,7 +137,7 @@ def test_ties_and_near_ties_get_the_references_codes(tmp_path):
                 "absmax1": torch.zeros(len(values)), "absmax2": torch.zeros(len(values))}
     p_ref = torch.zeros_like(g)
     adamw8bit.reference_step_8bit(p_ref, g, expected, s)
-    for lib in _vector_and_scalar(tmp_path):
+    for lib in _every_build():
         state = {k: torch.zeros_like(t) for k, t in expected.items()}
         p = torch.zeros_like(g)
         _step(lib, p, g, state, s)

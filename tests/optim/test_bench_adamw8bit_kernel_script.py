@@ -39,3 +39,18 @@ def test_script_prints_the_pass_its_ablations_and_torch_in_one_table():
     assert all(int(rate) > 0 for rate in rows.values())
     instructions = re.findall(r"^\| (v[^|]+?) \| [0-9.]+ \| [0-9.]+ \|$", out.stdout, flags=re.M)
     assert instructions == list(SCRIPT["INSTRUCTIONS"]) or "instruction table: n/a" in out.stdout
+
+
+@pytest.mark.skipif(fused_step.c_compiler() is None, reason="needs a C compiler")
+def test_builds_mode_times_the_pass_as_each_instruction_set_builds_it():
+    cmd = [sys.executable, "scripts/bench_adamw8bit_kernel.py", "--params", "65536", "--rounds", "10", "--builds"]
+    env = working_tree_env(ATEN_CPU_CAPABILITY="default")  # torch's step as a CPU without AVX2 runs it
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"^.+, 1 thread, torch .+ \(DEFAULT kernels\); 0\.1M bf16 parameters", out.stdout, flags=re.M)
+    timed = re.findall(r"^\| ([^|]+?) \| (\d+) \| [0-9.]+ \| [0-9.]+x \|$", out.stdout, flags=re.M)
+    missing = re.findall(r"^\| ([^|]+?) \| n/a: it does not build here", out.stdout, flags=re.M)
+    assert [name for name, _ in timed][0] == "torch fused AdamW, bf16 states"
+    assert sorted([name for name, _ in timed][1:] + missing) == sorted(SCRIPT["BUILDS"])
+    assert "the pass, built for this CPU" in dict(timed) and all(int(rate) > 0 for _, rate in timed)
+    assert "instruction" not in out.stdout

@@ -28,7 +28,7 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -47,7 +47,7 @@ def c_compiler() -> Optional[List[str]]:
     return command if shutil.which(command[0]) else None
 
 
-def _compile(directory: str, source: Path = SOURCE) -> ctypes.CDLL:
+def _compile(directory: str, source: Path = SOURCE, flags: Sequence[str] = ()) -> ctypes.CDLL:
     compiler = c_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or put cc, gcc or clang on PATH)")
@@ -56,7 +56,7 @@ def _compile(directory: str, source: Path = SOURCE) -> ctypes.CDLL:
     # pass, less vectorised or on one thread.
     for attempt, extra in enumerate((("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ())):
         library = os.path.join(directory, f"{source.stem}_{attempt}.so")
-        command = [*compiler, *_FLAGS, *extra, str(source), "-o", library, "-lm"]
+        command = [*compiler, *_FLAGS, *extra, *flags, str(source), "-o", library, "-lm"]
         try:
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode == 0:
@@ -67,14 +67,19 @@ def _compile(directory: str, source: Path = SOURCE) -> ctypes.CDLL:
     raise RuntimeError(f"{' '.join(compiler)} failed: {'; '.join(dict.fromkeys(errors))}")
 
 
-def build_library(source: Path) -> ctypes.CDLL:
+def build_library(source: Path, *, flags: Sequence[str] = ()) -> ctypes.CDLL:
     """Compiles the C file ``source`` as this module's pass is compiled (best flags first) and loads it.
+
+    Args:
+        source: the C file.
+        flags: compiler options after the usual ones, e.g. ``("-mno-avx512f",)`` to build the pass
+            as a CPU without AVX-512 runs it (benchmarks and tests of each instruction set).
 
     Raises:
         RuntimeError: where no compiler is found or every attempt fails.
     """
     with tempfile.TemporaryDirectory(prefix="torchtune_offload_") as directory:
-        return _compile(directory, source)  # loaded before the directory goes
+        return _compile(directory, source, flags)  # loaded before the directory goes
 
 
 @functools.lru_cache(maxsize=None)
