@@ -11,7 +11,7 @@
 #                   (table: OUT_DIR/pinned-MODEL.md)
 #   hoststep        the host step on all of the machine's CPU cores: torch's fused bf16 AdamW against the fused
 #                   8-bit pass (bench_host_step.py), and the pass's cost per core and on all cores
-#                   (bench_adamw8bit_kernel.py)
+#                   (bench_adamw8bit_kernel.py), and the pass as built for AVX2 beside torch's AVX2 kernels
 #                   (tables: OUT_DIR/hoststep.md)
 # Environment: STEPS (default 20), BATCH_SIZE (default 4), VARIANTS (default: all), VARIANT_TIMEOUT_S (default 240).
 set -uo pipefail
@@ -72,6 +72,7 @@ for stage in "$@"; do
           --rows "fused C pass"
         python scripts/bench_adamw8bit_kernel.py --params 100e6
         python scripts/bench_adamw8bit_kernel.py --params 400e6 --threads "$(nproc)" --no-instructions
+        ATEN_CPU_CAPABILITY=avx2 python scripts/bench_adamw8bit_kernel.py --params 400e6 --threads "$(nproc)" --builds
       } > "$out/hoststep.md" 2>&1
       cat "$out/hoststep.md" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
