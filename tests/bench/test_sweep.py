@@ -32,6 +32,8 @@ def test_overrides_swap_only_the_optimizer():
         "optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW",
         "optimizer.offload_gradients=True"]
     assert overrides_for(CONFIG, "paged_adamw8bit_in_bwd")[-1] == "optimizer_in_bwd=True"
+    # The 8-bit offload variant (and so the planner's, which takes the sweep's) is this project's AdamW8bit.
+    assert "optimizer.optimizer_class=torchtune_offload.AdamW8bit" in overrides_for(CONFIG, "offload_grads_8bit")
 
 
 def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, monkeypatch):

@@ -246,6 +246,28 @@ def test_fsdp2_sharded_parameters_are_refused_before_any_state():
         dist.destroy_process_group()
 
 
+def test_without_a_compiler_it_warns_and_steps_with_the_reference(monkeypatch):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C compiler found (set CC, or put cc, gcc or clang on PATH)")
+
+    monkeypatch.setattr(fused_step, "build_library", no_compiler)
+    adamw8bit._library.cache_clear()
+    try:
+        start = torch.randn(256 * 20).bfloat16()
+        p, ref = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+        opts = [AdamW8bit([p], lr=1e-3, min_8bit_size=0), AdamW8bit([ref], lr=1e-3, min_8bit_size=0, fused=False)]
+        with pytest.warns(UserWarning, match="could not be built .*no C compiler found.*pure-torch reference"):
+            for g in _grads(start.numel(), 3, dtype=torch.bfloat16):
+                for param, opt in zip((p, ref), opts):
+                    param.grad = g.clone()
+                    opt.step()
+        assert not adamw8bit.fused_available()
+        assert torch.equal(p, ref) and not torch.equal(p, start)
+        assert all(torch.equal(opts[0].state[p][k], opts[1].state[ref][k]) for k in ("state1", "state2", "absmax1"))
+    finally:
+        adamw8bit._library.cache_clear()  # the next test builds the pass again
+
+
 def test_lr_as_a_tensor():
     a, b = (torch.nn.Parameter(torch.ones(5000)) for _ in range(2))
     opts = [AdamW8bit([a], lr=1e-2), AdamW8bit([b], lr=torch.tensor(1e-2))]

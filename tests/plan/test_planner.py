@@ -39,6 +39,10 @@ def test_a_gpu_run_planned_on_a_cpu_machine_orders_the_variants(tiny_assets, tmp
     assert any("optstate" in k for k in adamw["device_parts"])
     assert offload["host_bytes"] > adamw["host_bytes"]
     assert plans["torchao"]["device_bytes"] == offload["device_bytes"]
+    # The 8-bit variant (torchtune_offload.AdamW8bit on the host): less host memory, and no more on
+    # the device (the weights left there keep an int step count instead of torch's step tensors).
+    eight_bit = plans["offload_grads_8bit"]
+    assert eight_bit["host_bytes"] < grads["host_bytes"] and eight_bit["device_bytes"] <= grads["device_bytes"]
 
 
 def test_refused_variants_say_why(tiny_assets, tmp_path):
