@@ -182,7 +182,7 @@ def _library() -> Optional[ctypes.CDLL]:
         library = fused_step.build_library(SOURCE)
     except Exception as err:  # no compiler, unsupported platform: the reference, for good
         warnings.warn(f"the fused 8-bit AdamW pass could not be built ({type(err).__name__}: {err}); "
-                      "AdamW8bit steps CPU tensors with its pure-torch reference, about a hundred times slower",
+                      "AdamW8bit steps CPU tensors with its pure-torch reference, over a hundred times slower",
                       stacklevel=3)
         return None
     return bind_kernel(library)
