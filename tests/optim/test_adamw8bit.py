@@ -221,7 +221,8 @@ def test_state_dict_of_another_bitsandbytes_optimizer_is_refused():
 
 @pytest.mark.parametrize("kwargs, key", [
     ({"amsgrad": True}, "amsgrad"), ({"maximize": True}, "maximize"), ({"is_paged": True}, "is_paged"),
-    ({"lr": -1.0}, "lr"), ({"lr": "fast"}, "lr"), ({"lr": torch.tensor([1e-3, 1e-4])}, "lr"), ({"eps": -1e-8}, "eps"), ({"weight_decay": -0.1}, "weight_decay"),
+    ({"lr": -1.0}, "lr"), ({"lr": "fast"}, "lr"), ({"lr": torch.tensor([1e-3, 1e-4])}, "lr"),
+    ({"eps": -1e-8}, "eps"), ({"weight_decay": -0.1}, "weight_decay"),
     ({"betas": (0.9, 1.0)}, "betas"), ({"betas": 0.9}, "betas"), ({"min_8bit_size": -1}, "min_8bit_size"),
     ({"fused": "yes"}, "fused"),
 ])

@@ -209,7 +209,8 @@ def test_full_offload_8bit_matches_adamw8bit_alone_and_learns(runs):
     alone = runs("full", *FULL_EQUIV, ADAMW8BIT)
     off = runs("full", *FULL_EQUIV, *OFFLOAD_8BIT)
     opt = off.recipe._optimizer.optimizer
-    eight_bit = [s for s in opt._slots if s.offloaded and s.optimizer.state[s.step_param]["state1"].dtype == torch.uint8]
+    eight_bit = [s for s in opt._slots
+                 if s.offloaded and s.optimizer.state[s.step_param]["state1"].dtype == torch.uint8]
     assert eight_bit and any(not s.offloaded for s in opt._slots)  # 8-bit host states, and device steps
     assert len(off.losses) == len(alone.losses) == 5
     # Gradient norms summed in another order may differ in the last bit, and so the clip's scale.
