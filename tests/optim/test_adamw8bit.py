@@ -122,15 +122,17 @@ def test_portable_c_matches_the_avx512_c():
 @needs_cc
 def test_ties_and_near_ties_get_the_references_codes():
     """First moments exactly at a midpoint between two codes (where ratios of bf16 gradients often
-    fall), one float step either side of one, at the codes, zero, tiny and denormal: the C loops
+    fall), one and two float steps either side of one, at the codes, zero, tiny and denormal: the C loops
     give the reference's codes, bit for bit (a tie goes to the lower code), in every build."""
     q1, q2 = adamw8bit.quantization_maps()
     inf = torch.tensor(float("inf"))
     mids = torch.cat([adamw8bit._midpoints(q1), adamw8bit._midpoints(q2)])
-    values = torch.cat([mids, mids.nextafter(inf), mids.nextafter(-inf), q1, -q2, -mids,
+    up, down = mids.nextafter(inf), mids.nextafter(-inf)
+    values = torch.cat([mids, up, down, up.nextafter(inf), down.nextafter(-inf), q1, -q2, -mids,
                         torch.tensor([0.0, -0.0, 2.0**-31, -(2.0**-31), 2.0**-40, 1e-40, -1e-40])])
-    # Blocks of 255 values and a 1: with betas 0 the first moment is the gradient, scaled by 1.
-    values = values[: len(values) // 255 * 255].view(-1, 255)
+    # Blocks of 255 values and a 1: with betas 0 the first moment is the gradient, scaled by 1. The
+    # last block is filled up with zeros.
+    values = torch.cat([values, torch.zeros(-len(values) % 255)]).view(-1, 255)
     g = torch.cat([torch.ones(len(values), 1), values], dim=1).reshape(-1)
     s = adamw8bit.step_constants({"betas": (0.0, 0.0), "lr": 1e-3, "weight_decay": 0.0, "eps": 1e-8}, 1)
     expected = {"state1": torch.zeros(g.numel(), dtype=torch.uint8), "state2": torch.zeros(g.numel(), dtype=torch.uint8),

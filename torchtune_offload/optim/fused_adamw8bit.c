@@ -13,6 +13,7 @@
  * (and all of it without AVX-512), with the same results; with AVX2 its requantization takes eight
  * lanes at a time (quantize_block_avx2), which makes it about five times faster.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -160,8 +161,11 @@ static void quantize_block(const float *values, int64_t len, float absmax, const
 /* quantize_block with AVX2, for CPUs without the AVX-512 path (most desktops' Intel cores, AMD's
  * before Zen 4), where quantize_one one element at a time costs ten times the rest of the step.
  * Eight lanes at a time do quantize_one's arithmetic, operation for operation (a multiply and an
- * add, no fused multiply-add, so each lane's kf is quantize_one's), with the group found as the
- * count of group boundaries below y, which is quantize_one's binade lookup plus its comparison.
+ * add, no fused multiply-add: the file is built with -ffp-contract=off, which keeps the compiler
+ * from fusing either path's, so each lane's kf is quantize_one's), with the group found as the
+ * count of group boundaries below y. That is quantize_one's binade lookup plus its comparison
+ * because bitsandbytes' maps have increasing bounds, at most one per binade (build_table's own
+ * premise), all above 2^-31 (the smallest is about 1.6e-7), so the clamped binades lose none.
  * Where any of the eight lanes lies near a rounding boundary (where quantize_one would search the
  * midpoints) or is not finite, quantize_one codes all eight: the result is quantize_one's. */
 _Static_assert(GROUPS - 1 == 8, "the AVX2 quantizer looks groups 0 to GROUPS - 2 up in eight-lane permutes");
@@ -202,7 +206,7 @@ static inline __m256i quantize8_avx2(__m256 x, const QuantTable *t, const Avx2Ta
     const __m256 near = _mm256_or_ps(_mm256_cmp_ps(frac, _mm256_set1_ps(NEAR), _CMP_LT_OQ),
                                      _mm256_cmp_ps(frac, _mm256_set1_ps(1.0f - NEAR), _CMP_GT_OQ));
     const __m256 unsettled = _mm256_or_ps(_mm256_andnot_ps(top, near), /* NaN or infinite: */
-                                          _mm256_cmp_ps(y, _mm256_set1_ps(3.4028234663852886e38f), _CMP_NLE_UQ));
+                                          _mm256_cmp_ps(y, _mm256_set1_ps(FLT_MAX), _CMP_NLE_UQ));
     *settled = _mm256_movemask_ps(unsettled) == 0;
     if (!t->is_signed) return j;
     const __m256i positive = _mm256_add_epi32(_mm256_set1_epi32(127), j);
