@@ -85,13 +85,6 @@ def _every_build():
     return [adamw8bit.bind_kernel(fused_step.build_library(adamw8bit.SOURCE, flags=extra)) for extra in builds]
 
 
-def _step(lib, p, g, state, s):
-    q1, q2 = adamw8bit.quantization_maps()
-    lib.adamw8bit_step(p.data_ptr(), g.data_ptr(), *(state[k].data_ptr() for k in ("state1", "state2", "absmax1", "absmax2")),
-                       q1.data_ptr(), q2.data_ptr(), p.numel(), adamw8bit._DTYPES[p.dtype], adamw8bit._DTYPES[g.dtype],
-                       *s.values(), 2)
-
-
 @needs_cc
 def test_portable_c_matches_the_avx512_c():
     """The portable C loop (with and without the AVX2 quantizer) and the AVX-512 one give identical
@@ -110,7 +103,7 @@ def test_portable_c_matches_the_avx512_c():
             g[::97], g[1::89] = 0.0, 0.0  # so that those parameters only decay: zero, denormal results
             constants = adamw8bit.step_constants({"betas": (0.9, 0.999), "lr": 1e-3, "weight_decay": 0.01, "eps": 1e-8},
                                                  step)
-            _step(lib, p, g, state, constants)
+            assert adamw8bit.fused_step_8bit(p, g, state, constants, library=lib)
         results.append((p, state))
     (p_vec, s_vec), *others = results
     assert p_vec[1::89].float().abs().max() < 1.2e-38 and p_vec[1::89].float().abs().min() > 0
@@ -142,7 +135,7 @@ def test_ties_and_near_ties_get_the_references_codes():
     for lib in _every_build():
         state = {k: torch.zeros_like(t) for k, t in expected.items()}
         p = torch.zeros_like(g)
-        _step(lib, p, g, state, s)
+        assert adamw8bit.fused_step_8bit(p, g, state, s, library=lib)
         assert torch.equal(p, p_ref)
         for key in expected:
             assert torch.equal(state[key], expected[key]), key
