@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchao.dtypes.nf4tensor import NF4Tensor
 from torchtune import modules, training
 
-from torchtune_offload.recipe import RecipeSettings, build_loss
+from torchtune_offload.recipe import RecipeSettings, build_loss, loss_of_logits
 from torchtune_offload.recipe.host_preflight import meta_model
 
 
@@ -197,14 +197,10 @@ def _component(cfg: DictConfig) -> str:
 
 def micro_batch_loss(model: nn.Module, loss_fn: nn.Module, tokens: torch.Tensor,
                      labels: torch.Tensor) -> torch.Tensor:
-    """One micro-batch's loss as the recipes' loop computes it: whole logits flattened with the
-    labels (a chunked loss takes its list of chunks as they are). The logits are gone when this
-    returns, as the recipe's loss helper drops them before backward; the loss keeps what its
-    backward needs."""
-    logits = model(tokens)
-    if not isinstance(logits, list):
-        logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
-    return loss_fn(logits, labels)
+    """One micro-batch's loss as the recipes' loop computes it (:func:`loss_of_logits`). The logits
+    are gone when this returns, as the recipe's loss helper drops them before backward; the loss
+    keeps what its backward needs."""
+    return loss_of_logits(loss_fn, model(tokens), labels)
 
 
 def one_line(err: BaseException) -> str:

@@ -26,7 +26,7 @@ from torchtune_offload.recipe.memory import MemoryMonitor
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.resume import TrainingCheckpoints
 from torchtune_offload.recipe.run_optimizer import HoldingOptimizer, InBackwardOptimizers, OptimizerKind, RunOptimizer
-from torchtune_offload.recipe.train_loop import SavePoint, TrainLoop
+from torchtune_offload.recipe.train_loop import SavePoint, TrainLoop, loss_of_logits
 
 __all__ = [
     "DistributedCheckpoints",
@@ -54,6 +54,7 @@ __all__ = [
     "instantiate_model",
     "load_checkpoint",
     "load_full_optimizer_state",
+    "loss_of_logits",
     "loss_scale",
     "read_disk_log",
     "resolve_optimizer_component",

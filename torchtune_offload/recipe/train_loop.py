@@ -23,6 +23,21 @@ from torchtune_offload.recipe.run_optimizer import RunOptimizer
 log = utils.get_logger("INFO")
 
 
+def loss_of_logits(loss_fn: torch.nn.Module, logits: Any, labels: torch.Tensor) -> torch.Tensor:
+    """``loss_fn`` of a micro-batch's logits: whole logits flattened with their labels, a chunked
+    loss's list of chunks as the model returns it.
+
+    Args:
+        loss_fn: the recipe's loss (from :func:`build_loss`).
+        logits: the model's output, a tensor or a list of chunks.
+        labels: the (shifted) labels, one per token.
+    """
+    if not isinstance(logits, list):
+        labels = labels.reshape(-1)
+        logits = logits.reshape(-1, logits.size(-1))
+    return loss_fn(logits, labels)
+
+
 class SavePoint(enum.Enum):
     """Where the loop pauses for the recipe to save (``progress`` says where training stands)."""
 
@@ -97,11 +112,8 @@ class TrainLoop:
         labels = batch.pop("labels")
         with self.activations_ctx:
             logits = self.model(**batch)
-        if not isinstance(logits, list):
-            labels = labels.reshape(-1)
-            logits = logits.reshape(-1, logits.size(-1))
         # The loss is a mean over this micro-batch's tokens; times their count gives the sum.
-        return self.loss_fn(logits, labels) * num_tokens
+        return loss_of_logits(self.loss_fn, logits, labels) * num_tokens
 
     def _window(self, batches: Iterator[Dict[str, torch.Tensor]]) -> Tuple[float, int, Optional[torch.Tensor]]:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches.
