@@ -73,7 +73,6 @@ static float position_value(const float *code, int zero, int j) { return j == 0 
 static void build_table(const float *code, int is_signed, QuantTable *t) {
     const int zero = is_signed ? 127 : 0;
     int first = 0;
-    float bounds[GROUPS - 1];
     memset(t, 0, sizeof *t);
     t->is_signed = is_signed;
     for (int g = 0; g < GROUPS; g++) {
@@ -82,8 +81,7 @@ static void build_table(const float *code, int is_signed, QuantTable *t) {
         t->last[g] = count - 1;
         const float lo = position_value(code, zero, first);
         if (g < GROUPS - 1)
-            t->bound[g] = bounds[g] =
-                (position_value(code, zero, first + count - 1) + position_value(code, zero, first + count)) * 0.5f;
+            t->bound[g] = (position_value(code, zero, first + count - 1) + position_value(code, zero, first + count)) * 0.5f;
         if (count > 1) {
             const float step = (position_value(code, zero, first + count - 1) - lo) / (float)(count - 1);
             t->scale[g] = 1.0f / step;
@@ -91,7 +89,7 @@ static void build_table(const float *code, int is_signed, QuantTable *t) {
             /* A lone code steps as if to a next code twice as far as its upper boundary, so that a
              * value at that boundary is near a whole position and gets checked (a negative value
              * there goes up: the reference sends that tie to the larger magnitude); 1 has none. */
-            t->scale[g] = g < GROUPS - 1 ? 0.5f / (bounds[g] - lo) : 0.0f;
+            t->scale[g] = g < GROUPS - 1 ? 0.5f / (t->bound[g] - lo) : 0.0f;
         }
         t->offset[g] = 0.5f - lo * t->scale[g];
         first += count;
@@ -106,8 +104,8 @@ static void build_table(const float *code, int is_signed, QuantTable *t) {
         upper = lower * 2.0f;
         t->boundary[b] = INFINITY;
         for (int g = 0; g < GROUPS - 1; g++) {
-            if (bounds[g] < lower) t->group_below[b]++;
-            else if (bounds[g] < upper) t->boundary[b] = bounds[g];
+            if (t->bound[g] < lower) t->group_below[b]++;
+            else if (t->bound[g] < upper) t->boundary[b] = t->bound[g];
         }
     }
 }
