@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.recipe_harness import working_tree_env
+from torchtune_offload.optim.stream_check import checked_streams
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -53,3 +54,22 @@ def tiny_assets(tmp_path_factory) -> Path:
         f"python -m torchtune_offload.assets failed:\n{result.stdout}\n{result.stderr}"
     )
     return out
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--checked-streams", action="store_true", default=False,
+        help="run each test inside torchtune_offload.optim.stream_check.checked_streams(): the CPU emulation "
+             "on virtual streams, every tensor access checked for happens-before",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _checked_streams(request):
+    """With --checked-streams, the test runs on virtual streams (tests that enter checked_streams()
+    themselves, marked ``streams_as_is``, run as they are)."""
+    if not request.config.getoption("--checked-streams") or "streams_as_is" in request.keywords:
+        yield
+        return
+    with checked_streams():
+        yield

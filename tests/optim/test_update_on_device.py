@@ -67,6 +67,7 @@ def test_matches_plain_adamw_bit_for_bit(dtype, overlap, grad_accum, clip, with_
             assert torch.equal(slot.optimizer.state[slot.param][key], value), (slot.key, key)
 
 
+@pytest.mark.streams_as_is  # on streams the updates run at step(), ordered by events instead
 def test_overlap_updates_each_module_right_before_its_forward():
     """The queued updates wait for the forward that needs them, module by module."""
     model = tiny_model()
@@ -273,6 +274,7 @@ def test_a_groups_own_options_plan_its_own_states():
     assert "max_exp_avg_sq" in opt._slots[2].optimizer.state[opt._slots[2].param]
 
 
+@pytest.mark.streams_as_is  # on streams every update runs at step(), ordered by events instead
 def test_a_parameter_no_module_owns_is_updated_in_step():
     """With overlap, only updates a registered module's forward waits for are queued."""
     model = tiny_model()

@@ -28,6 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import torchtune_offload.optim.fused_step as fused_step
+from torchtune_offload.optim import stream_check
 from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES
 
 BLOCK_SIZE = 256
@@ -208,6 +209,8 @@ def fused_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, An
     if library is None:
         return False
     qmap1, qmap2 = quantization_maps("cpu")
+    stream_check.host_access(reads=[grad, qmap1, qmap2], writes=[param, *(state[k] for k in ("state1", "state2",
+                             "absmax1", "absmax2"))], what="the fused AdamW8bit pass (C)")
     library.adamw8bit_step(
         param.data_ptr(), grad.data_ptr(), state["state1"].data_ptr(), state["state2"].data_ptr(),
         state["absmax1"].data_ptr(), state["absmax2"].data_ptr(), qmap1.data_ptr(), qmap2.data_ptr(),

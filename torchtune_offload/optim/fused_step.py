@@ -32,6 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from torchtune_offload.optim import stream_check
+
 SOURCE = Path(__file__).with_name("fused_adamw.c")
 #: Per-operation rounding as torch's (no contraction), vectorised for the host CPU.
 _FLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
@@ -153,6 +155,8 @@ def fused_adamw_step(optimizer: torch.optim.Optimizer, grad: torch.Tensor, out: 
     lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
     decoupled = _decoupled(optimizer)
     # Scalars as torch's single-tensor AdamW computes them (in Python floats) before each operation.
+    stream_check.host_access(reads=[grad], writes=[param, state["exp_avg"], state["exp_avg_sq"], out],
+                             what="the fused AdamW master pass (C)")
     getattr(library, _KERNELS[grad.dtype])(
         param.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(), grad.data_ptr(),
         out.data_ptr(), param.numel(), int(decoupled), 1 - lr * weight_decay, 0.0 if decoupled else weight_decay,

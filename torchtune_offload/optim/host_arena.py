@@ -20,6 +20,8 @@ from typing import List, Sequence, Tuple
 
 import torch
 
+from torchtune_offload.optim.stream_check import host_tensor
+
 try:  # PyTorch's in-place page-locking helper (its distributed checkpoint stager's); recent torch only
     import torch.cuda._pin_memory_utils as pin_memory_utils
 except ImportError:  # older torch: buffers are pinned by its allocator, rounded
@@ -93,7 +95,7 @@ def host_buffers(specs: Sequence[Tuple[torch.Size, torch.dtype]], *, pinning: st
         PageLockError: where ``in place`` pinning is refused.
     """
     if pinning == ALLOCATOR:
-        return [torch.empty(shape, dtype=dtype, pin_memory=True) for shape, dtype in specs]
+        return [host_tensor(torch.empty(shape, dtype=dtype, pin_memory=True)) for shape, dtype in specs]
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
     offsets, total = [], 0
     for size in sizes:
@@ -103,5 +105,5 @@ def host_buffers(specs: Sequence[Tuple[torch.Size, torch.dtype]], *, pinning: st
     if pinning == IN_PLACE and total:
         _page_lock(storage)
     block = torch.empty(0, dtype=torch.uint8).set_(storage)
-    return [block[offset:offset + size].view(dtype).view(shape)
+    return [host_tensor(block[offset:offset + size].view(dtype).view(shape))
             for offset, size, (shape, dtype) in zip(offsets, sizes, specs)]

@@ -5,6 +5,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from torchtune_offload.optim import stream_check
 from torchtune_offload.optim.param_table import ParameterTable
 from torchtune_offload.optim.state_streamer import StateStreamer
 
@@ -67,6 +68,11 @@ def load_state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], s
             streamer.load(slot, saved["optimizer"])
         else:
             slot.optimizer.load_state_dict(saved["optimizer"])
+            if slot.offloaded:
+                # Loaded states of a host step live in host memory (what the stream checker must know).
+                for value in slot.optimizer.state.get(slot.step_param, {}).values():
+                    if isinstance(value, torch.Tensor):
+                        stream_check.host_tensor(value)
         if slot.has_master:
             with torch.no_grad():
                 slot.step_param.copy_(saved["master"])

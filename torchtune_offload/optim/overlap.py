@@ -26,9 +26,12 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
+from torchtune_offload.optim import stream_check
+
 
 class HostWorkers:
-    """The two host worker threads: one lands gradients, one steps. Each runs its queue in order."""
+    """The two host worker threads: one lands gradients, one steps. Each runs its queue in order
+    (while streams are checked, each is a host agent of the checker, ordered by its futures)."""
 
     def __init__(self) -> None:
         self._landing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-landing")
@@ -36,11 +39,11 @@ class HostWorkers:
 
     def land(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Queues ``fn(*args)`` on the landing thread."""
-        return self._landing.submit(fn, *args)
+        return stream_check.submit(self._landing, fn, *args)
 
     def step(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Queues ``fn(*args)`` on the step thread."""
-        return self._stepping.submit(fn, *args)
+        return stream_check.submit(self._stepping, fn, *args)
 
     def shutdown(self) -> None:
         """Finishes what is queued and stops both threads."""

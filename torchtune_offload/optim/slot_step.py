@@ -14,6 +14,7 @@ from typing import Any, Dict, List
 import torch
 
 import torchtune_offload.optim.fused_step as fused_step
+from torchtune_offload.optim import stream_check
 from torchtune_offload.optim.host_grads import HostGradients
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.state_streamer import StateStreamer
@@ -90,7 +91,8 @@ class SlotStepper:
         Returns:
             the upload's event (see ``TransferEngine.to_device``).
         """
-        with self._timings.host_step(waited=waited):
+        # Host code: what the base optimizer creates from nothing (its step count) is host memory.
+        with self._timings.host_step(waited=waited), stream_check.host_work():
             self.step_slot(slot, slot.host_grad)
         return self._transfer.to_device(slot.param, slot.result)
 

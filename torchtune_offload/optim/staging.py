@@ -12,11 +12,11 @@ the order of the micro-batches, as the device's own accumulation does: the resul
 The ring may be used from the training thread (adding) and a host worker (draining) at once.
 """
 
-import threading
 from typing import List, Optional, Tuple
 
 import torch
 
+from torchtune_offload.optim import stream_check
 from torchtune_offload.optim.transfer import TransferEngine
 
 #: Bytes of one chunk, and how many chunks the ring holds: the bound on staging memory.
@@ -56,7 +56,8 @@ class StagingRing:
         self._pending: List[Optional[Tuple[int, torch.Tensor, torch.Tensor, object]]] = [None] * num_chunks
         self._next = 0
         self._issued = 0
-        self._lock = threading.Lock()
+        # The lock orders the training thread's reuse of a chunk after a worker's addition from it.
+        self._lock = stream_check.HostLock()
 
     @staticmethod
     def chunk_size(*, chunk_bytes: Optional[int] = None, largest_bytes: Optional[int] = None) -> int:

@@ -261,12 +261,16 @@ class StateStreamer:
         device = transfer.device
         # Two buffers, each as large as the largest slice needs and never above half the bound.
         self._buffers = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(2 if largest else 0)]
-        accelerator = transfer.is_accelerator and bool(self._plans)
-        module = torch.get_device_module(device) if accelerator else None
+        # Streams where the device has them (virtual ones while streams are checked on the CPU).
+        module = transfer.streams if self._plans else None
         self._module = module
-        self._up = module.Stream(device=device) if accelerator else None
-        self._down = module.Stream(device=device) if accelerator else None
-        self._update_stream = module.Stream(device=device) if accelerator and overlap else None
+        self._up = module.Stream(device=device) if module is not None else None
+        self._down = module.Stream(device=device) if module is not None else None
+        self._update_stream = module.Stream(device=device) if module is not None and overlap else None
+        for stream in (self._up, self._down, self._update_stream):
+            for buffer in self._buffers if stream is not None else ():
+                # Freed with the streamer, the buffers wait for every side stream's use of them.
+                transfer.record_stream(buffer, stream)
         self._buffer_free: List[Optional[object]] = [None, None]
         self._downloaded: Dict[int, Optional[object]] = {}
         self._next_buffer = 0
@@ -398,6 +402,10 @@ class StateStreamer:
             staged = self._staged_views(self._buffers[index], plan, start, stop)
             if self._up is not None and self._buffer_free[index] is not None:
                 self._up.wait_event(self._buffer_free[index])
+                if not initialised and stream is not None:
+                    # A slot's first step writes the buffer on the update's own stream, with no
+                    # upload to order it after the download that last read this buffer.
+                    stream.wait_event(self._buffer_free[index])
         if initialised:
             uploaded = None
             for key, view in staged.items():
@@ -468,7 +476,7 @@ class StateStreamer:
             self._update_stream.wait_stream(self._current_stream())
         for slot in queued:
             grad = slot.param.grad
-            grad.record_stream(self._update_stream)
+            self._transfer.record_stream(grad, self._update_stream)
             self._pending[slot.index] = self._run(slot, grad, self._update_stream)
 
     def _current_stream(self) -> Optional[object]:

@@ -4,7 +4,9 @@ On an accelerator (CUDA, XPU, or any backend ``torch.get_device_module`` knows) 
 pinned and copies run on two side streams, one per direction (a PCIe link copies both ways at
 once), so they overlap with compute and with the host step. On a CPU-only machine the "device" is
 the CPU itself: copies are synchronous and events are ``None``, which keeps every other line of the
-engine identical and testable without a GPU.
+engine identical and testable without a GPU. Inside ``stream_check.checked_streams()`` the CPU gets
+virtual streams instead: every copy still completes at once, but the engine issues the waits of the
+accelerator path, and a checker verifies that they order every access.
 
 Copies may be issued from the engine's host worker threads as well as from the training thread;
 the time they take is summed per direction for the engine's step timings.
@@ -16,6 +18,8 @@ from contextlib import nullcontext
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from torchtune_offload.optim import stream_check
 
 
 #: What is copied: gradients down, weights up, streamed optimizer states up and down.
@@ -32,12 +36,14 @@ class TransferEngine:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self.is_accelerator = self.device.type != "cpu"
-        self._module = torch.get_device_module(self.device) if self.is_accelerator else None
+        # The streams' module: torch's on an accelerator, the virtual device while streams are
+        # checked on the CPU, else None (no streams: copies are synchronous).
+        self.streams = stream_check.device_module(self.device)
         # Gradients go down on one stream, weights up on the other. A weight's upload is always
         # finished before the next gradient lands in the same host buffer: the compute stream
         # waits for the upload before the next forward, and every download waits for compute.
-        self.stream = self._module.Stream(device=self.device) if self.is_accelerator else None
-        self.h2d_stream = self._module.Stream(device=self.device) if self.is_accelerator else None
+        self.stream = self.streams.Stream(device=self.device) if self.streams is not None else None
+        self.h2d_stream = self.streams.Stream(device=self.device) if self.streams is not None else None
         self._lock = threading.Lock()
         # Copy durations per kind: seconds (CPU), or timing-event pairs not yet read.
         self._seconds = dict.fromkeys(COPY_KINDS, 0.0)
@@ -45,13 +51,13 @@ class TransferEngine:
 
     def host_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
         """An uninitialised host tensor shaped like ``tensor``; pinned (by torch's allocator) on an accelerator."""
-        return torch.empty_like(tensor, device="cpu", pin_memory=self.is_accelerator)
+        return stream_check.host_tensor(torch.empty_like(tensor, device="cpu", pin_memory=self.is_accelerator))
 
     def _side_stream(self, stream=None):
-        return self._module.stream(stream or self.stream) if self.is_accelerator else nullcontext()
+        return self.streams.stream(stream or self.stream) if self.streams is not None else nullcontext()
 
     def _timing_event(self):
-        return self._module.Event(enable_timing=True)
+        return self.streams.Event(enable_timing=True)
 
     def _add_seconds(self, kind: str, seconds: float) -> None:
         with self._lock:
@@ -92,12 +98,17 @@ class TransferEngine:
         Returns:
             An event to wait on before reading ``dst``, or ``None`` when the copy is complete.
         """
-        if self.is_accelerator:
-            self.stream.wait_stream(self._module.current_stream(self.device))
+        if self.streams is not None:
+            self.stream.wait_stream(self.streams.current_stream(self.device))
         end = self.timed_copy(dst, src, kind="grad", stream=self.stream)
-        if release_source and self.is_accelerator:
-            src.record_stream(self.stream)
+        if release_source and self.streams is not None:
+            self.record_stream(src, self.stream)
         return end
+
+    def record_stream(self, tensor: torch.Tensor, stream: object) -> None:
+        """Keeps device ``tensor``'s memory from being handed out again before ``stream``'s work
+        issued so far is done (``Tensor.record_stream``, on virtual streams too)."""
+        stream_check.record_stream(tensor, stream)
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Optional[object]:
         """Copies host ``src`` into device ``dst`` on the upload stream; safe from any thread.
@@ -117,7 +128,7 @@ class TransferEngine:
         Returns:
             The event that ends the copy on an accelerator, else ``None`` (the copy is complete).
         """
-        if not self.is_accelerator:
+        if self.streams is None:
             start = time.perf_counter()
             dst.copy_(src)
             self._add_seconds(kind, time.perf_counter() - start)
@@ -134,13 +145,19 @@ class TransferEngine:
     def compute_waits_for(self, event: Optional[object]) -> None:
         """Makes later work on the compute stream wait for one copy (an event from :meth:`to_device`)."""
         if event is not None:
-            self._module.current_stream(self.device).wait_event(event)
+            self.streams.current_stream(self.device).wait_event(event)
 
     def compute_waits_for_copies(self) -> None:
         """Makes later work on the compute stream wait for every copy issued so far."""
-        if self.is_accelerator:
-            self._module.current_stream(self.device).wait_stream(self.stream)
-            self._module.current_stream(self.device).wait_stream(self.h2d_stream)
+        if self.streams is not None:
+            self.streams.current_stream(self.device).wait_stream(self.stream)
+            self.streams.current_stream(self.device).wait_stream(self.h2d_stream)
+
+    def synchronize(self) -> None:
+        """Blocks the host until every copy issued so far, both ways, is complete."""
+        if self.streams is not None:
+            self.stream.synchronize()
+            self.h2d_stream.synchronize()
 
     @staticmethod
     def wait(event: Optional[object]) -> None:

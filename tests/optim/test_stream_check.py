@@ -1,0 +1,241 @@
+"""The stream checker (optim/stream_check.py): virtual streams on the CPU, CUDA's ordering rules,
+and a calibration that shows every wait the engine makes is one some CPU test needs."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from tests.optim.side_by_side import batches, tiny_model, twin
+from tests.optim.test_overlap import train_windows
+from torchtune_offload.optim import stream_check
+from torchtune_offload.optim.offload_optimizer import OffloadOptimizer
+from torchtune_offload.optim.stream_check import StreamOrderError, checked_streams
+
+pytestmark = pytest.mark.streams_as_is
+
+MINIMAL_SIZE = 1000  # weights offloaded or streamed, biases on the device
+#: Small enough that each weight's states are staged in several slices through both buffers.
+STAGING_MIB = 0.02
+
+
+# ------------------------------------------------------------------------------- the rules
+
+def test_a_side_stream_read_then_an_unordered_write_raises():
+    a, b = torch.zeros(64), torch.empty(64)
+    with pytest.raises(StreamOrderError) as raised:
+        with checked_streams() as dev:
+            s = dev.Stream()
+            s.wait_stream(dev.current_stream())
+            with dev.stream(s):
+                b.copy_(a)
+            a.add_(1)
+    message = str(raised.value)
+    # Both accesses are named, with the lines that made them.
+    assert "read of bytes [0, 256)" in message and "write of bytes [0, 256)" in message
+    assert "b.copy_(a)" in message and "a.add_(1)" in message
+
+
+def test_an_event_recorded_on_the_side_stream_orders_the_write():
+    a, b = torch.zeros(64), torch.empty(64)
+    with checked_streams() as dev:
+        s = dev.Stream()
+        s.wait_stream(dev.current_stream())
+        with dev.stream(s):
+            b.copy_(a)
+        done = dev.Event()
+        done.record(s)
+        dev.current_stream().wait_event(done)
+        a.add_(1)
+    assert torch.equal(b, torch.zeros(64)) and torch.equal(a, torch.ones(64))
+
+
+def test_a_new_stream_is_ordered_after_nothing():
+    with checked_streams() as dev:
+        a = torch.ones(16) * 2  # written on the default stream
+        s = dev.Stream()
+        with pytest.raises(StreamOrderError):
+            with dev.stream(s):
+                a.sum()
+
+
+def test_byte_ranges_of_one_storage_that_do_not_overlap_need_no_order():
+    a = torch.zeros(64)
+    with checked_streams() as dev:
+        s = dev.Stream()
+        with dev.stream(s):
+            a[:32].add_(1)
+        a[32:].add_(2)  # other bytes of the same storage
+        with pytest.raises(StreamOrderError):
+            a[16:48].add_(3)
+
+
+def test_the_host_waits_for_a_copy_into_host_memory_only_by_synchronizing():
+    host = stream_check.host_tensor(torch.empty(8))
+    src = torch.arange(8.0)
+    with checked_streams() as dev:
+        host = stream_check.host_tensor(torch.empty(8))
+        s = dev.Stream()
+        s.wait_stream(dev.current_stream())
+        with dev.stream(s):
+            host.copy_(src, non_blocking=True)
+        with pytest.raises(StreamOrderError):
+            host.mul_(2)  # a host operation: the copy may still be running
+    with checked_streams() as dev:
+        host = stream_check.host_tensor(torch.empty(8))
+        s = dev.Stream()
+        s.wait_stream(dev.current_stream())
+        with dev.stream(s):
+            host.copy_(src, non_blocking=True)
+        done = dev.Event()
+        done.record(s)
+        done.synchronize()
+        host.mul_(2)
+    assert torch.equal(host, src * 2)
+
+
+def test_memory_freed_while_another_stream_used_it_needs_record_stream():
+    def run(record: bool) -> None:
+        with checked_streams() as dev:
+            s = dev.Stream()
+            grad = torch.ones(256) * 3  # allocated on the default stream
+            s.wait_stream(dev.current_stream())
+            with dev.stream(s):
+                torch.empty(256).copy_(grad)
+            if record:
+                dev.record_stream(grad, s)
+            del grad  # the caching allocator would hand the memory out again now
+
+    run(record=True)
+    with pytest.raises(StreamOrderError, match="record_stream"):
+        run(record=False)
+
+
+def test_a_worker_thread_is_ordered_by_its_submission_and_its_future():
+    data = torch.zeros(32)
+    with checked_streams():
+        data = stream_check.host_tensor(torch.zeros(32))
+        data.add_(1)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            future = stream_check.submit(pool, data.mul_, 2)  # after the add: submitted after it
+            future.result()
+        data.sub_(1)  # after the worker's write: its result() was waited for
+    assert torch.equal(data, torch.ones(32))
+
+
+def test_a_worker_write_not_waited_for_raises():
+    with checked_streams():
+        data = stream_check.host_tensor(torch.zeros(32))
+        started = threading.Event()
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            future = stream_check.submit(pool, lambda: (data.add_(1), started.set()))
+            started.wait()
+            with pytest.raises(StreamOrderError):
+                data.mul_(2)  # the worker's write is done, but nothing ordered this thread after it
+            future.result()
+
+
+def test_the_context_does_not_nest_and_leaves_no_virtual_device_behind():
+    with checked_streams():
+        assert stream_check.active()
+        with pytest.raises(RuntimeError, match="does not nest"):
+            with checked_streams():
+                pass
+    assert not stream_check.active()
+    assert stream_check.device_module(torch.device("cpu")) is None
+
+
+# ---------------------------------------------------------------- the engine on virtual streams
+
+def _host_engine(model, **options):
+    return OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", minimal_size=MINIMAL_SIZE, lr=1e-2,
+                            **options)
+
+
+def _device_update(model, **options):
+    return _host_engine(model, update_on="device", device_staging_mib=STAGING_MIB, **options)
+
+
+#: name -> (how the optimizer is built, accumulation, clipping, announce windows (overlap)).
+SCENARIOS = {
+    "serial": (lambda m: _host_engine(m), 1, None, False),
+    "serial offload_gradients": (lambda m: _host_engine(m, offload_gradients=True), 2, 1.0, False),
+    "overlap": (lambda m: _host_engine(m, overlap=True), 2, None, True),
+    "overlap offload_gradients": (lambda m: _host_engine(m, offload_gradients=True, overlap=True), 3, 0.5, True),
+    "device update": (lambda m: _device_update(m), 2, 1.0, False),
+    "device update overlap": (lambda m: _device_update(m, overlap=True), 1, None, False),
+}
+
+
+def _run(scenario: str, *, drop=()) -> torch.nn.Module:
+    build, grad_accum, clip, announce = SCENARIOS[scenario]
+    model = tiny_model()
+    data = batches(num=3 * grad_accum)
+    with checked_streams(drop_waits=drop):
+        opt = build(model)
+        if announce or opt.overlap:
+            opt.register_forward_waits(model)
+        train_windows(model, opt, data, grad_accum=grad_accum, clip=clip, announce=announce)
+        # A checkpoint reads the host states and weights, as the recipes' saves do.
+        saved = opt.state_dict()
+        for value in saved["state"].values():
+            for tensor in value["optimizer"]["state"].get(0, {}).values():
+                tensor.sum()
+        opt.close()
+    return model
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_the_engine_on_virtual_streams_gives_the_emulation_results_bit_for_bit(scenario):
+    build, grad_accum, clip, announce = SCENARIOS[scenario]
+    model = tiny_model()
+    reference = twin(model)
+    data = batches(num=3 * grad_accum)
+    opt = build(reference)
+    if announce or opt.overlap:
+        opt.register_forward_waits(reference)
+    train_windows(reference, opt, data, grad_accum=grad_accum, clip=clip, announce=announce)
+    opt.close()
+    checked = _run(scenario)
+    for (name, a), b in zip(checked.named_parameters(), reference.parameters()):
+        assert torch.equal(a, b), name
+
+
+#: Every wait of the engine's ordering code: (file, the call's source text) -> a scenario whose
+#: checked run fails without it. docs/stream_check.md lists the same table.
+WAITS = {
+    ("transfer.py", "self.stream.wait_stream(self.streams.current_stream(self.device))"): "serial offload_gradients",
+    ("transfer.py", "self.record_stream(src, self.stream)"): "serial offload_gradients",
+    ("transfer.py", "self.streams.current_stream(self.device).wait_event(event)"): "overlap offload_gradients",
+    ("transfer.py", "wait_stream(self.h2d_stream)"): "serial",
+    ("transfer.py", "event.synchronize()"): "serial offload_gradients",
+    ("staging.py", "self._transfer.wait(event)"): "serial offload_gradients",
+    ("state_streamer.py", "self._up.wait_event(self._downloaded[slot.index])"): "device update",
+    ("state_streamer.py", "self._up.wait_event(self._buffer_free[index])"): "device update",
+    ("state_streamer.py", "stream.wait_event(self._buffer_free[index])"): "device update",
+    ("state_streamer.py", "stream.wait_event(uploaded)"): "device update",
+    ("state_streamer.py", "self._down.wait_event(computed)"): "device update",
+    ("state_streamer.py", "self._update_stream.wait_stream(self._current_stream())"): "device update overlap",
+    ("state_streamer.py", "self._transfer.record_stream(grad, self._update_stream)"): "device update overlap",
+    ("state_streamer.py", "self._current_stream().wait_event(queued)"): "device update overlap",
+    ("state_streamer.py", "self._down.synchronize()"): "device update",
+    ("overlap_scheduler.py", "self._result(queued.done,"): "overlap offload_gradients",
+    ("overlap_scheduler.py", "self._result(queued.landed,"): "overlap offload_gradients",
+    ("overlap_scheduler.py", "self._transfer.compute_waits_for(queued.param_event)"): "overlap",
+}
+
+
+@pytest.mark.parametrize("site", list(WAITS), ids=[f"{f}:{t}" for f, t in WAITS])
+def test_each_wait_is_one_a_checked_test_needs(site):
+    with pytest.raises(StreamOrderError):
+        _run(WAITS[site], drop=[site])
+
+
+@pytest.mark.parametrize("site", list(WAITS), ids=[f"{f}:{t}" for f, t in WAITS])
+def test_each_listed_wait_is_in_the_engine_as_written(site):
+    """A renamed or moved wait would make its calibration drop nothing: each text is in its file once."""
+    filename, text = site
+    source = (stream_check.__file__.rsplit("/", 1)[0] + "/" + filename)
+    with open(source) as f:
+        assert f.read().count(text) >= 1, site
