@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.recipe.test_recipes import FP32, _assert_same_tensors, _grad_norms, run_recipe
+from tests.recipe.test_recipes import FP32, RESUME, _assert_same_tensors, _grad_norms, run_recipe
 from tests.torchao_on_cpu import torchao_on_cpu
 from torchtune_offload import CPUOffloadOptimizer
 from torchtune_offload.recipe import OptimizerKind, OwnGradientsOptimizer
@@ -55,3 +55,23 @@ def test_torchao_in_the_recipe_matches_plain_adamw(ao_on_cpu, tiny_assets, tmp_p
     torch.testing.assert_close([r["lr"] for r in ao.log], [r["lr"] for r in plain.log])
     _assert_same_tensors(ao.params, plain.params, **FP32)
     assert ao.log[-1]["optimizer_host"] > 0  # the memory report reaches the log
+
+
+def test_torchao_resume_after_epoch_is_exact(ao_on_cpu, tiny_assets, tmp_path: Path):
+    """Its checkpoints are written and read back as torchao's kind, mid-run, with the same results."""
+    settings = [*RESUME, "clip_grad_norm=null", *AO]
+    straight = run_recipe("full", tiny_assets, tmp_path / "straight", *settings)
+    killed = run_recipe("full", tiny_assets, tmp_path / "killed", *settings, stop_after_epoch=0)
+    assert killed.losses == straight.losses[:4]
+    resumed = run_recipe("full", tiny_assets, tmp_path / "killed", *settings, "resume_from_checkpoint=True")
+    assert resumed.recipe._optimizer.kind is OptimizerKind.TORCHAO_OFFLOAD
+    assert resumed.losses == straight.losses[4:]
+    assert [r["grad_norm"] for r in resumed.log] == [r["grad_norm"] for r in straight.log[4:]]
+    _assert_same_tensors(resumed.params, straight.params, rtol=0, atol=0)
+
+
+def test_torchaos_checkpoint_is_refused_by_a_plain_run(ao_on_cpu, tiny_assets, tmp_path: Path):
+    settings = [*RESUME, "clip_grad_norm=null"]
+    run_recipe("full", tiny_assets, tmp_path, *settings, *AO, stop_after_epoch=0)
+    with pytest.raises(ValueError, match=r"written by torchao's CPUOffloadOptimizer.*run's optimizer is a plain"):
+        run_recipe("full", tiny_assets, tmp_path, *settings, "resume_from_checkpoint=True")
