@@ -103,7 +103,7 @@ def build_optimizer(
             # gradients too, and has none of the engine's overlap calls.
             run = HoldingOptimizer(optimizer, model=model, clip_grad_norm=settings.clip_grad_norm)
         elif caps.holds_gradients:
-            run = OwnGradientsOptimizer(optimizer, params=(), clip_grad_norm=settings.clip_grad_norm, kind=kind)
+            run = OwnGradientsOptimizer(optimizer, clip_grad_norm=settings.clip_grad_norm, kind=kind)
         else:
             run = RunOptimizer(optimizer, params=[p for _, p in trainable], clip_grad_norm=settings.clip_grad_norm,
                                kind=kind)

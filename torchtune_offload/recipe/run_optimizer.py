@@ -157,7 +157,16 @@ class OwnGradientsOptimizer(RunOptimizer):
 
     torchao's optimizer has no ``clip_grad_norm_``: the config check refuses ``clip_grad_norm`` with
     an optimizer that declares it cannot clip (``recipe/optimizer_rules.py``).
+
+    Args:
+        optimizer: the optimizer, with ``grad_norm()``.
+        clip_grad_norm: the largest total norm, or None to measure without clipping.
+        kind: what its checkpoints are checked against on resume.
     """
+
+    def __init__(self, optimizer: Any, *, clip_grad_norm: Optional[float], kind: OptimizerKind) -> None:
+        # The model's .grad is neither measured nor clipped here.
+        super().__init__(optimizer, params=(), clip_grad_norm=clip_grad_norm, kind=kind)
 
     def _norm_and_clip(self) -> torch.Tensor:
         if self._clip is None:
@@ -199,7 +208,7 @@ class HoldingOptimizer(OwnGradientsOptimizer):
     """
 
     def __init__(self, optimizer: OffloadEngine, *, model: torch.nn.Module, clip_grad_norm: Optional[float]) -> None:
-        super().__init__(optimizer, params=(), clip_grad_norm=clip_grad_norm, kind=OptimizerKind.OFFLOAD_ENGINE)
+        super().__init__(optimizer, clip_grad_norm=clip_grad_norm, kind=OptimizerKind.OFFLOAD_ENGINE)
         # With overlap on, step() returns at once and each module waits for its own weights.
         optimizer.register_forward_waits(model)
 
