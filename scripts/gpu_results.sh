@@ -2,7 +2,10 @@
 # The runs behind docs/gpu_results.md, in stages, on a CUDA machine with the project's dependencies.
 #
 # Usage (from the repository root): bash scripts/gpu_results.sh OUT_DIR STAGE...
-#   tests           nvidia-smi, then `pytest -m gpu` (log: OUT_DIR/gpu-tests.log)
+#   tests           nvidia-smi, then `pytest -m gpu` (log: OUT_DIR/gpu-tests.log), then the same tests under
+#                   PyTorch's CUDA stream sanitizer, TORCH_CUDA_SANITIZER=1, which reports a kernel that reads or
+#                   writes a tensor another stream may still be using (log: OUT_DIR/gpu-tests-sanitizer.log);
+#                   each run is stopped after TESTS_TIMEOUT_S / SANITIZER_TIMEOUT_S seconds
 #   demo            scripts/gradient_math_demo.py on the GPU (log: OUT_DIR/grad-math.log)
 #   sweep:MODEL:GIB the optimizer sweep of MODEL (1B or 3B: llama3_2; 8B: llama3_1) from a random-init checkpoint on
 #                   synthetic data; GIB: GPU memory left free by a ballast, or "all" for the whole GPU
@@ -13,15 +16,25 @@
 #                   8-bit pass (bench_host_step.py), and the pass's cost per core and on all cores
 #                   (bench_adamw8bit_kernel.py), and the pass as built for AVX2 beside torch's AVX2 kernels
 #                   (tables: OUT_DIR/hoststep.md)
-# Environment: STEPS (default 20), BATCH_SIZE (default 4), VARIANTS (default: all), VARIANT_TIMEOUT_S (default 240).
+# Environment: STEPS (default 20), BATCH_SIZE (default 4), VARIANTS (default: all), VARIANT_TIMEOUT_S (default 240),
+#   TESTS_TIMEOUT_S (default 1800), SANITIZER_TIMEOUT_S (default 3600).
 set -uo pipefail
 out=$1; shift
 mkdir -p "$out"
 steps=${STEPS:-20}
 variant_timeout=${VARIANT_TIMEOUT_S:-240}
 batch=${BATCH_SIZE:-4}
+tests_timeout=${TESTS_TIMEOUT_S:-1800}
+sanitizer_timeout=${SANITIZER_TIMEOUT_S:-3600}
 # Where `python -m torchtune_offload.assets` writes the tiny assets (torchtune_offload/assets/files.py).
 TINY=${XDG_CACHE_HOME:-$HOME/.cache}/torchtune_offload/tiny
+
+gpu_tests() {  # pytest -m gpu, stopped after $1 seconds (the log says so)
+  timeout "$1" python -m pytest -q -m gpu -p no:cacheprovider tests -rs
+  local rc=$?
+  [ "$rc" = 124 ] && echo "stopped after $1 s (timeout)"
+  return "$rc"
+}
 
 family() { [ "$1" = 8B ] && echo llama3_1 || echo llama3_2; }
 
@@ -39,7 +52,8 @@ for stage in "$@"; do
       python -m torchtune_offload.assets >/dev/null
       { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
         python -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
-        python -m pytest -q -m gpu -p no:cacheprovider tests -rs; } 2>&1 | tee "$out/gpu-tests.log" | tail -25 ;;
+        gpu_tests "$tests_timeout"; } 2>&1 | tee "$out/gpu-tests.log" | tail -25
+      TORCH_CUDA_SANITIZER=1 gpu_tests "$sanitizer_timeout" 2>&1 | tee "$out/gpu-tests-sanitizer.log" | tail -25 ;;
     demo)
       python -m torchtune_offload.assets >/dev/null
       python scripts/gradient_math_demo.py --device cuda --output-dir /tmp/grad_math > "$out/grad-math.log" 2>&1

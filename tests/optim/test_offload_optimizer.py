@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from tests.optim.side_by_side import assert_same_params, batches, plain_hooks, through_a_file, tiny_model, train, twin
+from tests.torchao_on_cpu import torchao_on_cpu
 from torchtune.config._utils import _get_component_from_path
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
 
@@ -302,6 +303,26 @@ def test_cpu_offload_optimizer_without_accelerator_names_the_alternative():
         CPUOffloadOptimizer(tiny_model().named_parameters(), "torch.optim.AdamW")
     with pytest.raises(ValueError, match="does not resolve"):
         CPUOffloadOptimizer(tiny_model().named_parameters(), "torch.optim.Nope")
+
+
+def test_cpu_offload_optimizer_resumed_keeps_its_schedule_on_the_device_step(monkeypatch):
+    """After load_state_dict the groups an LR scheduler reads and sets are the ones the on-device
+    step uses, with the saved initial_lr (torchao's step on the CPU: tests/torchao_on_cpu.py)."""
+    torchao_on_cpu(monkeypatch)
+
+    def build():
+        return CPUOffloadOptimizer(tiny_model().named_parameters(), "torch.optim.AdamW", minimal_size=MINIMAL_SIZE,
+                                   lr=1e-2)
+
+    opt = build()
+    assert opt.d_opt is not None and opt.param_d2h_map  # both step paths
+    cosine(opt)
+    resumed = build()
+    resumed.load_state_dict(through_a_file(opt.state_dict()))
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(resumed, T_max=5, eta_min=1e-4, last_epoch=0)
+    scheduler.step()
+    lrs = {g["lr"] for g in resumed.param_groups} | {g["lr"] for g in resumed.d_opt.param_groups}
+    assert lrs == {scheduler.get_last_lr()[0]} and lrs != {1e-2}
 
 
 def test_close_removes_hooks():

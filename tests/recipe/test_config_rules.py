@@ -2,17 +2,24 @@
 planner read instead of the raw config (offload_gradients), and the recipes' optimizer interface:
 kinds of checkpointed optimizer states are values, and each kind's adapter answers the same calls."""
 
+import copy
+
 import pytest
 import torch
 
 import torchtune_offload
 
 from tests.recipe.test_config_check import _cfg, _problems
-from torchtune_offload import OffloadOptimizer
+from tests.torchao_on_cpu import torchao_on_cpu
+from torchtune_offload import AdamW8bit, CPUOffloadOptimizer, OffloadOptimizer
+from torchtune_offload.optim import capabilities_of
 from torchtune_offload.recipe import (
     HoldingOptimizer,
+    OffloadEngine,
     OptimizerKind,
+    OwnGradientsOptimizer,
     RunOptimizer,
+    build_optimizer,
     check_recipe_config,
 )
 
@@ -80,6 +87,40 @@ def test_every_kind_answers_the_loops_calls():
         run.close()
     assert plain.memory_report() is None and holding.memory_report().num_offloaded == 2
     assert plain.name == "SGD" and holding.name == "OffloadOptimizer (offload)"
+
+
+@pytest.mark.parametrize("overrides, adapter, kind", [
+    ((), RunOptimizer, OptimizerKind.PLAIN),
+    ((OURS, "optimizer.overlap=True"), HoldingOptimizer, OptimizerKind.OFFLOAD_ENGINE),
+    (("optimizer._component_=torchtune_offload.CPUOffloadOptimizer", "optimizer.minimal_size=1024",
+      "optimizer.offload_gradients=True"), OwnGradientsOptimizer, OptimizerKind.TORCHAO_OFFLOAD),
+])
+def test_build_optimizer_picks_the_adapter_by_what_the_optimizer_is(monkeypatch, overrides, adapter, kind):
+    """Both offloaders hold their gradients; only the engine has the calls HoldingOptimizer makes."""
+    torchao_on_cpu(monkeypatch)
+    model = _params()
+    model.zero_grad()
+    ref = copy.deepcopy(model)
+    settings = check_recipe_config(_cfg("full", *overrides), recipe="full")
+    run = build_optimizer(_cfg("full", *overrides).optimizer, model, settings)
+    assert type(run) is adapter and run.kind is kind
+    x = torch.randn(4, 64)
+    ref(x).square().sum().backward()
+    run.before_final_backward()
+    model(x).square().sum().backward()
+    # The norm the loop logs is that of the gradients the step uses, wherever they are now.
+    torch.testing.assert_close(run.step(), torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+    run.synchronize()
+    run.close()
+
+
+@pytest.mark.parametrize("cls", [OffloadOptimizer, CPUOffloadOptimizer, AdamW8bit, torch.optim.AdamW])
+def test_the_engine_interface_and_the_declared_capabilities_agree(cls):
+    caps = capabilities_of(cls)
+    # The config check's overlap rule and the adapter's choice answer alike.
+    assert issubclass(cls, OffloadEngine) is caps.overlaps_host_step
+    # An optimizer that holds its gradients measures them itself.
+    assert hasattr(cls, "grad_norm") is caps.holds_gradients
 
 
 @pytest.mark.parametrize("component", ["OffloadOptimizer", "CPUOffloadOptimizer"])

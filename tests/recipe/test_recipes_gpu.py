@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.recipe.test_recipes import FULL_EQUIV, FULL_OFFLOAD, LEARN, run_recipe
+from torchtune_offload.recipe import OptimizerKind, OwnGradientsOptimizer
 
 pytestmark = pytest.mark.gpu
 ON_GPU = ["device=cuda", "dtype=fp32"]
@@ -49,13 +50,23 @@ def test_nvml_peak_is_logged_on_gpu(gpu_runs):
     assert row["nvml_device_used_peak"] >= row["peak_memory_reserved"] > 0
 
 
-def test_torchao_in_the_recipe_matches_plain_adamw_on_gpu(gpu_runs):
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_torchao_in_the_recipe_matches_plain_adamw_on_gpu(gpu_runs, offload_gradients):
     # torchao's optimizer neither clips nor sees the recipe's scaling; without both it is exact.
     settings = ["max_steps_per_epoch=5", "batch_size=4", "gradient_accumulation_steps=1", "clip_grad_norm=null"]
     plain = gpu_runs(*settings)
     ao = gpu_runs(*settings, "optimizer._component_=torchtune_offload.CPUOffloadOptimizer",
-                  "optimizer.optimizer_class=torch.optim.AdamW", "optimizer.minimal_size=1024")
+                  "optimizer.optimizer_class=torch.optim.AdamW", "optimizer.minimal_size=1024",
+                  f"optimizer.offload_gradients={offload_gradients}")
+    run = ao.recipe._optimizer
+    assert type(run) is OwnGradientsOptimizer and run.kind is OptimizerKind.TORCHAO_OFFLOAD
     torch.testing.assert_close(torch.tensor(ao.losses), torch.tensor(plain.losses), **TOL)
+    # The norm of the gradients torchao steps on, also those offload_gradients freed on the device.
+    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in ao.log]),
+                               torch.tensor([r["grad_norm"] for r in plain.log]), **TOL)
+    for name, p in plain.params.items():
+        torch.testing.assert_close(ao.params[name], p, msg=lambda m: f"{name}: {m}", **TOL)
+    assert ao.log[-1]["optimizer_pinned"] > 0 and run.memory_report().num_offloaded > 0
 
 
 @pytest.mark.parametrize("component", ["bitsandbytes.optim.PagedAdamW", "bitsandbytes.optim.PagedAdamW8bit"])

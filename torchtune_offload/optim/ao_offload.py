@@ -6,7 +6,7 @@ accumulation with ``offload_gradients``, clipping, or machines without CUDA/XPU,
 :class:`torchtune_offload.OffloadOptimizer`.
 """
 
-from typing import Any, List, Union
+from typing import Any, Dict, List, Union
 
 import torch
 import torchao.optim
@@ -138,6 +138,14 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         return offloaded_buffers_plan(trainable, optimizer_class=resolve_optimizer_class(optimizer_class),
                                       options=kwargs, minimal_size=own["minimal_size"],
                                       pinning=NONE if torch.device(device).type == "cpu" else ALLOCATOR)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self.d_opt is not None:
+            # torch's load_state_dict gives the on-device optimizer new group dicts; torchao's
+            # param_groups (what an LR scheduler reads and sets) kept the old ones, so a resumed
+            # run lacked initial_lr and its schedule no longer reached the on-device step.
+            self.d_param_groups = self.d_opt.param_groups
 
     def _grads_to_step(self) -> List[torch.Tensor]:
         # torchao copies gradients to its host parameters during backward; wait for those copies.

@@ -21,8 +21,9 @@ class OptimizerCapabilities:
     Attributes:
         offloads: steps on host copies of the parameters, configured with ``optimizer_class``
             (the base optimizer), ``offload_gradients`` and ``minimal_size``.
-        holds_gradients: steps on gradients it keeps itself (on the host), so norms and clipping
-            must go through its ``grad_norm()`` / ``clip_grad_norm_()``, not the model's ``.grad``.
+        holds_gradients: steps on gradients it keeps itself (on the host), so the norm must come
+            from its ``grad_norm()`` (and clipping, where it can clip, from its
+            ``clip_grad_norm_()``), not from the model's ``.grad``.
         named_parameters: takes ``model.named_parameters()`` pairs (its checkpoint is keyed by name).
         can_clip: the gradients it steps on can be clipped before the step.
         accumulates_offloaded_grads: gradient accumulation works with ``offload_gradients=True``.

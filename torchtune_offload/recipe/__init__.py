@@ -25,7 +25,14 @@ from torchtune_offload.recipe.grad_math import loss_scale, sum_over_ranks
 from torchtune_offload.recipe.memory import MemoryMonitor
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.resume import TrainingCheckpoints
-from torchtune_offload.recipe.run_optimizer import HoldingOptimizer, InBackwardOptimizers, OptimizerKind, RunOptimizer
+from torchtune_offload.recipe.run_optimizer import (
+    HoldingOptimizer,
+    InBackwardOptimizers,
+    OffloadEngine,
+    OptimizerKind,
+    OwnGradientsOptimizer,
+    RunOptimizer,
+)
 from torchtune_offload.recipe.train_loop import SavePoint, TrainLoop, loss_of_logits
 
 __all__ = [
@@ -34,7 +41,9 @@ __all__ = [
     "HostMemoryNeed",
     "InBackwardOptimizers",
     "MemoryMonitor",
+    "OffloadEngine",
     "OptimizerKind",
+    "OwnGradientsOptimizer",
     "Progress",
     "RecipeSettings",
     "RunOptimizer",

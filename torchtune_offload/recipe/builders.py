@@ -23,7 +23,14 @@ from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune_offload.distributed.loss import RowChunkedLoss
 from torchtune_offload.recipe.config import RecipeSettings
 from torchtune_offload.recipe.progress import Progress
-from torchtune_offload.recipe.run_optimizer import HoldingOptimizer, InBackwardOptimizers, OptimizerKind, RunOptimizer
+from torchtune_offload.recipe.run_optimizer import (
+    HoldingOptimizer,
+    InBackwardOptimizers,
+    OffloadEngine,
+    OptimizerKind,
+    OwnGradientsOptimizer,
+    RunOptimizer,
+)
 
 
 def build_metric_logger(cfg: DictConfig) -> Any:
@@ -90,10 +97,14 @@ def build_optimizer(
         # Names key the offload optimizer's checkpoint, so a reordered model cannot load wrong state;
         # plain, bitsandbytes and torchao's optimizers take tensors, as in torchtune's recipes.
         optimizer = config.instantiate(cfg_optimizer, trainable if caps.named_parameters else [p for _, p in trainable])
-        if caps.holds_gradients:
+        kind = OptimizerKind.TORCHAO_OFFLOAD if caps.offloads else OptimizerKind.PLAIN
+        if isinstance(optimizer, OffloadEngine):
+            # By the calls the adapter makes, not by a capability: torchao's offloader holds its
+            # gradients too, and has none of the engine's overlap calls.
             run = HoldingOptimizer(optimizer, model=model, clip_grad_norm=settings.clip_grad_norm)
+        elif caps.holds_gradients:
+            run = OwnGradientsOptimizer(optimizer, clip_grad_norm=settings.clip_grad_norm, kind=kind)
         else:
-            kind = OptimizerKind.TORCHAO_OFFLOAD if caps.offloads else OptimizerKind.PLAIN
             run = RunOptimizer(optimizer, params=[p for _, p in trainable], clip_grad_norm=settings.clip_grad_norm,
                                kind=kind)
     if state_dict is not None:

@@ -1,15 +1,16 @@
 """One optimizer interface for the recipes and the train loop, whatever the optimizer is.
 
-A plain optimizer (torch, bitsandbytes, torchao's offloader), this project's
-:class:`~torchtune_offload.OffloadOptimizer` (which holds its own gradients and may overlap its host
-step) and torchtune's per-parameter optimizers stepping inside backward (``optimizer_in_bwd``)
-answer the same calls here. What differs is decided once, when :func:`build_run_optimizer` picks
-the adapter; the loop and the recipes never ask which kind they hold. Capabilities
-(``optim/capabilities.py``) stay what the config check explains its refusals with.
+A plain optimizer (torch, bitsandbytes), torchao's offloader (which steps on its own copies of the
+gradients), this project's :class:`~torchtune_offload.OffloadOptimizer` (which also clips them and
+may overlap its host step) and torchtune's per-parameter optimizers stepping inside backward
+(``optimizer_in_bwd``) answer the same calls here. What differs is decided once, when
+:func:`torchtune_offload.recipe.builders.build_optimizer` picks the adapter; the loop and the
+recipes never ask which kind they hold. Capabilities (``optim/capabilities.py``) stay what the
+config check explains its refusals with.
 """
 
 import enum
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Protocol, runtime_checkable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -149,16 +150,65 @@ class RunOptimizer:
         return norm
 
 
-class HoldingOptimizer(RunOptimizer):
-    """An optimizer that holds the gradients it steps on (``OffloadOptimizer``): it measures and
-    clips them itself, may run its host steps beside the next forward, and reports its timings.
+class OwnGradientsOptimizer(RunOptimizer):
+    """An optimizer that steps on its own copies of the gradients (torchao's offloader): the model's
+    ``.grad`` may be gone by the step (``offload_gradients`` frees it during backward), so the norm
+    is the optimizer's ``grad_norm()`` and clipping its ``clip_grad_norm_()``.
+
+    torchao's optimizer has no ``clip_grad_norm_``: the config check refuses ``clip_grad_norm`` with
+    an optimizer that declares it cannot clip (``recipe/optimizer_rules.py``).
+
+    Args:
+        optimizer: the optimizer, with ``grad_norm()``.
+        clip_grad_norm: the largest total norm, or None to measure without clipping.
+        kind: what its checkpoints are checked against on resume.
+    """
+
+    def __init__(self, optimizer: Any, *, clip_grad_norm: Optional[float], kind: OptimizerKind) -> None:
+        # The model's .grad is neither measured nor clipped here.
+        super().__init__(optimizer, params=(), clip_grad_norm=clip_grad_norm, kind=kind)
+
+    def _norm_and_clip(self) -> torch.Tensor:
+        if self._clip is None:
+            return self.optimizer.grad_norm()
+        return self.optimizer.clip_grad_norm_(self._clip)
+
+
+@runtime_checkable
+class OffloadEngine(Protocol):
+    """The calls :class:`HoldingOptimizer` makes on the optimizer it adapts, beyond a plain
+    optimizer's; :class:`~torchtune_offload.OffloadOptimizer` answers all of them.
+
+    The adapter is picked by this interface, not by a declared capability: the calls it makes are
+    then the calls the optimizer has (torchao's offloader also holds its gradients, and has none of
+    the overlap calls).
+    """
+
+    def grad_norm(self) -> torch.Tensor: ...
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor: ...
+
+    def register_forward_waits(self, model: torch.nn.Module) -> None: ...
+
+    def expect_final_backward(self, *, clipping: bool) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def step_timings(self) -> Dict[str, float]: ...
+
+    def close(self) -> None: ...
+
+
+class HoldingOptimizer(OwnGradientsOptimizer):
+    """This project's engine (an :class:`OffloadEngine`): it holds, measures and clips the gradients
+    itself, may run its host steps beside the next forward, and reports its timings.
 
     Args:
         model: with ``overlap``, each of its modules waits for its own parameters before its forward.
     """
 
-    def __init__(self, optimizer: Any, *, model: torch.nn.Module, clip_grad_norm: Optional[float]) -> None:
-        super().__init__(optimizer, params=(), clip_grad_norm=clip_grad_norm, kind=OptimizerKind.OFFLOAD_ENGINE)
+    def __init__(self, optimizer: OffloadEngine, *, model: torch.nn.Module, clip_grad_norm: Optional[float]) -> None:
+        super().__init__(optimizer, clip_grad_norm=clip_grad_norm, kind=OptimizerKind.OFFLOAD_ENGINE)
         # With overlap on, step() returns at once and each module waits for its own weights.
         optimizer.register_forward_waits(model)
 
@@ -173,11 +223,6 @@ class HoldingOptimizer(RunOptimizer):
 
     def close(self) -> None:
         self.optimizer.close()
-
-    def _norm_and_clip(self) -> torch.Tensor:
-        if self._clip is None:
-            return self.optimizer.grad_norm()
-        return self.optimizer.clip_grad_norm_(self._clip)
 
 
 class InBackwardOptimizers(RunOptimizer):

@@ -1,0 +1,86 @@
+"""torchao's ``CPUOffloadOptimizer`` built on a CPU-only machine, for tests of what stands around it.
+
+torchao asserts a CUDA or XPU device, makes a side stream of it, pins a host copy and a gradient
+buffer per parameter and orders the copies with events; ``torchtune_offload.CPUOffloadOptimizer``
+refuses a machine without CUDA or XPU. Here, for one test, torchao's module sees a ``torch`` whose
+streams are always done and whose ``empty_like`` does not pin, and the wrapper's module a ``torch``
+whose accelerator is the CPU. On the CPU every copy is synchronous, so a stream with nothing pending
+is exact: the arithmetic is torchao's own. Nothing outside the two modules changes, except
+``Tensor.record_stream`` (which ``offload_gradients=True`` calls on the freed gradient), made a no-op.
+"""
+
+import contextlib
+import dataclasses
+import functools
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torchao.optim
+import torchao.optim.cpu_offload
+
+import torchtune_offload.optim.ao_offload
+from torchtune_offload import CPUOffloadOptimizer
+
+
+class _DoneEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+class _DoneStream:
+    """A stream with nothing pending: the CPU ran each copy when it was issued."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def record_event(self) -> _DoneEvent:
+        return _DoneEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_STREAMS = SimpleNamespace(Stream=_DoneStream, current_stream=_DoneStream, stream=lambda s: contextlib.nullcontext())
+
+
+class _HostTorch:
+    """``torch`` as torchao's and the wrapper's modules see it here; every other name is torch's."""
+
+    cuda = _STREAMS
+    cpu = _STREAMS
+    accelerator = SimpleNamespace(is_available=lambda: True, current_accelerator=lambda: torch.device("cpu"))
+
+    @staticmethod
+    def empty_like(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        del pin_memory  # no pinned memory without an accelerator
+        return torch.empty_like(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _init_then_host_device(init):
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        # Past torchao's device assertion: its streams, and the wrapper's norm, on the CPU.
+        self.device = "cpu"
+
+    return wrapped
+
+
+def torchao_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lets ``torchtune_offload.CPUOffloadOptimizer`` (torchao's step) build and train on the CPU
+    until ``monkeypatch`` is undone; the config check then accepts ``device=cpu`` for it."""
+    host_torch = _HostTorch()
+    monkeypatch.setattr(torchao.optim.cpu_offload, "torch", host_torch)
+    monkeypatch.setattr(torchao.optim.cpu_offload, "get_available_devices", lambda: ["cuda"])
+    monkeypatch.setattr(torchao.optim.CPUOffloadOptimizer, "__init__",
+                        _init_then_host_device(torchao.optim.CPUOffloadOptimizer.__init__))
+    monkeypatch.setattr(torchtune_offload.optim.ao_offload, "torch", host_torch)
+    caps = CPUOffloadOptimizer.capabilities
+    monkeypatch.setattr(CPUOffloadOptimizer, "capabilities",
+                        dataclasses.replace(caps, device_types=(*caps.device_types, "cpu")))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
