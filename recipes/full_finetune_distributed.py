@@ -16,6 +16,8 @@ Checkpoints to resume from are written every ``save_every_n_steps`` steps and at
 into ``output_dir/checkpoints`` (gathered to rank 0, with every rank's data position and RNG
 states: :mod:`torchtune_offload.recipe.distributed_checkpoints`); ``resume_from_checkpoint=True``
 continues exactly from the newest one on the same number of ranks.
+A run stops on every rank at its first nan or inf loss or gradient norm, naming the step and the
+last good checkpoint, and never saves non-finite weights (:mod:`torchtune_offload.recipe.divergence`).
 
 Weights are read on rank 0 only and broadcast shard by shard, so host memory holds one full copy
 per node, not one per rank. Before that, every rank checks that the node's host memory holds what
@@ -56,6 +58,7 @@ from torchtune_offload.recipe import (
     instantiate_model,
     load_checkpoint,
     load_full_optimizer_state,
+    run_output_dir,
     save_atomically,
 )
 
@@ -186,7 +189,8 @@ class FullFinetuneRecipeDistributed:
         self._loop = TrainLoop(
             model=self._model, loss_fn=loss_fn, dataloader=self._dataloader, optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler, profiler=profiler, metric_logger=self._metric_logger,
-            memory=self._memory, settings=s, progress=self.progress, is_rank_zero=self._is_rank_zero,
+            memory=self._memory, settings=s, progress=self.progress, output_dir=run_output_dir(cfg),
+            is_rank_zero=self._is_rank_zero,
         )
         # 7. Last, so nothing drawn during setup moves them: data position, schedule, RNGs.
         self._checkpoints.restore_position(progress=self.progress, dataloader=self._dataloader,

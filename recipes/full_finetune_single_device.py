@@ -11,6 +11,8 @@ Unlike torchtune's recipe, gradients are normalised by the window's token count 
 so clipping, accumulation and the logged grad_norm apply to the gradients the optimizer steps on.
 Checkpoints to resume from are written every ``save_every_n_steps`` steps and at each epoch's end
 into ``output_dir/checkpoints``; ``resume_from_checkpoint=True`` continues from the newest one.
+A run stops at its first nan or inf loss or gradient norm, naming the step and the last good
+checkpoint, and never saves non-finite weights (:mod:`torchtune_offload.recipe.divergence`).
 """
 
 import sys
@@ -35,6 +37,7 @@ from torchtune_offload.recipe import (
     check_recipe_config,
     instantiate_model,
     load_checkpoint,
+    run_output_dir,
     save_atomically,
 )
 
@@ -89,7 +92,7 @@ class FullFinetuneRecipeSingleDevice:
         self._loop = TrainLoop(
             model=self._model, loss_fn=loss_fn, dataloader=self._dataloader, optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler, profiler=profiler, metric_logger=self._metric_logger,
-            memory=self._memory, settings=s, progress=self.progress,
+            memory=self._memory, settings=s, progress=self.progress, output_dir=run_output_dir(cfg),
         )
         # 6. Last, so nothing drawn during setup moves them: data position, schedule, RNGs.
         self._checkpoints.restore_position(dataloader=self._dataloader, lr_scheduler=self._lr_scheduler)

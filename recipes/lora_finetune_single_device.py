@@ -10,6 +10,8 @@ Only the adapter parameters train; the offload optimizer keeps their state on th
 Checkpoints to resume from (the adapters and the training state) are written every
 ``save_every_n_steps`` steps and at each epoch's end into ``output_dir/checkpoints``;
 ``resume_from_checkpoint=True`` continues from the newest one.
+A run stops at its first nan or inf loss or gradient norm, naming the step and the last good
+checkpoint, and never saves non-finite weights (:mod:`torchtune_offload.recipe.divergence`).
 """
 
 import sys
@@ -42,6 +44,7 @@ from torchtune_offload.recipe import (
     check_recipe_config,
     instantiate_model,
     load_checkpoint,
+    run_output_dir,
     save_atomically,
 )
 
@@ -113,7 +116,7 @@ class LoRAFinetuneRecipeSingleDevice:
         self._loop = TrainLoop(
             model=self._model, loss_fn=loss_fn, dataloader=self._dataloader, optimizer=self._optimizer,
             lr_scheduler=self._lr_scheduler, profiler=profiler, metric_logger=self._metric_logger,
-            memory=self._memory, settings=s, progress=self.progress,
+            memory=self._memory, settings=s, progress=self.progress, output_dir=run_output_dir(cfg),
         )
         # 6. Last, so nothing drawn during setup moves them: data position, schedule, RNGs.
         self._checkpoints.restore_position(dataloader=self._dataloader, lr_scheduler=self._lr_scheduler)

@@ -5,6 +5,7 @@ import json
 import math
 import runpy
 import sys
+import types
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from tests.recipe_harness import REPO, tiny_asset_overrides
 from torchtune_offload.bench.ballast import GpuBallast
 from torchtune_offload.bench.grad_probe import ENV, GradNormProbeAdamW, read_probe
 from torchtune_offload.bench.sweep import (
+    diverged,
     log_to_wandb,
     markdown_table,
     overrides_for,
@@ -71,6 +73,44 @@ def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, mo
     assert {r["group"] for r in runs} == {"g1"}
     offline = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(offline) == 3 and all(any(d.glob("*.wandb")) for d in offline)
+
+
+def test_a_diverging_variant_is_reported_diverged_not_ok(tiny_assets, tmp_path, monkeypatch):
+    # Issue 40: update_on=device trained to nan on an H100 and the sweep said "ok". lr=1e37 moves
+    # every weight by about 1e37 in step 1; step 2 overflows and the recipe stops with an error.
+    monkeypatch.chdir(REPO)
+    extra = [o for o in tiny_asset_overrides(tiny_assets) if not o.startswith("dataset.")] + SYNTHETIC + [
+        "optimizer.lr=1e37", "lr_scheduler.num_warmup_steps=0"]
+    result = run_variant(name="offload_device_update", config=CONFIG, steps=11, output_dir=tmp_path, extra=extra,
+                         timeout_s=300)
+    assert result.status == "diverged"
+    # The figures of the steps it logged, the step that diverged last.
+    assert result.steps == 2 and math.isfinite(result.first_loss) and result.tokens_per_second > 0
+    assert "TrainingDivergedError: Training diverged at step 2" in (tmp_path / "offload_device_update" /
+                                                                     "run.log").read_text()
+    text = write_results([result], output_dir=tmp_path, header="tiny").read_text()
+    assert "| offload_device_update | diverged |" in text
+    assert json.loads((tmp_path / "results.json").read_text())[0]["status"] == "diverged"
+
+    # W&B: the run's summary and config say so too (a stand-in module records what it is given).
+    summaries = []
+
+    def init(**kwargs):
+        run = types.SimpleNamespace(id="r1", name=kwargs["name"], group=kwargs["group"], summary={},
+                                    log=lambda *a, **k: None, finish=lambda: None, config=kwargs["config"])
+        summaries.append(run)
+        return run
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    log_to_wandb([result], project="p", group="g", config={})
+    assert summaries[0].summary["status"] == summaries[0].config["status"] == "diverged"
+
+
+def test_a_run_that_logged_a_nonfinite_loss_or_norm_diverged():
+    # A run that exited 0 having logged nan (no recipe of ours does now) is not "ok" either.
+    assert not diverged([{"step": 1, "loss": 6.2, "grad_norm": 3.0}, {"step": 2, "loss": 6.1}])
+    assert diverged([{"step": 1, "loss": 12.17, "grad_norm": 3.0}, {"step": 2, "loss": math.nan, "grad_norm": 1.0}])
+    assert diverged([{"step": 1, "loss": 6.2, "grad_norm": math.inf}])
 
 
 def test_sweep_refuses_wandb_logging_without_wandb_before_running(monkeypatch, capsys):

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from tests.recipe_harness import load_recipe_module, tiny_asset_overrides, working_tree_env
 from torchtune_offload.optim.host_arena import pinned_allocation_bytes
 from torchtune_offload.recipe import check_recipe_config, host_preflight, read_disk_log
+from torchtune_offload.recipe.step_checkpoints import complete_checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny" / "full_distributed.yaml"
@@ -241,6 +242,61 @@ def test_fsdp_cpu_offload_trains_like_shards_on_the_device(tiny_assets, tmp_path
     _run_in_process(train + [f"output_dir={tmp_path / 'host'}", "fsdp_cpu_offload=True"])
     device, host = _losses(tmp_path / "device"), _losses(tmp_path / "host")
     torch.testing.assert_close(torch.tensor(host), torch.tensor(device), rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------- divergence
+
+
+def test_two_ranks_stop_together_at_the_step_that_diverged(tiny_assets, tmp_path):
+    # lr=1e37: step 1 moves every weight by about 1e37, step 2 overflows. Its loss is the mean over
+    # both ranks and its norm the total over both ranks' shards, so both ranks raise at step 2; a rank
+    # that went on would hang in the next collective until the timeout.
+    tune = shutil.which("tune")
+    base = [tune] if tune else [sys.executable, "-m", "torchtune._cli.tune"]
+    cmd = base + ["run", "--nproc_per_node", "2", "recipes/full_finetune_distributed.py", "--config",
+                  str(CONFIG.relative_to(REPO)), "device=cpu", *tiny_asset_overrides(tiny_assets),
+                  "max_steps_per_epoch=4", "batch_size=4", "save_every_n_steps=1", "optimizer.lr=1e37",
+                  "lr_scheduler.num_warmup_steps=0", f"output_dir={tmp_path}"]
+    result = subprocess.run(cmd, cwd=REPO, env=working_tree_env(MASTER_ADDR="127.0.0.1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, timeout=400)
+    assert result.returncode != 0, result.stdout[-6000:]
+    stops = result.stdout.count("TrainingDivergedError: Training diverged at step 2 (epoch 1, step 2 of 4) "
+                                "with optimizer AdamW:")
+    assert stops == 2, result.stdout[-6000:]  # one per rank
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000001"]
+    weights = load_file(tmp_path / "checkpoints" / "step_00000001" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+_CHECK_WEIGHTS_ON_RANK = """
+import sys, torch, torch.distributed as dist
+from torchtune_offload.recipe import Progress, TrainingDivergedError
+from torchtune_offload.recipe.divergence import DivergenceGuard
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+model = torch.nn.Linear(2, 2)
+if rank == 1:
+    with torch.no_grad():
+        model.weight[0, 0] = float("inf")
+progress = Progress(seed=0, epochs_run=0, total_epochs=1, max_steps_per_epoch=None, steps_run_in_epoch=3,
+                    steps_per_epoch=4)
+try:
+    DivergenceGuard(optimizer_name="AdamW", progress=progress, output_dir=".").check_weights(model)
+    print("saved")
+except TrainingDivergedError as err:
+    print(err)
+dist.destroy_process_group()
+"""
+
+
+def test_nonfinite_weights_on_one_rank_stop_every_rank_before_the_save(tmp_path):
+    procs = [subprocess.Popen([sys.executable, "-c", _CHECK_WEIGHTS_ON_RANK, str(rank), str(tmp_path / "store")],
+                              cwd=REPO, env=working_tree_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for rank in (0, 1)]
+    out = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), out
+    assert "1 trainable parameter(s) hold nan or inf (on other ranks)" in out[0], out[0]
+    assert "1 trainable parameter(s) hold nan or inf (weight)" in out[1], out[1]
 
 
 # ------------------------------------------------------------------------------ bad configs

@@ -3,9 +3,12 @@
 Every variant runs ``recipes/full_finetune_single_device.py`` with the same config and overrides; only
 the optimizer block (and, for ``paged_adamw8bit_in_bwd``, ``optimizer_in_bwd``) differs. A variant the
 config check refuses, that runs out of memory or that fails is reported as such and the sweep goes on.
+A variant whose training diverged (the recipe stopped at a nan or inf loss or gradient norm) is
+``diverged``, with the figures of the steps it logged.
 """
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -17,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from omegaconf import OmegaConf
 
 from torchtune_offload.recipe.disk_log import read_disk_log
+from torchtune_offload.recipe.divergence import TrainingDivergedError
 from torchtune_offload.recipe.run_report import median_tokens_per_second, peak
 
 RECIPE = "recipes/full_finetune_single_device.py"
@@ -60,11 +64,14 @@ OFFLOAD_ONLY_KEYS = ("optimizer_class", "offload_gradients", "minimal_size", "ma
                     "fused_master_step", "overlap", "update_on", "device_staging_mib")
 _OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 GIB = 1024**3
+#: A variant's status when its training diverged.
+DIVERGED = "diverged"
 
 
 @dataclass
 class VariantResult:
-    """One variant's outcome; the figures are ``None`` when it did not train."""
+    """One variant's outcome: ``status`` is ``ok``, ``diverged`` or why it did not train; the
+    figures are ``None`` when it did not train (a diverged variant has those of its logged steps)."""
 
     name: str
     status: str
@@ -110,6 +117,9 @@ def device_name() -> str:
 
 
 def _failure(log_text: str, returncode: int) -> str:
+    # The recipe's own error for a run that diverged, before any message its traceback may hold.
+    if f"{TrainingDivergedError.__name__}:" in log_text:
+        return DIVERGED
     if any(m in log_text for m in _OOM_MARKERS):
         return "out of memory"
     if returncode in (-9, 137):
@@ -122,6 +132,11 @@ def _failure(log_text: str, returncode: int) -> str:
     i = starts[-1]
     message = [lines[i].strip()] + [l.strip() for l in lines[i + 1:] if l.startswith("  ")][:5]
     return "failed: " + " ".join(message)[:400]
+
+
+def diverged(rows: Sequence[Dict[str, float]]) -> bool:
+    """A logged loss or gradient norm is nan or inf (a run that went on after it still diverged)."""
+    return any(not math.isfinite(r[k]) for r in rows for k in ("loss", "grad_norm") if k in r)
 
 
 def run_variant(
@@ -149,12 +164,16 @@ def run_variant(
     text = log_path.read_text()
     if returncode is None:
         return VariantResult(name, f"timed out after {timeout_s:.0f} s", seconds, str(out))
-    if returncode != 0:
-        return VariantResult(name, _failure(text, returncode), seconds, str(out))
+    status = "ok" if returncode == 0 else _failure(text, returncode)
+    if status not in ("ok", DIVERGED):
+        return VariantResult(name, status, seconds, str(out))
     rows = read_disk_log(out)
-    result = VariantResult(name, "ok", seconds, str(out), steps=len(rows))
+    if diverged(rows):
+        status = DIVERGED
+    result = VariantResult(name, status, seconds, str(out), steps=len(rows))
     if not rows:
-        result.status = "failed: no step logged"
+        if status == "ok":
+            result.status = "failed: no step logged"
         return result
     result.tokens_per_second = median_tokens_per_second(rows)
     result.first_loss, result.last_loss = rows[0]["loss"], rows[-1]["loss"]
@@ -229,6 +248,8 @@ def write_plot(results: Sequence[VariantResult], *, path: Path, title: str) -> P
         ax_loss.legend(fontsize=8)
     failed = [f"{r.name}: {r.status}" for r in results if r.tokens_per_second is None]
     text = title + (" Not run: " + "; ".join(failed) if failed else "")
+    gone = [r.name for r in ran if r.status == DIVERGED]
+    text += f" Diverged: {', '.join(gone)}." if gone else ""
     fig.suptitle("\n".join(textwrap.wrap(text, 150)), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

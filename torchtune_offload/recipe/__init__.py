@@ -1,5 +1,6 @@
-"""What the recipes share: config checking, the builders of ``setup()``, the train loop, exact
-gradient stepping, memory figures, progress, and reading the metrics a run logged.
+"""What the recipes share: config checking, the builders of ``setup()``, the train loop (which stops
+a run that diverged), exact gradient stepping, memory figures, progress, and reading the metrics a
+run logged.
 
 Each recipe in ``recipes/`` reads top to bottom as calls of these; none copies them.
 """
@@ -19,12 +20,13 @@ from torchtune_offload.recipe.config import RecipeSettings, check_recipe_config
 from torchtune_offload.recipe.optimizer_rules import resolve_optimizer_component
 from torchtune_offload.recipe.disk_log import read_disk_log
 from torchtune_offload.recipe.distributed_checkpoints import DistributedCheckpoints, load_full_optimizer_state
+from torchtune_offload.recipe.divergence import TrainingDivergedError
 from torchtune_offload.recipe.file_checks import check_files
 from torchtune_offload.recipe.host_preflight import HostMemoryNeed, check_host_memory, host_memory_need
 from torchtune_offload.recipe.grad_math import loss_scale, sum_over_ranks
 from torchtune_offload.recipe.memory import MemoryMonitor
 from torchtune_offload.recipe.progress import Progress
-from torchtune_offload.recipe.resume import TrainingCheckpoints
+from torchtune_offload.recipe.resume import TrainingCheckpoints, run_output_dir
 from torchtune_offload.recipe.run_optimizer import (
     HoldingOptimizer,
     InBackwardOptimizers,
@@ -50,6 +52,7 @@ __all__ = [
     "SavePoint",
     "TrainLoop",
     "TrainingCheckpoints",
+    "TrainingDivergedError",
     "build_dataloader",
     "build_loss",
     "build_lr_scheduler",
@@ -67,6 +70,7 @@ __all__ = [
     "loss_scale",
     "read_disk_log",
     "resolve_optimizer_component",
+    "run_output_dir",
     "save_atomically",
     "sum_over_ranks",
 ]

@@ -42,6 +42,11 @@ _STAGING_PREFIX = ".saving_step_"
 _DELETING_PREFIX = ".deleting_step_"
 
 
+def checkpoint_folder(output_dir: Any, global_step: int) -> Path:
+    """Where the checkpoint of ``global_step`` is (or would be) in ``output_dir``."""
+    return Path(str(output_dir)) / CHECKPOINTS_DIR / f"step_{global_step:08d}"
+
+
 def rng_states() -> Dict[str, Any]:
     """Every random number generator training may draw from (dropout, data order, augmentations)."""
     states = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
@@ -145,7 +150,6 @@ class StepCheckpoints:
             The checkpoint folder.
         """
         self.root.mkdir(parents=True, exist_ok=True)
-        name = f"step_{global_step:08d}"
         staging = self.root / f"{_STAGING_PREFIX}{global_step:08d}"
         shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier attempt at this save
         staging.mkdir()
@@ -163,7 +167,7 @@ class StepCheckpoints:
             manifest["ranks"] = ranks
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
         fsync_tree(staging)
-        final = self.root / name
+        final = checkpoint_folder(self.root.parent, global_step)
         if final.exists():  # the same step saved again (a resumed run that repeats it)
             shutil.rmtree(final)
         staging.rename(final)

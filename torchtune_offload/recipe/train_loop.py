@@ -7,6 +7,7 @@ window total before backward (see :mod:`torchtune_offload.recipe.grad_math`).
 
 import enum
 import time
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -15,6 +16,7 @@ from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
 from torchtune_offload.recipe.config import RecipeSettings
+from torchtune_offload.recipe.divergence import DivergenceGuard
 from torchtune_offload.recipe.grad_math import loss_scale, sum_over_ranks
 from torchtune_offload.recipe.memory import MemoryMonitor
 from torchtune_offload.recipe.progress import Progress
@@ -49,7 +51,9 @@ class SavePoint(enum.Enum):
 
 class TrainLoop:
     """Runs epochs of windows: forward, backward with normalised loss, step, log; pauses where a
-    checkpoint is due.
+    checkpoint is due. Stops with :class:`~torchtune_offload.recipe.divergence.TrainingDivergedError`
+    at the first step whose loss or gradient norm is not finite, and before a pause where the
+    weights are not (:class:`~torchtune_offload.recipe.divergence.DivergenceGuard`).
 
     Args:
         model: the model being trained.
@@ -63,6 +67,7 @@ class TrainLoop:
         settings: validated recipe settings.
         progress: where training stands (restored when resuming, its epoch measured); the loop
             advances it.
+        output_dir: where the recipe writes its checkpoints, named when the run diverges.
         is_rank_zero: only rank zero shows progress and logs.
     """
 
@@ -79,6 +84,7 @@ class TrainLoop:
         memory: MemoryMonitor,
         settings: RecipeSettings,
         progress: Progress,
+        output_dir: Path,
         is_rank_zero: bool = True,
     ) -> None:
         self.model = model
@@ -96,6 +102,7 @@ class TrainLoop:
         self.is_rank_zero = is_rank_zero
         self.ignore_index = loss_fn.ignore_index
         self.losses: List[float] = []
+        self._guard = DivergenceGuard(optimizer_name=optimizer.name, progress=progress, output_dir=output_dir)
         if is_rank_zero:
             log.info(
                 f"{progress.steps_per_epoch} steps per epoch x {settings.epochs} epochs; optimizer "
@@ -146,7 +153,7 @@ class TrainLoop:
         loss_value = sum_over_ranks(running).item() / max(int(num_tokens), 1)
         return loss_value, int(sum(counts)), grad_norm
 
-    def _log(self, *, loss: float, local_tokens: int, seconds: float, grad_norm: Optional[torch.Tensor]) -> None:
+    def _log(self, *, loss: float, local_tokens: int, seconds: float, grad_norm: Optional[float]) -> None:
         metrics = {
             "loss": loss,
             "lr": get_lr(self.optimizer.optimizer),
@@ -154,7 +161,7 @@ class TrainLoop:
             "tokens_per_second": local_tokens / seconds,
         }
         if grad_norm is not None:
-            metrics["grad_norm"] = float(grad_norm)
+            metrics["grad_norm"] = grad_norm
         metrics.update(self.optimizer.timings())
         if self.settings.log_peak_memory_stats:
             metrics.update(self.memory.stats(reset=True))
@@ -163,7 +170,12 @@ class TrainLoop:
     def run(self) -> Iterator[SavePoint]:
         """Trains from where ``progress`` stands to the last epoch, pausing (yielding) where a
         checkpoint is due: every ``save_every_n_steps`` steps inside an epoch, and at each epoch's
-        end. Host work is finished before each pause, so the weights and states can be read."""
+        end. Host work is finished before each pause, so the weights and states can be read.
+
+        Raises:
+            TrainingDivergedError: at the first step whose loss or gradient norm is nan or inf (after
+                logging it), or before a pause where a trainable weight is.
+        """
         s, p = self.settings, self.progress
         self.profiler.start()
         while not p.finished:
@@ -172,8 +184,10 @@ class TrainLoop:
             pbar = tqdm(total=p.steps_per_epoch, initial=p.steps_run_in_epoch, disable=not self.is_rank_zero)
             while p.steps_run_in_epoch < p.steps_per_epoch:
                 t0 = time.perf_counter()
-                loss, local_tokens, grad_norm = self._window(batches)
+                loss, local_tokens, norm = self._window(batches)
                 p.advance()
+                # Read once per step, after the loss's own read has waited for the step's device work.
+                grad_norm = None if norm is None else float(norm)
                 self.losses.append(loss)
                 pbar.update(1)
                 pbar.set_description(f"{p.epochs_run + 1}|{p.global_step}|Loss: {loss:.4f}")
@@ -181,13 +195,18 @@ class TrainLoop:
                     self._log(loss=loss, local_tokens=local_tokens, seconds=time.perf_counter() - t0,
                               grad_norm=grad_norm)
                 self.profiler.step()
+                self._guard.check_step(loss=loss, grad_norm=grad_norm)
                 every = s.save_every_n_steps
                 if every is not None and p.global_step % every == 0 and p.steps_run_in_epoch < p.steps_per_epoch:
                     self.optimizer.synchronize()
+                    self._guard.check_weights(self.model)
                     yield SavePoint.STEP
+                    self._guard.saved()
             pbar.close()
             p.finish_epoch()
             self.optimizer.synchronize()
+            self._guard.check_weights(self.model)
             yield SavePoint.EPOCH
+            self._guard.saved()
         self.optimizer.synchronize()
         self.profiler.stop()
