@@ -152,9 +152,13 @@ def test_host_engine_on_a_llama_matches_plain_adamw(plain_runs, name):
     initial = dict(base.named_parameters())
     for n, p in model.named_parameters():
         expected = trained[n]
-        # Two bf16 roundings of the weight, or one step of the learning rate's size where a
-        # gradient near zero changed sign between the two runs.
-        torch.testing.assert_close(p, expected, rtol=1.6e-2, atol=2 * LR, msg=lambda m: f"{n}: {m}")
+        # Two bf16 roundings of the weight, or a few steps of the learning rate's size where a
+        # gradient near zero changed sign between the two runs (GPU and CPU bf16 matmuls round
+        # differently): on an H100, 3529 of the 1B-width embedding's 262.7M elements were off by
+        # more than 2 steps after 4, at most 4.8. A missed, stale or NaN update moves far more.
+        torch.testing.assert_close(p, expected, rtol=1.6e-2, atol=2 * NUM_STEPS * LR, msg=lambda m: f"{n}: {m}")
+        off = ~torch.isclose(p.float(), expected.float(), rtol=1.6e-2, atol=2 * LR)
+        assert off.float().mean() <= 1e-4, (n, int(off.sum()))
         # The update itself agrees: a missed, stale or doubled step would be off by its whole size.
         moved, moved_plain = (p - initial[n]).float(), (expected - initial[n]).float()
         if moved_plain.norm() > 0:
