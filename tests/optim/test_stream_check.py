@@ -73,27 +73,23 @@ def test_byte_ranges_of_one_storage_that_do_not_overlap_need_no_order():
 
 
 def test_the_host_waits_for_a_copy_into_host_memory_only_by_synchronizing():
-    host = stream_check.host_tensor(torch.empty(8))
     src = torch.arange(8.0)
-    with checked_streams() as dev:
-        host = stream_check.host_tensor(torch.empty(8))
-        s = dev.Stream()
-        s.wait_stream(dev.current_stream())
-        with dev.stream(s):
-            host.copy_(src, non_blocking=True)
-        with pytest.raises(StreamOrderError):
-            host.mul_(2)  # a host operation: the copy may still be running
-    with checked_streams() as dev:
-        host = stream_check.host_tensor(torch.empty(8))
-        s = dev.Stream()
-        s.wait_stream(dev.current_stream())
-        with dev.stream(s):
-            host.copy_(src, non_blocking=True)
-        done = dev.Event()
-        done.record(s)
-        done.synchronize()
-        host.mul_(2)
-    assert torch.equal(host, src * 2)
+
+    def copy_then_double(*, synchronize: bool) -> torch.Tensor:
+        with checked_streams() as dev:
+            host = stream_check.host_tensor(torch.empty(8))
+            s = dev.Stream()
+            s.wait_stream(dev.current_stream())
+            with dev.stream(s):
+                host.copy_(src, non_blocking=True)
+            if synchronize:
+                s.record_event().synchronize()
+            host.mul_(2)  # a host operation: without the synchronize, the copy may still be running
+        return host
+
+    with pytest.raises(StreamOrderError):
+        copy_then_double(synchronize=False)
+    assert torch.equal(copy_then_double(synchronize=True), src * 2)
 
 
 def test_memory_freed_while_another_stream_used_it_needs_record_stream():
