@@ -12,6 +12,7 @@ from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES
 from torchtune_offload.optim.transfer import TransferEngine
 
 
+@pytest.mark.streams_as_is  # the CPU path without streams, copies synchronous
 def test_cpu_transfer_copies_synchronously_into_separate_unpinned_buffers():
     engine = TransferEngine(torch.device("cpu"))
     assert not engine.is_accelerator and engine.stream is None
@@ -29,6 +30,7 @@ def test_cpu_transfer_copies_synchronously_into_separate_unpinned_buffers():
     torch.testing.assert_close(dst, src * 2, rtol=0, atol=0)
 
 
+@pytest.mark.streams_as_is  # the CPU path without streams, copies synchronous
 def test_to_device_casts_like_copy():
     engine = TransferEngine(torch.device("cpu"))
     master = torch.randn(4, dtype=torch.float32)

@@ -92,7 +92,7 @@ def _caller_site(skip: int) -> str:
 
 def _internal(filename: str) -> bool:
     return (filename == __file__ or f"{os.sep}torch{os.sep}" in filename
-            or any(f"{os.sep}{name}{os.sep}" in filename for name in ("_pytest", "pytest", "pluggy"))
+            or any(f"{os.sep}{name}{os.sep}" in filename for name in ("_pytest", "pytest", "pluggy", "execnet", "xdist"))
             or filename.startswith("<frozen")
             or os.path.basename(filename) in ("contextlib.py", "weakref.py", "threading.py"))
 
