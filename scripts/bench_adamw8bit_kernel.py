@@ -12,7 +12,8 @@ would cost without that part. All of them step once a round, in an order shuffle
 --threads threads (default 1: the cost per core), and the table gives the median of --rounds
 rounds after two warm-up rounds, in Mparam/s, nanoseconds per 16 elements (one AVX-512 vector of
 floats) and as a ratio to torch's step in the same rounds. The ablations are of the pass's AVX-512
-path: where that path does not build (no AVX-512 with VBMI), the script says so and stops.
+path: where that path does not build (no AVX-512 with VBMI: -march=native finds none on this CPU),
+the script says so, points to --builds and exits with status 1.
 
 With --builds it times, instead of the ablations, the whole pass as built for each instruction set
 an x86 CPU may have: this CPU's best (-march=native), without AVX-512 (the portable loop with its
@@ -107,7 +108,8 @@ def build(source: str, directory: str, name: str) -> ctypes.CDLL:
     try:
         return adamw8bit.bind_kernel(fused_step.build_library(path))
     except RuntimeError as err:
-        raise SystemExit(f"the pass's AVX-512 path does not build here, so there is nothing to take apart: {err}")
+        raise SystemExit(f"the pass's AVX-512 path does not build here (it needs AVX-512 with VBMI), so there is "
+                         f"nothing to take apart; --builds times the builds this CPU runs. The compiler said: {err}")
 
 
 def build_for(flags: Tuple[str, ...]) -> Optional[ctypes.CDLL]:

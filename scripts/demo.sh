@@ -14,11 +14,13 @@ rm -rf "$OUT"
 COMMON="gradient_accumulation_steps=2 clip_grad_norm=1.0"
 
 echo "[demo] 1/2 plain torch.optim.AdamW"
-tune-offload run full_finetune_single_device --config tiny/full \
+# The tune-offload command, as the Python that setup.sh installed into runs it (whether or not its
+# bin folder is on PATH).
+$PY -m torchtune_offload.cli run full_finetune_single_device --config tiny/full \
     output_dir=$OUT/adamw $COMMON
 
 echo "[demo] 2/2 the same run with the optimizer offloaded to the host (one command-line change)"
-tune-offload run full_finetune_single_device --config tiny/full \
+$PY -m torchtune_offload.cli run full_finetune_single_device --config tiny/full \
     output_dir=$OUT/offload $COMMON \
     optimizer._component_=torchtune_offload.OffloadOptimizer \
     optimizer.optimizer_class=torch.optim.AdamW optimizer.offload_gradients=True optimizer.minimal_size=1024

@@ -17,8 +17,10 @@
 #                   (bench_adamw8bit_kernel.py), and the pass as built for AVX2 beside torch's AVX2 kernels
 #                   (tables: OUT_DIR/hoststep.md)
 # Environment: STEPS (default 20), BATCH_SIZE (default 4), VARIANTS (default: all), VARIANT_TIMEOUT_S (default 240),
-#   TESTS_TIMEOUT_S (default 1800), SANITIZER_TIMEOUT_S (default 3600).
+#   TESTS_TIMEOUT_S (default 1800), SANITIZER_TIMEOUT_S (default 3600),
+#   PYTHON (the interpreter with the project's dependencies; default python3).
 set -uo pipefail
+PY=${PYTHON:-python3}
 out=$1; shift
 mkdir -p "$out"
 steps=${STEPS:-20}
@@ -30,7 +32,7 @@ sanitizer_timeout=${SANITIZER_TIMEOUT_S:-3600}
 TINY=${XDG_CACHE_HOME:-$HOME/.cache}/torchtune_offload/tiny
 
 gpu_tests() {  # pytest -m gpu, stopped after $1 seconds (the log says so)
-  timeout "$1" python -m pytest -q -m gpu -p no:cacheprovider tests -rs
+  timeout "$1" $PY -m pytest -q -m gpu -p no:cacheprovider tests -rs
   local rc=$?
   [ "$rc" = 124 ] && echo "stopped after $1 s (timeout)"
   return "$rc"
@@ -40,7 +42,7 @@ family() { [ "$1" = 8B ] && echo llama3_1 || echo llama3_2; }
 
 checkpoint() {  # a random-init checkpoint of model $1, written once per machine
   local dir=/tmp/$(family "$1")_${1,,}_random
-  [ -f "$dir/model.safetensors" ] || python -m torchtune_offload.assets --real-arch "$(family "$1")_${1,,}" \
+  [ -f "$dir/model.safetensors" ] || $PY -m torchtune_offload.assets --real-arch "$(family "$1")_${1,,}" \
     --output-dir "$dir" --no-check >&2
   echo "$dir"
 }
@@ -49,22 +51,22 @@ for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
     tests)
-      python -m torchtune_offload.assets >/dev/null
+      $PY -m torchtune_offload.assets >/dev/null
       { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-        python -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
+        $PY -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
         gpu_tests "$tests_timeout"; } 2>&1 | tee "$out/gpu-tests.log" | tail -25
       TORCH_CUDA_SANITIZER=1 gpu_tests "$sanitizer_timeout" 2>&1 | tee "$out/gpu-tests-sanitizer.log" | tail -25 ;;
     demo)
-      python -m torchtune_offload.assets >/dev/null
-      python scripts/gradient_math_demo.py --device cuda --output-dir /tmp/grad_math > "$out/grad-math.log" 2>&1
+      $PY -m torchtune_offload.assets >/dev/null
+      $PY scripts/gradient_math_demo.py --device cuda --output-dir /tmp/grad_math > "$out/grad-math.log" 2>&1
       tail -12 "$out/grad-math.log" ;;
     sweep:*)
       IFS=: read -r _ model gib <<< "$stage"
-      python -m torchtune_offload.assets >/dev/null
+      $PY -m torchtune_offload.assets >/dev/null
       ckpt=$(checkpoint "$model")
       name=sweep-$model-$gib
       limit=(); [ "$gib" = all ] || limit=(--gpu-memory-gib "$gib")
-      python scripts/benchmark_sweep.py --config "configs/$(family "$model")/${model}_full_paged_adamw.yaml" \
+      $PY scripts/benchmark_sweep.py --config "configs/$(family "$model")/${model}_full_paged_adamw.yaml" \
         --steps "$steps" --output-dir "/tmp/$name" --timeout-s "$variant_timeout" "${limit[@]}" \
         ${VARIANTS:+--variants "$VARIANTS"} -- \
         checkpointer.checkpoint_dir="$ckpt" "checkpointer.checkpoint_files=[model.safetensors]" \
@@ -78,15 +80,15 @@ for stage in "$@"; do
       tar czf "$out/$name.tgz" -C /tmp "$name" ;;
     pinned:*)
       model=${stage#pinned:}; fam=$(family "$model")
-      python scripts/pinned_memory_report.py --model "torchtune.models.$fam.${fam}_${model,,}" \
+      $PY scripts/pinned_memory_report.py --model "torchtune.models.$fam.${fam}_${model,,}" \
         > "$out/pinned-$model.md" 2>&1
       tail -8 "$out/pinned-$model.md" ;;
     hoststep)
-      { python scripts/bench_host_step.py --params 400e6 --steps 10 --baseline "torch fused AdamW, bf16" \
+      { $PY scripts/bench_host_step.py --params 400e6 --steps 10 --baseline "torch fused AdamW, bf16" \
           --rows "fused C pass"
-        python scripts/bench_adamw8bit_kernel.py --params 100e6
-        python scripts/bench_adamw8bit_kernel.py --params 400e6 --threads "$(nproc)" --no-instructions
-        ATEN_CPU_CAPABILITY=avx2 python scripts/bench_adamw8bit_kernel.py --params 400e6 --threads "$(nproc)" --builds
+        $PY scripts/bench_adamw8bit_kernel.py --params 100e6
+        $PY scripts/bench_adamw8bit_kernel.py --params 400e6 --threads "$(nproc)" --no-instructions
+        ATEN_CPU_CAPABILITY=avx2 $PY scripts/bench_adamw8bit_kernel.py --params 400e6 --threads "$(nproc)" --builds
       } > "$out/hoststep.md" 2>&1
       cat "$out/hoststep.md" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -113,8 +113,10 @@ def main() -> None:
         if plan["problem"]:
             sys.exit(f"the planner refused the config: {plan['problem']}")
         recipe_file = {"full": "full_finetune_single_device", "lora": "lora_finetune_single_device"}[recipe]
-        run = subprocess.run(["tune", "run", f"recipes/{recipe_file}.py", "--config", args.config, *overrides,
-                              f"output_dir={out}", f"max_steps_per_epoch={args.steps}", "epochs=1",
+        # torchtune's tune as this interpreter runs it: a `tune` on PATH may be another Python's, or missing.
+        run = subprocess.run([sys.executable, "-m", "torchtune._cli.tune", "run", f"recipes/{recipe_file}.py",
+                              "--config", args.config, *overrides, f"output_dir={out}",
+                              f"max_steps_per_epoch={args.steps}", "epochs=1",
                               "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
                               f"metric_logger.log_dir={out}/logs", "log_peak_memory_stats=True"],
                              cwd=REPO, capture_output=True, text=True)

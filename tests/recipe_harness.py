@@ -9,6 +9,9 @@ from types import ModuleType
 from typing import Dict, List
 
 REPO = Path(__file__).resolve().parents[1]
+#: torchtune's ``tune`` command, run by this interpreter: a ``tune`` found on PATH may belong to
+#: another Python, or be missing where the project's virtual environment is not activated.
+TUNE = [sys.executable, "-m", "torchtune._cli.tune"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,6 +32,13 @@ def tiny_asset_overrides(assets: Path) -> List[str]:
         f"tokenizer.special_tokens_path={assets / 'tokenizer' / 'special_tokens.json'}",
         f"dataset.data_files={assets / 'data' / 'train.json'}",
     ]
+
+
+def path_without(*commands: str) -> str:
+    """``PATH`` less every folder that holds one of ``commands``: a child given it runs them only
+    through this interpreter, as it must where the project's virtual environment is not activated."""
+    folders = os.environ.get("PATH", "").split(os.pathsep)
+    return os.pathsep.join(f for f in folders if f and not any(os.path.isfile(os.path.join(f, c)) for c in commands))
 
 
 def working_tree_env(**extra: str) -> Dict[str, str]:

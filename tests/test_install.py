@@ -155,11 +155,14 @@ def test_tune_offload_from_an_empty_directory_after_install(editable, tmp_path):
 
     work = tmp_path / "empty"
     work.mkdir()
-    env = {"PATH": f"{venv_dir / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path / "home"),
+    # The venv is not activated: its commands run by their path, and nothing they start may need PATH.
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home"),
            "WANDB_MODE": "offline", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 
-    def sh(*argv, timeout=300):
-        return subprocess.run(list(argv), cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
+    def sh(command, *argv, timeout=300):
+        """``command`` (a program of the venv: its python, tune-offload) with ``argv``, from ``work``."""
+        return subprocess.run([str(venv_dir / "bin" / command), *argv], cwd=work, env=env, capture_output=True,
+                              text=True, timeout=timeout)
 
     where = sh("python", "-c", "import torchtune_offload.cli as c; print(c.__file__); print(c.shipped_root())")
     assert where.returncode == 0, where.stderr

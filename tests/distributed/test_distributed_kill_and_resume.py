@@ -9,7 +9,6 @@ staging folder and before they are renamed into place.
 """
 
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.recipe_harness import tiny_asset_overrides, working_tree_env
+from tests.recipe_harness import TUNE, tiny_asset_overrides, working_tree_env
 from torchtune_offload.recipe import read_disk_log
 from torchtune_offload.recipe.step_checkpoints import StepCheckpoints, complete_checkpoints
 
@@ -62,9 +61,7 @@ def _tune_run(script: str, assets: Path, out: Path, extra: List[str], log_name: 
               **env) -> subprocess.Popen:
     """``tune run --nproc_per_node 2 <script>``; tune runs a script that is not its own as a module
     of ``cwd`` (``python -m``)."""
-    tune = shutil.which("tune")
-    base = [tune] if tune else [sys.executable, "-m", "torchtune._cli.tune"]
-    cmd = [*base, "run", "--nproc_per_node", "2", script, "--config", str(CONFIG), f"output_dir={out}",
+    cmd = [*TUNE, "run", "--nproc_per_node", "2", script, "--config", str(CONFIG), f"output_dir={out}",
            *tiny_asset_overrides(assets), *TRAIN, *extra, f"metric_logger.filename={log_name}"]
     return subprocess.Popen(cmd, cwd=cwd, env=working_tree_env(MASTER_ADDR="127.0.0.1", REPO=str(REPO), **env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -11,7 +11,6 @@ policy (embedding and output units) and activation checkpointing. Resuming after
 
 import shutil
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from tests.recipe_harness import load_recipe_module, tiny_asset_overrides, working_tree_env
+from tests.recipe_harness import TUNE, load_recipe_module, tiny_asset_overrides, working_tree_env
 from torchtune_offload.optim.host_arena import pinned_allocation_bytes
 from torchtune_offload.recipe import check_recipe_config, host_preflight, read_disk_log
 from torchtune_offload.recipe.step_checkpoints import complete_checkpoints
@@ -64,10 +63,8 @@ def _run_in_process(overrides: List[str], *, single_device: bool = False):
 
 def _tune_run_two_ranks(*runs: List[str]) -> None:
     """Launches ``tune run --nproc_per_node 2`` once per override list, all at once."""
-    tune = shutil.which("tune")
-    base = [tune] if tune else [sys.executable, "-m", "torchtune._cli.tune"]
-    base += ["run", "--nproc_per_node", "2", "recipes/full_finetune_distributed.py", "--config",
-             str(CONFIG.relative_to(REPO)), "device=cpu"]
+    base = [*TUNE, "run", "--nproc_per_node", "2", "recipes/full_finetune_distributed.py", "--config",
+            str(CONFIG.relative_to(REPO)), "device=cpu"]
     env = working_tree_env(MASTER_ADDR="127.0.0.1")
     procs = [subprocess.Popen(base + overrides, cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for overrides in runs]

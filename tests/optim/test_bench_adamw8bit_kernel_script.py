@@ -27,8 +27,31 @@ def test_a_text_the_pass_lost_stops_the_script_by_name():
         SCRIPT["ablated_source"]("int main(void) { return 0; }", [("quantize_block_avx512(m", "")])
 
 
-@pytest.mark.skipif(fused_step.c_compiler() is None, reason="needs a C compiler")
-def test_script_prints_the_pass_its_ablations_and_torch_in_one_table():
+needs_cc = pytest.mark.skipif(fused_step.c_compiler() is None, reason="needs a C compiler")
+
+
+@pytest.fixture
+def avx512_path(tmp_path):
+    """Skips where the pass's AVX-512 path, which the ablations edit, does not build (no AVX-512 with
+    VBMI): the script stops there by design (the next test), and --builds times what does build."""
+    try:
+        SCRIPT["build"](adamw8bit.SOURCE.read_text(), str(tmp_path), "probe")
+    except SystemExit as stop:
+        pytest.skip(f"the AVX-512 path does not build on this CPU: {stop}")
+
+
+@needs_cc
+def test_without_the_avx512_path_the_script_stops_by_name_and_points_to_builds(tmp_path, monkeypatch):
+    # As on a CPU without AVX-512: -march=native then enables none of it.
+    build_library = fused_step.build_library
+    monkeypatch.setattr(fused_step, "build_library",
+                        lambda source, *, flags=(): build_library(source, flags=(*flags, "-mno-avx512f")))
+    with pytest.raises(SystemExit, match="AVX-512 path does not build here .*nothing to take apart; --builds"):
+        SCRIPT["build"](adamw8bit.SOURCE.read_text(), str(tmp_path), "probe")
+
+
+@needs_cc
+def test_script_prints_the_pass_its_ablations_and_torch_in_one_table(avx512_path):
     cmd = [sys.executable, "scripts/bench_adamw8bit_kernel.py", "--params", "65536", "--rounds", "10"]
     out = subprocess.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -41,7 +64,7 @@ def test_script_prints_the_pass_its_ablations_and_torch_in_one_table():
     assert instructions == list(SCRIPT["INSTRUCTIONS"]) or "instruction table: n/a" in out.stdout
 
 
-@pytest.mark.skipif(fused_step.c_compiler() is None, reason="needs a C compiler")
+@needs_cc
 def test_builds_mode_times_the_pass_as_each_instruction_set_builds_it():
     cmd = [sys.executable, "scripts/bench_adamw8bit_kernel.py", "--params", "65536", "--rounds", "10", "--builds"]
     env = working_tree_env(ATEN_CPU_CAPABILITY="default")  # torch's step as a CPU without AVX2 runs it

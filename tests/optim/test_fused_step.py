@@ -127,3 +127,11 @@ def test_without_a_compiler_it_declines_once_with_a_warning_and_changes_nothing(
         assert torch.equal(p.detach(), before) and not opt.state[p]
     finally:
         fused_step._library.cache_clear()
+
+
+@needs_compiler
+def test_a_source_that_does_not_build_is_refused_with_the_compilers_error_line(tmp_path):
+    source = tmp_path / "broken.c"
+    source.write_text("int ok;\n#error this build lacks what it needs\n")
+    with pytest.raises(RuntimeError, match=r"broken\.c:2:\d+: error: .*this build lacks what it needs$"):
+        fused_step.build_library(source)

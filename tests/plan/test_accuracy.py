@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.recipe_harness import tiny_asset_overrides, working_tree_env
+from tests.recipe_harness import path_without, tiny_asset_overrides, working_tree_env
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _accuracy(config: str, overrides) -> dict:
     cmd = [sys.executable, "scripts/plan_accuracy.py", "--config", config, *overrides, "--steps", "3"]
-    proc = subprocess.run(cmd, cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True,
-                          text=True, timeout=600)
+    # No tune or tune-offload on PATH, as in a virtual environment that is not activated.
+    env = working_tree_env(TIKTOKEN_CACHE_DIR="", PATH=path_without("tune", "tune-offload"))
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {}
     for label in ("peak host memory (RSS)", "training step (weights, gradients, activations)"):

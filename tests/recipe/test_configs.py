@@ -11,9 +11,7 @@ Everything runs on CPU in well under a minute: models are built on the meta devi
 
 import inspect
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ from torchtune import config
 from torchtune.config._errors import ConfigError
 from torchtune.config._utils import _get_component_from_path, _has_component
 
+from tests.recipe_harness import TUNE
 from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer, resolve_optimizer_class
 from torchtune_offload.optim import capabilities_of
 from torchtune_offload.recipe import check_recipe_config
@@ -142,10 +141,8 @@ def test_validate_rejects_a_misspelled_key():
 
 def test_tune_validate_cli_accepts_a_config():
     target = _table_path("llama3_2", "1B", "full_offload_engine")
-    tune = shutil.which("tune")
-    cmd = [tune] if tune else [sys.executable, "-m", "torchtune._cli.tune"]
     proc = subprocess.run(
-        cmd + ["validate", _rel(target)], cwd=REPO, capture_output=True, text=True, timeout=120
+        TUNE + ["validate", _rel(target)], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Config is well-formed!" in proc.stdout

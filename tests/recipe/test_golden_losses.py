@@ -2,81 +2,59 @@
 
 ``golden_losses.json`` holds what nine representative runs logged (full, LoRA and distributed
 recipes; plain AdamW, ``OffloadOptimizer`` with and without offloaded gradients, optimizer in
-backward, accumulation, clipping, an epoch-boundary checkpoint) on the main branch before the
-layout refactor. A change that is meant to alter the numbers must say so and record them anew
-(the recording settings are the ones below).
+backward, accumulation, clipping, an epoch-boundary checkpoint). The runs and how they are replayed
+(in a child process with torch's, MKL's and oneDNN's kernels pinned, so that one recording holds
+on AVX2 and AVX-512 CPUs alike) are in ``tests/recipe/golden_runs.py``. A change that is meant
+to alter the numbers must say so and record them anew: ``python -m tests.recipe.golden_runs --record``.
 """
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from tests.recipe_harness import load_recipe_module, tiny_asset_overrides
-from torchtune_offload.recipe import read_disk_log
+from tests.recipe import golden_runs
+from tests.recipe.golden_runs import OVERLAPPED, PINNED_CAPABILITY, PINNED_ENV, RUNS, case_id
 
-REPO = Path(__file__).resolve().parents[2]
-RECORDING = json.loads((Path(__file__).parent / "golden_losses.json").read_text())
+RECORDING = json.loads(golden_runs.RECORDING_PATH.read_text())
 GOLDEN = RECORDING["runs"]
-OFFLOAD = ["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW"]
-FULL = ["max_steps_per_epoch=5", "batch_size=4", "gradient_accumulation_steps=3", "clip_grad_norm=0.5"]
-LORA = ["max_steps_per_epoch=12", "batch_size=4", "gradient_accumulation_steps=2", "clip_grad_norm=0.5"]
-RUNS = {
-    "full_adamw": ("full", FULL),
-    "full_offload": ("full", FULL + OFFLOAD + ["optimizer.minimal_size=1024"]),
-    "full_offload_grads": ("full", FULL + OFFLOAD + ["optimizer.minimal_size=1024", "optimizer.offload_gradients=True"]),
-    "full_in_bwd": ("full", ["max_steps_per_epoch=5", "batch_size=4", "optimizer_in_bwd=True", "clip_grad_norm=null"]),
-    "full_resume_2ep": ("full", ["epochs=2", "max_steps_per_epoch=4", "batch_size=4", "gradient_accumulation_steps=2",
-                                 "clip_grad_norm=0.5", *OFFLOAD, "optimizer.minimal_size=1024"]),
-    "lora_adamw": ("lora", LORA),
-    "lora_offload": ("lora", LORA + OFFLOAD + ["optimizer.minimal_size=256"]),
-    "lora_offload_grads": ("lora", LORA + OFFLOAD + ["optimizer.minimal_size=256", "optimizer.offload_gradients=True"]),
-    "dist_1proc": ("distributed", ["max_steps_per_epoch=3", "epochs=2", "gradient_accumulation_steps=2",
-                                   "clip_grad_norm=1.0", "batch_size=8", "fsdp_shard_policy=[layers,embeddings]",
-                                   "enable_activation_checkpointing=True"]),
-}
-# Overlapped host steps run the same operations at other moments: the serial runs' recordings hold.
-OVERLAPPED = {name: RUNS[name] for name in ("full_offload", "full_offload_grads", "full_resume_2ep", "lora_offload_grads")}
-RECIPES = {
-    "full": ("full_finetune_single_device", "FullFinetuneRecipeSingleDevice", "full.yaml"),
-    "lora": ("lora_finetune_single_device", "LoRAFinetuneRecipeSingleDevice", "lora.yaml"),
-    "distributed": ("full_finetune_distributed", "FullFinetuneRecipeDistributed", "full_distributed.yaml"),
-}
-
-
-@pytest.fixture(autouse=True)
-def _as_recorded(monkeypatch):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # reductions may split differently on another thread count
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
-    yield
-    torch.set_num_threads(threads)
+CASES = [(n, False) for n in sorted(RUNS)] + [(n, True) for n in sorted(OVERLAPPED)]
+TEST = "test_losses_are_bit_identical_to_the_recording"
 
 
 def test_every_golden_run_is_replayed():
-    assert set(RUNS) == set(GOLDEN)
+    assert set(RUNS) == set(GOLDEN) and set(OVERLAPPED) <= set(RUNS)
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="recorded with 2 threads")
+def test_the_recording_was_made_in_the_environment_the_replay_pins():
+    assert RECORDING["pinned_env"] == PINNED_ENV
+
+
+@pytest.fixture(scope="module")
+def replayed(request, tiny_assets, tmp_path_factory):
+    """The selected cases of the test below, replayed in one pinned child process (torch and
+    torchtune load once for all of them)."""
+    selected = [item.callspec.params for item in request.session.items
+                if item.module is request.module and getattr(item, "originalname", None) == TEST]
+    cases = [case_id(p["name"], p["overlap"]) for p in selected]
+    return golden_runs.replay_pinned(cases, tiny_assets, tmp_path_factory.mktemp("golden") / "replay.json")
+
+
+def _has_avx2() -> bool:
+    """Whether this CPU runs torch's AVX2 kernels (cpuinfo's answer, as torch gives it; False off x86)."""
+    return getattr(torch.cpu, "_is_avx2_supported", lambda: False)()
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason=f"recorded with {golden_runs.THREADS} threads")
 @pytest.mark.skipif(torch.__version__ != RECORDING["torch"], reason=f"recorded with torch {RECORDING['torch']}")
-@pytest.mark.parametrize("name, overlap", [(n, False) for n in sorted(RUNS)] + [(n, True) for n in sorted(OVERLAPPED)])
-def test_losses_are_bit_identical_to_the_recording(name, overlap, tiny_assets, tmp_path):
-    kind, overrides = RUNS[name]
-    overrides = [*overrides, "optimizer.overlap=True"] if overlap else overrides
-    module, cls, config = RECIPES[kind]
-    cfg = OmegaConf.merge(
-        OmegaConf.load(REPO / "configs" / "tiny" / config),
-        OmegaConf.from_dotlist([f"output_dir={tmp_path}", *tiny_asset_overrides(tiny_assets), *overrides]),
-    )
-    recipe = getattr(load_recipe_module(module), cls)(cfg)
-    try:
-        recipe.setup(cfg)
-        recipe.train()
-    finally:
-        recipe.cleanup()
-    logged = [{k: row[k] for k in ("loss", "grad_norm") if k in row} for row in read_disk_log(tmp_path)]
+@pytest.mark.skipif(not _has_avx2(), reason=f"recorded with torch's {PINNED_CAPABILITY} kernels; this CPU has no AVX2")
+@pytest.mark.parametrize("name, overlap", CASES)
+def test_losses_are_bit_identical_to_the_recording(name, overlap, replayed):
+    assert replayed["capability"] == PINNED_CAPABILITY, (
+        f"the replay ran torch's {replayed['capability']} kernels: ATEN_CPU_CAPABILITY={PINNED_ENV['ATEN_CPU_CAPABILITY']} "
+        "did not take in the child")
+    result = replayed["runs"][case_id(name, overlap)]
+    assert "error" not in result, result.get("error")
     expected = [{k: float(v) for k, v in row.items()} for row in GOLDEN[name]]
-    assert logged == expected
+    assert result["rows"] == expected

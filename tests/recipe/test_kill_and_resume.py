@@ -8,7 +8,6 @@ files are written but before they are renamed into place. The resumed run is ``t
 """
 
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.recipe_harness import tiny_asset_overrides, working_tree_env
+from tests.recipe_harness import TUNE, tiny_asset_overrides, working_tree_env
 from torchtune_offload.recipe import read_disk_log
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,9 +70,7 @@ def _command(kind: str, assets: Path, out: Path, extra: List[str], log_name: str
 
 
 def _tune_run(kind, assets, out, extra, log_name, **popen) -> subprocess.Popen:
-    tune = shutil.which("tune")
-    base = [tune] if tune else [sys.executable, "-m", "torchtune._cli.tune"]
-    cmd = [*base, "run", RECIPES[kind], *_command(kind, assets, out, extra, log_name)]
+    cmd = [*TUNE, "run", RECIPES[kind], *_command(kind, assets, out, extra, log_name)]
     return subprocess.Popen(cmd, cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **popen)
 

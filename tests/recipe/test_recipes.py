@@ -7,7 +7,6 @@ same config, and every reference run is also checked to learn (loss falls).
 """
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -18,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 from torchtune.modules.peft import get_adapter_state_dict
 
-from tests.recipe_harness import load_recipe_module, tiny_asset_overrides, working_tree_env
+from tests.recipe_harness import TUNE, load_recipe_module, tiny_asset_overrides, working_tree_env
 from torchtune_offload.recipe import read_disk_log
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -354,11 +353,8 @@ def test_logged_metrics_on_cpu(runs):
 
 
 def _tune_run(kind: str, assets: Path, output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    tune = shutil.which("tune")
-    if tune is None:
-        pytest.skip("the tune command is not on PATH")
     cmd = [
-        tune, "run", f"recipes/{RECIPE_FILES[kind]}.py", "--config", f"configs/tiny/{kind}.yaml",
+        *TUNE, "run", f"recipes/{RECIPE_FILES[kind]}.py", "--config", f"configs/tiny/{kind}.yaml",
         f"output_dir={output_dir}", *tiny_asset_overrides(assets), *overrides,
     ]
     # PYTHONPATH: the working tree's torchtune_offload, not an installed copy.

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.recipe.test_recipes import run_recipe
-from tests.recipe_harness import tiny_asset_overrides, working_tree_env
+from tests.recipe_harness import TUNE, tiny_asset_overrides, working_tree_env
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = {"full": "recipes/full_finetune_single_device.py", "lora": "recipes/lora_finetune_single_device.py",
@@ -166,8 +166,7 @@ def earlier_run(tiny_assets, tmp_path_factory) -> Path:
 def results(tiny_assets, earlier_run, tmp_path_factory, request):
     """Runs every selected case through ``tune run``; per case: (return code, output, files before, files after)."""
     root = tmp_path_factory.mktemp("catalogue")
-    tune = shutil.which("tune")
-    base = [tune] if tune else [sys.executable, "-m", "torchtune._cli.tune"]
+    base = TUNE
     env = working_tree_env(TIKTOKEN_CACHE_DIR="")
 
     def prepare(name: str) -> Tuple[List[str], Path, Dict[str, str]]:

@@ -49,6 +49,13 @@ def c_compiler() -> Optional[List[str]]:
     return command if shutil.which(command[0]) else None
 
 
+def _first_error(stderr: str) -> str:
+    """The compiler's first line that says ``error:`` (GCC and clang follow it with the source line
+    and a caret, which say nothing alone), else its last line."""
+    lines = stderr.strip().splitlines()
+    return next((line for line in lines if "error:" in line), lines[-1] if lines else "")
+
+
 def _compile(directory: str, source: Path = SOURCE, flags: Sequence[str] = ()) -> ctypes.CDLL:
     compiler = c_compiler()
     if compiler is None:
@@ -63,7 +70,7 @@ def _compile(directory: str, source: Path = SOURCE, flags: Sequence[str] = ()) -
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode == 0:
                 return ctypes.CDLL(library)
-            errors.append(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
+            errors.append(_first_error(done.stderr) or f"exit {done.returncode}")
         except OSError as err:  # the compiler cannot run, or the library cannot be loaded
             errors.append(str(err))
     raise RuntimeError(f"{' '.join(compiler)} failed: {'; '.join(dict.fromkeys(errors))}")
