@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import torchtune_offload.optim.fused_step as fused_step
-from torchtune_offload.optim import stream_check
+import torchtune_offload.optim.stream_check as stream_check
 from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES
 
 BLOCK_SIZE = 256

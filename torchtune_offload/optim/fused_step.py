@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from torchtune_offload.optim import stream_check
+import torchtune_offload.optim.stream_check as stream_check
 
 SOURCE = Path(__file__).with_name("fused_adamw.c")
 #: Per-operation rounding as torch's (no contraction), vectorised for the host CPU.

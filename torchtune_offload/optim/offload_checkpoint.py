@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from torchtune_offload.optim import stream_check
+import torchtune_offload.optim.stream_check as stream_check
 from torchtune_offload.optim.param_table import ParameterTable
 from torchtune_offload.optim.state_streamer import StateStreamer
 

@@ -165,12 +165,10 @@ class OffloadOptimizer(Optimizer):
     def synchronize(self) -> None:
         """Waits for every queued host step and upload (errors raised in a worker are raised here)
         and every queued device update: needed before reading weights outside a forward that
-        :meth:`register_forward_waits` covers. The host is blocked until the copies are done, so
-        host code may read the parameters (and host buffers) afterwards."""
+        :meth:`register_forward_waits` covers. The host is blocked until every copy is done, so
+        host code (a checkpoint, a test) may read the weights afterwards."""
         self._scheduler.synchronize()
         self._streamer.synchronize()
-        # The uploads above are ordered before the compute stream's next work only; a host reader
-        # of the weights (a checkpoint's copy, a test) needs them finished.
         self._transfer.synchronize()
 
     def expect_final_backward(self, *, clipping: bool) -> None:

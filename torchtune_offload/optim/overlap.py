@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from torchtune_offload.optim import stream_check
+import torchtune_offload.optim.stream_check as stream_check
 
 
 class HostWorkers:

@@ -14,7 +14,7 @@ from typing import Any, Dict, List
 import torch
 
 import torchtune_offload.optim.fused_step as fused_step
-from torchtune_offload.optim import stream_check
+import torchtune_offload.optim.stream_check as stream_check
 from torchtune_offload.optim.host_grads import HostGradients
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.state_streamer import StateStreamer

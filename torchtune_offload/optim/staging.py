@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from torchtune_offload.optim import stream_check
+import torchtune_offload.optim.stream_check as stream_check
 from torchtune_offload.optim.transfer import TransferEngine
 
 #: Bytes of one chunk, and how many chunks the ring holds: the bound on staging memory.

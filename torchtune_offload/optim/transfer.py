@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from torchtune_offload.optim import stream_check
+import torchtune_offload.optim.stream_check as stream_check
 
 
 #: What is copied: gradients down, weights up, streamed optimizer states up and down.
