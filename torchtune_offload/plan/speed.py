@@ -198,8 +198,11 @@ class Speed:
 
     def summary(self) -> Dict[str, object]:
         """The ``"speed"`` entry of the plan's JSON."""
-        return {"step_seconds": round(self.step_seconds, 4), "tokens_per_second": round(self.tokens_per_second, 1),
-                "bound": self.bound, "parts": {k: round(v, 4) for k, v in self.parts.items()},
+        def four(x: float) -> float:  # four significant digits: the model is not finer than that
+            return float(f"{x:.4g}")
+
+        return {"step_seconds": four(self.step_seconds), "tokens_per_second": four(self.tokens_per_second),
+                "bound": self.bound, "parts": {k: four(v) for k, v in self.parts.items()},
                 "hides_at_batch": self.hides_at_batch}
 
 
