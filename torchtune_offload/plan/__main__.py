@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     p.add_argument("--fine-tunes", action=argparse.BooleanOptionalAction, default=True,
                    help="also plan the full, LoRA and QLoRA fine-tunes of the model (single-device recipes)")
     p.add_argument("--json", type=Path, help="also write the plans to this JSON file")
-    p.add_argument("--machine", help=f"predict each variant's speed on this machine: a preset ({', '.join(preset_names())}) "
-                   "or a machine.json (tune-offload probe --output machine.json)")
+    p.add_argument("--machine", help="predict each variant's speed on this machine: a preset "
+                   f"({', '.join(preset_names())}) or a machine.json (tune-offload probe --output machine.json)")
     args = p.parse_intermixed_args(argv)
     if not args.config.is_file():
         p.error(f"--config {args.config}: no such file")

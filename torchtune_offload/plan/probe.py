@@ -53,7 +53,7 @@ def probe_host(*, copy_bytes: int, step_params: int, repeats: int = 3) -> Dict[s
     src = torch.ones(copy_bytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
     copy = _best_seconds(lambda: dst.copy_(src), repeats=repeats)
-    del src, dst
+    src = dst = None  # freed before the steps allocate theirs
     rates = {}
     for key, make in (("host_adamw_bf16_mparams", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
                       ("host_adamw8bit_mparams", lambda ps: AdamW8bit(ps, lr=1e-4))):

@@ -14,7 +14,7 @@ with their causes.
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Mapping, Optional, Union
 
@@ -282,13 +282,3 @@ def _hides_at_batch(work: StepWork, machine: Machine, phase: float, sum_one: flo
     if work.offload_gradients and work.micro_batches > 1:
         need = max(need, sum_one / (forward + backward))
     return max(1, math.ceil(need - 1e-9))
-
-
-def work_fields() -> list:
-    """The names of :class:`StepWork`'s fields (the ``"work"`` entry of the plan's JSON)."""
-    return [f.name for f in fields(StepWork)]
-
-
-def work_dict(work: StepWork) -> dict:
-    """``work`` as plain JSON values."""
-    return asdict(work)
