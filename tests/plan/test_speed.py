@@ -12,6 +12,7 @@ from tests.plan.test_planner import _plan_cli
 from tests.recipe_harness import tiny_asset_overrides
 from torchtune_offload.cli.main import main as tune_offload
 from torchtune_offload.plan import probe as probe_module
+from torchtune_offload.plan.__main__ import main as plan_main
 from torchtune_offload.plan.recorded_runs import TOLERANCE, calibrate, calibration_table, recorded_runs
 from torchtune_offload.plan.speed import (MACHINE_KEYS, OVERLAP_HIDDEN_SHARE, Machine, StepWork, load_machine,
                                           predict, preset_about, preset_names)
@@ -48,6 +49,15 @@ def test_machine_files_and_presets(tmp_path):
         load_machine(path)
     with pytest.raises(ValueError, match="neither a preset"):
         load_machine(tmp_path / "absent.json")
+
+
+def test_the_planner_refuses_a_bad_machine_before_tracing(tmp_path, capsys):
+    bad = tmp_path / "machine.json"
+    bad.write_text(json.dumps({k: v for k, v in ROUND.items() if k != "pcie_d2h_gbs"}))
+    with pytest.raises(SystemExit) as exit_:
+        plan_main(["--config", str(REPO / "configs/tiny/full.yaml"), "--machine", str(bad)])
+    assert exit_.value.code == 2
+    assert "missing pcie_d2h_gbs" in capsys.readouterr().err
 
 
 def test_the_arithmetic_of_a_known_step():
