@@ -76,6 +76,14 @@ def test_the_arithmetic_of_a_known_step():
     overlap = predict(replace(work, update="host", overlap=True), machine, samples_per_micro_batch=1)
     assert overlap.step_seconds == pytest.approx(8 + max(0.0, 2 - OVERLAP_HIDDEN_SHARE * 6))
     assert overlap.hides_at_batch == 1
+    # On a 0.5 GB/s bus the pipeline takes 4 s: two 1000-token samples' backwards (0.35 x 12 s) hide
+    # it; with 250-token samples (the same 1000 tokens in 4), eight.
+    slow = Machine.from_dict({**ROUND, "pcie_h2d_gbs": 0.5, "pcie_d2h_gbs": 0.5}, name="slow")
+    assert predict(replace(work, update="host", overlap=True), slow, samples_per_micro_batch=1).hides_at_batch == 2
+    assert predict(replace(work, update="host"), slow, samples_per_micro_batch=4).hides_at_batch == 8
+    # The device update's states (8 s each way at 0.5 GB/s) hide the same way; the device and torchao have none.
+    assert predict(replace(work, update="device_update"), slow, samples_per_micro_batch=1).hides_at_batch == 4
+    assert predict(work, slow, samples_per_micro_batch=1).hides_at_batch is None
     # Three micro-batches with offload_gradients: 24 s of GPU work, gradients down three times, and
     # two sums of 6 GB (2-byte staged gradient and sum read, sum written) at 6 GB/s: 1 s each.
     grads = predict(replace(work, update="host", offload_gradients=True, micro_batches=3), machine)
@@ -161,4 +169,6 @@ def test_the_planner_adds_speed_to_each_variant(tiny_assets, tmp_path):
     assert plans["offload_grads_overlap"]["work"]["overlap"] and plans["offload"]["work"]["update"] == "host"
     assert plans["adamw"]["speed"]["tokens_per_second"] > plans["offload"]["speed"]["tokens_per_second"]
     assert plans["offload_grads_overlap"]["speed"]["hides_at_batch"] >= 1
-    assert plans["offload"]["speed"]["hides_at_batch"] is None
+    # Where overlap would hide the offload variants' work; nothing to hide for the others.
+    assert plans["offload"]["speed"]["hides_at_batch"] >= 1
+    assert plans["adamw"]["speed"]["hides_at_batch"] is None and plans["torchao"]["speed"]["hides_at_batch"] is None

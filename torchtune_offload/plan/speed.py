@@ -185,9 +185,9 @@ class Speed:
     Attributes:
         parts: seconds of each resource's work in a step (``gpu``, ``pcie``, ``host_step``,
             ``host_sums``), whether or not it is hidden behind another's.
-        hides_at_batch: for the host engine with ``overlap``, the smallest batch per micro-batch
-            (samples of this sequence length) at which the host's work hides behind GPU work;
-            None where it does not apply.
+        hides_at_batch: for this project's offload variants (host engine or ``update_on=device``),
+            the smallest batch per micro-batch (samples of this sequence length) at which, with
+            ``overlap``, the offloaded work hides behind GPU work; None for the others.
     """
 
     step_seconds: float
@@ -241,6 +241,7 @@ def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Option
         state = work.trainable * work.state_bytes
         state_up, state_down = state / (machine.pcie_h2d_gbs * 1e9), state / (machine.pcie_d2h_gbs * 1e9)
         host_step, sums = 0.0, 0.0
+        hides = _hides_at_batch(work, machine, max(state_up, state_down), 0.0, samples_per_micro_batch)
         if work.overlap:  # staging up and down on their own streams, beside the GPU's update and backward
             pcie = max(state_up, state_down)
             step = gpu + max(0.0, pcie - OVERLAP_HIDDEN_SHARE * backward)
@@ -255,25 +256,26 @@ def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Option
         pcie = (work.micro_batches if work.offload_gradients else 1) * down + up
         # Copies down, the per-parameter steps and copies up run as a pipeline: the slowest sets its pace.
         phase = max(down, host_step, up)
+        hides = _hides_at_batch(work, machine, phase, sum_one, samples_per_micro_batch)
         if work.overlap:
             # Each later micro-batch's sum hides behind the next micro-batch's GPU work; the host
             # phase behind part of the last backward.
             exposed_sums = (work.micro_batches - 1) * max(0.0, sum_one - micro) if work.offload_gradients else 0.0
             step = gpu + exposed_sums + max(0.0, phase - OVERLAP_HIDDEN_SHARE * backward)
-            hides = _hides_at_batch(work, machine, phase, sum_one, samples_per_micro_batch)
         else:
             step = gpu + sums + phase
     parts = {"gpu": gpu, "pcie": pcie, "host_step": host_step, "host_sums": sums}
-    bound = BOUNDS[max(range(4), key=lambda i: list(parts.values())[i])]
+    bound = max(zip(parts.values(), BOUNDS))[1]
     tokens = work.tokens * work.micro_batches
     return Speed(step_seconds=step, tokens_per_second=tokens / step, bound=bound, parts=parts, hides_at_batch=hides)
 
 
 def _hides_at_batch(work: StepWork, machine: Machine, phase: float, sum_one: float,
                     samples: Optional[int]) -> Optional[int]:
-    """The smallest batch per micro-batch at which the host phase hides behind the last backward and
-    each gradient sum behind a micro-batch. Accumulation alone does not hide the host step: the next
-    window's first forward needs the new weights."""
+    """The smallest batch per micro-batch at which, with ``overlap``, the offloaded work ``phase``
+    (the host pipeline, or the states' copies for ``update_on=device``) hides behind the last
+    backward and each gradient sum behind a micro-batch. Accumulation alone does not hide the host
+    step: the next window's first forward needs the new weights."""
     if samples is None or samples <= 0:
         return None
     per_sample = work.tokens / samples
