@@ -482,7 +482,7 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
         fine_tunes: a block shown after the table, before each variant's breakdown
             (:func:`format_fine_tunes`).
         speeds: each variant's predicted step (:func:`plan_speed`), by name: adds its seconds,
-            tok/s, bound and the batch at which an overlapped host step hides to the row.
+            tok/s, bound and the batch at which overlap hides the offloaded work to the row.
         machine: the machine the speeds are for, named in the header.
     """
     def gib(n: Optional[int]) -> str:
@@ -499,7 +499,7 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
              f"{'unknown (give --device-gib)' if device_budget is None else f'{device_budget / GIB:.1f} GiB'}; "
              f"host budget {host_budget / GIB:.1f} GiB.", "",
              "| variant | device peak GiB | + paged GiB | fits device | host peak GiB | fits host |"
-             + (" s/step | tok/s | bound | host step hidden at batch |" if speeds is not None else "") + " what |",
+             + (" s/step | tok/s | bound | overlap hides at batch |" if speeds is not None else "") + " what |",
              "|---|---:|---:|:---:|---:|:---:|" + ("---:|---:|---|---:|" if speeds is not None else "") + "---|"]
     if speeds is not None:
         lines.insert(1, f"Speed on {machine} (docs/planner.md#how-fast).")
