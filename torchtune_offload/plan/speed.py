@@ -20,13 +20,15 @@ from typing import Dict, Mapping, Optional, Union
 
 #: The keys of a machine file, each a positive number, with what it means.
 MACHINE_KEYS: Dict[str, str] = {
-    "gpu_bf16_tflops": "bf16 matmul throughput a training step reaches on the GPU (TFLOP/s, effective, not peak)",
+    "gpu_bf16_tflops": "bf16 FLOP rate a training step reaches on the GPU, its FLOPs counted as 6 (8 with activation "
+                       "checkpointing) x parameters x tokens (TFLOP/s; effective, not the datasheet's peak)",
     "pcie_h2d_gbs": "host-to-device copy bandwidth from pinned memory (GB/s)",
     "pcie_d2h_gbs": "device-to-host copy bandwidth into pinned memory (GB/s)",
     "host_copy_gbs": "host memory bandwidth, bytes read plus bytes written per second by a large copy (GB/s)",
     "host_adamw_bf16_mparams": "torch's fused AdamW on bf16 CPU tensors, all cores (million parameters/s)",
     "host_adamw8bit_mparams": "this project's AdamW8bit host pass, all cores (million parameters/s)",
-    "host_cores": "CPU cores the host step may use",
+    "host_cores": "CPU cores the host step may use (recorded with the rates, which are all-core rates; the model "
+                  "does not read it)",
 }
 #: Bytes a torch AdamW step over bf16 tensors reads and writes per parameter: weight, gradient and
 #: two states read (8), weight and states written (6).
