@@ -172,3 +172,13 @@ def test_the_planner_adds_speed_to_each_variant(tiny_assets, tmp_path):
     # Where overlap would hide the offload variants' work; nothing to hide for the others.
     assert plans["offload"]["speed"]["hides_at_batch"] >= 1
     assert plans["adamw"]["speed"]["hides_at_batch"] is None and plans["torchao"]["speed"]["hides_at_batch"] is None
+
+
+@pytest.mark.gpu
+def test_the_probe_measures_the_gpu_keys_where_cuda_is():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    measured = probe_module.probe_gpu(pcie_bytes=1 << 26, step={"num_layers": 1, "width": 256, "batch": 1,
+                                                                 "seq_len": 256, "vocab": 1024}, repeats=2)
+    assert set(measured) == {"gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs"}
+    assert all(v > 0 for v in measured.values())
