@@ -26,6 +26,7 @@ from torchtune.config._utils import _merge_yaml_and_cli_args
 
 from torchtune_offload.assets import missing_tiny_assets
 from torchtune_offload.cli.shipped import RECIPE_KINDS, Shipped, shipped_root
+from torchtune_offload.plan.probe import run_probe
 from torchtune_offload.recipe import check_files, check_recipe_config
 
 PROG = "tune-offload"
@@ -43,6 +44,7 @@ EPILOG = textwrap.dedent(f"""\
         $ {PROG} run --nproc_per_node 2 full_finetune_distributed --config tiny/full_distributed device=cpu
         $ {PROG} validate --config tiny/full
         $ {PROG} download meta-llama/Llama-3.2-1B-Instruct --output-dir /tmp/Llama-3.2-1B-Instruct
+        $ {PROG} probe --output machine.json        # this machine's rates, for the planner's --machine
     """)
 
 
@@ -165,6 +167,15 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- probe ------------------------------------------------------------------------------------
+
+def _probe(args: argparse.Namespace) -> int:
+    if args.output is not None and args.output.parent and not args.output.parent.is_dir():
+        raise UsageError(f"--output {args.output}: no such folder {args.output.parent}")
+    print(run_probe(args.output))
+    return 0
+
+
 # --- run, download -----------------------------------------------------------------------------
 
 def _run(argv: List[str]) -> int:
@@ -227,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.set_defaults(func=lambda args: parser.print_help() or 0)
-    verbs = parser.add_subparsers(title="verbs", metavar="{ls,cp,cat,validate,run,download}")
+    verbs = parser.add_subparsers(title="verbs", metavar="{ls,cp,cat,validate,run,download,probe}")
     verbs.add_parser("ls", help="list our recipes and their configs").set_defaults(func=_ls)
     cp = verbs.add_parser("cp", help="copy a recipe or config to a local path")
     cp.add_argument("file", help="a recipe or config name (tune-offload ls lists them)")
@@ -249,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     verbs.add_parser("run", add_help=False,
                      help="run a recipe: [TORCHRUN-OPTIONS] <recipe> --config <config> [key=value ...]")
     verbs.add_parser("download", add_help=False, help="torchtune's tune download")
+    probe = verbs.add_parser("probe", help="measure this machine's rates for the planner's speed model "
+                             "(python -m torchtune_offload.plan --machine machine.json)")
+    probe.add_argument("--output", type=Path, help="write them to this JSON file")
+    probe.set_defaults(func=_probe)
     return parser
 
 

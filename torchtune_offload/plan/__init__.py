@@ -1,8 +1,11 @@
 """Will it fit? ``python -m torchtune_offload.plan --config <yaml> [key=value ...]`` predicts the peak
 device and host memory of a run for each optimizer variant, from one training step traced on fake
-tensors and the recipes' own host-memory calculation."""
+tensors and the recipes' own host-memory calculation; with ``--machine``, each variant's seconds per
+step and tok/s from the same step's work and a machine's rates (:mod:`torchtune_offload.plan.speed`)."""
 
-from torchtune_offload.plan.planner import VariantPlan, format_plans, plan_variant
+from torchtune_offload.plan.planner import VariantPlan, format_plans, plan_speed, plan_variant
+from torchtune_offload.plan.speed import Machine, Speed, StepWork, load_machine, predict
 from torchtune_offload.plan.trace import StepTrace, trace_training_step
 
-__all__ = ["StepTrace", "VariantPlan", "format_plans", "plan_variant", "trace_training_step"]
+__all__ = ["Machine", "Speed", "StepTrace", "StepWork", "VariantPlan", "format_plans", "load_machine", "plan_speed",
+           "plan_variant", "predict", "trace_training_step"]

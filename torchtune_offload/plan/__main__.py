@@ -7,6 +7,8 @@ fine-tunes of the configured model (torchtune's ``<name>``, ``lora_<name>`` and 
 builders), each with the configured optimizer: which of them fits. Nothing is downloaded or
 loaded: the model is traced on fake tensors, so an 8B config plans on a laptop. A model the
 planner cannot build or trace ends the plan with one line naming ``model._component_`` (exit 2).
+With ``--machine`` (a preset or a ``tune-offload probe`` file), each variant's row also gets its
+predicted seconds per step, tok/s and bound (:mod:`torchtune_offload.plan.speed`).
 """
 
 import argparse
@@ -30,10 +32,12 @@ from torchtune_offload.plan.planner import (
     format_plans,
     load_config,
     plan_fine_tunes,
+    plan_speed,
     plan_variant,
     process_baseline,
     sequence_length,
 )
+from torchtune_offload.plan.speed import load_machine, preset_names
 from torchtune_offload.plan.trace import UntraceableModelError
 
 RECIPE_OF = {"full_finetune_single_device": "full", "lora_finetune_single_device": "lora",
@@ -62,6 +66,8 @@ def main(argv=None) -> int:
     p.add_argument("--fine-tunes", action=argparse.BooleanOptionalAction, default=True,
                    help="also plan the full, LoRA and QLoRA fine-tunes of the model (single-device recipes)")
     p.add_argument("--json", type=Path, help="also write the plans to this JSON file")
+    p.add_argument("--machine", help="predict each variant's speed on this machine: a preset "
+                   f"({', '.join(preset_names())}) or a machine.json (tune-offload probe --output machine.json)")
     args = p.parse_intermixed_args(argv)
     if not args.config.is_file():
         p.error(f"--config {args.config}: no such file")
@@ -71,6 +77,12 @@ def main(argv=None) -> int:
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         p.error(f"overrides must be key=value: {bad}")
+    machine = None
+    if args.machine is not None:
+        try:
+            machine = load_machine(args.machine)
+        except ValueError as err:
+            p.error(str(err))
     recipe = args.recipe or _recipe_of(args.config)
     cfg = load_config(str(args.config), args.overrides)
     device = torch.device(str(cfg.device))
@@ -102,12 +114,22 @@ def main(argv=None) -> int:
         seq_note = f"batch {cfg.batch_size} x {sequence_length(cfg, args.seq_len)} tokens"
     except ValueError:
         seq_note = "sequence length unknown"
+    speeds = None if machine is None else {
+        p.name: plan_speed(p, machine, device_budget=device_budget) for p in plans}
     print(format_plans(plans, device=str(device), device_budget=device_budget, host_budget=host_budget,
                        config_path=str(args.config), seq_len_note=seq_note, fine_tunes=_fine_tune_block(
-                           fine, cfg, device_budget=device_budget, host_budget=host_budget)))
+                           fine, cfg, device_budget=device_budget, host_budget=host_budget),
+                       speeds=speeds, machine=machine.name if machine else ""))
     if args.json:
+        entries = [asdict(p) for p in plans]
+        if speeds is not None:
+            for entry in entries:
+                speed = speeds[entry["name"]]
+                entry["speed"] = None if speed is None else speed.summary()
         args.json.write_text(json.dumps({"device_budget": device_budget, "host_budget": host_budget,
-                                         "plans": [asdict(p) for p in plans],
+                                         "machine": None if machine is None else {"name": machine.name,
+                                                                                  **machine.as_dict()},
+                                         "plans": entries,
                                          "fine_tunes": [asdict(p) for p in fine]}, indent=1))
     return 0
 

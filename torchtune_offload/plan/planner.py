@@ -40,6 +40,7 @@ from torchtune_offload.optim.optimizer_class import resolve_optimizer_class, spl
 from torchtune_offload.optim.state_streamer import plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
                                                unquantised_twin)
+from torchtune_offload.plan.speed import Machine, Speed, StepWork, predict
 from torchtune_offload.plan.trace import (StepTrace, UntraceableModelError, build_meta_model, micro_batch_loss,
                                           one_line, trace_training_step)
 from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
@@ -64,6 +65,11 @@ class VariantPlan:
     host_bytes: Optional[int] = None
     host_parts: Dict[str, int] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    #: What one optimizer step does, for the speed model (:mod:`torchtune_offload.plan.speed`);
+    #: None for a run on the CPU or one that cannot run.
+    work: Optional[StepWork] = None
+    #: Samples per micro-batch (the config's ``batch_size``).
+    batch_size: Optional[int] = None
 
 
 def _mark_lora(model: torch.nn.Module) -> None:
@@ -120,6 +126,32 @@ def _device_state(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Mod
     state, _ = optimizer_state_bytes(settings.optimizer_class, trainable, options)
     label = "optimizer state (paged)" if settings.optimizer_class.__name__.startswith("Paged") else "optimizer state"
     return {label: state}
+
+
+def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module, tokens: int) -> StepWork:
+    """What one optimizer step of ``cfg``'s run does, as the speed model reads it."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    update, own, base, options = "device", {}, None, {}
+    caps = settings.optimizer_capabilities
+    if caps.offloads:
+        options = {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
+        base = resolve_optimizer_class(options.pop("optimizer_class", "torch.optim.AdamW"))
+        own, options = split_options(settings.optimizer_class.__init__, options)
+        # torchao's wrapper copies, steps and copies back one after the other; ours pipelines them.
+        update = ("device_update" if own.get("update_on") == "device" else
+                  "host" if caps.overlaps_host_step else "torchao")
+    n_trainable = sum(p.numel() for p in trainable)
+    state_bytes = 4.0
+    if base is not None and n_trainable:
+        state_bytes = optimizer_state_bytes(base, trainable, options)[0] / n_trainable
+    return StepWork(params=sum(p.numel() for p in model.parameters()), trainable=max(1, n_trainable), tokens=tokens,
+                    micro_batches=settings.gradient_accumulation_steps,
+                    activation_checkpointing=settings.enable_activation_checkpointing,
+                    element_size=settings.dtype.itemsize, update=update,
+                    offload_gradients=settings.offload_gradients, overlap=bool(own.get("overlap", False)),
+                    eight_bit=base is not None and base.__name__ == "AdamW8bit",
+                    master_fp32=str(own.get("master_dtype")) in ("fp32", "float32", "torch.float32"),
+                    state_bytes=state_bytes)
 
 
 def _make_optimizer(settings: RecipeSettings, cfg: DictConfig) -> Optional[Callable[[list], torch.optim.Optimizer]]:
@@ -205,6 +237,9 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
             elif size:
                 plan.device_parts[label] = size
     plan.device_bytes = sum(plan.device_parts.values())
+    plan.batch_size = settings.batch_size
+    if settings.device.type != "cpu":
+        plan.work = _step_work(settings, cfg, model, settings.batch_size * length)
     need = host_memory_need(cfg, settings, mark_trainable=mark,
                             step_bytes=trace.peak_bytes if settings.device.type == "cpu" else None)
     phase = max(need.phases, key=lambda p: sum(need.phases[p].values()))
@@ -427,13 +462,28 @@ def update_on_advice(plans: List[VariantPlan], *, device_budget: Optional[int], 
             f"states) or a LoRA fine-tune need less{other}.")
 
 
+def plan_speed(plan: VariantPlan, machine: Machine, *, device_budget: Optional[int]) -> Optional[Speed]:
+    """The variant's predicted step on ``machine`` (None where it cannot run or runs on the CPU).
+    Paged optimizer state beyond the device budget crosses PCIe both ways every step."""
+    if plan.work is None or plan.problem is not None:
+        return None
+    work = plan.work
+    if plan.paged_bytes and device_budget is not None:
+        work = replace(work, paged_excess_bytes=max(0, plan.device_bytes + plan.paged_bytes - device_budget))
+    return predict(work, machine, samples_per_micro_batch=plan.batch_size)
+
+
 def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Optional[int], host_budget: int,
-                 config_path: str, seq_len_note: str, fine_tunes: str = "") -> str:
+                 config_path: str, seq_len_note: str, fine_tunes: str = "",
+                 speeds: Optional[Dict[str, Optional[Speed]]] = None, machine: str = "") -> str:
     """A markdown table of the plans, with the budgets and a verdict per variant.
 
     Args:
         fine_tunes: a block shown after the table, before each variant's breakdown
             (:func:`format_fine_tunes`).
+        speeds: each variant's predicted step (:func:`plan_speed`), by name: adds its seconds,
+            tok/s, bound and the batch at which overlap hides the offloaded work to the row.
+        machine: the machine the speeds are for, named in the header.
     """
     def gib(n: Optional[int]) -> str:
         return "-" if n is None else f"{n / GIB:.2f}"
@@ -448,13 +498,22 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
     lines = [f"Plan for {config_path} ({seq_len_note}); device {device}, budget "
              f"{'unknown (give --device-gib)' if device_budget is None else f'{device_budget / GIB:.1f} GiB'}; "
              f"host budget {host_budget / GIB:.1f} GiB.", "",
-             "| variant | device peak GiB | + paged GiB | fits device | host peak GiB | fits host | what |",
-             "|---|---:|---:|:---:|---:|:---:|---|"]
+             "| variant | device peak GiB | + paged GiB | fits device | host peak GiB | fits host |"
+             + (" s/step | tok/s | bound | overlap hides at batch |" if speeds is not None else "") + " what |",
+             "|---|---:|---:|:---:|---:|:---:|" + ("---:|---:|---|---:|" if speeds is not None else "") + "---|"]
+    if speeds is not None:
+        lines.insert(1, f"Speed on {machine} (docs/planner.md#how-fast).")
     for p in plans:
         what = p.problem if p.problem else p.description
         paged = f"{p.paged_bytes / GIB:.2f}" if p.paged_bytes else "-"
+        speed = ""
+        if speeds is not None:
+            s = speeds.get(p.name)
+            speed = (" - | - | - | - |" if s is None else
+                     f" {s.step_seconds:.3g} | {s.tokens_per_second:.0f} | {s.bound} | "
+                     f"{'-' if s.hides_at_batch is None else f'>= {s.hides_at_batch}'} |")
         lines.append(f"| {p.name} | {gib(p.device_bytes)} | {paged} | {verdict(p.device_bytes, device_budget)} | "
-                     f"{gib(p.host_bytes)} | {verdict(p.host_bytes, host_budget)} | {what} |")
+                     f"{gib(p.host_bytes)} | {verdict(p.host_bytes, host_budget)} |{speed} {what} |")
     advice = update_on_advice(plans, device_budget=device_budget, host_budget=host_budget)
     if advice:
         lines += ["", advice]

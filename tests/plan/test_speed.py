@@ -1,0 +1,184 @@
+"""The speed model: machine keys checked, its arithmetic on a known case, the calibration against the
+recorded H100 runs, the probe on the CPU, and the planner's --machine path."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.plan.test_planner import _plan_cli
+from tests.recipe_harness import tiny_asset_overrides
+from torchtune_offload.cli.main import main as tune_offload
+from torchtune_offload.plan import probe as probe_module
+from torchtune_offload.plan.__main__ import main as plan_main
+from torchtune_offload.plan.recorded_runs import TOLERANCE, calibrate, calibration_table, recorded_runs
+from torchtune_offload.plan.speed import (MACHINE_KEYS, OVERLAP_HIDDEN_SHARE, Machine, StepWork, load_machine,
+                                          predict, preset_about, preset_names)
+
+REPO = Path(__file__).resolve().parents[2]
+#: Round rates, so each part of a step is a number of seconds one can work out by hand.
+ROUND = {"gpu_bf16_tflops": 1.0, "pcie_h2d_gbs": 1.0, "pcie_d2h_gbs": 1.0, "host_copy_gbs": 6.0,
+         "host_adamw_bf16_mparams": 1000.0, "host_adamw8bit_mparams": 2000.0, "host_cores": 4}
+
+
+def test_a_machine_names_every_missing_unknown_and_bad_key_at_once():
+    data = {**ROUND, "pcie_h2d_gbs": 0, "host_cores": "many", "gpu_tflops": 3.0}
+    del data["host_copy_gbs"], data["pcie_d2h_gbs"]
+    with pytest.raises(ValueError) as err:
+        Machine.from_dict(data, name="mine.json")
+    message = str(err.value)
+    for part in ("mine.json", "missing pcie_d2h_gbs, host_copy_gbs", "unknown gpu_tflops", "pcie_h2d_gbs=0",
+                 "host_cores='many'", "tune-offload probe", "h100_recorded"):
+        assert part in message, (part, message)
+    assert Machine.from_dict(ROUND, name="round").as_dict() == {k: float(v) for k, v in ROUND.items()}
+
+
+def test_machine_files_and_presets(tmp_path):
+    for name in preset_names():
+        about = preset_about(name)
+        assert load_machine(name).name == name and about["sources"] and about["description"]
+        # Only the recorded H100 comes from measurements; every desktop figure is an estimate.
+        assert about["estimate"] is (name != "h100_recorded")
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(ROUND))
+    assert load_machine(path).gpu_bf16_tflops == 1.0
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        load_machine(path)
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_machine(tmp_path / "absent.json")
+
+
+def test_the_planner_refuses_a_bad_machine_before_tracing(tmp_path, capsys):
+    bad = tmp_path / "machine.json"
+    bad.write_text(json.dumps({k: v for k, v in ROUND.items() if k != "pcie_d2h_gbs"}))
+    with pytest.raises(SystemExit) as exit_:
+        plan_main(["--config", str(REPO / "configs/tiny/full.yaml"), "--machine", str(bad)])
+    assert exit_.value.code == 2
+    assert "missing pcie_d2h_gbs" in capsys.readouterr().err
+
+
+def test_the_arithmetic_of_a_known_step():
+    machine = Machine.from_dict(ROUND, name="round")
+    # 1e9 parameters, 1000 tokens, activation checkpointing: 8e12 FLOPs at 1 TFLOP/s, 2 s forward
+    # and 6 s backward; 2 GB of bf16 gradients or weights cross PCIe in 2 s; the host step 1 s.
+    work = StepWork(params=10**9, trainable=10**9, tokens=1000)
+    on_device = predict(work, machine)
+    assert on_device.step_seconds == pytest.approx(8) and on_device.tokens_per_second == pytest.approx(125)
+    assert on_device.bound == "GPU compute"
+    # Serial host engine: the GPU, then the copies down, the steps and the copies up as one pipeline (2 s).
+    host = predict(replace(work, update="host"), machine)
+    assert host.step_seconds == pytest.approx(10)
+    assert host.parts == pytest.approx({"gpu": 8, "pcie": 4, "host_step": 1, "host_sums": 0})
+    # Overlapped: the 2 s pipeline hides behind the share of the 6 s backward.
+    overlap = predict(replace(work, update="host", overlap=True), machine, samples_per_micro_batch=1)
+    assert overlap.step_seconds == pytest.approx(8 + max(0.0, 2 - OVERLAP_HIDDEN_SHARE * 6))
+    assert overlap.hides_at_batch == 1
+    # On a 0.5 GB/s bus the pipeline takes 4 s: two 1000-token samples' backwards (0.35 x 12 s) hide
+    # it; with 250-token samples (the same 1000 tokens in 4), eight.
+    slow = Machine.from_dict({**ROUND, "pcie_h2d_gbs": 0.5, "pcie_d2h_gbs": 0.5}, name="slow")
+    assert predict(replace(work, update="host", overlap=True), slow, samples_per_micro_batch=1).hides_at_batch == 2
+    assert predict(replace(work, update="host"), slow, samples_per_micro_batch=4).hides_at_batch == 8
+    # The device update's states (8 s each way at 0.5 GB/s) hide the same way; the device and torchao have none.
+    assert predict(replace(work, update="device_update"), slow, samples_per_micro_batch=1).hides_at_batch == 4
+    assert predict(work, slow, samples_per_micro_batch=1).hides_at_batch is None
+    # Three micro-batches with offload_gradients: 24 s of GPU work, gradients down three times, and
+    # two sums of 6 GB (2-byte staged gradient and sum read, sum written) at 6 GB/s: 1 s each.
+    grads = predict(replace(work, update="host", offload_gradients=True, micro_batches=3), machine)
+    assert grads.step_seconds == pytest.approx(24 + 2 + 2)
+    assert grads.parts["pcie"] == pytest.approx(8) and grads.parts["host_sums"] == pytest.approx(2)
+    assert grads.tokens_per_second == pytest.approx(3000 / 28)
+    # The device update moves 4 bytes of state per parameter up and down: 4 s each way.
+    assert predict(replace(work, update="device_update"), machine).step_seconds == pytest.approx(16)
+    # torchao: the GPU, the copy down, the step, the copy up, one after the other.
+    assert predict(replace(work, update="torchao"), machine).step_seconds == pytest.approx(13)
+    # The 8-bit host step at 2000 Mparam/s; fp32 masters at twice the bf16 step's bytes.
+    assert predict(replace(work, update="host", eight_bit=True), machine).parts["host_step"] == pytest.approx(0.5)
+    assert predict(replace(work, update="host", master_fp32=True), machine).parts["host_step"] == pytest.approx(2)
+    # Paged state beyond the device: 1 GB out and back in every step.
+    paged = predict(replace(work, paged_excess_bytes=10**9), machine)
+    assert paged.step_seconds == pytest.approx(10)
+    # Without checkpointing 6 FLOPs per parameter and token; LoRA's frozen weights get no weight gradient.
+    assert predict(replace(work, activation_checkpointing=False), machine).step_seconds == pytest.approx(6)
+    assert predict(replace(work, activation_checkpointing=False, trainable=1), machine).step_seconds == \
+        pytest.approx(4, rel=1e-6)
+    with pytest.raises(ValueError, match="update"):
+        StepWork(params=1, trainable=1, tokens=1, update="gpu")
+
+
+@pytest.mark.parametrize("run", recorded_runs(), ids=lambda r: f"{r.source.split(':')[0][15:40]}-{r.name}")
+def test_each_recorded_h100_run_is_within_20_percent_or_a_named_gap(run):
+    speed = predict(run.work, load_machine("h100_recorded"), samples_per_micro_batch=run.samples_per_micro_batch)
+    error = speed.tokens_per_second / run.measured_tokens_per_second - 1
+    assert run.source.startswith("gpu_results.md, ")
+    if run.gap is None:
+        assert abs(error) <= TOLERANCE, (run.name, run.source, f"{error:+.1%}")
+    else:
+        # A gap the model has come to fit is no longer a gap: its cause must leave the list.
+        assert abs(error) > TOLERANCE, (run.name, run.source, f"{error:+.1%}", run.gap)
+
+
+def test_the_calibration_covers_the_recorded_runs_and_the_docs_show_it():
+    runs = calibrate()
+    sections = {run.source for run, _, _ in runs}
+    for part in ("llama3_2 1B, whole GPU", "1B, GPU limited to 24 GiB", "3B, GPU limited to 24 GiB",
+                 "llama3_1 8B", "bench_overlap", "with overlap", "update on the device"):
+        assert any(part in s for s in sections), part
+    assert "8B" in next(r.source for r, _, _ in runs if r.name.endswith("accumulation 4, clip 1.0") and
+                        r.measured_tokens_per_second == 2043)
+    assert calibration_table() in (REPO / "docs/planner.md").read_text()
+
+
+def test_the_probe_measures_the_host_here_and_names_the_gpu_keys_to_take_from_a_preset(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    small = {"copy_bytes": 1 << 20, "step_params": 1 << 16, "pcie_bytes": 1 << 20}
+    measured, missing = probe_module.probe(sizes=small)
+    assert missing == ["gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs"]
+    assert set(measured) == set(MACHINE_KEYS) - set(missing)
+    assert all(v > 0 for v in measured.values()) and measured["host_cores"] == probe_module.host_cores()
+    # The verb writes what it measured; the planner then names the keys still missing.
+    monkeypatch.setattr(probe_module, "FULL_SIZES", small)
+    out = tmp_path / "machine.json"
+    assert tune_offload(["probe", "--output", str(out)]) == 0
+    with pytest.raises(ValueError, match="missing gpu_bf16_tflops, pcie_h2d_gbs, pcie_d2h_gbs"):
+        load_machine(out)
+    out.write_text(json.dumps({**json.loads(out.read_text()), **{k: 1.0 for k in missing}}))
+    assert load_machine(out).host_cores == measured["host_cores"]
+
+
+def test_the_step_rate_probe_runs_a_small_llama_step():
+    rate = probe_module.step_tflops(device=torch.device("cpu"), num_layers=1, width=64, batch=1, seq_len=16,
+                                    vocab=128, repeats=1)
+    assert rate > 0
+
+
+def test_the_planner_adds_speed_to_each_variant(tiny_assets, tmp_path):
+    stdout, plans = _plan_cli(tmp_path, *tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "device=cuda",
+                              "dtype=bf16", "--device-gib", "1", "--host-gib", "64", "--no-fine-tunes",
+                              "--variants", "adamw,offload,offload_grads_overlap,torchao", "--machine", "h100_recorded")
+    assert "Speed on h100_recorded" in stdout and "| s/step | tok/s | bound | overlap hides at batch |" in stdout
+    machine = load_machine("h100_recorded")
+    for name, plan in plans.items():
+        speed = plan["speed"]
+        assert set(speed) >= {"step_seconds", "tokens_per_second", "bound"}, name
+        expected = predict(StepWork(**plan["work"]), machine, samples_per_micro_batch=plan["batch_size"])
+        assert speed["tokens_per_second"] == pytest.approx(expected.tokens_per_second, rel=1e-3)
+    assert plans["adamw"]["work"]["update"] == "device" and plans["torchao"]["work"]["update"] == "torchao"
+    assert plans["offload_grads_overlap"]["work"]["overlap"] and plans["offload"]["work"]["update"] == "host"
+    assert plans["adamw"]["speed"]["tokens_per_second"] > plans["offload"]["speed"]["tokens_per_second"]
+    assert plans["offload_grads_overlap"]["speed"]["hides_at_batch"] >= 1
+    # Where overlap would hide the offload variants' work; nothing to hide for the others.
+    assert plans["offload"]["speed"]["hides_at_batch"] >= 1
+    assert plans["adamw"]["speed"]["hides_at_batch"] is None and plans["torchao"]["speed"]["hides_at_batch"] is None
+
+
+@pytest.mark.gpu
+def test_the_probe_measures_the_gpu_keys_where_cuda_is():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    measured = probe_module.probe_gpu(pcie_bytes=1 << 26, step={"num_layers": 1, "width": 256, "batch": 1,
+                                                                 "seq_len": 256, "vocab": 1024}, repeats=2)
+    assert set(measured) == {"gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs"}
+    assert all(v > 0 for v in measured.values())

@@ -1,0 +1,288 @@
+"""How fast? A training step's seconds from the work the plan traces and a machine's measured rates.
+
+A step costs the GPU's matmuls (about 6 x parameters x tokens FLOPs, 8 with activation
+checkpointing, which runs the forward twice), the PCIe traffic (gradients down, weights or
+optimizer states up and down) and the host's work (the optimizer step, and with
+``offload_gradients`` the sums of the micro-batches' gradients), partly overlapped. The machine
+is a handful of measured rates (:class:`Machine`): a preset from ``machines.json`` beside this
+module, or a file written by ``tune-offload probe`` (:mod:`torchtune_offload.plan.probe`).
+
+The model is calibrated against every recorded H100 run (``docs/planner.md``, the runs in
+:mod:`torchtune_offload.plan.recorded_runs`); the runs it misses by more than 20% are named there
+with their causes.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Mapping, Optional, Union
+
+#: The keys of a machine file, each a positive number, with what it means.
+MACHINE_KEYS: Dict[str, str] = {
+    "gpu_bf16_tflops": "bf16 FLOP rate a training step reaches on the GPU, its FLOPs counted as 6 (8 with activation "
+                       "checkpointing) x parameters x tokens (TFLOP/s; effective, not the datasheet's peak)",
+    "pcie_h2d_gbs": "host-to-device copy bandwidth from pinned memory (GB/s)",
+    "pcie_d2h_gbs": "device-to-host copy bandwidth into pinned memory (GB/s)",
+    "host_copy_gbs": "host memory bandwidth, bytes read plus bytes written per second by a large copy (GB/s)",
+    "host_adamw_bf16_mparams": "torch's fused AdamW on bf16 CPU tensors, all cores (million parameters/s)",
+    "host_adamw8bit_mparams": "this project's AdamW8bit host pass, all cores (million parameters/s)",
+    "host_cores": "CPU cores the host step may use (recorded with the rates, which are all-core rates; the model "
+                  "does not read it)",
+}
+#: Bytes a torch AdamW step over bf16 tensors reads and writes per parameter: weight, gradient and
+#: two states read (8), weight and states written (6).
+ADAMW_BF16_BYTES = 14
+#: With fp32 master weights: fp32 master and states read and written (24), the bf16 gradient read
+#: and the bf16 weight written (4).
+ADAMW_MASTER_BYTES = 28
+#: Bytes per parameter to add one micro-batch's bf16 gradient into the host sum: the staged
+#: gradient and the sum read, the sum written.
+GRAD_SUM_BYTES_PER_ELEMENT_SIZE = 3
+#: The share of the last backward that the overlapped host step hides behind, fitted to the
+#: recorded H100 overlap runs (docs/planner.md; alone they read about 0 for 1B at batch 2, 0.35 at
+#: batch 4 and 0.64 for 8B at batch 2): the host step slows beside GPU work (0.219 s serial,
+#: 0.266 s overlapped, docs/gpu_results.md) and the next forward waits for its first weights.
+OVERLAP_HIDDEN_SHARE = 0.35
+PRESETS_FILE = Path(__file__).with_name("machines.json")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A machine's measured (or estimated) rates; see :data:`MACHINE_KEYS` for each key's meaning."""
+
+    gpu_bf16_tflops: float
+    pcie_h2d_gbs: float
+    pcie_d2h_gbs: float
+    host_copy_gbs: float
+    host_adamw_bf16_mparams: float
+    host_adamw8bit_mparams: float
+    host_cores: float
+    name: str = "machine.json"
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object], *, name: str) -> "Machine":
+        """A machine from its keys, all checked at once.
+
+        Raises:
+            ValueError: naming every missing, unknown, non-numeric or non-positive key, and the fix.
+        """
+        problems = []
+        missing = [k for k in MACHINE_KEYS if k not in data]
+        if missing:
+            problems.append(f"missing {', '.join(missing)}")
+        unknown = sorted(k for k in data if k not in MACHINE_KEYS)
+        if unknown:
+            problems.append(f"unknown {', '.join(unknown)} (the keys are {', '.join(MACHINE_KEYS)})")
+        for key in MACHINE_KEYS:
+            if key not in data:
+                continue
+            value = data[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                problems.append(f"{key}={value!r} is not a positive number")
+        if problems:
+            raise ValueError(f"{name}: {'; '.join(problems)}. Measure the machine with `tune-offload probe "
+                             f"--output machine.json`, or take the GPU keys from a preset "
+                             f"({', '.join(preset_names())}).")
+        return cls(name=name, **{k: float(data[k]) for k in MACHINE_KEYS})
+
+    def as_dict(self) -> Dict[str, float]:
+        """The machine file's keys and values."""
+        return {k: getattr(self, k) for k in MACHINE_KEYS}
+
+
+def _presets() -> Dict[str, dict]:
+    return json.loads(PRESETS_FILE.read_text())["presets"]
+
+
+def preset_names() -> list:
+    """The names ``--machine`` takes besides a path."""
+    return sorted(_presets())
+
+
+def preset_about(name: str) -> dict:
+    """A preset's description, whether its figures are estimates, and their sources."""
+    entry = _presets()[name]
+    return {k: v for k, v in entry.items() if k != "machine"}
+
+
+def load_machine(spec: Union[str, Path]) -> Machine:
+    """A preset by name, else a machine JSON file.
+
+    Raises:
+        ValueError: an unknown preset and no such file, a file that is not JSON, or bad keys.
+    """
+    presets = _presets()
+    if str(spec) in presets:
+        return Machine.from_dict(presets[str(spec)]["machine"], name=str(spec))
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--machine {spec}: neither a preset ({', '.join(sorted(presets))}) nor a file. "
+                         "Write one with `tune-offload probe --output machine.json`.")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--machine {spec}: not JSON ({err})") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"--machine {spec}: a JSON object of {', '.join(MACHINE_KEYS)} is expected")
+    return Machine.from_dict(data, name=str(path))
+
+
+#: Where a variant's optimizer update runs.
+UPDATES = ("device", "host", "device_update", "torchao")
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one optimizer step does, as the plan traces it.
+
+    Attributes:
+        params: every parameter of the model (each takes part in the matmuls).
+        trainable: the parameters the optimizer steps.
+        tokens: tokens per micro-batch (batch x sequence length).
+        micro_batches: micro-batches per optimizer step (gradient accumulation).
+        activation_checkpointing: the forward runs twice.
+        element_size: bytes per weight and gradient element (2 for bf16).
+        update: ``device`` (the optimizer on the GPU), ``host`` (this project's host engine),
+            ``device_update`` (``update_on=device``: the states cross PCIe), ``torchao``
+            (torchao's ``CPUOffloadOptimizer``: copy, step, copy back, one after the other).
+        offload_gradients: gradients go to the host during every backward and are summed there.
+        overlap: the host step runs beside the GPU's work.
+        eight_bit: the host step is :class:`torchtune_offload.AdamW8bit`.
+        master_fp32: fp32 master weights and states on the host.
+        state_bytes: optimizer-state bytes per trainable parameter (what ``device_update`` moves).
+        paged_excess_bytes: paged optimizer state beyond the device's room: it crosses PCIe both
+            ways every step.
+    """
+
+    params: int
+    trainable: int
+    tokens: int
+    micro_batches: int = 1
+    activation_checkpointing: bool = True
+    element_size: int = 2
+    update: str = "device"
+    offload_gradients: bool = False
+    overlap: bool = False
+    eight_bit: bool = False
+    master_fp32: bool = False
+    state_bytes: float = 4.0
+    paged_excess_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.update not in UPDATES:
+            raise ValueError(f"StepWork.update={self.update!r}: one of {', '.join(UPDATES)}")
+        if min(self.params, self.trainable, self.tokens, self.micro_batches) <= 0:
+            raise ValueError(f"StepWork needs positive params, trainable, tokens and micro_batches: {self}")
+
+
+#: The bounds a step can have, as the plan's table names them.
+BOUNDS = ("GPU compute", "PCIe", "host step", "host gradient sums")
+
+
+@dataclass(frozen=True)
+class Speed:
+    """A predicted step: its seconds, tokens per second, what bounds it and the seconds of each part.
+
+    Attributes:
+        parts: seconds of each resource's work in a step (``gpu``, ``pcie``, ``host_step``,
+            ``host_sums``), whether or not it is hidden behind another's.
+        hides_at_batch: for this project's offload variants (host engine or ``update_on=device``),
+            the smallest batch per micro-batch (samples of this sequence length) at which, with
+            ``overlap``, the offloaded work hides behind GPU work; None for the others.
+    """
+
+    step_seconds: float
+    tokens_per_second: float
+    bound: str
+    parts: Dict[str, float]
+    hides_at_batch: Optional[int] = None
+
+    def summary(self) -> Dict[str, object]:
+        """The ``"speed"`` entry of the plan's JSON."""
+        def four(x: float) -> float:  # four significant digits: the model is not finer than that
+            return float(f"{x:.4g}")
+
+        return {"step_seconds": four(self.step_seconds), "tokens_per_second": four(self.tokens_per_second),
+                "bound": self.bound, "parts": {k: four(v) for k, v in self.parts.items()},
+                "hides_at_batch": self.hides_at_batch}
+
+
+def _gpu_seconds(work: StepWork, machine: Machine, tokens: int) -> tuple:
+    """(forward, backward) seconds of one micro-batch of ``tokens``: 2 FLOPs per parameter per token
+    forward (twice with checkpointing), 2 for the input gradients, 2 per trainable one for the weights'."""
+    rate = machine.gpu_bf16_tflops * 1e12
+    forward = 2 * work.params * tokens / rate
+    recompute = 2 * work.params if work.activation_checkpointing else 0
+    backward = (recompute + 2 * work.params + 2 * work.trainable) * tokens / rate
+    return forward, backward
+
+
+def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Optional[int] = None) -> Speed:
+    """The step's seconds on ``machine`` (see the module's docstring and docs/planner.md).
+
+    Args:
+        samples_per_micro_batch: the batch size, for :attr:`Speed.hides_at_batch`.
+    """
+    forward, backward = _gpu_seconds(work, machine, work.tokens)
+    micro = forward + backward
+    gpu = work.micro_batches * micro
+    weight_bytes = work.trainable * work.element_size
+    down = weight_bytes / (machine.pcie_d2h_gbs * 1e9)  # one gradient's copy
+    up = weight_bytes / (machine.pcie_h2d_gbs * 1e9)  # the new weights
+    rate = (machine.host_adamw8bit_mparams if work.eight_bit else machine.host_adamw_bf16_mparams) * 1e6
+    host_step = work.trainable / rate * (ADAMW_MASTER_BYTES / ADAMW_BF16_BYTES if work.master_fp32 else 1)
+    sum_one = work.trainable * work.element_size * GRAD_SUM_BYTES_PER_ELEMENT_SIZE / (machine.host_copy_gbs * 1e9)
+    sums = (work.micro_batches - 1) * sum_one if work.offload_gradients else 0.0
+    hides = None
+    if work.update == "device":
+        pcie = work.paged_excess_bytes / (machine.pcie_d2h_gbs * 1e9) + work.paged_excess_bytes / (
+            machine.pcie_h2d_gbs * 1e9)
+        host_step, sums, step = 0.0, 0.0, gpu + pcie
+    elif work.update == "device_update":
+        state = work.trainable * work.state_bytes
+        state_up, state_down = state / (machine.pcie_h2d_gbs * 1e9), state / (machine.pcie_d2h_gbs * 1e9)
+        host_step, sums = 0.0, 0.0
+        hides = _hides_at_batch(work, machine, max(state_up, state_down), 0.0, samples_per_micro_batch)
+        if work.overlap:  # staging up and down on their own streams, beside the GPU's update and backward
+            pcie = max(state_up, state_down)
+            step = gpu + max(0.0, pcie - OVERLAP_HIDDEN_SHARE * backward)
+        else:
+            pcie = state_up + state_down
+            step = gpu + pcie
+    elif work.update == "torchao":
+        pcie = down + up
+        sums = 0.0
+        step = gpu + down + host_step + up
+    else:
+        pcie = (work.micro_batches if work.offload_gradients else 1) * down + up
+        # Copies down, the per-parameter steps and copies up run as a pipeline: the slowest sets its pace.
+        phase = max(down, host_step, up)
+        hides = _hides_at_batch(work, machine, phase, sum_one, samples_per_micro_batch)
+        if work.overlap:
+            # Each later micro-batch's sum hides behind the next micro-batch's GPU work; the host
+            # phase behind part of the last backward.
+            exposed_sums = (work.micro_batches - 1) * max(0.0, sum_one - micro) if work.offload_gradients else 0.0
+            step = gpu + exposed_sums + max(0.0, phase - OVERLAP_HIDDEN_SHARE * backward)
+        else:
+            step = gpu + sums + phase
+    parts = {"gpu": gpu, "pcie": pcie, "host_step": host_step, "host_sums": sums}
+    bound = max(zip(parts.values(), BOUNDS))[1]
+    tokens = work.tokens * work.micro_batches
+    return Speed(step_seconds=step, tokens_per_second=tokens / step, bound=bound, parts=parts, hides_at_batch=hides)
+
+
+def _hides_at_batch(work: StepWork, machine: Machine, phase: float, sum_one: float,
+                    samples: Optional[int]) -> Optional[int]:
+    """The smallest batch per micro-batch at which, with ``overlap``, the offloaded work ``phase``
+    (the host pipeline, or the states' copies for ``update_on=device``) hides behind the last
+    backward and each gradient sum behind a micro-batch. Accumulation alone does not hide the host
+    step: the next window's first forward needs the new weights."""
+    if samples is None or samples <= 0:
+        return None
+    per_sample = work.tokens / samples
+    forward, backward = _gpu_seconds(work, machine, per_sample)
+    need = phase / (OVERLAP_HIDDEN_SHARE * backward)
+    if work.offload_gradients and work.micro_batches > 1:
+        need = max(need, sum_one / (forward + backward))
+    return max(1, math.ceil(need - 1e-9))
