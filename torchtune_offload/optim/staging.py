@@ -10,7 +10,7 @@ into its sum when the ring comes back round to it, or when :meth:`StagingRing.dr
 The ring is retired in the order chunks were issued, so the additions into any element happen in
 the order of the micro-batches, as the device's own accumulation does: the result is the same bits.
 Each addition is one pass of ``host_add.add_`` over all host cores (torch's ``add_`` of a bf16
-chunk into an fp32 sum converted the chunk first and ran at a tenth of the speed; see
+chunk into an fp32 sum converted the chunk first and took 5 to 10 times as long; see
 ``docs/accumulation.md``). The ring may be used from the training thread (adding) and a host
 worker (draining) at once.
 """
@@ -19,7 +19,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from torchtune_offload.optim import host_add, stream_check
+import torchtune_offload.optim.host_add as host_add
+from torchtune_offload.optim import stream_check
 from torchtune_offload.optim.transfer import TransferEngine
 
 #: Bytes of one chunk, and how many chunks the ring holds: the bound on staging memory.
