@@ -4,10 +4,10 @@ gradient is added into its host sum (``staging.py``).
 torch's CPU ``add_`` of a bf16 gradient into an fp32 sum first converts the whole bf16 operand
 into a temporary fp32 tensor (a mixed-dtype operation on the CPU is computed in the common dtype),
 then adds: about 18 bytes per element instead of 10, an allocation per call, and a conversion that
-ran at a tenth of the addition's speed on this project's CPU machine. The
-C loop in ``host_add.c`` reads each operand once, widens in registers and writes the sum once, for
-bf16 and fp32 sums alike, over torch's intra-op threads with OpenMP (built as
-``fused_step.build_library`` builds the fused AdamW pass). Each element is rounded as torch's
+ran at a tenth of the addition's speed on this project's CPU machine. The C loop in ``host_add.c``
+reads each operand once, widens in registers and writes the sum once, for bf16 and fp32 sums
+alike, over torch's intra-op threads with OpenMP (built as ``fused_step.build_library`` builds the
+fused AdamW pass). Each element is rounded as torch's
 ``add_`` rounds it (one float32 addition, then round to nearest even into a bf16 sum), so the sums
 are torch's bits; other dtypes, and machines where the loop cannot be built, use ``add_``.
 See ``docs/accumulation.md`` for the measurements.
