@@ -11,14 +11,18 @@ from torchtune_offload.optim.staging import StagingRing
 from torchtune_offload.optim.transfer import TransferEngine
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ring_sums_equal_in_order_adds_bit_for_bit(dtype):
+@pytest.mark.parametrize("dtype,sum_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("fused_add", [True, False])
+@pytest.mark.parametrize("chunk_bytes", [64, 2**20])  # many one-thread additions; a few on every thread
+def test_ring_sums_equal_in_order_adds_bit_for_bit(dtype, sum_dtype, fused_add, chunk_bytes):
     g = torch.Generator().manual_seed(0)
-    shapes = [(7, 5), (300,), (3, 4, 5), (1,), (129,)]
+    shapes = [(7, 5), (300,), (3, 4, 5), (1,), (129,)] + ([(70001,)] if chunk_bytes > 64 else [])
     micro_batches = [[torch.randn(s, generator=g).to(dtype) for s in shapes] for _ in range(4)]
-    expected = [mb.clone() for mb in micro_batches[0]]
-    got = [mb.clone() for mb in micro_batches[0]]
-    ring = StagingRing(TransferEngine(torch.device("cpu")), chunk_bytes=64, num_chunks=3)
+    expected = [mb.to(sum_dtype) for mb in micro_batches[0]]
+    got = [mb.to(sum_dtype) for mb in micro_batches[0]]
+    ring = StagingRing(TransferEngine(torch.device("cpu")), chunk_bytes=chunk_bytes, num_chunks=3,
+                       fused_add=fused_add)
     for mb in micro_batches[1:]:
         for e, gsum, grad in zip(expected, got, mb):
             e.add_(grad)
@@ -26,7 +30,7 @@ def test_ring_sums_equal_in_order_adds_bit_for_bit(dtype):
     ring.drain()
     for e, gsum in zip(expected, got):
         torch.testing.assert_close(gsum, e, rtol=0, atol=0)
-    assert ring.nbytes == 3 * 64  # however many elements went through
+    assert ring.nbytes == 3 * chunk_bytes  # however many elements went through
 
 
 def test_ring_allocates_only_when_used_and_checks_its_inputs():

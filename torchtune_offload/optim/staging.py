@@ -9,19 +9,27 @@ into its sum when the ring comes back round to it, or when :meth:`StagingRing.dr
 
 The ring is retired in the order chunks were issued, so the additions into any element happen in
 the order of the micro-batches, as the device's own accumulation does: the result is the same bits.
-The ring may be used from the training thread (adding) and a host worker (draining) at once.
+Each addition is one pass of ``host_add.add_`` over all host cores (torch's ``add_`` of a bf16
+chunk into an fp32 sum converted the chunk first and took 5 to 10 times as long; see
+``docs/accumulation.md``). The ring may be used from the training thread (adding) and a host
+worker (draining) at once.
 """
 
 from typing import List, Optional, Tuple
 
 import torch
 
+import torchtune_offload.optim.host_add as host_add
 import torchtune_offload.optim.stream_check as stream_check
 from torchtune_offload.optim.transfer import TransferEngine
 
 #: Bytes of one chunk, and how many chunks the ring holds: the bound on staging memory.
 CHUNK_BYTES = 32 * 2**20
 NUM_CHUNKS = 4
+
+
+def _torch_add(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.add_(src)
 
 
 class StagingRing:
@@ -33,6 +41,8 @@ class StagingRing:
         num_chunks: how many chunks may be in flight at once (default :data:`NUM_CHUNKS`).
         largest_bytes: the largest tensor that will pass through; chunks are no larger, so a
             small model keeps a small ring.
+        fused_add: add with ``host_add.add_`` (default); False uses torch's ``add_``, the path
+            before it, kept for ``scripts/bench_accumulation.py`` to time side by side.
     """
 
     def __init__(
@@ -42,6 +52,7 @@ class StagingRing:
         chunk_bytes: Optional[int] = None,
         num_chunks: Optional[int] = None,
         largest_bytes: Optional[int] = None,
+        fused_add: bool = True,
     ) -> None:
         chunk_bytes = self.chunk_size(chunk_bytes=chunk_bytes, largest_bytes=largest_bytes)
         num_chunks = NUM_CHUNKS if num_chunks is None else num_chunks
@@ -50,6 +61,7 @@ class StagingRing:
         self._transfer = transfer
         self.chunk_bytes = chunk_bytes
         self.num_chunks = num_chunks
+        self._add = host_add.add_ if fused_add else _torch_add
         # Allocated on first use: a run without accumulation never needs them.
         self._chunks: List[torch.Tensor] = []
         # Per chunk: (sequence number, destination view, staged view, copy event) until it is added.
@@ -91,7 +103,7 @@ class StagingRing:
         if pending is not None:
             _, dst, staged, event = pending
             self._transfer.wait(event)
-            dst.add_(staged)
+            self._add(dst, staged)
             self._pending[index] = None
 
     @torch.no_grad()

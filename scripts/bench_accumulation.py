@@ -1,0 +1,169 @@
+"""Host cost of a non-final micro-batch with ``offload_gradients``, before and after the fused
+addition, side by side in one run, against the host AdamW step on the same parameters.
+
+Usage (from the repository root, on a CPU-only machine):
+
+    python scripts/bench_accumulation.py [--params 100e6] [--grad-sum-dtype fp32] [--master-dtype fp32]
+                                         [--repeats 10] [--warmup 2] [--threads N]
+
+The parameters are bf16 tensors of Llama 3.2 3B layer shapes (attention 3072x3072 and 1024x3072,
+MLP 8192x3072), as many as reach --params (the last one cut to fit), trained by one
+``OffloadOptimizer(offload_gradients=True, minimal_size=0)`` with the host step an accelerator's
+host runs (torch's fused CPU AdamW; with fp32 masters the engine's fused C pass).
+
+Each repetition runs a window as the engine sees it: a first micro-batch (copied into the host
+sums, not timed), then one non-final micro-batch with each staging path, in turns (each going
+first every other repetition), then the host step. A micro-batch is the engine's backward hook on
+every parameter, called directly with a fixed gradient (no forward or backward compute), and the
+staging ring drained, so that every addition it started is counted. On a CPU-only machine each
+gradient's copy to the host is a real copy (on an accelerator the DMA engine makes it); the copy
+column is that copy, and "host work" is the rest: what the host's cores do on an accelerator.
+
+Paths: ``before``, torch's ``add_`` of each staged chunk into its sum (the engine before the fused
+addition); ``after``, ``host_add.add_`` (the engine now). Prints a markdown table with the CPU and
+torch's thread count: medians over --repeats, seconds per 100M parameters, bytes per parameter the
+work needs, and the ratio of each micro-batch's host work to the host AdamW step.
+"""
+
+import argparse
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from torchtune_offload import OffloadOptimizer
+from torchtune_offload.bench.machine import cpu_name
+from torchtune_offload.optim.staging import StagingRing
+
+#: Llama 3.2 3B's layer: q, k, v, o, gate, up, down (100.7M parameters).
+LAYER = [(3072, 3072), (1024, 3072), (1024, 3072), (3072, 3072), (8192, 3072), (8192, 3072), (3072, 8192)]
+#: The command-line options: name -> (type, default, help).
+OPTIONS: Dict[str, tuple] = {
+    "params": (float, 100e6, "parameters in all (the last tensor is cut to fit)"),
+    "grad_sum_dtype": (str, None, "fp32 for fp32 gradient sums (default: the parameters' bf16)"),
+    "master_dtype": (str, None, "fp32 for fp32 master weights (default: none, bf16 steps)"),
+    "repeats": (int, 10, "measured repetitions after warm-up"),
+    "warmup": (int, 2, "repetitions left out of the medians"),
+    "threads": (int, None, "torch's intra-op threads (default: torch's choice, all cores)"),
+}
+PATHS = ("before", "after")
+BYTES = {torch.bfloat16: 2, torch.float32: 4}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for name, (kind, default, text) in OPTIONS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
+    args = p.parse_args()
+    for key in ("grad_sum_dtype", "master_dtype"):
+        if getattr(args, key) not in (None, "fp32"):
+            p.error(f"--{key.replace('_', '-')}={getattr(args, key)}: use fp32, or leave it out")
+    if args.repeats < 1 or args.warmup < 0 or args.params < 1:
+        p.error("--repeats must be at least 1, --warmup at least 0, --params at least 1")
+    return args
+
+
+def shapes(target: float) -> List[tuple]:
+    out: List[tuple] = []
+    total = 0
+    while total < target:
+        rows, cols = LAYER[len(out) % len(LAYER)]
+        rows = min(rows, -(-int(target - total) // cols))
+        out.append((rows, cols))
+        total += rows * cols
+    return out
+
+
+def median(values: List[float]) -> float:
+    return statistics.median(values)
+
+
+def host_bytes(*, sum_dtype: torch.dtype, master: bool) -> Dict[str, int]:
+    """Bytes per parameter each piece of work must move (reads and writes), gradients in bf16."""
+    s, g = BYTES[sum_dtype], 2
+    # The step widens or narrows a sum of another dtype than the stepped copy first (read s, write the
+    # stepped dtype); then torch's fused AdamW reads and writes bf16 weights and moments, or the
+    # engine's C pass the fp32 master, its fp32 moments, and writes the bf16 copy.
+    step = 3 * 8 + s + 2 if master else 3 * 4 + (2 if s == 2 else s + 2 + 2)
+    return {"copy": 2 * g, "add": g + 2 * s, "step": step}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    dims = shapes(args.params)
+    params = [torch.nn.Parameter(torch.randn(d, generator=gen).to(torch.bfloat16)) for d in dims]
+    grads = [(torch.randn(d, generator=gen) * 1e-3).to(torch.bfloat16) for d in dims]
+    num = sum(p.numel() for p in params)
+    opt = OffloadOptimizer([(f"p{i}", p) for i, p in enumerate(params)], "torch.optim.AdamW", lr=1e-5,
+                           offload_gradients=True, minimal_size=0, grad_sum_dtype=args.grad_sum_dtype,
+                           master_dtype=args.master_dtype, fused=True)
+    largest = max(s.host_grad.numel() * s.host_grad.element_size() for s in opt._slots)
+    # The engine builds its own ring (the fused addition); the "before" ring adds with torch's add_.
+    rings = {"after": opt._grads.staging,
+             "before": StagingRing(opt._transfer, largest_bytes=largest, fused_add=False)}
+
+    def micro_batch() -> None:
+        for p, g in zip(params, grads):
+            p.grad = g
+            opt._on_grad(p)  # the backward hook, as autograd calls it
+        opt._staging.drain()
+
+    def timed(path: Optional[str]) -> Dict[str, float]:
+        if path is not None:
+            opt._grads.staging = rings[path]
+        opt._transfer.copy_seconds()  # starts the copy counters from zero
+        start = time.perf_counter()
+        micro_batch()
+        seconds = time.perf_counter() - start
+        return {"total": seconds, "copy": opt._transfer.copy_seconds()["grad"]}
+
+    runs: Dict[str, List[Dict[str, float]]] = {path: [] for path in PATHS}
+    steps: List[float] = []
+    for rep in range(args.warmup + args.repeats):
+        opt.zero_grad()
+        timed(None)  # the window's first micro-batch: copied into the sums
+        results = {path: timed(path) for path in (PATHS if rep % 2 == 0 else PATHS[::-1])}
+        opt.step()
+        if rep >= args.warmup:
+            for path, result in results.items():
+                runs[path].append(result)
+            steps.append(opt.step_timings()["host_step_s"])
+    opt.close()
+
+    sum_dtype = opt._slots[0].host_grad.dtype
+    need = host_bytes(sum_dtype=sum_dtype, master=args.master_dtype is not None)
+    step_s = median(steps)
+    per_100m = 1e8 / num
+    print(f"CPU: {cpu_name()}; torch threads: {torch.get_num_threads()}; torch {torch.__version__}")
+    print(f"{num / 1e6:.1f}M bf16 parameters in {len(dims)} tensors; gradient sums {str(sum_dtype)[6:]}; "
+          f"master weights {args.master_dtype or 'none'}; medians of {args.repeats} repetitions "
+          f"after {args.warmup} warm-up, paths in turns")
+    print()
+    print("| work | s | s per 100M params | bytes/param | GB/s | host work / host step |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for path in PATHS:
+        total = median([r["total"] for r in runs[path]])
+        copy = median([r["copy"] for r in runs[path]])
+        host = median([r["total"] - r["copy"] for r in runs[path]])
+        rows.append((f"{path}: micro-batch on a CPU-only machine", total, need["copy"] + need["add"], None))
+        rows.append((f"{path}: of which the copy (DMA on an accelerator)", copy, need["copy"], None))
+        rows.append((f"{path}: host work (the rest)", host, need["add"], host / step_s))
+    rows.append(("host AdamW step", step_s, need["step"], 1.0))
+    for name, seconds, nbytes, ratio in rows:
+        rate = nbytes * num / seconds / 1e9 if seconds > 0 else float("inf")
+        print(f"| {name} | {seconds:.4f} | {seconds * per_100m:.4f} | {nbytes} | {rate:.1f} | "
+              + ("" if ratio is None else f"{ratio:.2f}") + " |")
+    before = median([r["total"] - r["copy"] for r in runs["before"]])
+    after = median([r["total"] - r["copy"] for r in runs["after"]])
+    print()
+    print(f"Host work of a non-final micro-batch: before {before:.4f} s, after {after:.4f} s "
+          f"({before / after:.2f}x); {after / step_s:.2f} of the host AdamW step ({step_s:.4f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The fused host addition against torch's add_: the same bits, for every dtype pair it takes."""
+
+import pytest
+import torch
+
+from torchtune_offload.optim import host_add, stream_check
+from torchtune_offload.optim.fused_step import c_compiler
+
+needs_compiler = pytest.mark.skipif(c_compiler() is None, reason="no C compiler here")
+
+N = 4099  # not a multiple of any vector width
+
+
+def _operands(dst_dtype, src_dtype, n=N):
+    gen = torch.Generator().manual_seed(0)
+    dst = (torch.randn(n, generator=gen) * 3).to(dst_dtype)
+    src = (torch.randn(n, generator=gen) * torch.logspace(-30, 30, n)).to(src_dtype)
+    # Ties of bf16 rounding, subnormals, signed zeros, infinities and NaN.
+    special = torch.tensor([1.0, 2.0**-130, -0.0, 0.0, float("inf"), -float("inf"), float("nan"), 3e38])
+    dst[: len(special)] = special.to(dst_dtype)
+    src[: len(special)] = torch.tensor([2.0**-8, 2.0**-131, 0.0, -0.0, 1.0, float("inf"), 1.0, 3e38]).to(src_dtype)
+    return dst, src
+
+
+@needs_compiler
+@pytest.mark.parametrize("dst_dtype,src_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                                 (torch.float32, torch.float32)])
+@pytest.mark.parametrize("n", [N, host_add.PARALLEL_MIN + 5])  # one thread, and all of them
+def test_same_bits_as_torch_add(dst_dtype, src_dtype, n):
+    dst, src = _operands(dst_dtype, src_dtype, n)
+    ref = dst.clone().add_(src)
+    assert host_add.supports(dst, src)
+    host_add.add_(dst, src)
+    assert torch.equal(dst.view(torch.int16 if dst_dtype == torch.bfloat16 else torch.int32)[~ref.isnan()],
+                       ref.view(torch.int16 if dst_dtype == torch.bfloat16 else torch.int32)[~ref.isnan()])
+    assert torch.equal(dst.isnan(), ref.isnan())
+
+
+def test_other_dtypes_and_layouts_take_torch_add():
+    gen = torch.Generator().manual_seed(0)
+    for dst, src in [(torch.randn(64, generator=gen).half(), torch.randn(64, generator=gen).half()),
+                     (torch.randn(64, generator=gen).bfloat16(), torch.randn(64, generator=gen)),  # narrowing
+                     (torch.randn(8, 8, generator=gen).t(), torch.randn(8, 8, generator=gen))]:
+        assert not host_add.supports(dst, src)
+        ref = dst.clone().add_(src)
+        host_add.add_(dst, src)
+        assert torch.equal(dst, ref)
+
+
+@needs_compiler
+@pytest.mark.streams_as_is
+def test_reports_its_accesses_to_the_stream_checker():
+    with stream_check.checked_streams() as dev:
+        dst = stream_check.host_tensor(torch.zeros(N))
+        src = torch.ones(N, dtype=torch.bfloat16)  # device memory
+        staged = stream_check.host_tensor(torch.empty(N, dtype=torch.bfloat16))
+        side = dev.Stream()
+        side.wait_stream(dev.current_stream())
+        with dev.stream(side):
+            staged.copy_(src, non_blocking=True)
+        # The C loop bypasses torch's dispatcher: only its report lets the checker see this early read.
+        with pytest.raises(stream_check.StreamOrderError, match="the host gradient addition"):
+            host_add.add_(dst, staged)
+    with stream_check.checked_streams() as dev:
+        dst = stream_check.host_tensor(torch.zeros(N))
+        src = torch.ones(N, dtype=torch.bfloat16)
+        staged = stream_check.host_tensor(torch.empty(N, dtype=torch.bfloat16))
+        side = dev.Stream()
+        side.wait_stream(dev.current_stream())
+        with dev.stream(side):
+            staged.copy_(src, non_blocking=True)
+            done = dev.Event()
+            done.record()
+        done.synchronize()
+        host_add.add_(dst, staged)
+    assert torch.equal(dst, torch.ones(N))
+
+
+def test_without_a_compiler_it_warns_once_and_adds_with_torch(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    host_add._library.cache_clear()
+    try:
+        dst, src = _operands(torch.float32, torch.bfloat16)
+        ref = dst.clone().add_(src)
+        with pytest.warns(UserWarning, match="could not be built"):
+            host_add.add_(dst, src)
+        host_add.add_(dst, src)  # no second warning, no second build
+        assert torch.equal(dst[~ref.isnan()], ref.add_(src)[~ref.isnan()])
+    finally:
+        host_add._library.cache_clear()
