@@ -11,6 +11,7 @@ policy (embedding and output units) and activation checkpointing. Resuming after
 
 import shutil
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List
@@ -248,12 +249,10 @@ def test_two_ranks_stop_together_at_the_step_that_diverged(tiny_assets, tmp_path
     # lr=1e37: step 1 moves every weight by about 1e37, step 2 overflows. Its loss is the mean over
     # both ranks and its norm the total over both ranks' shards, so both ranks raise at step 2; a rank
     # that went on would hang in the next collective until the timeout.
-    tune = shutil.which("tune")
-    base = [tune] if tune else [sys.executable, "-m", "torchtune._cli.tune"]
-    cmd = base + ["run", "--nproc_per_node", "2", "recipes/full_finetune_distributed.py", "--config",
-                  str(CONFIG.relative_to(REPO)), "device=cpu", *tiny_asset_overrides(tiny_assets),
-                  "max_steps_per_epoch=4", "batch_size=4", "save_every_n_steps=1", "optimizer.lr=1e37",
-                  "lr_scheduler.num_warmup_steps=0", f"output_dir={tmp_path}"]
+    cmd = [*TUNE, "run", "--nproc_per_node", "2", "recipes/full_finetune_distributed.py", "--config",
+           str(CONFIG.relative_to(REPO)), "device=cpu", *tiny_asset_overrides(tiny_assets),
+           "max_steps_per_epoch=4", "batch_size=4", "save_every_n_steps=1", "optimizer.lr=1e37",
+           "lr_scheduler.num_warmup_steps=0", f"output_dir={tmp_path}"]
     result = subprocess.run(cmd, cwd=REPO, env=working_tree_env(MASTER_ADDR="127.0.0.1"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, timeout=400)
     assert result.returncode != 0, result.stdout[-6000:]

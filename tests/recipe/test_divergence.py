@@ -9,7 +9,6 @@ newest on disk.
 
 import math
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -19,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from tests.recipe_harness import REPO, load_recipe_module, tiny_asset_overrides, working_tree_env
+from tests.recipe_harness import REPO, TUNE, load_recipe_module, tiny_asset_overrides, working_tree_env
 from torchtune_offload.recipe import Progress, TrainingDivergedError, read_disk_log
 from torchtune_offload.recipe.divergence import DivergenceGuard, nonfinite_parameters
 from torchtune_offload.recipe.step_checkpoints import WEIGHTS_FILE, StepCheckpoints, complete_checkpoints
@@ -107,10 +106,7 @@ def test_weights_that_turn_nonfinite_are_never_saved(tiny_assets, tmp_path):
 
 def test_update_on_device_diverging_exits_nonzero_from_tune_run(tiny_assets, tmp_path):
     """The H100 case of issue 40: ``update_on: device`` trained on to nan and the process succeeded."""
-    tune = shutil.which("tune")
-    if tune is None:
-        pytest.skip("the tune command is not on PATH")
-    cmd = [tune, "run", "recipes/full_finetune_single_device.py", "--config", "configs/tiny/full.yaml",
+    cmd = [*TUNE, "run", "recipes/full_finetune_single_device.py", "--config", "configs/tiny/full.yaml",
            f"output_dir={tmp_path}", *tiny_asset_overrides(tiny_assets), *DIVERGE, *OFFLOAD,
            "optimizer.minimal_size=1024", "optimizer.update_on=device", "optimizer.overlap=True"]
     result = subprocess.run(cmd, cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True,
