@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 
 from torchtune_offload.optim.base_options import check_base_options
 from torchtune_offload.optim.capabilities import ENGINE_CAPABILITIES
+from torchtune_offload.optim.fp8_weights import DeviceWeights
 from torchtune_offload.optim.grad_norm import clip_, combine_norms
 from torchtune_offload.optim.host_allocator import release_freed_host_memory
 from torchtune_offload.optim.host_arena import pinning_of
@@ -58,7 +59,8 @@ class OffloadOptimizer(Optimizer):
         optimizer_class: the base optimizer, a class or a dotted path such as
             ``"torch.optim.AdamW"``, ``"torch.optim.SGD"`` or ``"bitsandbytes.optim.AdamW8bit"``.
         offload_gradients, minimal_size, master_dtype, grad_sum_dtype, fused_master_step, overlap,
-            overlap_timeout_s, update_on, device_staging_mib: the engine's own options, described in
+            overlap_timeout_s, update_on, device_staging_mib, device_weights: the engine's own options
+            (``device_weights="fp8"`` takes effect at :meth:`register_forward_waits`), described in
             :class:`~torchtune_offload.optim.offload_options.OffloadOptions`.
         **kwargs: passed to the base optimizer, e.g. ``lr``, ``weight_decay``, ``betas``.
 
@@ -83,6 +85,7 @@ class OffloadOptimizer(Optimizer):
         overlap_timeout_s: Optional[float] = None,
         update_on: str = "host",
         device_staging_mib: Optional[float] = None,
+        device_weights: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         self.base_class = resolve_optimizer_class(optimizer_class)
@@ -92,6 +95,7 @@ class OffloadOptimizer(Optimizer):
             offload_gradients=offload_gradients, minimal_size=minimal_size, master_dtype=master_dtype,
             grad_sum_dtype=grad_sum_dtype, fused_master_step=fused_master_step, overlap=overlap,
             overlap_timeout_s=overlap_timeout_s, update_on=update_on, device_staging_mib=device_staging_mib,
+            device_weights=device_weights,
         )
         groups = named_groups(params)
         self.device = training_device(groups)
@@ -109,8 +113,12 @@ class OffloadOptimizer(Optimizer):
                                        staging_bytes=opts.device_staging_bytes, overlap=opts.overlap)
         self._grads = HostGradients(self._table, self._transfer, self._timings,
                                     offload_gradients=opts.offload_gradients)
+        # FP8 device images of the masters (device_weights), made when the model is bound.
+        self._weights = DeviceWeights(self._table, self._transfer, per_row=opts.device_weights == "fp8",
+                                      synchronize=self.synchronize) if opts.device_weights else None
         self._stepper = SlotStepper(self._table, self._grads, self._transfer, self._timings,
-                                    fused_master_step=opts.fused_master_step, streamer=self._streamer)
+                                    fused_master_step=opts.fused_master_step, streamer=self._streamer,
+                                    device_weights=self._weights)
         self._scheduler = OverlapScheduler(self._table, self._grads, self._stepper, self._transfer,
                                            self._timings, timeout_s=opts.overlap_timeout_s)
         self._hooks = []
@@ -189,11 +197,18 @@ class OffloadOptimizer(Optimizer):
             self._scheduler.announce(clipping=clipping, param_groups=self.param_groups)
 
     def register_forward_waits(self, model: torch.nn.Module) -> None:
-        """Lets ``step()`` return at once (overlap): each module of ``model`` waits, right before
-        its forward, for its own parameters' host steps and uploads, and ``model.state_dict()``
-        waits for all of them. A parameter read before the forward of the module that owns it
-        needs :meth:`synchronize` first.
+        """Binds the engine to ``model``'s modules. With ``device_weights="fp8"`` the eligible layer
+        weights become FP8 images of the host masters (``optim/fp8_weights.py``). Lets ``step()``
+        return at once (overlap): each module of ``model`` waits, right before its forward, for its
+        own parameters' host steps and uploads, and ``model.state_dict()`` waits for all of them. A
+        parameter read before the forward of the module that owns it needs :meth:`synchronize` first.
+
+        Raises:
+            ValueError: with ``device_weights``, if ``model`` has no weight it can hold in FP8.
         """
+        if self._weights is not None:
+            self.synchronize()
+            self._weights.attach(model)
         self._scheduler.register_forward_waits(model)
         self._streamer.register_forward_waits(model)
 
@@ -268,6 +283,10 @@ class OffloadOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._weights is not None and not self._weights.attached:
+            raise RuntimeError("device_weights=fp8: the model was never bound to the optimizer, so its forward "
+                               "still used full-precision weights; call register_forward_waits(model) right after "
+                               "building the optimizer.")
         start = time.perf_counter()
         if self._scheduler.window is not None:
             self._scheduler.step(self.param_groups)
@@ -315,9 +334,13 @@ class OffloadOptimizer(Optimizer):
                 on-host/on-device split (``minimal_size``). Nothing is loaded in that case.
         """
         self.synchronize()
+        held = set() if self._weights is None else {s.index for s in self._weights.held}
         offload_checkpoint.load_state_dict(self._table, self.param_groups, state_dict, base_class=self.base_class,
-                                           streamer=self._streamer)
+                                           streamer=self._streamer, fp8_slots=held)
         self._stepper.sync_hyperparameters(self.param_groups)
+        if self._weights is not None and self._weights.attached:
+            # The checkpoint holds masters, never FP8 images: the device images are made anew.
+            self._weights.requantize_all()
 
     def memory_report(self) -> OffloadMemoryReport:
         """The bytes this optimizer keeps on the host and spares the device (host buffers as
@@ -336,3 +359,5 @@ class OffloadOptimizer(Optimizer):
             self._hooks.clear()
             self._scheduler.close()
             self._streamer.close()
+            if self._weights is not None:
+                self._weights.close()
