@@ -37,8 +37,8 @@ from torchtune_offload.optim.offload_options import DEVICE_WEIGHTS
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.transfer import TransferEngine
 
-__all__ = ["DEVICE_WEIGHTS", "FP8_DTYPE", "FP8_MAX", "DeviceWeights", "dequantize", "fp8_linear", "quantize",
-           "scale_shape"]
+__all__ = ["DEVICE_WEIGHTS", "FP8_DTYPE", "FP8_MAX", "DeviceWeights", "dequantize", "fp8_candidates", "fp8_linear",
+           "hold_in_fp8", "image_bytes", "quantize", "scale_shape"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 #: The largest finite e4m3fn value.
@@ -163,6 +163,41 @@ def _eligible_linears(model: nn.Module) -> Dict[int, Tuple[str, nn.Linear]]:
     return found
 
 
+def hold_in_fp8(module: nn.Linear, *, per_row: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Makes ``module`` compute with an FP8 image of its weight: new (uninitialised) FP8 values
+    and scales on the weight's device, the weight's own storage reduced to one element, and the
+    forward replaced by :func:`fp8_linear`. The caller fills the image.
+
+    Returns:
+        ``(q, scale)``, the image's values and scales.
+    """
+    weight = module.weight
+    q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty(scale_shape(weight.shape, per_row=per_row), dtype=torch.float32, device=weight.device)
+    # The full-size device weight goes: one element, expanded to the parameter's shape.
+    weight.data = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, q, scale, self.bias)
+
+    module.forward = types.MethodType(forward, module)
+    return q, scale
+
+
+def fp8_candidates(model: nn.Module, *, minimal_size: int) -> Dict[str, nn.Linear]:
+    """The layers whose weights ``device_weights="fp8"`` holds in FP8, by weight name: trainable
+    2-D ``nn.Linear`` weights under a ``layers`` container, offloaded (at least ``minimal_size``
+    elements), shared with no other module (for the planner, which has no optimizer)."""
+    return {f"{name}.weight": module for _, (name, module) in _eligible_linears(model).items()
+            if module.weight.requires_grad and module.weight.numel() >= minimal_size}
+
+
+def image_bytes(weight: torch.Tensor, *, per_row: bool) -> int:
+    """Device bytes of one weight's FP8 image: one per element, four per scale."""
+    rows, cols = scale_shape(weight.shape, per_row=per_row)
+    return weight.numel() + 4 * rows * cols
+
+
 class DeviceWeights:
     """Owns the FP8 device images of the offloaded layer weights (``device_weights="fp8"``): the
     only writer of them, of their scales, and of the parameters' (dataless) device storage.
@@ -214,32 +249,26 @@ class DeviceWeights:
                              "'layers' container (a torchtune TransformerDecoder's), so nothing would be held in "
                              "FP8. Remove optimizer.device_weights, or lower optimizer.minimal_size.")
         for slot, module in chosen:
-            param = slot.param
-            shape = scale_shape(param.shape, per_row=self.per_row)
-            held = _Held(slot, module,
-                         q=torch.empty(param.shape, dtype=FP8_DTYPE, device=param.device),
-                         scale=torch.empty(shape, dtype=torch.float32, device=param.device),
-                         host_scale=self._transfer.host_empty_like(torch.empty(shape, dtype=torch.float32)))
+            q, scale = hold_in_fp8(module, per_row=self.per_row)
+            held = _Held(slot, module, q=q, scale=scale,
+                         host_scale=self._transfer.host_empty_like(torch.empty(scale.shape)))
             self._held[slot.index] = held
             # The new device buffers were allocated on the compute stream.
             self._transfer.uploads_wait_for_compute()
             self._upload_fresh(held)
-            # The full-size device weight goes: one element, expanded to the parameter's shape.
-            param.data = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
-            module.forward = types.MethodType(_fp8_forward(held), module)
             self._hooks.append(module.register_state_dict_post_hook(self._state_dict_hook(held)))
             self._hooks.append(module.register_load_state_dict_pre_hook(self._refuse_load(held)))
-        self._transfer.synchronize()
         self.attached = True
 
     def _upload_fresh(self, held: _Held) -> None:
-        """Quantizes a master into new host buffers and uploads it (attach and checkpoint loads);
-        the caller synchronizes before the buffers go."""
+        """Quantizes a master into a new host buffer and uploads it (attach and checkpoint loads),
+        waiting for the copy so that one weight's buffer is alive at a time."""
         with stream_check.host_work():
             q_host = self._transfer.host_empty_like(torch.empty(held.q.shape, dtype=FP8_DTYPE))
             quantize(held.slot.step_param, per_row=self.per_row, out=q_host, scale_out=held.host_scale)
         self._transfer.to_device(held.q, q_host)
         self._transfer.to_device(held.scale, held.host_scale)
+        self._transfer.synchronize()
 
     @torch.no_grad()
     def requantize_all(self) -> None:
@@ -248,7 +277,6 @@ class DeviceWeights:
         self._transfer.uploads_wait_for_compute()
         for held in self._held.values():
             self._upload_fresh(held)
-        self._transfer.synchronize()
 
     def upload(self, slot: Slot) -> Optional[object]:
         """After a host step: quantizes the slot's master into its consumed gradient buffer (one
@@ -292,8 +320,3 @@ class DeviceWeights:
         masters (dropping them would lose the only full-precision weights)."""
         self._synchronize = lambda: None
 
-
-def _fp8_forward(held: _Held):
-    def forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, module.weight, held.q, held.scale, module.bias)
-    return forward
