@@ -47,6 +47,9 @@ from torchtune_offload.recipe.config import RECIPE_KEYS
 from torchtune_offload.recipe.host_preflight import available_host_memory
 
 GIB = 1024**3
+#: The reserved peak a CUDA offload run is assumed to reach above its allocated peak, as a share of it,
+#: with the expandable segments the recipes turn on (not yet measured on a GPU).
+RESERVED_MARGIN = 0.05
 #: torchtune's own 8B single-device setting cannot clip or accumulate: its variant turns both off.
 _IN_BWD_SETTINGS = ["clip_grad_norm=null", "gradient_accumulation_steps=1"]
 
@@ -64,6 +67,8 @@ class VariantPlan:
     host_bytes: Optional[int] = None
     host_parts: Dict[str, int] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    #: CUDA offload runs: the caching allocator's reserved peak the plan assumes (see ``RESERVED_MARGIN``).
+    reserved_bytes: Optional[int] = None
 
 
 def _mark_lora(model: torch.nn.Module) -> None:
@@ -232,6 +237,12 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     if settings.device.type != "cpu":
         plan.notes.append("device figures are traced on fake CPU tensors: a GPU's allocator rounds and caches "
                           "on top (expect a few percent more)")
+    if settings.device.type == "cuda" and settings.optimizer_capabilities.offloads:
+        plan.reserved_bytes = int(plan.device_bytes * (1 + RESERVED_MARGIN))
+        plan.notes.append(f"reserved peak assumed: {plan.reserved_bytes / GIB:.2f} GiB, the step peak plus "
+                          f"{RESERVED_MARGIN:.0%}: the recipes run offload runs with expandable_segments "
+                          "(unless PYTORCH_CUDA_ALLOC_CONF is set), whose pages leave little cached beside what is "
+                          "allocated; an assumption no GPU run has checked yet (docs/fp8_weights.md)")
     return plan
 
 
