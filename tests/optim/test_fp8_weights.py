@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tests.optim.side_by_side import through_a_file
-from torchtune_offload import OffloadOptimizer
+from torchtune_offload import AdamW8bit, OffloadOptimizer
 from torchtune_offload.optim.fp8_weights import FP8_DTYPE, FP8_MAX, dequantize, quantize
 
 DTYPE = torch.bfloat16
@@ -85,9 +85,9 @@ class GradientTap:
         self._seen.clear()
 
 
-def build(model, **options):
+def build(model, optimizer_class="torch.optim.AdamW", **options):
     defaults = dict(minimal_size=MINIMAL_SIZE, lr=1e-2, weight_decay=0.1, device_weights="fp8")
-    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", **{**defaults, **options})
+    opt = OffloadOptimizer(model.named_parameters(), optimizer_class, **{**defaults, **options})
     opt.register_forward_waits(model)
     return opt
 
@@ -278,3 +278,27 @@ def test_overlap_matches_serial():
         opt.close()
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_8bit_host_states_step_the_master_as_adamw8bit_alone(clip):
+    """With torchtune_offload.AdamW8bit as the host optimizer, the masters equal AdamW8bit stepped
+    alone on the engine's gradients, and the images follow them."""
+    model = layered()
+    ref = {n: nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()}
+    ref_opt = AdamW8bit(ref.values(), lr=1e-2, weight_decay=0.1)
+    tap = GradientTap(model)
+    opt = build(model, optimizer_class="torchtune_offload.AdamW8bit", offload_gradients=True)
+    for x, y in data(4):
+        tap.clear()
+        ((model(x).float() - y.float()) ** 2).mean().backward()
+        for name, p in ref.items():
+            p.grad = tap.sums[name]
+        if clip is not None:
+            assert torch.equal(opt.clip_grad_norm_(clip), torch.nn.utils.clip_grad_norm_(ref.values(), clip))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        for slot in opt._slots:
+            assert torch.equal(slot.step_param if slot.offloaded else slot.param, ref[slot.key]), slot.key
+        assert_images_are_quantized_masters(opt)

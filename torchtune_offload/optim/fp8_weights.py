@@ -202,18 +202,22 @@ class DeviceWeights:
     """Owns the FP8 device images of the offloaded layer weights (``device_weights="fp8"``): the
     only writer of them, of their scales, and of the parameters' (dataless) device storage.
 
+    With ``mode=None`` it holds nothing and every call is a no-op, so the engine need not ask.
+
     Args:
         table: the slots; only offloaded ones are held.
         transfer: uploads the FP8 bytes.
-        per_row: per-row scales, else per-tensor.
-        synchronize: waits for queued host steps and uploads (``model.state_dict()`` calls it).
+        mode: ``"fp8"`` (per-row scales), ``"fp8_per_tensor"``, or None (device weights as they are).
+        synchronize: waits for queued host steps and uploads (binding and ``model.state_dict()`` call it).
     """
 
-    def __init__(self, table: ParameterTable, transfer: TransferEngine, *, per_row: bool,
+    def __init__(self, table: ParameterTable, transfer: TransferEngine, *, mode: Optional[str],
                  synchronize: Callable[[], None]) -> None:
+        assert mode in (None, *DEVICE_WEIGHTS), mode  # OffloadOptions checked it
         self._table = table
         self._transfer = transfer
-        self.per_row = per_row
+        self.mode = mode
+        self.per_row = mode == "fp8"
         self._synchronize = synchronize
         self._held: Dict[int, _Held] = {}
         self.attached = False
@@ -239,8 +243,11 @@ class DeviceWeights:
             ValueError: if ``model`` has no eligible weight (``optimizer.device_weights``).
             RuntimeError: if called twice.
         """
+        if self.mode is None:
+            return
         if self.attached:
             raise RuntimeError("device_weights: the model's weights are already in FP8 (attach once).")
+        self._synchronize()
         eligible = _eligible_linears(model)
         chosen = [(s, eligible[id(s.param)][1]) for s in self._table.offloaded
                   if id(s.param) in eligible and s.param.dim() == 2 and s.param.is_floating_point()]
@@ -270,9 +277,18 @@ class DeviceWeights:
         self._transfer.to_device(held.scale, held.host_scale)
         self._transfer.synchronize()
 
+    def check_bound(self) -> None:
+        """Raises RuntimeError where FP8 weights were asked for but the model was never bound."""
+        if self.mode is not None and not self.attached:
+            raise RuntimeError(f"device_weights={self.mode}: the model was never bound to the optimizer, so its "
+                               "forward still used full-precision weights; call register_forward_waits(model) right "
+                               "after building the optimizer.")
+
     @torch.no_grad()
     def requantize_all(self) -> None:
         """Re-quantizes every held weight from its master (after a checkpoint load), and waits."""
+        if not self._held:
+            return
         # The forward and backward read the images on the compute stream.
         self._transfer.uploads_wait_for_compute()
         for held in self._held.values():

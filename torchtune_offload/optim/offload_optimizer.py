@@ -114,8 +114,8 @@ class OffloadOptimizer(Optimizer):
         self._grads = HostGradients(self._table, self._transfer, self._timings,
                                     offload_gradients=opts.offload_gradients)
         # FP8 device images of the masters (device_weights), made when the model is bound.
-        self._weights = DeviceWeights(self._table, self._transfer, per_row=opts.device_weights == "fp8",
-                                      synchronize=self.synchronize) if opts.device_weights else None
+        self._weights = DeviceWeights(self._table, self._transfer, mode=opts.device_weights,
+                                      synchronize=self.synchronize)
         self._stepper = SlotStepper(self._table, self._grads, self._transfer, self._timings,
                                     fused_master_step=opts.fused_master_step, streamer=self._streamer,
                                     device_weights=self._weights)
@@ -197,18 +197,12 @@ class OffloadOptimizer(Optimizer):
             self._scheduler.announce(clipping=clipping, param_groups=self.param_groups)
 
     def register_forward_waits(self, model: torch.nn.Module) -> None:
-        """Binds the engine to ``model``'s modules. With ``device_weights="fp8"`` the eligible layer
-        weights become FP8 images of the host masters (``optim/fp8_weights.py``). Lets ``step()``
-        return at once (overlap): each module of ``model`` waits, right before its forward, for its
-        own parameters' host steps and uploads, and ``model.state_dict()`` waits for all of them. A
-        parameter read before the forward of the module that owns it needs :meth:`synchronize` first.
-
-        Raises:
-            ValueError: with ``device_weights``, if ``model`` has no weight it can hold in FP8.
-        """
-        if self._weights is not None:
-            self.synchronize()
-            self._weights.attach(model)
+        """Binds the engine to ``model``: FP8 images of the layer weights (``device_weights``,
+        ``optim/fp8_weights.py``; a ValueError if it has none to hold); with overlap, ``step()``
+        returns at once and each module waits, right before its forward, for its own parameters'
+        host steps and uploads, and ``model.state_dict()`` for all of them. A parameter read before
+        the forward of the module that owns it needs :meth:`synchronize` first."""
+        self._weights.attach(model)
         self._scheduler.register_forward_waits(model)
         self._streamer.register_forward_waits(model)
 
@@ -283,10 +277,7 @@ class OffloadOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._weights is not None and not self._weights.attached:
-            raise RuntimeError("device_weights=fp8: the model was never bound to the optimizer, so its forward "
-                               "still used full-precision weights; call register_forward_waits(model) right after "
-                               "building the optimizer.")
+        self._weights.check_bound()
         start = time.perf_counter()
         if self._scheduler.window is not None:
             self._scheduler.step(self.param_groups)
@@ -334,13 +325,11 @@ class OffloadOptimizer(Optimizer):
                 on-host/on-device split (``minimal_size``). Nothing is loaded in that case.
         """
         self.synchronize()
-        held = set() if self._weights is None else {s.index for s in self._weights.held}
         offload_checkpoint.load_state_dict(self._table, self.param_groups, state_dict, base_class=self.base_class,
-                                           streamer=self._streamer, fp8_slots=held)
+                                           streamer=self._streamer, fp8_slots={s.index for s in self._weights.held})
         self._stepper.sync_hyperparameters(self.param_groups)
-        if self._weights is not None and self._weights.attached:
-            # The checkpoint holds masters, never FP8 images: the device images are made anew.
-            self._weights.requantize_all()
+        # The checkpoint holds masters, never FP8 images: the device images are made anew.
+        self._weights.requantize_all()
 
     def memory_report(self) -> OffloadMemoryReport:
         """The bytes this optimizer keeps on the host and spares the device (host buffers as
@@ -359,5 +348,4 @@ class OffloadOptimizer(Optimizer):
             self._hooks.clear()
             self._scheduler.close()
             self._streamer.close()
-            if self._weights is not None:
-                self._weights.close()
+            self._weights.close()
