@@ -260,16 +260,21 @@ def test_step_before_binding_is_refused():
         opt.step()
 
 
-def test_overlap_matches_serial():
-    """Overlapped host steps upload the same images and reach the same masters."""
+@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("clipping", [False, True])
+def test_overlap_matches_serial(offload_gradients, clipping):
+    """Overlapped host steps (two micro-batches a step) upload the same images and reach the same masters."""
     results = []
+    batches = data(6)
     for overlap in (False, True):
         model = layered()
-        opt = build(model, offload_gradients=True, overlap=overlap)
-        for x, y in data(3):
-            opt.expect_final_backward(clipping=True)
-            ((model(x).float() - y.float()) ** 2).mean().backward()
-            opt.clip_grad_norm_(0.5)
+        opt = build(model, offload_gradients=offload_gradients, overlap=overlap)
+        for first, last in zip(batches[::2], batches[1::2]):
+            ((model(first[0]).float() - first[1].float()) ** 2).mean().backward()
+            opt.expect_final_backward(clipping=clipping)
+            ((model(last[0]).float() - last[1].float()) ** 2).mean().backward()
+            if clipping:
+                opt.clip_grad_norm_(0.5)
             opt.step()
             opt.zero_grad()
         opt.synchronize()
