@@ -307,3 +307,15 @@ def test_8bit_host_states_step_the_master_as_adamw8bit_alone(clip):
         for slot in opt._slots:
             assert torch.equal(slot.step_param if slot.offloaded else slot.param, ref[slot.key]), slot.key
         assert_images_are_quantized_masters(opt)
+
+
+def test_the_host_plan_counts_the_scales_at_most_once_per_offloaded_matrix():
+    model = layered()
+    plan = OffloadOptimizer.plan_host_memory(model.named_parameters(), device="cpu", minimal_size=MINIMAL_SIZE,
+                                             device_weights="fp8")
+    without = OffloadOptimizer.plan_host_memory(model.named_parameters(), device="cpu", minimal_size=MINIMAL_SIZE)
+    opt = build(model)
+    held = sum(4 * s.param.shape[0] for s in opt._weights.held)
+    # The four layer linears' rows, and the head's (offloaded, but not held: planned from shapes alone).
+    assert plan.parts["FP8 scales"] == held + 4 * 80
+    assert {k: v for k, v in plan.parts.items() if k != "FP8 scales"} == without.parts

@@ -15,10 +15,10 @@ from torch.optim import Optimizer
 
 from torchtune_offload.optim.base_options import check_base_options
 from torchtune_offload.optim.capabilities import ENGINE_CAPABILITIES
-from torchtune_offload.optim.fp8_weights import DeviceWeights
+from torchtune_offload.optim.fp8_weights import DeviceWeights, plan_scale_bytes
 from torchtune_offload.optim.grad_norm import clip_, combine_norms
 from torchtune_offload.optim.host_allocator import release_freed_host_memory
-from torchtune_offload.optim.host_arena import pinning_of
+from torchtune_offload.optim.host_arena import NONE, pinning_of
 from torchtune_offload.optim.host_grads import HostGradients
 from torchtune_offload.optim.host_memory import HostMemoryPlan
 from torchtune_offload.optim.memory_report import OffloadMemoryReport, engine_memory_report
@@ -148,17 +148,22 @@ class OffloadOptimizer(Optimizer):
         on an accelerator, ``optim/host_arena.py``) and ``gradient_accumulation_steps`` (with
         ``offload_gradients``, more than one adds the staging ring)."""
         own, kwargs = split_options(cls.__init__, options)
+        params = named_groups(params)  # read twice below
         if own["update_on"] == "device":
             trainable = [p for g in named_groups(params) for _, p in g["params"] if p.requires_grad]
             return plan_streamed_memory(trainable, base_class=resolve_optimizer_class(optimizer_class),
                                         options=kwargs, minimal_size=own["minimal_size"], pinning=pinning_of(device))
-        return plan_table_memory(
+        plan = plan_table_memory(
             params, base_class=resolve_optimizer_class(optimizer_class), options=kwargs,
             minimal_size=own["minimal_size"], pinning=pinning_of(device),
             master_dtype=precision_option(own["master_dtype"], key="master_dtype"),
             grad_sum_dtype=precision_option(own["grad_sum_dtype"], key="grad_sum_dtype"),
             offload_gradients=own["offload_gradients"], gradient_accumulation_steps=gradient_accumulation_steps,
         )
+        plan.add("FP8 scales (pinned)" if pinning_of(device) != NONE else "FP8 scales",
+                 plan_scale_bytes(params, mode=own["device_weights"], minimal_size=own["minimal_size"],
+                                  pinned=pinning_of(device) != NONE))
+        return plan
 
     @torch.no_grad()
     def _on_grad(self, param: torch.Tensor) -> None:
