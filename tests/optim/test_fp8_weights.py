@@ -6,6 +6,7 @@ by a hook that runs before the engine's: its weights must equal the engine's hos
 bit after every step, and the device images must equal the quantized masters after every step.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -15,6 +16,7 @@ from torch import nn
 from tests.optim.side_by_side import through_a_file
 from torchtune_offload import AdamW8bit, OffloadOptimizer
 from torchtune_offload.optim.fp8_weights import FP8_DTYPE, FP8_MAX, dequantize, quantize
+from torchtune_offload.optim.stream_check import StreamOrderError, checked_streams
 
 DTYPE = torch.bfloat16
 #: Layer linears (64 x 128 = 8192 elements) are offloaded; the input projection (24 x 64) is not.
@@ -319,3 +321,14 @@ def test_the_host_plan_counts_the_scales_at_most_once_per_offloaded_matrix():
     # The four layer linears' rows, and the head's (offloaded, but not held: planned from shapes alone).
     assert plan.parts["FP8 scales"] == held + 4 * 80
     assert {k: v for k, v in plan.parts.items() if k != "FP8 scales"} == without.parts
+
+
+@pytest.mark.streams_as_is
+def test_the_checker_needs_the_upload_stream_to_wait_for_the_new_images():
+    """Calibration: without the upload stream's wait for the compute stream (which allocated the
+    FP8 images), the first upload races the allocation, and the checker says so."""
+    for drop, raises in (((), False), ((("fp8_weights.py", "self._transfer.uploads_wait_for_compute()"),), True)):
+        model = layered()
+        with pytest.raises(StreamOrderError) if raises else contextlib.nullcontext():
+            with checked_streams(drop_waits=drop):
+                build(model, offload_gradients=True)
