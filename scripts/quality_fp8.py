@@ -2,6 +2,7 @@
 
 Usage: python scripts/quality_fp8.py [--steps 300] [--every 20] [--batch-size 4] [--seq-len 16]
                                      [--vocab 1024] [--samples 64] [--lr 1e-3] [--threads N] [--plot PNG]
+                                     [--runs bf16,fp8,fp8_per_tensor] [--json CURVES]
 
 Three runs of ``torchtune_offload.OffloadOptimizer`` around ``torch.optim.AdamW`` on the CPU emulation
 path, each on its own copy of the same random-init bf16 model, on the same batches in the same order
@@ -21,7 +22,8 @@ import math
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+import json
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +34,13 @@ from torchtune_offload.bench.machine import cpu_name
 from torchtune_offload.data import SyntheticTokens
 from torchtune_offload.models import llama3_2_mid
 
-#: Column name -> ``device_weights``.
-RUNS: Dict[str, Optional[str]] = {
-    "bf16 device weights": None,
-    "fp8, per-row scales": "fp8",
-    "fp8, per-tensor scales": "fp8_per_tensor",
+#: ``--runs`` name -> (column name, ``device_weights``).
+RUNS: Dict[str, Tuple[str, Optional[str]]] = {
+    "bf16": ("bf16 device weights", None),
+    "fp8": ("fp8, per-row scales", "fp8"),
+    "fp8_per_tensor": ("fp8, per-tensor scales", "fp8_per_tensor"),
 }
+REFERENCE = RUNS["bf16"][0]
 
 
 def batches(args: argparse.Namespace) -> List[torch.Tensor]:
@@ -115,6 +118,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's init and of the data (default 0)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--plot", default=None, help="write the loss curves to this PNG (needs matplotlib)")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"which runs, of {', '.join(RUNS)} (default all; "
+                        "bf16 first, the reference)")
+    parser.add_argument("--json", default=None, help="write the curves here after each run (partial results "
+                        "survive a run cut short)")
     args = parser.parse_args()
     for key in ("steps", "every", "batch_size", "seq_len", "vocab", "samples"):
         if getattr(args, key) < 1:
@@ -123,6 +130,9 @@ def main() -> None:
         parser.error("--vocab must be at most 128256, llama3_2_mid's vocabulary")
     if args.seq_len < 2:
         parser.error("--seq-len must be at least 2 (the loss predicts each next token)")
+    runs = args.runs.split(",")
+    if not runs or runs[0] != "bf16" or any(r not in RUNS for r in runs):
+        parser.error(f"--runs: a comma-separated list of {', '.join(RUNS)}, bf16 first (the reference)")
     if args.threads:
         torch.set_num_threads(args.threads)
     steps = batches(args)
@@ -141,18 +151,22 @@ def main() -> None:
               f"eps 1e-8, weight decay {args.weight_decay:g}; log({args.vocab}) = {math.log(args.vocab):.4f}")
     print(header + "\n")
     curves, seconds = {}, {}
-    for name, device_weights in RUNS.items():
+    for run in runs:
+        name, device_weights = RUNS[run]
         start = time.perf_counter()
         curves[name] = train(name, copy.deepcopy(initial), device_weights, steps, args)
         seconds[name] = time.perf_counter() - start
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"header": header, "curves": curves, "seconds": seconds}, f)
     print(f"Loss, mean over the {args.every} steps up to each row (row 1: the first step's loss)\n")
     print("\n".join(table(curves, args.every)))
     last = slice(-min(20, args.steps), None)
     means = {n: statistics.fmean(c[last]) for n, c in curves.items()}
-    reference = means["bf16 device weights"]
+    reference = means[REFERENCE]
     print()
     print("mean loss of the last {} steps: {}".format(
-        len(curves["bf16 device weights"][last]),
+        len(curves[REFERENCE][last]),
         ", ".join(f"{n} {m:.4f} ({(m - reference) / reference:+.2%})" for n, m in means.items())))
     print("wall time: " + ", ".join(f"{n} {s:.0f} s" for n, s in seconds.items()))
     if args.plot:
