@@ -245,10 +245,6 @@ class DeviceWeights:
     def held(self) -> List[Slot]:
         return [h.slot for h in self._held.values()]
 
-    def device_bytes(self) -> int:
-        """The device bytes of the FP8 images and their scales."""
-        return sum(h.q.numel() + h.scale.numel() * 4 for h in self._held.values())
-
     @torch.no_grad()
     def attach(self, model: nn.Module) -> None:
         """Replaces the device weights of ``model``'s eligible layers by FP8 images of their masters.
@@ -266,7 +262,7 @@ class DeviceWeights:
         chosen = [(s, eligible[id(s.param)][1]) for s in self._table.offloaded
                   if id(s.param) in eligible and s.param.dim() == 2 and s.param.is_floating_point()]
         if not chosen:
-            raise ValueError("optimizer.device_weights=fp8: the model has no offloaded nn.Linear weight under a "
+            raise ValueError(f"optimizer.device_weights={self.mode}: the model has no offloaded nn.Linear weight under a "
                              "'layers' container (a torchtune TransformerDecoder's), so nothing would be held in "
                              "FP8. Remove optimizer.device_weights, or lower optimizer.minimal_size.")
         for slot, module in chosen:
