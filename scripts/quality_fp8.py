@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--plot", default=None, help="write the loss curves to this PNG (needs matplotlib)")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"which runs, of {', '.join(RUNS)} (default all; "
-                        "bf16 first, the reference)")
+                        "bf16, where given, is the reference of the final comparison)")
     parser.add_argument("--json", default=None, help="write the curves here after each run (partial results "
                         "survive a run cut short)")
     args = parser.parse_args()
@@ -131,8 +131,8 @@ def main() -> None:
     if args.seq_len < 2:
         parser.error("--seq-len must be at least 2 (the loss predicts each next token)")
     runs = args.runs.split(",")
-    if not runs or runs[0] != "bf16" or any(r not in RUNS for r in runs):
-        parser.error(f"--runs: a comma-separated list of {', '.join(RUNS)}, bf16 first (the reference)")
+    if not runs or any(r not in RUNS for r in runs) or len(set(runs)) != len(runs):
+        parser.error(f"--runs: a comma-separated list of distinct runs from {', '.join(RUNS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     steps = batches(args)
@@ -163,11 +163,12 @@ def main() -> None:
     print("\n".join(table(curves, args.every)))
     last = slice(-min(20, args.steps), None)
     means = {n: statistics.fmean(c[last]) for n, c in curves.items()}
-    reference = means[REFERENCE]
+    reference = means.get(REFERENCE)
     print()
     print("mean loss of the last {} steps: {}".format(
-        len(curves[REFERENCE][last]),
-        ", ".join(f"{n} {m:.4f} ({(m - reference) / reference:+.2%})" for n, m in means.items())))
+        len(next(iter(curves.values()))[last]),
+        ", ".join(f"{n} {m:.4f}" + (f" ({(m - reference) / reference:+.2%})" if reference else "")
+                  for n, m in means.items())))
     print("wall time: " + ", ".join(f"{n} {s:.0f} s" for n, s in seconds.items()))
     if args.plot:
         plot(curves, args.plot, f"llama3_2_mid bf16, {args.steps} steps, CPU")
