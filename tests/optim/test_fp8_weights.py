@@ -332,3 +332,21 @@ def test_the_checker_needs_the_upload_stream_to_wait_for_the_new_images():
         with pytest.raises(StreamOrderError) if raises else contextlib.nullcontext():
             with checked_streams(drop_waits=drop):
                 build(model, offload_gradients=True)
+
+
+def test_the_fused_master_pass_feeds_the_images_too():
+    """fp32 masters stepped by the fused C pass (which writes its bf16 rounding into the gradient
+    buffer the image then takes): the images are the quantized masters, and the masters stay within
+    the fused pass's rounding of the unfused path's."""
+    runs = []
+    for fused in (True, False):
+        model = layered()
+        opt = build(model, offload_gradients=True, master_dtype="fp32", fused_master_step=fused)
+        for x, y in data(3):
+            ((model(x).float() - y.float()) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            assert_images_are_quantized_masters(opt)
+        runs.append(opt)
+    for a, b in zip(runs[0]._slots, runs[1]._slots):
+        torch.testing.assert_close(a.step_param, b.step_param, rtol=1e-6, atol=1e-7)
