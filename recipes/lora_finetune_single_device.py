@@ -46,6 +46,7 @@ from torchtune_offload.recipe import (
     load_checkpoint,
     run_output_dir,
     save_atomically,
+    use_expandable_segments,
 )
 
 
@@ -84,6 +85,10 @@ class LoRAFinetuneRecipeSingleDevice:
         s = self.settings
         # 1. Logging first, so that the config is recorded even if a later step fails.
         self._metric_logger = build_metric_logger(cfg)
+        # Before the first device allocation: offload runs free and re-make layer-sized blocks all the time.
+        allocator_note = use_expandable_segments(s.device, offloads=s.optimizer_capabilities.offloads)
+        if allocator_note:
+            print(f"[torchtune_offload] {allocator_note}")
         # 2. Base weights from the checkpointer.
         self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=None)
         # 3. Model with only the adapters trainable, then the optimizer over them.

@@ -36,6 +36,12 @@ def test_overrides_swap_only_the_optimizer():
     assert overrides_for(CONFIG, "paged_adamw8bit_in_bwd")[-1] == "optimizer_in_bwd=True"
     # The 8-bit offload variant (and so the planner's, which takes the sweep's) is this project's AdamW8bit.
     assert "optimizer.optimizer_class=torchtune_offload.AdamW8bit" in overrides_for(CONFIG, "offload_grads_8bit")
+    fp8 = overrides_for(CONFIG, "offload_grads_8bit_fp8")
+    assert "optimizer.device_weights=fp8" in fp8 and "optimizer.optimizer_class=torchtune_offload.AdamW8bit" in fp8
+    # From an FP8 config, the other variants drop the key (plain optimizers would refuse it).
+    fp8_config = str(REPO / "configs" / "llama3_1" / "8B_full_offload_fp8.yaml")
+    assert "~optimizer.device_weights" in overrides_for(fp8_config, "offload_grads")
+    assert "~optimizer.device_weights" in overrides_for(fp8_config, "adamw")
 
 
 def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, monkeypatch):

@@ -179,3 +179,34 @@ def test_accepted_forms_come_from_the_signature():
     assert accepted_form(adamw["foreach"]) == "True, False or null"
     assert accepted_form(adamw["eps"]) == "a number such as 1e-08"
     assert accepted_form(sgd["momentum"]) == "a number such as 0"
+
+
+# ------------------------------------------------- FP8 device weights (optimizer.device_weights)
+
+_ENGINE = ["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW"]
+
+
+def test_fp8_device_weights_pass_the_full_recipes_check():
+    s = check_recipe_config(_cfg("full", *_ENGINE, "optimizer.device_weights=fp8"), recipe="full")
+    assert s.optimizer_class is OffloadOptimizer
+
+
+@pytest.mark.parametrize("recipe, overrides, fragments", [
+    ("full", ["optimizer.device_weights=int8"],
+     ["optimizer.device_weights='int8': use fp8", "fp8_per_tensor"]),
+    ("full", ["optimizer.device_weights=fp8", "optimizer.update_on=device"],
+     ["optimizer.device_weights=fp8 with optimizer.update_on=device", "Set optimizer.update_on=host"]),
+    ("lora", ["optimizer.device_weights=fp8"],
+     ["optimizer.device_weights=fp8 with this recipe: the LoRA recipe trains adapters only",
+      "~optimizer.device_weights"]),
+    ("distributed", ["optimizer.device_weights=fp8"],
+     ["optimizer.device_weights=fp8 with this recipe: FSDP2 shards", "~optimizer.device_weights"]),
+])
+def test_fp8_device_weights_refusals_name_the_key_and_the_fix(recipe, overrides, fragments):
+    message = _problems(recipe, *_ENGINE, *overrides)
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_device_weights_is_not_an_option_of_a_plain_optimizer():
+    assert "optimizer.device_weights: not an option of AdamW" in _problems("full", "optimizer.device_weights=fp8")

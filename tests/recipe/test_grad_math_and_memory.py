@@ -15,6 +15,7 @@ from torchtune_offload.recipe import (
     loss_scale,
     read_disk_log,
     sum_over_ranks,
+    use_expandable_segments,
 )
 from torchtune_offload.recipe.memory import GIB
 from torchtune_offload.recipe.run_report import compare_runs
@@ -127,3 +128,23 @@ def test_compare_runs_puts_runs_side_by_side(tmp_path):
     text = compare_runs({"plain": tmp_path / "a", "offload": tmp_path / "b"})
     assert "largest loss difference from plain: 0.5" in text
     assert "host_rss_peak" in text and "250" in text  # median tok/s after the first step
+
+
+@pytest.mark.parametrize("device, offloads, env, expected", [
+    ("cuda", True, None, ["expandable_segments:True"]),
+    ("cuda", True, "max_split_size_mb:128", []),  # the user's own setting is left alone
+    ("cuda", False, None, []),  # plain optimizers keep torch's default
+    ("cpu", True, None, []),
+])
+def test_offload_runs_get_expandable_segments_unless_the_user_chose(monkeypatch, device, offloads, env, expected):
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    if env is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", env)
+    note = use_expandable_segments(torch.device(device), offloads=offloads)
+    assert calls == expected
+    assert (note is not None) == bool(expected)
+    if note:
+        assert "PYTORCH_CUDA_ALLOC_CONF" in note

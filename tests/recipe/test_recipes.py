@@ -220,6 +220,25 @@ def test_full_offload_8bit_matches_adamw8bit_alone_and_learns(runs):
     assert sum(learn[-5:]) / 5 < learn[0] - 1.0, learn
 
 
+def test_full_fp8_device_weights_learn_as_the_full_precision_run_does(runs):
+    """FP8 layer weights on the device (the tiny model's offloaded linears): the run learns, its
+    losses stay near the full-precision run's, and its saved weights are the host masters."""
+    engine = [*FULL_OFFLOAD, "optimizer.offload_gradients=True", "optimizer.overlap=True"]
+    full = runs("full", *LEARN, *engine)
+    fp8 = runs("full", *LEARN, *engine, "optimizer.device_weights=fp8")
+    opt = fp8.recipe._optimizer.optimizer
+    held = opt._weights.held
+    assert held and all(".layers." in f".{s.key}" for s in held)
+    for slot in held:
+        assert slot.param.untyped_storage().nbytes() == slot.param.element_size()  # no full device copy
+        assert torch.equal(fp8.params[slot.key], slot.step_param)
+    learn = fp8.losses
+    assert sum(learn[-5:]) / 5 < learn[0] - 1.0, learn
+    full_tail, fp8_tail = sum(full.losses[-5:]) / 5, sum(learn[-5:]) / 5
+    assert abs(fp8_tail - full_tail) <= 0.02 * full_tail, (fp8_tail, full_tail)
+    assert fp8.losses != full.losses  # the forward did use the FP8 images
+
+
 # ---------------------------------------------------------------------- full: learns, bitsandbytes
 
 
@@ -297,6 +316,9 @@ def test_lora_checkpoint_leaves_base_weights_alone(tiny_assets, tmp_path):
     [
         ("full", [*FULL_OFFLOAD, "optimizer.offload_gradients=True"]),
         ("full", [*FULL_OFFLOAD, "optimizer.offload_gradients=False", "optimizer.overlap=True"]),
+        # FP8 device weights: the checkpoints hold the host masters, and the resumed run re-quantizes them.
+        ("full", [*FULL_OFFLOAD, "optimizer.offload_gradients=True", "optimizer.overlap=True",
+                  "optimizer.device_weights=fp8"]),
         ("lora", [*LORA_OFFLOAD, "optimizer.offload_gradients=True", "optimizer.overlap=True"]),
     ],
 )

@@ -54,6 +54,10 @@ VARIANTS: Dict[str, Tuple[Dict[str, object], List[str], str]] = {
                                "states on the host"),
     "offload_grads_8bit": (_ours(optimizer_class="torchtune_offload.AdamW8bit", offload_gradients=True), [],
                            "OffloadOptimizer, offload_gradients, 8-bit AdamW states on the host"),
+    "offload_grads_8bit_fp8": (_ours(optimizer_class="torchtune_offload.AdamW8bit", offload_gradients=True,
+                                     device_weights="fp8"), [],
+                               "OffloadOptimizer, offload_gradients, 8-bit AdamW states on the host, FP8 layer "
+                               "weights on the device"),
     "offload_device_update": (_ours(update_on="device"), [],
                               "OffloadOptimizer, states in host memory, updates on the device"),
     "offload_device_update_overlap": (_ours(update_on="device", overlap=True), [],
@@ -61,7 +65,7 @@ VARIANTS: Dict[str, Tuple[Dict[str, object], List[str], str]] = {
                                       "next forward's order"),
 }
 OFFLOAD_ONLY_KEYS = ("optimizer_class", "offload_gradients", "minimal_size", "master_dtype", "grad_sum_dtype",
-                    "fused_master_step", "overlap", "update_on", "device_staging_mib")
+                    "fused_master_step", "overlap", "update_on", "device_staging_mib", "device_weights")
 _OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 GIB = 1024**3
 #: A variant's status when its training diverged.

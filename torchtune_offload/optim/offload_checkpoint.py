@@ -1,7 +1,7 @@
 """``OffloadOptimizer``'s checkpoints: keyed by parameter name, with each slot's placement and
 master weights, and checked against the optimizer before anything loads."""
 
-from typing import Any, Dict, List, Optional
+from typing import AbstractSet, Any, Dict, List, Optional
 
 import torch
 
@@ -43,9 +43,10 @@ def state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], *, bas
 
 
 def load_state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], sd: Any, *,
-                    base_class: type, streamer: StateStreamer) -> None:
+                    base_class: type, streamer: StateStreamer, fp8_slots: AbstractSet[int] = frozenset()) -> None:
     """Restores ``sd`` into the slots and ``param_groups`` after checking that it fits; streamed
-    slots' states go straight into their host buffers through ``streamer``.
+    slots' states go straight into their host buffers through ``streamer``. The device weights of
+    ``fp8_slots`` (slot indexes) are FP8 images, left for the caller to re-quantize.
 
     Raises:
         ValueError: listing every mismatch; nothing is loaded in that case.
@@ -76,8 +77,10 @@ def load_state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], s
         if slot.has_master:
             with torch.no_grad():
                 slot.step_param.copy_(saved["master"])
-                # The parameter becomes the master's rounding, as after a step.
-                slot.param.copy_(slot.step_param)
+                # The parameter becomes the master's rounding, as after a step (an FP8 device
+                # image is re-quantized by the caller instead).
+                if slot.index not in fp8_slots:
+                    slot.param.copy_(slot.step_param)
 
 
 def mismatches(table: ParameterTable, sd: Any, *, base_class: type, num_groups: int) -> List[str]:

@@ -15,9 +15,10 @@ from torch.optim import Optimizer
 
 from torchtune_offload.optim.base_options import check_base_options
 from torchtune_offload.optim.capabilities import ENGINE_CAPABILITIES
+from torchtune_offload.optim.fp8_weights import DeviceWeights, plan_scale_bytes
 from torchtune_offload.optim.grad_norm import clip_, combine_norms
 from torchtune_offload.optim.host_allocator import release_freed_host_memory
-from torchtune_offload.optim.host_arena import pinning_of
+from torchtune_offload.optim.host_arena import NONE, pinning_of
 from torchtune_offload.optim.host_grads import HostGradients
 from torchtune_offload.optim.host_memory import HostMemoryPlan
 from torchtune_offload.optim.memory_report import OffloadMemoryReport, engine_memory_report
@@ -58,7 +59,8 @@ class OffloadOptimizer(Optimizer):
         optimizer_class: the base optimizer, a class or a dotted path such as
             ``"torch.optim.AdamW"``, ``"torch.optim.SGD"`` or ``"bitsandbytes.optim.AdamW8bit"``.
         offload_gradients, minimal_size, master_dtype, grad_sum_dtype, fused_master_step, overlap,
-            overlap_timeout_s, update_on, device_staging_mib: the engine's own options, described in
+            overlap_timeout_s, update_on, device_staging_mib, device_weights: the engine's own options
+            (``device_weights="fp8"`` takes effect at :meth:`register_forward_waits`), described in
             :class:`~torchtune_offload.optim.offload_options.OffloadOptions`.
         **kwargs: passed to the base optimizer, e.g. ``lr``, ``weight_decay``, ``betas``.
 
@@ -83,6 +85,7 @@ class OffloadOptimizer(Optimizer):
         overlap_timeout_s: Optional[float] = None,
         update_on: str = "host",
         device_staging_mib: Optional[float] = None,
+        device_weights: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         self.base_class = resolve_optimizer_class(optimizer_class)
@@ -92,6 +95,7 @@ class OffloadOptimizer(Optimizer):
             offload_gradients=offload_gradients, minimal_size=minimal_size, master_dtype=master_dtype,
             grad_sum_dtype=grad_sum_dtype, fused_master_step=fused_master_step, overlap=overlap,
             overlap_timeout_s=overlap_timeout_s, update_on=update_on, device_staging_mib=device_staging_mib,
+            device_weights=device_weights,
         )
         groups = named_groups(params)
         self.device = training_device(groups)
@@ -109,8 +113,12 @@ class OffloadOptimizer(Optimizer):
                                        staging_bytes=opts.device_staging_bytes, overlap=opts.overlap)
         self._grads = HostGradients(self._table, self._transfer, self._timings,
                                     offload_gradients=opts.offload_gradients)
+        # FP8 device images of the masters (device_weights), made when the model is bound.
+        self._weights = DeviceWeights(self._table, self._transfer, mode=opts.device_weights,
+                                      synchronize=self.synchronize)
         self._stepper = SlotStepper(self._table, self._grads, self._transfer, self._timings,
-                                    fused_master_step=opts.fused_master_step, streamer=self._streamer)
+                                    fused_master_step=opts.fused_master_step, streamer=self._streamer,
+                                    device_weights=self._weights)
         self._scheduler = OverlapScheduler(self._table, self._grads, self._stepper, self._transfer,
                                            self._timings, timeout_s=opts.overlap_timeout_s)
         self._hooks = []
@@ -140,17 +148,22 @@ class OffloadOptimizer(Optimizer):
         on an accelerator, ``optim/host_arena.py``) and ``gradient_accumulation_steps`` (with
         ``offload_gradients``, more than one adds the staging ring)."""
         own, kwargs = split_options(cls.__init__, options)
+        params = named_groups(params)  # read twice below
         if own["update_on"] == "device":
             trainable = [p for g in named_groups(params) for _, p in g["params"] if p.requires_grad]
             return plan_streamed_memory(trainable, base_class=resolve_optimizer_class(optimizer_class),
                                         options=kwargs, minimal_size=own["minimal_size"], pinning=pinning_of(device))
-        return plan_table_memory(
+        plan = plan_table_memory(
             params, base_class=resolve_optimizer_class(optimizer_class), options=kwargs,
             minimal_size=own["minimal_size"], pinning=pinning_of(device),
             master_dtype=precision_option(own["master_dtype"], key="master_dtype"),
             grad_sum_dtype=precision_option(own["grad_sum_dtype"], key="grad_sum_dtype"),
             offload_gradients=own["offload_gradients"], gradient_accumulation_steps=gradient_accumulation_steps,
         )
+        plan.add("FP8 scales (pinned)" if pinning_of(device) != NONE else "FP8 scales",
+                 plan_scale_bytes(params, mode=own["device_weights"], minimal_size=own["minimal_size"],
+                                  pinned=pinning_of(device) != NONE))
+        return plan
 
     @torch.no_grad()
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -187,11 +200,12 @@ class OffloadOptimizer(Optimizer):
             self._scheduler.announce(clipping=clipping, param_groups=self.param_groups)
 
     def register_forward_waits(self, model: torch.nn.Module) -> None:
-        """Lets ``step()`` return at once (overlap): each module of ``model`` waits, right before
-        its forward, for its own parameters' host steps and uploads, and ``model.state_dict()``
-        waits for all of them. A parameter read before the forward of the module that owns it
-        needs :meth:`synchronize` first.
-        """
+        """Binds the engine to ``model``: FP8 images of the layer weights (``device_weights``,
+        ``optim/fp8_weights.py``; a ValueError if it has none to hold); with overlap, ``step()``
+        returns at once and each module waits, right before its forward, for its own parameters'
+        host steps and uploads, and ``model.state_dict()`` for all of them. A parameter read before
+        the forward of the module that owns it needs :meth:`synchronize` first."""
+        self._weights.attach(model)
         self._scheduler.register_forward_waits(model)
         self._streamer.register_forward_waits(model)
 
@@ -266,6 +280,7 @@ class OffloadOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._weights.check_bound()
         start = time.perf_counter()
         if self._scheduler.window is not None:
             self._scheduler.step(self.param_groups)
@@ -314,8 +329,10 @@ class OffloadOptimizer(Optimizer):
         """
         self.synchronize()
         offload_checkpoint.load_state_dict(self._table, self.param_groups, state_dict, base_class=self.base_class,
-                                           streamer=self._streamer)
+                                           streamer=self._streamer, fp8_slots={s.index for s in self._weights.held})
         self._stepper.sync_hyperparameters(self.param_groups)
+        # The checkpoint holds masters, never FP8 images: the device images are made anew.
+        self._weights.requantize_all()
 
     def memory_report(self) -> OffloadMemoryReport:
         """The bytes this optimizer keeps on the host and spares the device (host buffers as
@@ -334,3 +351,4 @@ class OffloadOptimizer(Optimizer):
             self._hooks.clear()
             self._scheduler.close()
             self._streamer.close()
+            self._weights.close()

@@ -11,6 +11,9 @@ UPDATE_ON = ("host", "device")
 #: The default bound on the device memory that stages streamed states, in MiB.
 DEVICE_STAGING_MIB = 256.0
 
+#: Accepted ``device_weights`` values besides None (``optim/fp8_weights.py``).
+DEVICE_WEIGHTS = ("fp8", "fp8_per_tensor")
+
 #: Spellings accepted for the precision options (torch dtypes are accepted too).
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32}
 
@@ -73,6 +76,12 @@ class OffloadOptions:
         device_staging_mib: with ``update_on="device"``, the bound on the device memory that
             stages states on their way (two buffers of half of it each), in MiB; ``None``
             (default): 256. Refused with ``update_on="host"``.
+        device_weights: ``None`` (default): device weights in the model's dtype. ``"fp8"``: the
+            offloaded 2-D weights of the transformer layers live on the device as
+            ``float8_e4m3fn`` with a power-of-two scale per output row (``"fp8_per_tensor"``: one
+            per tensor), widened right before use; the host master is stepped exactly as without
+            it and re-quantized after each step (``optim/fp8_weights.py``, docs/fp8_weights.md).
+            Host updates only (refused with ``update_on="device"``).
     """
 
     offload_gradients: bool
@@ -84,6 +93,7 @@ class OffloadOptions:
     overlap_timeout_s: Optional[float]
     update_on: str = "host"
     device_staging_mib: float = DEVICE_STAGING_MIB
+    device_weights: Optional[str] = None
 
     @property
     def device_staging_bytes(self) -> int:
@@ -102,6 +112,7 @@ class OffloadOptions:
         overlap_timeout_s: Any,
         update_on: Any = "host",
         device_staging_mib: Any = None,
+        device_weights: Any = None,
     ) -> "OffloadOptions":
         """Checks config values (YAML strings included) and returns them typed.
 
@@ -128,12 +139,14 @@ class OffloadOptions:
             )
         _check_update_on(update_on, device_staging_mib, offload_gradients=offload, master_dtype=master_dtype,
                          grad_sum_dtype=grad_sum_dtype, overlap_timeout_s=overlap_timeout_s)
+        _check_device_weights(device_weights, update_on=update_on)
         return cls(
             offload_gradients=offload, minimal_size=minimal_size, master_dtype=master,
             grad_sum_dtype=grad_sum, fused_master_step=fused, overlap=overlapped,
             overlap_timeout_s=None if overlap_timeout_s is None else float(overlap_timeout_s),
             update_on=update_on,
             device_staging_mib=DEVICE_STAGING_MIB if device_staging_mib is None else float(device_staging_mib),
+            device_weights=device_weights,
         )
 
 
@@ -174,3 +187,17 @@ def _check_update_on(update_on: Any, device_staging_mib: Any, *, offload_gradien
         if bad:
             raise ValueError(f"optimizer.update_on=device with optimizer.{setting}: {why}. Set {fix}, or "
                              "optimizer.update_on=host.")
+
+
+def _check_device_weights(device_weights: Any, *, update_on: Any) -> None:
+    """Refuses a ``device_weights`` value, or one the update placement cannot serve."""
+    if device_weights is None:
+        return
+    if device_weights not in DEVICE_WEIGHTS:
+        raise ValueError(f"optimizer.device_weights={device_weights!r}: use fp8 (FP8 layer weights on the device "
+                         "with per-row scales), fp8_per_tensor (one scale per weight), or leave it unset (null) for "
+                         "weights in the model's dtype.")
+    if update_on == "device":
+        raise ValueError(f"optimizer.device_weights={device_weights} with optimizer.update_on=device: FP8 device "
+                         "weights are re-quantized from host masters, and a device update keeps no master. Set "
+                         "optimizer.update_on=host, or remove optimizer.device_weights (~optimizer.device_weights).")

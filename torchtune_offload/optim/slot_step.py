@@ -9,12 +9,13 @@ low-bit kernel) is another implementation of :meth:`SlotStepper.step_slot`, leav
 path and the scheduling as they are.
 """
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
 import torchtune_offload.optim.fused_step as fused_step
 import torchtune_offload.optim.stream_check as stream_check
+from torchtune_offload.optim.fp8_weights import DeviceWeights
 from torchtune_offload.optim.host_grads import HostGradients
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.state_streamer import StateStreamer
@@ -32,16 +33,19 @@ class SlotStepper:
         timings: where host-step seconds are counted.
         fused_master_step: use the fused one-pass master update where it applies.
         streamer: updates the streamed slots (``update_on="device"``).
+        device_weights: ``device_weights="fp8"``: uploads FP8 images of the masters instead of weights.
     """
 
     def __init__(self, table: ParameterTable, grads: HostGradients, transfer: TransferEngine,
-                 timings: StepTimings, *, fused_master_step: bool, streamer: StateStreamer) -> None:
+                 timings: StepTimings, *, fused_master_step: bool, streamer: StateStreamer,
+                 device_weights: Optional[DeviceWeights] = None) -> None:
         self._table = table
         self._streamer = streamer
         self._grads = grads
         self._transfer = transfer
         self._timings = timings
         self.fused_master_step = fused_master_step
+        self.device_weights = device_weights
 
     def step_slot(self, slot: Slot, grad: torch.Tensor) -> None:
         """One base-optimizer step of ``slot`` on ``grad``; with a master, the result rounded into ``slot.out``."""
@@ -94,7 +98,14 @@ class SlotStepper:
         # Host code: what the base optimizer creates from nothing (its step count) is host memory.
         with self._timings.host_step(waited=waited), stream_check.host_work():
             self.step_slot(slot, slot.host_grad)
+        if self.fp8(slot):
+            # Re-quantized into the consumed gradient buffer: the caller marks it consumed.
+            return self.device_weights.upload(slot)
         return self._transfer.to_device(slot.param, slot.result)
+
+    def fp8(self, slot: Slot) -> bool:
+        """The slot's device weight is an FP8 image (its upload overwrites its host gradient buffer)."""
+        return self.device_weights is not None and self.device_weights.holds(slot)
 
     def step_serial(self, param_groups: List[Dict[str, Any]]) -> None:
         """Steps every slot that has a gradient, on the training thread, after backward."""
@@ -112,7 +123,7 @@ class SlotStepper:
         for slot in ready:
             self._grads.finish(slot)
             self.host_step(slot, waited=True)
-            if slot.out is slot.host_grad or not self._grads.summed_on_host(slot):
+            if slot.out is slot.host_grad or not self._grads.summed_on_host(slot) or self.fp8(slot):
                 # The buffer now holds the new weights, or only a copy of the device gradient: it
                 # is no gradient sum, and the next backward must not add into it.
                 self._grads.consumed(slot)

@@ -142,6 +142,12 @@ class TransferEngine:
             self._timed.append((kind, begin, end))
         return end
 
+    def uploads_wait_for_compute(self) -> None:
+        """Orders later uploads after the compute stream's work issued so far (device buffers it
+        allocated or still reads)."""
+        if self.streams is not None:
+            self.h2d_stream.wait_stream(self.streams.current_stream(self.device))
+
     def compute_waits_for(self, event: Optional[object]) -> None:
         """Makes later work on the compute stream wait for one copy (an event from :meth:`to_device`)."""
         if event is not None:

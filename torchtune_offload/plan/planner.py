@@ -48,6 +48,9 @@ from torchtune_offload.recipe.config import RECIPE_KEYS
 from torchtune_offload.recipe.host_preflight import available_host_memory
 
 GIB = 1024**3
+#: The reserved peak a CUDA offload run is assumed to reach above its allocated peak, as a share of it,
+#: with the expandable segments the recipes turn on (not yet measured on a GPU).
+RESERVED_MARGIN = 0.05
 #: torchtune's own 8B single-device setting cannot clip or accumulate: its variant turns both off.
 _IN_BWD_SETTINGS = ["clip_grad_norm=null", "gradient_accumulation_steps=1"]
 
@@ -70,6 +73,8 @@ class VariantPlan:
     work: Optional[StepWork] = None
     #: Samples per micro-batch (the config's ``batch_size``).
     batch_size: Optional[int] = None
+    #: CUDA offload runs: the caching allocator's reserved peak the plan assumes (see ``RESERVED_MARGIN``).
+    reserved_bytes: Optional[int] = None
 
 
 def _mark_lora(model: torch.nn.Module) -> None:
@@ -174,6 +179,17 @@ def _make_optimizer(settings: RecipeSettings, cfg: DictConfig) -> Optional[Calla
     return make
 
 
+def _fp8_weights(settings: RecipeSettings, cfg: DictConfig) -> Optional[Tuple[int, bool]]:
+    """``(minimal_size, per_row)`` where the run holds its layer weights in FP8 on the device."""
+    if not settings.optimizer_capabilities.offloads or settings.device.type == "cpu":
+        return None
+    options = {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
+    own, _ = split_options(settings.optimizer_class.__init__, options)
+    if not own.get("device_weights"):
+        return None
+    return own["minimal_size"], own["device_weights"] == "fp8"
+
+
 def plan_variant(config_path: str, overrides: Sequence[str], name: str, *, recipe: str, seq_len: Optional[int],
                  baseline: int, traces: Optional[Dict[tuple, StepTrace]] = None) -> VariantPlan:
     """Predicts one variant's device and host peaks (or says why it cannot run).
@@ -212,13 +228,14 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     offload_grads = settings.offload_gradients
     free = offload_grads or settings.optimizer_in_bwd
     make = _make_optimizer(settings, cfg)
-    key = (free, settings.optimizer_class if make else None, settings.gradient_accumulation_steps,
+    fp8 = _fp8_weights(settings, cfg)
+    key = (free, fp8, settings.optimizer_class if make else None, settings.gradient_accumulation_steps,
            str(settings.device), json.dumps(OmegaConf.to_container(cfg.optimizer, resolve=True), sort_keys=True)
            if make else None, recipe, json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True))
     traces = {} if traces is None else traces
     if key not in traces:
         traces[key] = trace_training_step(cfg, settings, seq_len=length, mark_trainable=mark,
-                                          free_gradients=free, make_optimizer=make)
+                                          free_gradients=free, make_optimizer=make, fp8_weights=fp8)
     trace = traces[key]
     plan.device_parts = {f"step peak: {k.lower()}": v for k, v in trace.by_kind.items() if v}
     twin = unquantised_twin(cfg.model)
@@ -240,6 +257,11 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     plan.batch_size = settings.batch_size
     if settings.device.type != "cpu":
         plan.work = _step_work(settings, cfg, model, settings.batch_size * length)
+    if fp8 is not None:
+        loaded = sum(p.numel() * p.element_size() for p in model.parameters())
+        plan.notes.append(f"device_weights: the model loads in {settings.dtype} on the device before the optimizer "
+                          f"makes its FP8 images: {loaded / GIB:.2f} GiB of weights at that moment, not in the step "
+                          "peak above (on a card that barely holds them, the tightest moment of the run)")
     need = host_memory_need(cfg, settings, mark_trainable=mark,
                             step_bytes=trace.peak_bytes if settings.device.type == "cpu" else None)
     phase = max(need.phases, key=lambda p: sum(need.phases[p].values()))
@@ -250,6 +272,12 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     if settings.device.type != "cpu":
         plan.notes.append("device figures are traced on fake CPU tensors: a GPU's allocator rounds and caches "
                           "on top (expect a few percent more)")
+    if settings.device.type == "cuda" and settings.optimizer_capabilities.offloads:
+        plan.reserved_bytes = int(plan.device_bytes * (1 + RESERVED_MARGIN))
+        plan.notes.append(f"reserved peak assumed: {plan.reserved_bytes / GIB:.2f} GiB, the step peak plus "
+                          f"{RESERVED_MARGIN:.0%}: the recipes run offload runs with expandable_segments "
+                          "(unless PYTORCH_CUDA_ALLOC_CONF is set), whose pages leave little cached beside what is "
+                          "allocated; an assumption no GPU run has checked yet (docs/fp8_weights.md)")
     return plan
 
 

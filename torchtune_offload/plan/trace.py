@@ -23,7 +23,7 @@ import time
 import warnings
 from copy import deepcopy
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig
@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchao.dtypes.nf4tensor import NF4Tensor
 from torchtune import modules, training
 
+from torchtune_offload.optim.fp8_weights import fp8_candidates, hold_in_fp8, image_bytes
 from torchtune_offload.recipe import RecipeSettings, build_loss, loss_of_logits
 from torchtune_offload.recipe.host_preflight import meta_model
 
@@ -77,6 +78,7 @@ def trace_training_step(
     mark_trainable: Optional[Callable[[nn.Module], Any]] = None,
     free_gradients: bool = False,
     make_optimizer: Optional[Callable[[list], torch.optim.Optimizer]] = None,
+    fp8_weights: Optional[Tuple[int, bool]] = None,
 ) -> StepTrace:
     """Traces one training step of the run ``cfg`` describes, on fake tensors.
 
@@ -89,6 +91,9 @@ def trace_training_step(
             optimizer that offloads gradients, or steps inside backward).
         make_optimizer: builds the optimizer whose step is traced too, from the trainable
             parameters; ``None`` when its state is not on the device.
+        fp8_weights: ``(minimal_size, per_row)`` of ``device_weights`` FP8 images: the layers the
+            engine would hold in FP8 compute as it makes them (widened in forward and backward),
+            their images counted under ``FP8 weight images``.
     """
     start = time.perf_counter()
     model = build_meta_model(cfg, settings)
@@ -99,6 +104,13 @@ def trace_training_step(
             training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         _give_fake_storage(model, mode)
+        images = 0
+        if fp8_weights is not None:
+            minimal_size, per_row = fp8_weights
+            with mode:
+                for module in fp8_candidates(model, minimal_size=minimal_size).values():
+                    images += image_bytes(module.weight, per_row=per_row)
+                    hold_in_fp8(module, per_row=per_row)
         with training.set_default_dtype(settings.dtype):
             for module in model.modules():
                 if callable(getattr(module, "rope_init", None)):
@@ -149,7 +161,10 @@ def trace_training_step(
         hook.remove()
     figures = next(iter(snapshot.values())) if snapshot else {}
     by_kind = {getattr(k, "value", str(k)): int(v) for k, v in figures.items() if k != "Total"}
-    return StepTrace(peak_bytes=int(figures.get("Total", 0)), by_kind=by_kind,
+    if images:
+        # Alive for the whole step, beside whatever the tracker saw (it tracks parameters, not them).
+        by_kind["FP8 weight images"] = images
+    return StepTrace(peak_bytes=int(figures.get("Total", 0)) + images, by_kind=by_kind,
                      seconds=time.perf_counter() - start)
 
 

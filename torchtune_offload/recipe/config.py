@@ -307,7 +307,9 @@ def _collate_fn(read: _Reader) -> str:
 def _lora_problems(read: _Reader) -> List[str]:
     """The LoRA recipe's own rules: ``model.lora_attn_modules`` names only layers torchtune can
     adapt (a typo is found now, not at the first save); no ``low_cpu_ram``."""
-    problems = []
+    problems = _device_weights_problems(read.cfg, "the LoRA recipe trains adapters only: the frozen base weights "
+                                        "are not the optimizer's, so it has no master to quantize (QLoRA keeps "
+                                        "them in NF4)")
     if read.flag("low_cpu_ram", False):
         problems.append("low_cpu_ram=True is not supported by this recipe. Set low_cpu_ram=False.")
     valid = list(typing.get_args(LORA_ATTN_MODULES))
@@ -328,7 +330,8 @@ def _distributed_problems(read: _Reader, caps: Optional[OptimizerCapabilities]) 
     """The distributed recipe's own rules: what it does not support, the shard policy, CPU
     offload, and the optimizer under FSDP2."""
     cfg = read.cfg
-    problems = []
+    problems = _device_weights_problems(cfg, "FSDP2 shards each weight across ranks as a DTensor, which the FP8 "
+                                        "layers do not take, and its own CPU offload keeps no FP8 image")
     if read.get("tensor_parallel_dim", 1) not in (1, None):
         problems.append("tensor_parallel_dim > 1 is not supported by this recipe. Set tensor_parallel_dim=1.")
     for key in ("tensor_parallel_plan", "ac_mode", "ac_option"):
@@ -352,6 +355,15 @@ def _distributed_problems(read: _Reader, caps: Optional[OptimizerCapabilities]) 
             "gradients and AdamW state then live on the host, where the step runs on all cores)."
         )
     return problems
+
+
+def _device_weights_problems(cfg: DictConfig, why: str) -> List[str]:
+    """``optimizer.device_weights`` in a recipe that cannot hold FP8 device weights, with why."""
+    value = cfg.optimizer.get("device_weights") if isinstance(cfg.get("optimizer"), DictConfig) else None
+    if value is None:
+        return []
+    return [f"optimizer.device_weights={value} with this recipe: {why}. Remove it (~optimizer.device_weights), "
+            "or use the single-device full fine-tune recipe (full_finetune_single_device)."]
 
 
 def _format(problems: List[str]) -> str:

@@ -6,6 +6,7 @@ an offload optimizer can be compared on one figure. NVML only reports the presen
 thread samples it to catch the peak between two log lines.
 """
 
+import os
 import resource
 import threading
 from typing import Dict, Optional
@@ -14,6 +15,29 @@ import psutil
 import torch
 
 GIB = 1024**3
+
+
+#: The allocator setting offload runs get unless the user set ``PYTORCH_CUDA_ALLOC_CONF``.
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def use_expandable_segments(device: torch.device, *, offloads: bool) -> Optional[str]:
+    """Turns on the caching allocator's expandable segments for an offload run on CUDA, unless
+    the user configured the allocator (``PYTORCH_CUDA_ALLOC_CONF``), before anything is allocated.
+
+    An offload run frees and re-allocates layer-sized blocks all the time (gradients leaving,
+    weights widened per use); with fixed segments their holes fragment a card that is nearly full,
+    and the reserved peak runs past the allocated one. Expandable segments map pages into one
+    growing range instead.
+
+    Returns:
+        What was done, for the log; None where nothing was.
+    """
+    if device.type != "cuda" or not offloads or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return None
+    torch.cuda.memory._set_allocator_settings(EXPANDABLE_SEGMENTS)
+    return (f"device memory: {EXPANDABLE_SEGMENTS} for this offload run (set PYTORCH_CUDA_ALLOC_CONF to choose "
+            "the allocator's settings yourself)")
 
 
 class _NvmlPeakSampler:

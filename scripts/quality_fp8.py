@@ -1,0 +1,179 @@
+"""Loss curves of the 78M llama3_2_mid in bf16, with bf16 device weights and with FP8 device weights.
+
+Usage: python scripts/quality_fp8.py [--steps 300] [--every 20] [--batch-size 4] [--seq-len 16]
+                                     [--vocab 1024] [--samples 64] [--lr 1e-3] [--threads N] [--plot PNG]
+                                     [--runs bf16,fp8,fp8_per_tensor] [--json CURVES]
+
+Three runs of ``torchtune_offload.OffloadOptimizer`` around ``torch.optim.AdamW`` on the CPU emulation
+path, each on its own copy of the same random-init bf16 model, on the same batches in the same order
+with the same hyper-parameters (the data and init of ``scripts/quality_8bit.py``): ``device_weights``
+unset (bf16 weights, the reference), ``fp8`` (per-row scales) and ``fp8_per_tensor``. The host
+weights of all three are stepped exactly as plain AdamW would step them on the gradients each run
+computes; only the weights the forward and backward use differ.
+
+Prints a markdown table naming the CPU: every ``--every`` steps, each run's loss averaged over the
+last ``--every`` steps (the step's own loss in the first row), then each FP8 run's final mean against
+the reference's, and wall times. ``--plot`` also writes the curves as a PNG (matplotlib).
+"""
+
+import argparse
+import copy
+import math
+import statistics
+import sys
+import time
+import json
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from torchtune_offload import OffloadOptimizer
+from torchtune_offload.assets import init_tensor
+from torchtune_offload.bench.machine import cpu_name
+from torchtune_offload.data import SyntheticTokens
+from torchtune_offload.models import llama3_2_mid
+
+#: ``--runs`` name -> (column name, ``device_weights``).
+RUNS: Dict[str, Tuple[str, Optional[str]]] = {
+    "bf16": ("bf16 device weights", None),
+    "fp8": ("fp8, per-row scales", "fp8"),
+    "fp8_per_tensor": ("fp8, per-tensor scales", "fp8_per_tensor"),
+}
+REFERENCE = RUNS["bf16"][0]
+
+
+def batches(args: argparse.Namespace) -> List[torch.Tensor]:
+    """Every step's (batch, seq_len) token ids: the samples in one seeded order per epoch."""
+    data = SyntheticTokens(seq_len=args.seq_len, num_samples=args.samples, vocab_size=args.vocab, seed=args.seed)
+    samples = torch.tensor([data[i]["tokens"] for i in range(len(data))])
+    gen = torch.Generator().manual_seed(args.seed)
+    order: List[int] = []
+    while len(order) < args.steps * args.batch_size:
+        order += torch.randperm(len(data), generator=gen).tolist()
+    index = torch.tensor(order[:args.steps * args.batch_size]).view(args.steps, args.batch_size)
+    return [samples[i] for i in index]
+
+
+def train(name: str, model: torch.nn.Module, device_weights: Optional[str], steps: List[torch.Tensor],
+          args: argparse.Namespace) -> List[float]:
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", device_weights=device_weights,
+                           lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=args.weight_decay)
+    opt.register_forward_waits(model)
+    losses = []
+    for tokens in steps:
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if len(losses) % args.every == 0:  # progress of a run of many minutes, beside the final table
+            print(f"{name}: step {len(losses)}, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+    opt.close()
+    return losses
+
+
+def table(curves: Dict[str, List[float]], every: int) -> List[str]:
+    names = list(curves)
+    lines = ["| step | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    steps = len(next(iter(curves.values())))
+    rows = [1] + list(range(every, steps + 1, every))
+    if rows[-1] != steps:
+        rows.append(steps)
+    for step in rows:
+        window = slice(max(step - every, 0), step) if step > 1 else slice(0, 1)
+        cells = [f"{statistics.fmean(curves[n][window]):.4f}" for n in names]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot(curves: Dict[str, List[float]], path: str, title: str) -> None:
+    import matplotlib  # optional: only --plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
+    parser.add_argument("--every", type=int, default=20, help="a table row every this many steps (default 20)")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
+    parser.add_argument("--seq-len", type=int, default=16, help="tokens per sequence (default 16)")
+    parser.add_argument("--vocab", type=int, default=1024, help="token ids are drawn below this (default 1024)")
+    parser.add_argument("--samples", type=int, default=64, help="distinct sequences, repeated (default 64)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate, constant (default 1e-3)")
+    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's weight decay (default 0.01)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model's init and of the data (default 0)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--plot", default=None, help="write the loss curves to this PNG (needs matplotlib)")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"which runs, of {', '.join(RUNS)} (default all; "
+                        "bf16, where given, is the reference of the final comparison)")
+    parser.add_argument("--json", default=None, help="write the curves here after each run (partial results "
+                        "survive a run cut short)")
+    args = parser.parse_args()
+    for key in ("steps", "every", "batch_size", "seq_len", "vocab", "samples"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be at least 1")
+    if args.vocab > 128_256:
+        parser.error("--vocab must be at most 128256, llama3_2_mid's vocabulary")
+    if args.seq_len < 2:
+        parser.error("--seq-len must be at least 2 (the loss predicts each next token)")
+    runs = args.runs.split(",")
+    if not runs or any(r not in RUNS for r in runs) or len(set(runs)) != len(runs):
+        parser.error(f"--runs: a comma-separated list of distinct runs from {', '.join(RUNS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    steps = batches(args)
+    initial = llama3_2_mid()
+    with torch.no_grad():
+        # The random-init checkpoints' scheme, as scripts/quality_8bit.py uses it.
+        for name, p in initial.named_parameters():
+            p.copy_(init_tensor(name=name, meta=p, num_layers=len(initial.layers), seed=args.seed,
+                                dtype=torch.float32))
+    initial = initial.to(torch.bfloat16)
+    numel = sum(p.numel() for p in initial.parameters())
+    header = (f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; llama3_2_mid "
+              f"({numel / 1e6:.1f}M parameters, bf16, random init, seed {args.seed}); {args.steps} steps of "
+              f"{args.batch_size} x {args.seq_len} tokens drawn below {args.vocab} ({args.samples} sequences, "
+              f"reshuffled each epoch); OffloadOptimizer(AdamW), lr {args.lr:g} constant, betas (0.9, 0.999), "
+              f"eps 1e-8, weight decay {args.weight_decay:g}; log({args.vocab}) = {math.log(args.vocab):.4f}")
+    print(header + "\n")
+    curves, seconds = {}, {}
+    for run in runs:
+        name, device_weights = RUNS[run]
+        start = time.perf_counter()
+        curves[name] = train(name, copy.deepcopy(initial), device_weights, steps, args)
+        seconds[name] = time.perf_counter() - start
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"header": header, "curves": curves, "seconds": seconds}, f)
+    print(f"Loss, mean over the {args.every} steps up to each row (row 1: the first step's loss)\n")
+    print("\n".join(table(curves, args.every)))
+    last = slice(-min(20, args.steps), None)
+    means = {n: statistics.fmean(c[last]) for n, c in curves.items()}
+    reference = means.get(REFERENCE)
+    print()
+    print("mean loss of the last {} steps: {}".format(
+        len(next(iter(curves.values()))[last]),
+        ", ".join(f"{n} {m:.4f}" + (f" ({(m - reference) / reference:+.2%})" if reference else "")
+                  for n, m in means.items())))
+    print("wall time: " + ", ".join(f"{n} {s:.0f} s" for n, s in seconds.items()))
+    if args.plot:
+        plot(curves, args.plot, f"llama3_2_mid bf16, {args.steps} steps, CPU")
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+"""FP8 weights on the device, exact masters on the host (``device_weights="fp8"``).
+
+The host engine already keeps an exact copy of every offloaded weight (the parameter's dtype, or an
+fp32 master) and steps it there. With this option the device holds only a quantized image of the
+offloaded 2-D weights of the transformer layers: ``torch.float8_e4m3fn`` values with a power-of-two
+scale per output row (``"fp8"``) or per tensor (``"fp8_per_tensor"``), one byte per element instead
+of two. A layer's forward widens the weight to the parameter's dtype right before its matmul and
+drops the wide copy after; backward widens it again (only the FP8 bytes are saved for backward) and
+produces the full-precision weight gradient, which lands on the ``nn.Parameter`` as before, so the
+engine's gradient path (``offload_gradients``, accumulation, clipping) is unchanged. After each host
+step the master is re-quantized on the host into the consumed gradient buffer and the FP8 bytes are
+uploaded: half the bytes of a bf16 upload, and no extra host buffer.
+
+Power-of-two scales make both directions exact arithmetic: dividing by the scale only shifts
+exponents, so the one rounding is the cast to FP8, and widening is ``q.to(bf16) * scale`` with no
+rounding at all (every e4m3 value times a power of two is a bf16 value), so the widened weight
+needs no fp32 temporary on the device.
+
+What stays in the model's dtype: embeddings, the output head, norms, biases, anything smaller than
+``minimal_size`` (it is not offloaded) and any weight not owned by one ``nn.Linear`` under a
+``layers`` container (tied weights included).
+
+The ``nn.Parameter`` keeps its shape and dtype but holds one element on the device (an expanded
+zero), so optimizers, hooks and checkpoints keyed by it still work; ``model.state_dict()`` gives
+the host master for it (rounded to the parameter's dtype), never the FP8 image.
+"""
+
+import math
+import types
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchtune_offload.optim.stream_check as stream_check
+from torchtune_offload.optim.offload_options import DEVICE_WEIGHTS
+from torchtune_offload.optim.host_arena import pinned_allocation_bytes
+from torchtune_offload.optim.param_table import ParameterTable, Slot, named_groups
+from torchtune_offload.optim.transfer import TransferEngine
+
+__all__ = ["DEVICE_WEIGHTS", "FP8_DTYPE", "FP8_MAX", "DeviceWeights", "dequantize", "fp8_candidates", "fp8_linear",
+           "hold_in_fp8", "image_bytes", "plan_scale_bytes", "quantize", "scale_shape"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+#: The largest finite e4m3fn value.
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+#: Rows quantized at a time on the host, bounding the fp32 temporary.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def scale_shape(shape: torch.Size, *, per_row: bool) -> Tuple[int, int]:
+    """The shape of a weight's scales: one per output row, or one for the tensor (broadcastable)."""
+    return (shape[0], 1) if per_row else (1, 1)
+
+
+def _row_chunks(rows: int, cols: int) -> Iterator[slice]:
+    step = max(1, _CHUNK_ELEMENTS // max(cols, 1))
+    for start in range(0, rows, step):
+        yield slice(start, min(rows, start + step))
+
+
+def _power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two ``s`` with ``amax / s <= FP8_MAX`` (1 where ``amax`` is 0)."""
+    amax = amax.float()
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+@torch.no_grad()
+def quantize(weight: torch.Tensor, *, per_row: bool, out: Optional[torch.Tensor] = None,
+             scale_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FP8 values and power-of-two fp32 scales of a 2-D ``weight`` (``weight ~ q * scale``).
+
+    Works row chunk by row chunk, so the fp32 temporary stays small.
+
+    Args:
+        weight: the master (any float dtype); not modified.
+        per_row: one scale per output row, else one for the tensor.
+        out: where the FP8 values go (``weight``'s shape, :data:`FP8_DTYPE`); new if None.
+        scale_out: where the scales go (:func:`scale_shape`, fp32); new if None.
+
+    Returns:
+        ``(out, scale_out)``.
+    """
+    rows, cols = weight.shape
+    out = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device) if out is None else out
+    if scale_out is None:
+        scale_out = torch.empty(scale_shape(weight.shape, per_row=per_row), dtype=torch.float32, device=weight.device)
+    chunks = list(_row_chunks(rows, cols))
+    # abs and max are exact in any dtype: the amax is the master's own.
+    amax = torch.cat([weight[c].abs().amax(dim=1) for c in chunks]).view(rows, 1)
+    scale_out.copy_(_power_of_two_scale(amax if per_row else amax.amax().view(1, 1)))
+    for c in chunks:
+        # Division by a power of two is exact; the cast to FP8 is the one rounding.
+        wide = weight[c].float().div(scale_out[c] if per_row else scale_out)
+        out[c].copy_(wide.clamp_(-FP8_MAX, FP8_MAX))
+    return out, scale_out
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q * scale`` in ``dtype`` (exact for bf16, fp16 and fp32: the scale is a power of two)."""
+    wide = q.to(dtype)
+    return wide.mul_(scale.to(dtype))
+
+
+class _FP8Linear(torch.autograd.Function):
+    """``F.linear`` on a weight held in FP8: widened in forward and again in backward, so only
+    the FP8 bytes are saved; the weight gradient goes to ``shadow``, the (dataless) parameter."""
+
+    @staticmethod
+    def forward(ctx, x, shadow, q, scale, bias):
+        ctx.save_for_backward(x, q, scale)
+        ctx.dtype = shadow.dtype
+        ctx.has_bias = bias is not None
+        weight = dequantize(q, scale, shadow.dtype)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, q, scale = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out.matmul(dequantize(q, scale, ctx.dtype))
+        if ctx.needs_input_grad[1]:
+            grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[4]:
+            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        return grad_x, grad_w, None, None, grad_b
+
+
+def fp8_linear(x: torch.Tensor, shadow: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+               bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(x, dequantize(q, scale), bias)`` whose weight gradient goes to ``shadow``."""
+    return _FP8Linear.apply(x, shadow, q, scale, bias)
+
+
+class _Held:
+    """One weight held in FP8 on the device: its slot, module, device image and host scales."""
+
+    __slots__ = ("slot", "module", "q", "scale", "host_scale")
+
+    def __init__(self, slot: Slot, module: nn.Linear, q: torch.Tensor, scale: torch.Tensor,
+                 host_scale: torch.Tensor) -> None:
+        self.slot = slot
+        self.module = module
+        self.q = q
+        self.scale = scale
+        self.host_scale = host_scale
+
+
+def _eligible_linears(model: nn.Module) -> Dict[int, Tuple[str, nn.Linear]]:
+    """``nn.Linear`` modules under a ``layers`` container whose weight no other module shares, by id(weight)."""
+    owners: Dict[int, List[Tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for pname, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((f"{name}.{pname}", module))
+    found = {}
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear or "layers" not in name.split("."):
+            continue
+        users = owners.get(id(module.weight), [])
+        if len({id(m) for _, m in users}) == 1:
+            found[id(module.weight)] = (name, module)
+    return found
+
+
+def hold_in_fp8(module: nn.Linear, *, per_row: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Makes ``module`` compute with an FP8 image of its weight: new (uninitialised) FP8 values
+    and scales on the weight's device, the weight's own storage reduced to one element, and the
+    forward replaced by :func:`fp8_linear`. The caller fills the image.
+
+    Returns:
+        ``(q, scale)``, the image's values and scales.
+    """
+    weight = module.weight
+    q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty(scale_shape(weight.shape, per_row=per_row), dtype=torch.float32, device=weight.device)
+    # The full-size device weight goes: one element, expanded to the parameter's shape.
+    weight.data = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, q, scale, self.bias)
+
+    module.forward = types.MethodType(forward, module)
+    return q, scale
+
+
+def fp8_candidates(model: nn.Module, *, minimal_size: int) -> Dict[str, nn.Linear]:
+    """The layers whose weights ``device_weights="fp8"`` holds in FP8, by weight name: trainable
+    2-D ``nn.Linear`` weights under a ``layers`` container, offloaded (at least ``minimal_size``
+    elements), shared with no other module (for the planner, which has no optimizer)."""
+    return {f"{name}.weight": module for _, (name, module) in _eligible_linears(model).items()
+            if module.weight.requires_grad and module.weight.numel() >= minimal_size}
+
+
+def image_bytes(weight: torch.Tensor, *, per_row: bool) -> int:
+    """Device bytes of one weight's FP8 image: one per element, four per scale."""
+    rows, cols = scale_shape(weight.shape, per_row=per_row)
+    return weight.numel() + 4 * rows * cols
+
+
+def plan_scale_bytes(params: Any, *, mode: Optional[str], minimal_size: int, pinned: bool) -> int:
+    """Host bytes of the scales ``device_weights`` keeps for ``params`` (meta tensors work): at most
+    one buffer per offloaded 2-D trainable weight (which of them a model's layers own is known only
+    from its modules), each as torch's allocator takes it."""
+    if mode is None:
+        return 0
+    weights = [p for g in named_groups(params) for _, p in g["params"]
+               if p.requires_grad and p.dim() == 2 and p.numel() >= minimal_size]
+    return sum(pinned_allocation_bytes(4 * math.prod(scale_shape(p.shape, per_row=mode == "fp8")), pinned=pinned)
+               for p in weights)
+
+
+class DeviceWeights:
+    """Owns the FP8 device images of the offloaded layer weights (``device_weights="fp8"``): the
+    only writer of them, of their scales, and of the parameters' (dataless) device storage.
+
+    With ``mode=None`` it holds nothing and every call is a no-op, so the engine need not ask.
+
+    Args:
+        table: the slots; only offloaded ones are held.
+        transfer: uploads the FP8 bytes.
+        mode: ``"fp8"`` (per-row scales), ``"fp8_per_tensor"``, or None (device weights as they are).
+        synchronize: waits for queued host steps and uploads (binding and ``model.state_dict()`` call it).
+    """
+
+    def __init__(self, table: ParameterTable, transfer: TransferEngine, *, mode: Optional[str],
+                 synchronize: Callable[[], None]) -> None:
+        assert mode in (None, *DEVICE_WEIGHTS), mode  # OffloadOptions checked it
+        self._table = table
+        self._transfer = transfer
+        self.mode = mode
+        self.per_row = mode == "fp8"
+        self._synchronize = synchronize
+        self._held: Dict[int, _Held] = {}
+        self.attached = False
+        self._hooks: List[object] = []
+
+    def holds(self, slot: Slot) -> bool:
+        """The slot's device weight is an FP8 image."""
+        return slot.index in self._held
+
+    @property
+    def held(self) -> List[Slot]:
+        return [h.slot for h in self._held.values()]
+
+    @torch.no_grad()
+    def attach(self, model: nn.Module) -> None:
+        """Replaces the device weights of ``model``'s eligible layers by FP8 images of their masters.
+
+        Raises:
+            ValueError: if ``model`` has no eligible weight (``optimizer.device_weights``).
+            RuntimeError: if called twice.
+        """
+        if self.mode is None:
+            return
+        if self.attached:
+            raise RuntimeError("device_weights: the model's weights are already in FP8 (attach once).")
+        self._synchronize()
+        eligible = _eligible_linears(model)
+        chosen = [(s, eligible[id(s.param)][1]) for s in self._table.offloaded
+                  if id(s.param) in eligible and s.param.dim() == 2 and s.param.is_floating_point()]
+        if not chosen:
+            raise ValueError(f"optimizer.device_weights={self.mode}: the model has no offloaded nn.Linear weight under a "
+                             "'layers' container (a torchtune TransformerDecoder's), so nothing would be held in "
+                             "FP8. Remove optimizer.device_weights, or lower optimizer.minimal_size.")
+        for slot, module in chosen:
+            q, scale = hold_in_fp8(module, per_row=self.per_row)
+            held = _Held(slot, module, q=q, scale=scale,
+                         host_scale=self._transfer.host_empty_like(torch.empty(scale.shape)))
+            self._held[slot.index] = held
+            # The new device buffers were allocated on the compute stream.
+            self._transfer.uploads_wait_for_compute()
+            self._upload_fresh(held)
+            self._hooks.append(module.register_state_dict_post_hook(self._state_dict_hook(held)))
+            self._hooks.append(module.register_load_state_dict_pre_hook(self._refuse_load(held)))
+        self.attached = True
+
+    def _upload_fresh(self, held: _Held) -> None:
+        """Quantizes a master into a new host buffer and uploads it (attach and checkpoint loads),
+        waiting for the copy so that one weight's buffer is alive at a time."""
+        with stream_check.host_work():
+            q_host = self._transfer.host_empty_like(torch.empty(held.q.shape, dtype=FP8_DTYPE))
+            quantize(held.slot.step_param, per_row=self.per_row, out=q_host, scale_out=held.host_scale)
+        self._transfer.to_device(held.q, q_host)
+        self._transfer.to_device(held.scale, held.host_scale)
+        self._transfer.synchronize()
+
+    def check_bound(self) -> None:
+        """Raises RuntimeError where FP8 weights were asked for but the model was never bound."""
+        if self.mode is not None and not self.attached:
+            raise RuntimeError(f"device_weights={self.mode}: the model was never bound to the optimizer, so its "
+                               "forward still used full-precision weights; call register_forward_waits(model) right "
+                               "after building the optimizer.")
+
+    @torch.no_grad()
+    def requantize_all(self) -> None:
+        """Re-quantizes every held weight from its master (after a checkpoint load), and waits."""
+        if not self._held:
+            return
+        # The forward and backward read the images on the compute stream.
+        self._transfer.uploads_wait_for_compute()
+        for held in self._held.values():
+            self._upload_fresh(held)
+
+    def upload(self, slot: Slot) -> Optional[object]:
+        """After a host step: quantizes the slot's master into its consumed gradient buffer (one
+        byte per element of it) and uploads the FP8 bytes and scales.
+
+        Returns:
+            The upload's event (see ``TransferEngine.to_device``).
+        """
+        held = self._held[slot.index]
+        buffer = slot.host_grad.view(-1).view(torch.uint8)[: slot.param.numel()]
+        q_host = buffer.view(FP8_DTYPE).view(slot.param.shape)
+        with stream_check.host_work():
+            quantize(slot.step_param, per_row=self.per_row, out=q_host, scale_out=held.host_scale)
+        self._transfer.to_device(held.q, q_host)
+        return self._transfer.to_device(held.scale, held.host_scale)
+
+    def device_image(self, slot: Slot) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The slot's FP8 values and scales on the device (for tests and checks)."""
+        held = self._held[slot.index]
+        return held.q, held.scale
+
+    def _state_dict_hook(self, held: _Held):
+        def hook(module, state_dict, prefix, local_metadata):
+            self._synchronize()
+            master = held.slot.step_param.detach()
+            state_dict[prefix + "weight"] = master if master.dtype == held.slot.param.dtype else \
+                master.to(held.slot.param.dtype)
+        return hook
+
+    def _refuse_load(self, held: _Held):
+        def hook(module, state_dict, prefix, *args):
+            if prefix + "weight" in state_dict:
+                raise RuntimeError(f"{held.slot.key}: its device weight is an FP8 image of the optimizer's host "
+                                   "master (device_weights=fp8); load model weights before building the optimizer, "
+                                   "or resume through the optimizer's checkpoint.")
+        return hook
+
+    def close(self) -> None:
+        """Stops waiting for host work in ``model.state_dict()``. The layers keep computing with
+        their FP8 images and the checkpoint hooks stay, so the model's state dict still gives the
+        masters (dropping them would lose the only full-precision weights)."""
+        self._synchronize = lambda: None
+
