@@ -24,5 +24,5 @@ if [ $# -eq 0 ] && [ "${CHECKED_STREAMS:-1}" != 0 ]; then
     tests/optim/test_offload_optimizer.py tests/optim/test_overlap.py tests/optim/test_master_weights.py \
     tests/optim/test_staging.py tests/optim/test_update_on_device.py tests/optim/test_adamw8bit.py \
     tests/optim/test_transfer_and_capabilities.py tests/optim/test_host_arena.py tests/optim/test_llama_width.py \
-    tests/optim/test_fused_step.py tests/optim/test_host_add.py
+    tests/optim/test_fused_step.py tests/optim/test_host_add.py tests/optim/test_fp8_weights.py
 fi

@@ -59,9 +59,8 @@ class OffloadOptimizer(Optimizer):
         optimizer_class: the base optimizer, a class or a dotted path such as
             ``"torch.optim.AdamW"``, ``"torch.optim.SGD"`` or ``"bitsandbytes.optim.AdamW8bit"``.
         offload_gradients, minimal_size, master_dtype, grad_sum_dtype, fused_master_step, overlap,
-            overlap_timeout_s, update_on, device_staging_mib, device_weights: the engine's own options
-            (``device_weights="fp8"`` takes effect at :meth:`register_forward_waits`), described in
-            :class:`~torchtune_offload.optim.offload_options.OffloadOptions`.
+            overlap_timeout_s, update_on, device_staging_mib, device_weights (bound to the model at
+            :meth:`register_forward_waits`): the engine's own options, described in :class:`OffloadOptions`.
         **kwargs: passed to the base optimizer, e.g. ``lr``, ``weight_decay``, ``betas``.
 
     Raises:
@@ -148,22 +147,8 @@ class OffloadOptimizer(Optimizer):
         on an accelerator, ``optim/host_arena.py``) and ``gradient_accumulation_steps`` (with
         ``offload_gradients``, more than one adds the staging ring)."""
         own, kwargs = split_options(cls.__init__, options)
-        params = named_groups(params)  # read twice below
-        if own["update_on"] == "device":
-            trainable = [p for g in named_groups(params) for _, p in g["params"] if p.requires_grad]
-            return plan_streamed_memory(trainable, base_class=resolve_optimizer_class(optimizer_class),
-                                        options=kwargs, minimal_size=own["minimal_size"], pinning=pinning_of(device))
-        plan = plan_table_memory(
-            params, base_class=resolve_optimizer_class(optimizer_class), options=kwargs,
-            minimal_size=own["minimal_size"], pinning=pinning_of(device),
-            master_dtype=precision_option(own["master_dtype"], key="master_dtype"),
-            grad_sum_dtype=precision_option(own["grad_sum_dtype"], key="grad_sum_dtype"),
-            offload_gradients=own["offload_gradients"], gradient_accumulation_steps=gradient_accumulation_steps,
-        )
-        plan.add("FP8 scales (pinned)" if pinning_of(device) != NONE else "FP8 scales",
-                 plan_scale_bytes(params, mode=own["device_weights"], minimal_size=own["minimal_size"],
-                                  pinned=pinning_of(device) != NONE))
-        return plan
+        return _plan_host_memory(named_groups(params), resolve_optimizer_class(optimizer_class), own, kwargs,
+                                 device=device, gradient_accumulation_steps=gradient_accumulation_steps)
 
     @torch.no_grad()
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -200,11 +185,10 @@ class OffloadOptimizer(Optimizer):
             self._scheduler.announce(clipping=clipping, param_groups=self.param_groups)
 
     def register_forward_waits(self, model: torch.nn.Module) -> None:
-        """Binds the engine to ``model``: FP8 images of the layer weights (``device_weights``,
-        ``optim/fp8_weights.py``; a ValueError if it has none to hold); with overlap, ``step()``
-        returns at once and each module waits, right before its forward, for its own parameters'
-        host steps and uploads, and ``model.state_dict()`` for all of them. A parameter read before
-        the forward of the module that owns it needs :meth:`synchronize` first."""
+        """Binds the engine to ``model``: FP8 images of its layer weights (``device_weights``; a
+        ValueError if none), and with overlap each module waits, right before its forward, for its
+        own parameters' steps and uploads (``model.state_dict()`` for all; a parameter read before
+        its module's forward needs :meth:`synchronize`), so ``step()`` returns at once."""
         self._weights.attach(model)
         self._scheduler.register_forward_waits(model)
         self._streamer.register_forward_waits(model)
@@ -352,3 +336,24 @@ class OffloadOptimizer(Optimizer):
             self._scheduler.close()
             self._streamer.close()
             self._weights.close()
+
+
+def _plan_host_memory(groups: Any, base_class: type, own: Dict[str, Any], kwargs: Dict[str, Any], *,
+                      device: Union[str, torch.device], gradient_accumulation_steps: int) -> HostMemoryPlan:
+    """:meth:`OffloadOptimizer.plan_host_memory` for named ``groups``, the engine's options ``own``
+    and the base optimizer's ``kwargs``."""
+    pinning = pinning_of(device)
+    if own["update_on"] == "device":
+        trainable = [p for g in groups for _, p in g["params"] if p.requires_grad]
+        return plan_streamed_memory(trainable, base_class=base_class, options=kwargs,
+                                    minimal_size=own["minimal_size"], pinning=pinning)
+    plan = plan_table_memory(
+        groups, base_class=base_class, options=kwargs, minimal_size=own["minimal_size"], pinning=pinning,
+        master_dtype=precision_option(own["master_dtype"], key="master_dtype"),
+        grad_sum_dtype=precision_option(own["grad_sum_dtype"], key="grad_sum_dtype"),
+        offload_gradients=own["offload_gradients"], gradient_accumulation_steps=gradient_accumulation_steps,
+    )
+    plan.add("FP8 scales (pinned)" if pinning != NONE else "FP8 scales",
+             plan_scale_bytes(groups, mode=own["device_weights"], minimal_size=own["minimal_size"],
+                              pinned=pinning != NONE))
+    return plan
