@@ -31,9 +31,9 @@ import torch.nn.functional as F
 
 from torchtune_offload import AdamW8bit
 from torchtune_offload.assets import init_tensor
-from torchtune_offload.data import SyntheticTokens
 from torchtune_offload.models import llama3_2_mid
 from torchtune_offload.bench.machine import cpu_name
+from torchtune_offload.bench.quality import epoch_batches, loss_table
 
 
 def _bitsandbytes_adamw8bit(params, **options):
@@ -47,18 +47,6 @@ OPTIMIZERS: Dict[str, Callable[..., torch.optim.Optimizer]] = {
     "bitsandbytes AdamW8bit": _bitsandbytes_adamw8bit,
     "torchtune_offload AdamW8bit": lambda params, **o: AdamW8bit(params, **o),
 }
-
-
-def batches(args: argparse.Namespace) -> List[torch.Tensor]:
-    """Every step's (batch, seq_len) token ids: the samples in one seeded order per epoch."""
-    data = SyntheticTokens(seq_len=args.seq_len, num_samples=args.samples, vocab_size=args.vocab, seed=args.seed)
-    samples = torch.tensor([data[i]["tokens"] for i in range(len(data))])
-    gen = torch.Generator().manual_seed(args.seed)
-    order: List[int] = []
-    while len(order) < args.steps * args.batch_size:
-        order += torch.randperm(len(data), generator=gen).tolist()
-    index = torch.tensor(order[:args.steps * args.batch_size]).view(args.steps, args.batch_size)
-    return [samples[i] for i in index]
 
 
 def train(name: str, model: torch.nn.Module, make_optimizer: Callable[..., torch.optim.Optimizer],
@@ -76,20 +64,6 @@ def train(name: str, model: torch.nn.Module, make_optimizer: Callable[..., torch
         if len(losses) % args.every == 0:  # progress of a run of many minutes, beside the final table
             print(f"{name}: step {len(losses)}, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     return losses
-
-
-def table(curves: Dict[str, List[float]], every: int) -> List[str]:
-    names = list(curves)
-    lines = ["| step | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
-    steps = len(next(iter(curves.values())))
-    rows = [1] + list(range(every, steps + 1, every))
-    if rows[-1] != steps:
-        rows.append(steps)
-    for step in rows:
-        window = slice(max(step - every, 0), step) if step > 1 else slice(0, 1)
-        cells = [f"{statistics.fmean(curves[n][window]):.4f}" for n in names]
-        lines.append(f"| {step} | " + " | ".join(cells) + " |")
-    return lines
 
 
 def main() -> None:
@@ -114,7 +88,8 @@ def main() -> None:
         parser.error("--seq-len must be at least 2 (the loss predicts each next token)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    steps = batches(args)
+    steps = epoch_batches(seq_len=args.seq_len, num_samples=args.samples, vocab_size=args.vocab, seed=args.seed,
+                          steps=args.steps, batch_size=args.batch_size)
     initial = llama3_2_mid()
     with torch.no_grad():
         # The random-init checkpoints' scheme (normal, std 0.02, residual outputs scaled by depth): the
@@ -134,7 +109,7 @@ def main() -> None:
         curves[name] = train(name, copy.deepcopy(initial), make, steps, args)
         seconds[name] = time.perf_counter() - start
     print(f"Loss, mean over the {args.every} steps up to each row (row 1: the first step's loss)\n")
-    print("\n".join(table(curves, args.every)))
+    print("\n".join(loss_table(curves, args.every)))
     fp32, bnb, ours = curves.values()
     last = slice(-min(args.every, args.steps), None)
     print()

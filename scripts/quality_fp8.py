@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.assets import init_tensor
 from torchtune_offload.bench.machine import cpu_name
-from torchtune_offload.data import SyntheticTokens
+from torchtune_offload.bench.quality import epoch_batches, loss_table
 from torchtune_offload.models import llama3_2_mid
 
 #: ``--runs`` name -> (column name, ``device_weights``).
@@ -41,18 +41,6 @@ RUNS: Dict[str, Tuple[str, Optional[str]]] = {
     "fp8_per_tensor": ("fp8, per-tensor scales", "fp8_per_tensor"),
 }
 REFERENCE = RUNS["bf16"][0]
-
-
-def batches(args: argparse.Namespace) -> List[torch.Tensor]:
-    """Every step's (batch, seq_len) token ids: the samples in one seeded order per epoch."""
-    data = SyntheticTokens(seq_len=args.seq_len, num_samples=args.samples, vocab_size=args.vocab, seed=args.seed)
-    samples = torch.tensor([data[i]["tokens"] for i in range(len(data))])
-    gen = torch.Generator().manual_seed(args.seed)
-    order: List[int] = []
-    while len(order) < args.steps * args.batch_size:
-        order += torch.randperm(len(data), generator=gen).tolist()
-    index = torch.tensor(order[:args.steps * args.batch_size]).view(args.steps, args.batch_size)
-    return [samples[i] for i in index]
 
 
 def train(name: str, model: torch.nn.Module, device_weights: Optional[str], steps: List[torch.Tensor],
@@ -72,20 +60,6 @@ def train(name: str, model: torch.nn.Module, device_weights: Optional[str], step
             print(f"{name}: step {len(losses)}, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     opt.close()
     return losses
-
-
-def table(curves: Dict[str, List[float]], every: int) -> List[str]:
-    names = list(curves)
-    lines = ["| step | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
-    steps = len(next(iter(curves.values())))
-    rows = [1] + list(range(every, steps + 1, every))
-    if rows[-1] != steps:
-        rows.append(steps)
-    for step in rows:
-        window = slice(max(step - every, 0), step) if step > 1 else slice(0, 1)
-        cells = [f"{statistics.fmean(curves[n][window]):.4f}" for n in names]
-        lines.append(f"| {step} | " + " | ".join(cells) + " |")
-    return lines
 
 
 def plot(curves: Dict[str, List[float]], path: str, title: str) -> None:
@@ -135,7 +109,8 @@ def main() -> None:
         parser.error(f"--runs: a comma-separated list of distinct runs from {', '.join(RUNS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    steps = batches(args)
+    steps = epoch_batches(seq_len=args.seq_len, num_samples=args.samples, vocab_size=args.vocab, seed=args.seed,
+                          steps=args.steps, batch_size=args.batch_size)
     initial = llama3_2_mid()
     with torch.no_grad():
         # The random-init checkpoints' scheme, as scripts/quality_8bit.py uses it.
@@ -160,7 +135,7 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump({"header": header, "curves": curves, "seconds": seconds}, f)
     print(f"Loss, mean over the {args.every} steps up to each row (row 1: the first step's loss)\n")
-    print("\n".join(table(curves, args.every)))
+    print("\n".join(loss_table(curves, args.every)))
     last = slice(-min(20, args.steps), None)
     means = {n: statistics.fmean(c[last]) for n, c in curves.items()}
     reference = means.get(REFERENCE)
