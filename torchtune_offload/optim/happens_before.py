@@ -74,14 +74,13 @@ def _stack() -> List[Tuple[str, int, str]]:
 class _Storage:
     """What the checker knows of one storage: host or device memory, who allocated it, its accesses."""
 
-    __slots__ = ("host", "allocator", "accesses", "recorded", "finalizer")
+    __slots__ = ("host", "allocator", "accesses", "recorded")
 
     def __init__(self, *, host: bool, allocator: Optional[Agent]) -> None:
         self.host = host
         self.allocator = allocator
         self.accesses: List[_Access] = []
         self.recorded: set = set()
-        self.finalizer = None
 
 
 def _byte_range(tensor: torch.Tensor) -> Tuple[int, int]:
@@ -174,7 +173,7 @@ class Checker:
             frame = frame.f_back
         return False
 
-    def stream_waits(self, stream: VirtualStream, clock: Clock, *, what: str) -> None:
+    def stream_waits(self, stream: VirtualStream, clock: Clock) -> None:
         with self.lock:
             self._raise_pending()
             if self._is_dropped():
@@ -188,7 +187,7 @@ class Checker:
             clock[stream.agent] += 1  # the event marks a point of the stream's own order
             return dict(clock)
 
-    def host_waits(self, clock: Clock, *, what: str) -> None:
+    def host_waits(self, clock: Clock) -> None:
         with self.lock:
             self._raise_pending()
             if self._is_dropped():
@@ -233,7 +232,7 @@ class Checker:
             record = _Storage(host=False, allocator=allocator)
             self.storages[key] = record
             # Also forgets the record, whose address the next allocation may take.
-            record.finalizer = weakref.finalize(tensor.untyped_storage(), self._freed, key, record)
+            weakref.finalize(tensor.untyped_storage(), self._freed, key, record)
         return record
 
     def mark_host(self, tensor: torch.Tensor) -> None:

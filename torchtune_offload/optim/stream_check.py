@@ -177,9 +177,6 @@ class _JoiningFuture:
     def done(self) -> bool:
         return self._future.done()
 
-    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
-        return self._future.exception(timeout)
-
 
 def submit(executor: concurrent.futures.Executor, fn: Callable[..., Any], *args: Any) -> Any:
     """``executor.submit(fn, *args)``; while checking, the worker's operations are checked too, on

@@ -41,10 +41,10 @@ class VirtualStream:
         self.agent = agent
 
     def wait_event(self, event: "VirtualEvent") -> None:
-        self._checker.stream_waits(self, event._clock, what="wait_event")
+        self._checker.stream_waits(self, event._clock)
 
     def wait_stream(self, stream: "VirtualStream") -> None:
-        self._checker.stream_waits(self, self._checker.clock_of(stream.agent), what="wait_stream")
+        self._checker.stream_waits(self, self._checker.clock_of(stream.agent))
 
     def record_event(self, event: Optional["VirtualEvent"] = None) -> "VirtualEvent":
         event = event if event is not None else VirtualEvent(self._checker)
@@ -52,7 +52,7 @@ class VirtualStream:
         return event
 
     def synchronize(self) -> None:
-        self._checker.host_waits(self._checker.clock_of(self.agent), what="Stream.synchronize")
+        self._checker.host_waits(self._checker.clock_of(self.agent))
 
     def query(self) -> bool:
         return True
@@ -80,7 +80,7 @@ class VirtualEvent:
         (stream if stream is not None else self._checker.current_stream()).wait_event(self)
 
     def synchronize(self) -> None:
-        self._checker.host_waits(self._clock, what="Event.synchronize")
+        self._checker.host_waits(self._clock)
 
     def query(self) -> bool:
         # Every operation has run already; a query orders nothing (as the sanitizer of torch takes it).
