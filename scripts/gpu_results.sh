@@ -17,6 +17,8 @@
 #                   (bench_adamw8bit_kernel.py), and the pass as built for AVX2 beside torch's AVX2 kernels
 #                   (tables: OUT_DIR/hoststep.md)
 # Environment: STEPS (default 20), BATCH_SIZE (default 4), VARIANTS (default: all), VARIANT_TIMEOUT_S (default 240),
+#   OVERRIDES (config overrides appended to the sweep's, e.g. "gradient_accumulation_steps=4 clip_grad_norm=1.0"),
+#   TAG (appended to the sweep's output names, so that two sweeps of one model and limit keep both tables),
 #   TESTS_TIMEOUT_S (default 1800), SANITIZER_TIMEOUT_S (default 3600),
 #   PYTHON (the interpreter with the project's dependencies; default python3).
 set -uo pipefail
@@ -64,7 +66,7 @@ for stage in "$@"; do
       IFS=: read -r _ model gib <<< "$stage"
       $PY -m torchtune_offload.assets >/dev/null
       ckpt=$(checkpoint "$model")
-      name=sweep-$model-$gib
+      name=sweep-$model-$gib${TAG:+-$TAG}
       limit=(); [ "$gib" = all ] || limit=(--gpu-memory-gib "$gib")
       $PY scripts/benchmark_sweep.py --config "configs/$(family "$model")/${model}_full_paged_adamw.yaml" \
         --steps "$steps" --output-dir "/tmp/$name" --timeout-s "$variant_timeout" "${limit[@]}" \
@@ -75,7 +77,7 @@ for stage in "$@"; do
         tokenizer.special_tokens_path="$TINY/tokenizer/special_tokens.json" \
         dataset._component_=torchtune_offload.data.synthetic_dataset dataset.seq_len=2048 \
         dataset.num_samples=$((batch * steps + 8)) batch_size=$batch gradient_accumulation_steps=1 clip_grad_norm=null \
-        dtype=bf16 enable_activation_checkpointing=True
+        dtype=bf16 enable_activation_checkpointing=True ${OVERRIDES:-}
       cp "/tmp/$name/results.md" "$out/$name.md"
       tar czf "$out/$name.tgz" -C /tmp "$name" ;;
     pinned:*)

@@ -99,9 +99,9 @@ def assert_images_are_quantized_masters(opt, *, per_row=True):
     assert held, "no weight is held in FP8"
     for slot in held:
         q, scale = opt._weights.device_image(slot)
-        want_q, want_scale = quantize(slot.step_param, per_row=per_row)
-        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), slot.key
-        assert torch.equal(scale, want_scale), slot.key
+        want_q, want_scale = quantize(slot.step_param.cpu(), per_row=per_row)
+        assert torch.equal(q.view(torch.uint8).cpu(), want_q.view(torch.uint8)), slot.key
+        assert torch.equal(scale.cpu(), want_scale), slot.key
 
 
 @pytest.mark.parametrize("offload_gradients", [False, True])
@@ -109,45 +109,83 @@ def assert_images_are_quantized_masters(opt, *, per_row=True):
 @pytest.mark.parametrize("clip", [None, 0.5])
 @pytest.mark.parametrize("master_dtype", [None, "fp32"])
 def test_master_equals_plain_adamw_on_the_engines_gradients(offload_gradients, grad_accum, clip, master_dtype):
-    model = layered()
+    train_beside_plain_adamw("cpu", offload_gradients=offload_gradients, grad_accum=grad_accum, clip=clip,
+                             master_dtype=master_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("clip", [None, 0.5])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_on_the_accelerator_the_master_follows_plain_adamw(offload_gradients, clip, overlap):
+    """The same on a real device: its streams, pinned buffers and kernels (the CPU run shares none)."""
+    train_beside_plain_adamw(str(torch.accelerator.current_accelerator()), offload_gradients=offload_gradients,
+                             grad_accum=2, clip=clip, master_dtype=None, overlap=overlap)
+
+
+def train_beside_plain_adamw(device, *, offload_gradients, grad_accum, clip, master_dtype, overlap=False):
+    """Trains the layered model with FP8 device weights beside plain AdamW (on the host) fed the
+    engine's own gradients; after every step the masters must equal plain AdamW's weights and the
+    device images the quantized masters."""
+    model = layered().to(device)
     master_type = torch.float32 if master_dtype else DTYPE
-    ref = {n: nn.Parameter(p.detach().clone().to(master_type)) for n, p in model.named_parameters()}
+    ref = {n: nn.Parameter(p.detach().cpu().clone().to(master_type)) for n, p in model.named_parameters()}
     ref_opt = torch.optim.AdamW(ref.values(), lr=1e-2, weight_decay=0.1)
     tap = GradientTap(model)
     # The fused master pass rounds its multiply-adds differently (tests/optim/test_master_weights.py):
     # the unfused path is plain AdamW's math, so the masters must be equal.
-    opt = build(model, offload_gradients=offload_gradients, master_dtype=master_dtype, fused_master_step=False)
+    opt = build(model, offload_gradients=offload_gradients, master_dtype=master_dtype, fused_master_step=False,
+                overlap=overlap)
     held = {s.key for s in opt._weights.held}
     assert held == {f"layers.{i}.{m}.weight" for i in range(2) for m in ("up", "down")}
     assert_images_are_quantized_masters(opt)
-    batches = data(4 * grad_accum)
+    batches = [(x.to(device), y.to(device)) for x, y in data(4 * grad_accum)]
+    on_cpu = device == "cpu"
     for start in range(0, len(batches), grad_accum):
         tap.clear()
-        for x, y in batches[start:start + grad_accum]:
-            ((model(x).float() - y.float()) ** 2).mean().backward()
-        opt.scale_grads_(1.0 / grad_accum)
+        window = batches[start:start + grad_accum]
+        for i, (x, y) in enumerate(window):
+            if overlap and i == len(window) - 1:
+                opt.expect_final_backward(clipping=clip is not None)
+            loss = ((model(x).float() - y.float()) ** 2).mean()
+            # Overlapped steps take the last gradients as they arrive: the loss is scaled instead
+            # (by a power of two, so the sums are those of the scaled gradients exactly).
+            (loss / grad_accum if overlap else loss).backward()
+        if not overlap:
+            opt.scale_grads_(1.0 / grad_accum)
         # Scaled and clipped in the parameters' dtype, as plain training does, then widened for a master.
         holders = {name: nn.Parameter(torch.empty_like(tap.sums[name])) for name in ref}
         for name, h in holders.items():
-            h.grad = tap.sums[name].mul_(1.0 / grad_accum)
+            h.grad = tap.sums[name] if overlap else tap.sums[name].mul_(1.0 / grad_accum)
         if clip is not None:
             norm = opt.clip_grad_norm_(clip)
             ref_norm = torch.nn.utils.clip_grad_norm_(holders.values(), clip)
-            assert torch.equal(norm, ref_norm)
+            if on_cpu:
+                assert torch.equal(norm, ref_norm)
+            else:
+                # The device reduces the norms in another order: equal to rounding, and so the
+                # clipped gradients and the masters below.
+                torch.testing.assert_close(norm.cpu(), ref_norm.cpu())
             assert float(ref_norm) > clip, "the clip threshold must bite"
         for name, p in ref.items():
-            p.grad = holders[name].grad.to(master_type)
+            p.grad = holders[name].grad.to("cpu", master_type)
         opt.step()
         ref_opt.step()
         opt.zero_grad()
+        if overlap:
+            opt.synchronize()
         for slot in opt._slots:
             host = slot.step_param if slot.offloaded or slot.has_master else slot.param
-            assert torch.equal(host, ref[slot.key]), slot.key
+            if on_cpu or clip is None:
+                assert torch.equal(host.cpu(), ref[slot.key]), slot.key
+            else:
+                torch.testing.assert_close(host.cpu(), ref[slot.key], msg=slot.key)
         assert_images_are_quantized_masters(opt)
     # The layers' device weights hold one element; everything else is a full tensor.
     for slot in opt._slots:
         assert slot.param.untyped_storage().nbytes() == (slot.param.element_size() if slot.key in held
                                                          else slot.param.numel() * slot.param.element_size())
+    opt.close()
 
 
 @pytest.mark.parametrize("per_row", [True, False])
