@@ -76,6 +76,9 @@ def test_the_arithmetic_of_a_known_step():
     overlap = predict(replace(work, update="host", overlap=True), machine, samples_per_micro_batch=1)
     assert overlap.step_seconds == pytest.approx(8 + max(0.0, 2 - OVERLAP_HIDDEN_SHARE * 6))
     assert overlap.hides_at_batch == 1
+    # With clipping the steps wait for the last backward's norms: nothing hides, at any batch.
+    clipped = predict(replace(work, update="host", overlap=True, clipping=True), machine, samples_per_micro_batch=1)
+    assert clipped.step_seconds == pytest.approx(8 + 2) and clipped.hides_at_batch is None
     # On a 0.5 GB/s bus the pipeline takes 4 s: two 1000-token samples' backwards (0.35 x 12 s) hide
     # it; with 250-token samples (the same 1000 tokens in 4), eight.
     slow = Machine.from_dict({**ROUND, "pcie_h2d_gbs": 0.5, "pcie_d2h_gbs": 0.5}, name="slow")

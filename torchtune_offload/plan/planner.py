@@ -154,6 +154,7 @@ def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module
                     activation_checkpointing=settings.enable_activation_checkpointing,
                     element_size=settings.dtype.itemsize, update=update,
                     offload_gradients=settings.offload_gradients, overlap=bool(own.get("overlap", False)),
+                    clipping=settings.clip_grad_norm is not None,
                     eight_bit=base is not None and base.__name__ == "AdamW8bit",
                     master_fp32=str(own.get("master_dtype")) in ("fp32", "float32", "torch.float32"),
                     state_bytes=state_bytes)

@@ -34,6 +34,7 @@ S2_24 = "gpu_results.md, second session (2026-11-22, 03d3a7b): the optimizer swe
 S2_8B = "gpu_results.md, second session (f6cc131): llama3_1 8B at 24 GiB"
 S2_BENCH = "gpu_results.md, second session (46fa3b6): Overlap: scripts/bench_overlap.py on llama3_2 1B"
 S3_24 = "gpu_results.md, session of 2026-11-26 (89c21e7): llama3_2 1B at 24 GiB, update on the device"
+S4_8B = "gpu_results.md, second session of 2026-11-26 (904b5ab): llama3_1 8B at 24 GiB, batch 1, clipping"
 
 _GAP_IN_BWD = Gap("optimizer in backward",
     "bitsandbytes steps each parameter inside backward (optimizer_in_bwd); the model counts the GPU's "
@@ -55,6 +56,12 @@ _GAP_MASTER = Gap("fp32 master pass",
     "fp32 master weights: the model scales the host step by its bytes (28 per parameter against 14), but "
     "the run was only 7% slower than offload_grads_overlap: the fused master pass (optim/fused_step.py) "
     "is not bandwidth-bound at the bf16 step's rate, and no machine key measures it")
+_GAP_CLIP = Gap("clipping at 8B",
+    "llama3_1 8B, batch 1, clip 1.0, no accumulation: 2.69 s a step, 0.85 s more than the model's GPU work "
+    "plus the host pipeline (1.84 s: with clipping nothing of it hides). The run's per-part timings (the "
+    "recipe's host_step_s, grad_copy_s and offload_wait_s) did not come back from the device (not profiled); "
+    "a likely part is the clip's scaling of the 16 GB of host gradients before the steps, which no "
+    "machine key measures")
 _GAP_MACHINE = Gap("machine variation",
     "that session's machine ran plain AdamW at 26092 tok/s, 17% below the 31422-31680 of the other "
     "sessions' H100s on the same settings: machine-to-machine variation the preset (fitted to the first "
@@ -124,18 +131,20 @@ def recorded_runs() -> List[RecordedRun]:
              master_fp32=True, gap=_GAP_MASTER, **_HOST),
         _run("offload_grads_overlap", 2196, S2_8B, n8, 2, overlap=True, offload_gradients=True, **_HOST),
         _run("offload_grads_overlap, accumulation 4, clip 1.0", 2043, S2_8B, n8, 2, micro_batches=4, overlap=True,
-             offload_gradients=True, gap=_GAP_MICRO, **_HOST),
+             clipping=True, offload_gradients=True, gap=_GAP_MICRO, **_HOST),
         _run("paged_adamw8bit_in_bwd (whole GPU)", 4799, S2_8B, n8, 2),
         # bench_overlap gives step seconds: 2 x 2048 tokens per micro-batch.
         _run("bench_overlap, overlap off", 4096 / 0.382, S2_BENCH, n1, 2, **_HOST),
         _run("bench_overlap, overlap on", 4096 / 0.363, S2_BENCH, n1, 2, overlap=True, **_HOST),
         _run("bench_overlap, accumulation 4, clip 1.0, offload_gradients, overlap off", 4 * 4096 / 1.794, S2_BENCH,
-             n1, 2, micro_batches=4, offload_gradients=True, gap=_GAP_MICRO, **_HOST),
+             n1, 2, micro_batches=4, offload_gradients=True, clipping=True, gap=_GAP_MICRO, **_HOST),
         _run("bench_overlap, accumulation 4, clip 1.0, offload_gradients, overlap on", 4 * 4096 / 1.582, S2_BENCH,
-             n1, 2, micro_batches=4, offload_gradients=True, overlap=True, gap=_GAP_MICRO, **_HOST),
+             n1, 2, micro_batches=4, offload_gradients=True, overlap=True, clipping=True, gap=_GAP_MICRO, **_HOST),
         _run("adamw", 26092, S3_24, n1, 4, gap=_GAP_MACHINE),
         _run("offload_device_update", 19800, S3_24, n1, 4, update="device_update"),
         _run("offload_device_update_overlap", 22975, S3_24, n1, 4, update="device_update", overlap=True),
+        _run("offload_grads_overlap, clip 1.0", 760, S4_8B, n8, 1, overlap=True, clipping=True, offload_gradients=True,
+             gap=_GAP_CLIP, **_HOST),
     ]
     return runs
 

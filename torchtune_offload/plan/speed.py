@@ -148,6 +148,8 @@ class StepWork:
             (torchao's ``CPUOffloadOptimizer``: copy, step, copy back, one after the other).
         offload_gradients: gradients go to the host during every backward and are summed there.
         overlap: the host step runs beside the GPU's work.
+        clipping: gradients are clipped by their total norm, so the host steps wait for the last
+            backward's norms (with ``overlap``, nothing of them hides behind that backward).
         eight_bit: the host step is :class:`torchtune_offload.AdamW8bit`.
         master_fp32: fp32 master weights and states on the host.
         state_bytes: optimizer-state bytes per trainable parameter (what ``device_update`` moves).
@@ -164,6 +166,7 @@ class StepWork:
     update: str = "device"
     offload_gradients: bool = False
     overlap: bool = False
+    clipping: bool = False
     eight_bit: bool = False
     master_fp32: bool = False
     state_bytes: float = 4.0
@@ -189,7 +192,8 @@ class Speed:
             ``host_sums``), whether or not it is hidden behind another's.
         hides_at_batch: for this project's offload variants (host engine or ``update_on=device``),
             the smallest batch per micro-batch (samples of this sequence length) at which, with
-            ``overlap``, the offloaded work hides behind GPU work; None for the others.
+            ``overlap``, the offloaded work hides behind GPU work; None for the others, and for the
+            host engine with clipping (its steps wait for the last backward's norms).
     """
 
     step_seconds: float
@@ -258,12 +262,15 @@ def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Option
         pcie = (work.micro_batches if work.offload_gradients else 1) * down + up
         # Copies down, the per-parameter steps and copies up run as a pipeline: the slowest sets its pace.
         phase = max(down, host_step, up)
-        hides = _hides_at_batch(work, machine, phase, sum_one, samples_per_micro_batch)
+        # With clipping no batch hides the host steps (they wait for the norms): no such batch.
+        hides = None if work.clipping else _hides_at_batch(work, machine, phase, sum_one, samples_per_micro_batch)
         if work.overlap:
             # Each later micro-batch's sum hides behind the next micro-batch's GPU work; the host
             # phase behind part of the last backward.
             exposed_sums = (work.micro_batches - 1) * max(0.0, sum_one - micro) if work.offload_gradients else 0.0
-            step = gpu + exposed_sums + max(0.0, phase - OVERLAP_HIDDEN_SHARE * backward)
+            # With clipping the steps start only once the last backward's norms are in.
+            hidden = 0.0 if work.clipping else OVERLAP_HIDDEN_SHARE * backward
+            step = gpu + exposed_sums + max(0.0, phase - hidden)
         else:
             step = gpu + sums + phase
     parts = {"gpu": gpu, "pcie": pcie, "host_step": host_step, "host_sums": sums}
