@@ -18,6 +18,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from tests.optim.test_fp8_weights import build, layered
 from tests.recipe_harness import REPO, TUNE, load_recipe_module, tiny_asset_overrides, working_tree_env
 from torchtune_offload.recipe import Progress, TrainingDivergedError, read_disk_log
 from torchtune_offload.recipe.divergence import DivergenceGuard, nonfinite_parameters
@@ -162,6 +163,19 @@ def test_nonfinite_parameters_finds_nan_and_inf_in_trainable_weights_only():
     with pytest.raises(TrainingDivergedError, match=r"step 3 .*2 trainable parameter\(s\) hold nan or inf "
                        r"\(0.bias, 1.weight\)"):
         guard.check_weights(model)
+
+
+def test_nonfinite_parameters_reads_the_host_masters_of_fp8_device_weights():
+    """With device_weights=fp8 a layer's device weight is a one-element placeholder: the check must
+    read the master the checkpoint saves, not the placeholder's zero."""
+    model = layered()
+    opt = build(model)
+    assert nonfinite_parameters(model) == []
+    slot = next(s for s in opt._weights.held if s.key == "layers.1.down.weight")
+    with torch.no_grad():
+        slot.step_param.view(-1)[5] = float("nan")
+    assert nonfinite_parameters(model) == ["layers.1.down.weight"]
+    opt.close()
 
 
 @pytest.mark.gpu

@@ -32,7 +32,7 @@ class TrainingDivergedError(RuntimeError):
 
 def nonfinite_parameters(model: torch.nn.Module) -> List[str]:
     """The names of ``model``'s trainable parameters that hold a nan or an inf (under FSDP2, in
-    this rank's shards).
+    this rank's shards; for FP8 device weights, in the host masters a checkpoint saves).
 
     Each parameter is reduced to its minimum and maximum (a nan propagates to both, an inf shows in
     one): no temporary the size of a weight, which a device near its memory limit could not hold,
@@ -46,6 +46,7 @@ def nonfinite_parameters(model: torch.nn.Module) -> List[str]:
         local = param.to_local() if isinstance(param, DTensor) else param
         if local.numel() == 0:  # an empty shard on this rank
             continue
+        local = _saved_tensor(model, name, local)
         low, high = torch.aminmax(local.detach())
         finite.setdefault(local.device, []).append(torch.isfinite(low) & torch.isfinite(high))
         names.setdefault(local.device, []).append(name)
@@ -53,6 +54,17 @@ def nonfinite_parameters(model: torch.nn.Module) -> List[str]:
     for device, flags in finite.items():
         bad += [n for n, ok in zip(names[device], torch.stack(flags).tolist()) if not ok]
     return bad
+
+
+def _saved_tensor(model: torch.nn.Module, name: str, local: torch.Tensor) -> torch.Tensor:
+    """What a checkpoint saves for parameter ``name``: the parameter itself, or, where the device
+    holds only a placeholder (``device_weights: fp8`` keeps one element, expanded), the tensor its
+    module's state-dict hook gives in its place (the exact host master)."""
+    if local.untyped_storage().nbytes() >= local.numel() * local.element_size():
+        return local
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    return module.state_dict(keep_vars=True)[leaf]
 
 
 class DivergenceGuard:
