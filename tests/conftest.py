@@ -56,19 +56,50 @@ def tiny_assets(tmp_path_factory) -> Path:
     return out
 
 
+#: The engine's test files (host engine, offload_gradients, accumulation, clipping, overlap, master
+#: weights, 8-bit states, device update, staging ring, FP8 device weights, resume) that
+#: ``--also-checked-streams`` runs a second time on virtual streams.
+ENGINE_TEST_FILES = (
+    "tests/optim/test_offload_optimizer.py", "tests/optim/test_overlap.py", "tests/optim/test_master_weights.py",
+    "tests/optim/test_staging.py", "tests/optim/test_update_on_device.py", "tests/optim/test_adamw8bit.py",
+    "tests/optim/test_transfer_and_capabilities.py", "tests/optim/test_host_arena.py",
+    "tests/optim/test_llama_width.py", "tests/optim/test_fused_step.py", "tests/optim/test_host_add.py",
+    "tests/optim/test_fp8_weights.py",
+)
+_PLAIN, _CHECKED = "plain", "checked"
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--checked-streams", action="store_true", default=False,
         help="run each test inside torchtune_offload.optim.stream_check.checked_streams(): the CPU emulation "
              "on virtual streams, every tensor access checked for happens-before",
     )
+    parser.addoption(
+        "--also-checked-streams", action="store_true", default=False,
+        help="run each test of the engine's files (ENGINE_TEST_FILES in tests/conftest.py) twice: as it is, "
+             "and inside checked_streams() (its id ends in 'checked')",
+    )
+
+
+def pytest_generate_tests(metafunc):
+    # The engine's tests twice in one session: one xdist start, one collection, one balance of work.
+    config = metafunc.config
+    if not config.getoption("--also-checked-streams") or config.getoption("--checked-streams"):
+        return
+    path = Path(metafunc.definition.path).resolve().relative_to(REPO_ROOT).as_posix()
+    as_is = metafunc.definition.get_closest_marker("streams_as_is") is not None
+    if path in ENGINE_TEST_FILES and not as_is and "_checked_streams" in metafunc.fixturenames:
+        metafunc.parametrize("_checked_streams", [_PLAIN, _CHECKED], indirect=True)
 
 
 @pytest.fixture(autouse=True)
 def _checked_streams(request):
-    """With --checked-streams, the test runs on virtual streams (tests that enter checked_streams()
-    themselves, marked ``streams_as_is``, run as they are)."""
-    if not request.config.getoption("--checked-streams") or "streams_as_is" in request.keywords:
+    """The test runs on virtual streams with --checked-streams, or in its ``checked`` copy under
+    --also-checked-streams (tests that enter checked_streams() themselves, marked ``streams_as_is``,
+    run as they are)."""
+    wanted = request.config.getoption("--checked-streams") or getattr(request, "param", _PLAIN) == _CHECKED
+    if not wanted or "streams_as_is" in request.keywords:
         yield
         return
     with checked_streams():
