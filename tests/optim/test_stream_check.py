@@ -208,6 +208,7 @@ WAITS = {
     ("transfer.py", "wait_stream(self.h2d_stream)"): "serial",
     ("transfer.py", "event.synchronize()"): "serial offload_gradients",
     ("staging.py", "self._transfer.wait(event)"): "serial offload_gradients",
+    ("staging.py", "pending[1].result()"): "serial offload_gradients",
     ("state_streamer.py", "self._up.wait_event(self._buffer_free[index])"): "device update",
     ("state_streamer.py", "stream.wait_event(self._buffer_free[index])"): "device update",
     ("state_streamer.py", "stream.wait_event(uploaded)"): "device update",

@@ -336,6 +336,7 @@ class OffloadOptimizer(Optimizer):
             self._scheduler.close()
             self._streamer.close()
             self._weights.close()
+            self._grads.staging.close()
 
 
 def _plan_host_memory(groups: Any, base_class: type, own: Dict[str, Any], kwargs: Dict[str, Any], *,

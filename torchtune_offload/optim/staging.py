@@ -7,14 +7,18 @@ gradients (about 16 GB for an 8B model in bf16). Here later micro-batches go thr
 of fixed-size pinned chunks instead: each gradient is copied chunk by chunk, and a chunk is added
 into its sum when the ring comes back round to it, or when :meth:`StagingRing.drain` is called.
 
-The ring is retired in the order chunks were issued, so the additions into any element happen in
-the order of the micro-batches, as the device's own accumulation does: the result is the same bits.
-Each addition is one pass of ``host_add.add_`` over all host cores (torch's ``add_`` of a bf16
-chunk into an fp32 sum converted the chunk first and took 5 to 10 times as long; see
-``docs/accumulation.md``). The ring may be used from the training thread (adding) and a host
-worker (draining) at once.
+The additions run on a host thread of the ring's own, in the order the chunks were issued, so the
+additions into any element happen in the order of the micro-batches, as the device's own
+accumulation does: the result is the same bits. The training thread (the backward hook) only
+issues the copies, and waits only where a chunk it needs is still being added: on an accelerator
+the backward's kernels go on while the host adds (when the hook added, the two ran one after the
+other: about 2 s a micro-batch for an 8B model, docs/accumulation.md). Each addition is one pass of
+``host_add.add_`` over all host cores (torch's ``add_`` of a bf16 chunk into an fp32 sum converted
+the chunk first and took 5 to 10 times as long). The ring may be used from the training thread
+(adding) and a host worker (draining) at once.
 """
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import List, Optional, Tuple
 
 import torch
@@ -64,12 +68,14 @@ class StagingRing:
         self._add = host_add.add_ if fused_add else _torch_add
         # Allocated on first use: a run without accumulation never needs them.
         self._chunks: List[torch.Tensor] = []
-        # Per chunk: (sequence number, destination view, staged view, copy event) until it is added.
-        self._pending: List[Optional[Tuple[int, torch.Tensor, torch.Tensor, object]]] = [None] * num_chunks
+        # Per chunk: (sequence number, the addition's future) until the addition is joined.
+        self._pending: List[Optional[Tuple[int, Future]]] = [None] * num_chunks
         self._next = 0
         self._issued = 0
-        # The lock orders the training thread's reuse of a chunk after a worker's addition from it.
+        # The lock orders the training thread's reuse of a chunk after a worker's drain of it.
         self._lock = stream_check.HostLock()
+        # One thread, so the additions run in the order they were issued (started on first use).
+        self._adder: Optional[ThreadPoolExecutor] = None
 
     @staticmethod
     def chunk_size(*, chunk_bytes: Optional[int] = None, largest_bytes: Optional[int] = None) -> int:
@@ -98,13 +104,17 @@ class StagingRing:
             self._chunks.append(self._transfer.host_empty_like(template))
         return self._chunks[index]
 
+    def _finish(self, dst: torch.Tensor, staged: torch.Tensor, event: object) -> None:
+        """On the adder thread: waits for the chunk's copy, then adds it into its sum."""
+        self._transfer.wait(event)
+        self._add(dst, staged)
+
     def _retire(self, index: int) -> None:
+        """Waits for the chunk's addition (and raises its error, if it failed)."""
         pending = self._pending[index]
         if pending is not None:
-            _, dst, staged, event = pending
-            self._transfer.wait(event)
-            self._add(dst, staged)
             self._pending[index] = None
+            pending[1].result()
 
     @torch.no_grad()
     def add_into(self, dst: torch.Tensor, src: torch.Tensor) -> int:
@@ -135,7 +145,10 @@ class StagingRing:
             staged = self._chunk(index).view(src.dtype)[:length]
             event = self._transfer.to_host(staged, src_flat[start : start + length], release_source=True)
             self._issued += 1
-            self._pending[index] = (self._issued, dst_flat[start : start + length], staged, event)
+            if self._adder is None:
+                self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-staging-add")
+            done = stream_check.submit(self._adder, self._finish, dst_flat[start : start + length], staged, event)
+            self._pending[index] = (self._issued, done)
         return self._issued
 
     def drain(self) -> None:
@@ -152,3 +165,11 @@ class StagingRing:
                 if pending is not None and token is not None and pending[0] > token:
                     break
                 self._retire(index)
+
+    def close(self) -> None:
+        """Finishes every addition started and stops the adder thread (a later use starts a new one)."""
+        self.drain()
+        with self._lock:
+            if self._adder is not None:
+                self._adder.shutdown(wait=True)
+                self._adder = None
