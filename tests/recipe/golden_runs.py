@@ -22,10 +22,18 @@ process with ``PINNED_ENV`` in its environment, read by these libraries before t
   differently on another count.
 - ``ONEDNN_MAX_CPU_ISA=AVX2``: oneDNN's kernels (these fp32 runs use none today; a bf16 run would).
 
-What is left to chance: torch's AVX2 kernels are the same compiled code on every CPU, but the whole
-replay has been compared with the recording on the CPU it was made on only (README.md names the
-CPUs the suite is known to pass on). A kernel with an approximate instruction (whose results the
-vendors do not define alike), or an MKL that breaks its promise, would show here first.
+And the runs' AdamW is torch's fused CPU step (``FUSED`` below): its square roots are the vector
+unit's, correctly rounded everywhere, where torch.sqrt goes to MKL's vector math, whose bits
+follow the CPU even under ``MKL_CBWR=COMPATIBLE``.
+
+Checked beyond the recording's CPU: ``scripts/golden_on_emulated_cpus.sh`` replays every run under
+QEMU emulating AVX2-only CPUs (an Intel Haswell and an AMD EPYC-Milan: cpuid without AVX-512, so
+torch, MKL and oneDNN choose as on such a desktop). With torch.sqrt in the step, 12 of the 13
+replays differed from step 2 or later, the first differing operation being ``aten.sqrt`` in
+AdamW (found by hashing every operator's output, natively and emulated); with the fused step all
+13 are bit-identical. What is left to chance: QEMU computes approximate instructions (rcpps,
+rsqrtps) exactly, as no real CPU does, so real AVX2 silicon has not confirmed it; a kernel with such
+an instruction, or an MKL that breaks its promise, would show here first.
 
 Record anew only when a change is meant to alter the numbers, and say so in its commit:
 
@@ -61,22 +69,30 @@ PINNED_CAPABILITY = "AVX2"
 THREADS = 2
 
 OFFLOAD = ["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW"]
-FULL = ["max_steps_per_epoch=5", "batch_size=4", "gradient_accumulation_steps=3", "clip_grad_norm=0.5"]
-LORA = ["max_steps_per_epoch=12", "batch_size=4", "gradient_accumulation_steps=2", "clip_grad_norm=0.5"]
+#: torch's fused CPU AdamW takes its square roots with the vector unit's sqrt, which rounds
+#: correctly on every CPU. Its per-parameter path calls torch.sqrt, which this torch build hands to
+#: MKL's vector math library: not correctly rounded, and its bits follow the branch MKL takes for
+#: the CPU (with MKL_CBWR=COMPATIBLE too). Under QEMU emulating an AVX2-only Haswell or EPYC-Milan,
+#: 12 of the 13 replays then differed from the Zen 4 recording from the first optimizer step, the
+#: first differing operation being aten.sqrt; with the fused step all matched.
+FUSED = ["optimizer.fused=True"]
+FULL = ["max_steps_per_epoch=5", "batch_size=4", "gradient_accumulation_steps=3", "clip_grad_norm=0.5", *FUSED]
+LORA = ["max_steps_per_epoch=12", "batch_size=4", "gradient_accumulation_steps=2", "clip_grad_norm=0.5", *FUSED]
 #: Each run: its recipe kind and its overrides of the tiny config.
 RUNS: Dict[str, Tuple[str, List[str]]] = {
     "full_adamw": ("full", FULL),
     "full_offload": ("full", FULL + OFFLOAD + ["optimizer.minimal_size=1024"]),
     "full_offload_grads": ("full", FULL + OFFLOAD + ["optimizer.minimal_size=1024", "optimizer.offload_gradients=True"]),
-    "full_in_bwd": ("full", ["max_steps_per_epoch=5", "batch_size=4", "optimizer_in_bwd=True", "clip_grad_norm=null"]),
+    "full_in_bwd": ("full", ["max_steps_per_epoch=5", "batch_size=4", "optimizer_in_bwd=True", "clip_grad_norm=null",
+                             *FUSED]),
     "full_resume_2ep": ("full", ["epochs=2", "max_steps_per_epoch=4", "batch_size=4", "gradient_accumulation_steps=2",
-                                 "clip_grad_norm=0.5", *OFFLOAD, "optimizer.minimal_size=1024"]),
+                                 "clip_grad_norm=0.5", *OFFLOAD, "optimizer.minimal_size=1024", *FUSED]),
     "lora_adamw": ("lora", LORA),
     "lora_offload": ("lora", LORA + OFFLOAD + ["optimizer.minimal_size=256"]),
     "lora_offload_grads": ("lora", LORA + OFFLOAD + ["optimizer.minimal_size=256", "optimizer.offload_gradients=True"]),
     "dist_1proc": ("distributed", ["max_steps_per_epoch=3", "epochs=2", "gradient_accumulation_steps=2",
                                    "clip_grad_norm=1.0", "batch_size=8", "fsdp_shard_policy=[layers,embeddings]",
-                                   "enable_activation_checkpointing=True"]),
+                                   "enable_activation_checkpointing=True", *FUSED]),
 }
 #: Overlapped host steps run the same operations at other moments: the serial runs' recordings hold.
 OVERLAPPED = ("full_offload", "full_offload_grads", "full_resume_2ep", "lora_offload_grads")
