@@ -9,7 +9,8 @@
 #   demo            scripts/gradient_math_demo.py on the GPU (log: OUT_DIR/grad-math.log)
 #   sweep:MODEL:GIB the optimizer sweep of MODEL (1B or 3B: llama3_2; 8B: llama3_1) from a random-init checkpoint on
 #                   synthetic data; GIB: GPU memory left free by a ballast, or "all" for the whole GPU
-#                   (table and logs: OUT_DIR/sweep-MODEL-GIB.tgz, table also OUT_DIR/sweep-MODEL-GIB.md)
+#                   (table and logs: OUT_DIR/sweep-MODEL-GIB.tgz, table also OUT_DIR/sweep-MODEL-GIB.md, each
+#                   variant's log also OUT_DIR/sweep-MODEL-GIB-VARIANT.log)
 #   pinned:MODEL    pinned host bytes against tensor bytes for MODEL (as for sweep), per offload optimizer
 #                   (table: OUT_DIR/pinned-MODEL.md)
 #   hoststep        the host step on all of the machine's CPU cores: torch's fused bf16 AdamW against the fused
@@ -79,6 +80,8 @@ for stage in "$@"; do
         dataset.num_samples=$((batch * steps + 8)) batch_size=$batch gradient_accumulation_steps=1 clip_grad_norm=null \
         dtype=bf16 enable_activation_checkpointing=True ${OVERRIDES:-}
       cp "/tmp/$name/results.md" "$out/$name.md"
+      # Each variant's log on its own too: a failure's traceback comes back even where the tarball cannot.
+      for log in "/tmp/$name"/*/run.log; do [ -f "$log" ] && cp "$log" "$out/$name-$(basename "$(dirname "$log")").log"; done
       tar czf "$out/$name.tgz" -C /tmp "$name" ;;
     pinned:*)
       model=${stage#pinned:}; fam=$(family "$model")
