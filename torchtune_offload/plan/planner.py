@@ -230,7 +230,9 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     free = offload_grads or settings.optimizer_in_bwd
     make = _make_optimizer(settings, cfg)
     fp8 = _fp8_weights(settings, cfg)
-    key = (free, fp8, settings.optimizer_class if make else None, settings.gradient_accumulation_steps,
+    # The micro-batches the trace runs: one where each gradient is freed (a second repeats it), else up to two.
+    micro_batches = 1 if free else min(settings.gradient_accumulation_steps, 2)
+    key = (free, fp8, settings.optimizer_class if make else None, micro_batches,
            str(settings.device), json.dumps(OmegaConf.to_container(cfg.optimizer, resolve=True), sort_keys=True)
            if make else None, recipe, json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True))
     traces = {} if traces is None else traces
