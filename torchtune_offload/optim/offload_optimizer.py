@@ -333,10 +333,8 @@ class OffloadOptimizer(Optimizer):
             for handle in self._hooks:
                 handle.remove()
             self._hooks.clear()
-            self._scheduler.close()
-            self._streamer.close()
-            self._weights.close()
-            self._grads.staging.close()
+            for part in (self._scheduler, self._streamer, self._weights, self._grads.staging):
+                part.close()
 
 
 def _plan_host_memory(groups: Any, base_class: type, own: Dict[str, Any], kwargs: Dict[str, Any], *,
