@@ -45,6 +45,14 @@ def test_a_gpu_run_planned_on_a_cpu_machine_orders_the_variants(tiny_assets, tmp
     assert eight_bit["host_bytes"] < grads["host_bytes"] and eight_bit["device_bytes"] <= grads["device_bytes"]
 
 
+def test_a_config_asking_for_the_fused_step_is_traced_with_it(tiny_assets, tmp_path):
+    # The *_full_distributed configs set optimizer.fused=True; torch refuses it beside the foreach
+    # the planner asks for otherwise (a RuntimeError traceback, before this was fixed).
+    _, plans = _plan_cli(tmp_path, *tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "device=cuda",
+                         "optimizer.fused=True", "--device-gib", "1", "--host-gib", "64")
+    assert plans["adamw"]["problem"] is None and plans["adamw"]["device_bytes"] > 0
+
+
 def test_refused_variants_say_why(tiny_assets, tmp_path):
     _, plans = _plan_cli(tmp_path, *tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}",
                          "--variants", "config,torchao")

@@ -166,8 +166,10 @@ def _make_optimizer(settings: RecipeSettings, cfg: DictConfig) -> Optional[Calla
     if settings.device.type == "cpu" or settings.optimizer_in_bwd or not cls.__module__.startswith("torch.optim"):
         return None
     options = {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
-    # torch picks its multi-tensor (foreach) kernels for CUDA parameters; the fake ones are CPU tensors.
-    options.setdefault("foreach", True)
+    # torch picks its multi-tensor (foreach) kernels for CUDA parameters; the fake ones are CPU
+    # tensors. A config that asks for the fused step keeps it (torch refuses fused with foreach).
+    if not options.get("fused"):
+        options.setdefault("foreach", True)
 
     def make(params: list) -> torch.optim.Optimizer:
         optimizer = cls(params, **options)
