@@ -32,10 +32,11 @@ def main(paths) -> int:
         # The planner shares a trace between the variants of one config only; across configs,
         # the steps that shape a trace (batch, length, dtype, ...) are keyed here too.
         optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True) if options.get("make_optimizer") else None
-        key = json.dumps([OmegaConf.to_container(cfg.model, resolve=True), optimizer, str(OmegaConf.select(cfg, "loss")),
-                          settings.batch_size, options["seq_len"], str(settings.dtype),
-                          settings.enable_activation_checkpointing, settings.gradient_accumulation_steps,
-                          options.get("free_gradients"), options.get("fp8_weights"),
+        micro_batches = 1 if options.get("free_gradients") else min(settings.gradient_accumulation_steps, 2)
+        loss = str(OmegaConf.select(cfg, "loss"))
+        key = json.dumps([OmegaConf.to_container(cfg.model, resolve=True), optimizer, loss, settings.batch_size,
+                          options["seq_len"], str(settings.dtype), settings.enable_activation_checkpointing,
+                          micro_batches, options.get("free_gradients"), options.get("fp8_weights"),
                           options.get("mark_trainable") is None, str(settings.device)], sort_keys=True)
         if key not in checked:
             start = time.perf_counter()
