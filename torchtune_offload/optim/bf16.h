@@ -1,5 +1,6 @@
 /* bfloat16 <-> float32 on the host, as torch converts them; included by the host passes
- * (fused_adamw.c, host_add.c), which are compiled from this folder. */
+ * (fused_adamw.c, fused_adamw8bit.c, host_add.c; fused_step.py compiles them with this folder on
+ * the include path). */
 #ifndef TORCHTUNE_OFFLOAD_BF16_H
 #define TORCHTUNE_OFFLOAD_BF16_H
 

@@ -65,7 +65,8 @@ def _compile(directory: str, source: Path = SOURCE, flags: Sequence[str] = ()) -
     # pass, less vectorised or on one thread.
     for attempt, extra in enumerate((("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ())):
         library = os.path.join(directory, f"{source.stem}_{attempt}.so")
-        command = [*compiler, *_FLAGS, *extra, *flags, str(source), "-o", library, "-lm"]
+        # -I: the passes' shared header (bf16.h) is found beside this module, wherever the source is.
+        command = [*compiler, *_FLAGS, *extra, *flags, "-I", str(SOURCE.parent), str(source), "-o", library, "-lm"]
         try:
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode == 0:
