@@ -11,8 +11,8 @@ The additions run on a host thread of the ring's own, in the order the chunks we
 additions into any element happen in the order of the micro-batches, as the device's own
 accumulation does: the result is the same bits. The training thread (the backward hook) only
 issues the copies, and waits only where a chunk it needs is still being added: on an accelerator
-the backward's kernels go on while the host adds (when the hook added, the two ran one after the
-other: about 2 s a micro-batch for an 8B model, docs/accumulation.md). Each addition is one pass of
+the backward's kernels go on while the host adds (when the hook added, the two could only run one
+after the other; docs/accumulation.md, not yet measured on a GPU). Each addition is one pass of
 ``host_add.add_`` over all host cores (torch's ``add_`` of a bf16 chunk into an fp32 sum converted
 the chunk first and took 5 to 10 times as long). The ring may be used from the training thread
 (adding) and a host worker (draining) at once.
