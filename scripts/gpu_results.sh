@@ -50,6 +50,16 @@ checkpoint() {  # a random-init checkpoint of model $1, written once per machine
   echo "$dir"
 }
 
+# The sweep refuses fewer than 11 steps (one warm-up, ten measured): say so before writing an 8B checkpoint.
+if [[ " $* " == *" sweep:"* ]] && [ "$steps" -lt 11 ]; then
+  echo "STEPS=$steps: a sweep needs at least 11 (one warm-up step, then at least 10 measured)" >&2; exit 2
+fi
+
+copy_logs() {  # each variant's log of sweep $1 beside the tarball: a failure's traceback comes back even where
+  # the tarball cannot, or the sweep was stopped
+  for log in "/tmp/$1"/*/run.log; do [ -f "$log" ] && cp "$log" "$out/$1-$(basename "$(dirname "$log")").log"; done
+}
+
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
@@ -69,6 +79,7 @@ for stage in "$@"; do
       ckpt=$(checkpoint "$model")
       name=sweep-$model-$gib${TAG:+-$TAG}
       limit=(); [ "$gib" = all ] || limit=(--gpu-memory-gib "$gib")
+      # In the background, so that a TERM (a `timeout` around this script) still brings the logs back.
       $PY scripts/benchmark_sweep.py --config "configs/$(family "$model")/${model}_full_paged_adamw.yaml" \
         --steps "$steps" --output-dir "/tmp/$name" --timeout-s "$variant_timeout" "${limit[@]}" \
         ${VARIANTS:+--variants "$VARIANTS"} -- \
@@ -78,10 +89,13 @@ for stage in "$@"; do
         tokenizer.special_tokens_path="$TINY/tokenizer/special_tokens.json" \
         dataset._component_=torchtune_offload.data.synthetic_dataset dataset.seq_len=2048 \
         dataset.num_samples=$((batch * steps + 8)) batch_size=$batch gradient_accumulation_steps=1 clip_grad_norm=null \
-        dtype=bf16 enable_activation_checkpointing=True ${OVERRIDES:-}
+        dtype=bf16 enable_activation_checkpointing=True ${OVERRIDES:-} &
+      sweep_pid=$!
+      trap 'copy_logs "$name"; kill -- "$sweep_pid" 2>/dev/null; exit 143' TERM INT
+      wait "$sweep_pid"
+      trap - TERM INT
+      copy_logs "$name"
       cp "/tmp/$name/results.md" "$out/$name.md"
-      # Each variant's log on its own too: a failure's traceback comes back even where the tarball cannot.
-      for log in "/tmp/$name"/*/run.log; do [ -f "$log" ] && cp "$log" "$out/$name-$(basename "$(dirname "$log")").log"; done
       tar czf "$out/$name.tgz" -C /tmp "$name" ;;
     pinned:*)
       model=${stage#pinned:}; fam=$(family "$model")

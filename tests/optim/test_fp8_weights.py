@@ -130,7 +130,10 @@ def train_beside_plain_adamw(device, *, offload_gradients, grad_accum, clip, mas
     model = layered().to(device)
     master_type = torch.float32 if master_dtype else DTYPE
     ref = {n: nn.Parameter(p.detach().cpu().clone().to(master_type)) for n, p in model.named_parameters()}
-    ref_opt = torch.optim.AdamW(ref.values(), lr=1e-2, weight_decay=0.1)
+    # On a machine with an accelerator the engine steps the host copies with torch's fused CPU
+    # AdamW (optim/param_table.py): the reference takes the same kernel (the per-tensor loop's
+    # sqrt, MKL's, rounds differently on some CPUs: seen on the H100 machine's Xeon).
+    ref_opt = torch.optim.AdamW(ref.values(), lr=1e-2, weight_decay=0.1, fused=device != "cpu")
     tap = GradientTap(model)
     # The fused master pass rounds its multiply-adds differently (tests/optim/test_master_weights.py):
     # the unfused path is plain AdamW's math, so the masters must be equal.
@@ -175,8 +178,11 @@ def train_beside_plain_adamw(device, *, offload_gradients, grad_accum, clip, mas
         if overlap:
             opt.synchronize()
         for slot in opt._slots:
-            host = slot.step_param if slot.offloaded or slot.has_master else slot.param
-            if on_cpu or clip is None:
+            on_host = slot.offloaded or slot.has_master
+            host = slot.step_param if on_host else slot.param
+            # A parameter below minimal_size is stepped where it lives: on an accelerator, by the
+            # device's AdamW (another kernel than the host's, seen on an H100: 1-ulp differences).
+            if on_cpu or (clip is None and on_host):
                 assert torch.equal(host.cpu(), ref[slot.key]), slot.key
             else:
                 torch.testing.assert_close(host.cpu(), ref[slot.key], msg=slot.key)
@@ -388,3 +394,38 @@ def test_the_fused_master_pass_feeds_the_images_too():
         runs.append(opt)
     for a, b in zip(runs[0]._slots, runs[1]._slots):
         torch.testing.assert_close(a.step_param, b.step_param, rtol=1e-6, atol=1e-7)
+
+
+def test_checkpointed_layers_never_stop_their_recomputation_inside_the_fp8_linear(monkeypatch):
+    """Non-reentrant checkpointing ends a layer's recomputation early by raising from its saved-tensor
+    hook; inside the FP8 linear's autograd function that exception is lost on CUDA (SystemError on
+    an H100, torch 2.11). Bound models recompute whole layers instead, and get the same gradients."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    import torch.utils.checkpoint as checkpoint
+
+    stops = []
+    original = checkpoint._StopRecomputationError.__init__
+
+    def counting_init(self, *args):
+        stops.append(1)
+        original(self, *args)
+
+    monkeypatch.setattr(checkpoint._StopRecomputationError, "__init__", counting_init)
+    grads = {}
+    for wrapped in (False, True):
+        model = layered()
+        if wrapped:
+            for i, layer in enumerate(model.layers):
+                model.layers[i] = checkpoint_wrapper(layer)
+        opt = build(model, offload_gradients=False)
+        x, y = data(1)[0]
+        ((model(x).float() - y.float()) ** 2).mean().backward()
+        grads[wrapped] = {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+                          for n, p in model.named_parameters()}
+        opt.close()
+    assert stops == []
+    # The early-stop setting is the model's forward's only: restored after it.
+    assert checkpoint._enable_checkpoint_early_stop is None
+    assert grads[True].keys() == grads[False].keys()
+    for name, g in grads[False].items():
+        assert torch.equal(grads[True][name], g), name

@@ -186,6 +186,6 @@ def test_nonfinite_parameters_finds_nan_and_inf_on_the_accelerator():
                                 torch.nn.Linear(1024, 4096, dtype=torch.float16)).to(device)
     assert nonfinite_parameters(model) == []
     with torch.no_grad():
-        model[0].weight[4000, 1000] = float("nan")
+        model[0].weight[1000, 4000] = float("nan")  # (out, in) = (1024, 4096): a late block
         model[1].weight[0, 0] = -float("inf")
     assert nonfinite_parameters(model) == ["0.weight", "1.weight"]

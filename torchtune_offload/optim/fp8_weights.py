@@ -25,12 +25,14 @@ zero), so optimizers, hooks and checkpoints keyed by it still work; ``model.stat
 the host master for it (rounded to the parameter's dtype), never the FP8 image.
 """
 
+import contextlib
 import math
 import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 import torchtune_offload.optim.stream_check as stream_check
@@ -133,6 +135,30 @@ def fp8_linear(x: torch.Tensor, shadow: torch.Tensor, q: torch.Tensor, scale: to
                bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear(x, dequantize(q, scale), bias)`` whose weight gradient goes to ``shadow``."""
     return _FP8Linear.apply(x, shadow, q, scale, bias)
+
+
+class _WholeLayerRecompute:
+    """Forward hooks that make the non-reentrant activation checkpoints created during a model's
+    forward recompute whole layers (``torch.utils.checkpoint.set_checkpoint_early_stop(False)``).
+
+    Why: with early stop, the recomputation of a layer in backward ends by an exception raised from
+    the saved-tensor hook as the layer's last tensor is saved, which, in a layer ending in an FP8
+    linear, is inside :class:`_FP8Linear`'s ``apply``. On CUDA (torch 2.11, H100) that exception is
+    lost there and ``apply`` fails with ``SystemError: ... returned NULL without setting an
+    exception``; the CPU keeps it. Without early stop only the layer's tail after its last saved
+    tensor (a residual add) is recomputed in addition.
+    """
+
+    def __init__(self) -> None:
+        self._open: List[contextlib.ExitStack] = []
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
+        self._open.append(stack)
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._open.pop().close()
 
 
 class _Held:
@@ -275,6 +301,10 @@ class DeviceWeights:
             self._upload_fresh(held)
             self._hooks.append(module.register_state_dict_post_hook(self._state_dict_hook(held)))
             self._hooks.append(module.register_load_state_dict_pre_hook(self._refuse_load(held)))
+        recompute = _WholeLayerRecompute()
+        self._hooks.append(model.register_forward_pre_hook(recompute.enter))
+        # Run when the forward raises too, so the global setting is always restored.
+        self._hooks.append(model.register_forward_hook(recompute.exit, always_call=True))
         self.attached = True
 
     def _upload_fresh(self, held: _Held) -> None:
