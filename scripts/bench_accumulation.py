@@ -16,8 +16,13 @@ sums, not timed), then one non-final micro-batch with each staging path, in turn
 first every other repetition), then the host step. A micro-batch is the engine's backward hook on
 every parameter, called directly with a fixed gradient (no forward or backward compute), and the
 staging ring drained, so that every addition it started is counted. On a CPU-only machine each
-gradient's copy to the host is a real copy (on an accelerator the DMA engine makes it); the copy
-column is that copy, and "host work" is the rest: what the host's cores do on an accelerator.
+gradient's copy to the host is a real copy on the training thread (on an accelerator the DMA engine
+makes it), while the ring's own thread adds the chunks already copied. "Host work" is the time of
+the additions themselves, timed on the ring's thread (``StagingRing.added_seconds``), with this CPU's
+copies running beside them; "alone" times the same additions of the same chunks with no copy beside
+them, as on an accelerator host, where the DMA engine copies and the cores only add. (Host work used
+to be the micro-batch less its copy, which stopped measuring the additions once they moved off the
+training thread and overlapped the copies.)
 
 Paths: ``before``, torch's ``add_`` of each staged chunk into its sum (the engine before the fused
 addition); ``after``, ``host_add.add_`` (the engine now). Prints a markdown table with the CPU and
@@ -112,14 +117,33 @@ def main() -> None:
             opt._on_grad(p)  # the backward hook, as autograd calls it
         opt._staging.drain()
 
+    # What each micro-batch's chunks hold once copied: the additions alone read these.
+    staged = [g.reshape(-1) for g in grads]
+
+    def additions_alone(path: str) -> float:
+        """The ring's additions of one micro-batch, chunk by chunk into the sums, with no copy beside them."""
+        ring = rings[path]
+        start = time.perf_counter()
+        for slot, src in zip(opt._slots, staged):
+            dst = slot.host_grad.view(-1)
+            per_chunk = ring.chunk_bytes // src.element_size()
+            for i in range(0, src.numel(), per_chunk):
+                ring._add(dst[i:i + per_chunk], src[i:i + per_chunk])
+        return time.perf_counter() - start
+
     def timed(path: Optional[str]) -> Dict[str, float]:
         if path is not None:
             opt._grads.staging = rings[path]
         opt._transfer.copy_seconds()  # starts the copy counters from zero
+        added = opt._grads.staging.added_seconds
         start = time.perf_counter()
         micro_batch()
         seconds = time.perf_counter() - start
-        return {"total": seconds, "copy": opt._transfer.copy_seconds()["grad"]}
+        result = {"total": seconds, "copy": opt._transfer.copy_seconds()["grad"],
+                  "add": opt._grads.staging.added_seconds - added}
+        if path is not None:
+            result["alone"] = additions_alone(path)
+        return result
 
     runs: Dict[str, List[Dict[str, float]]] = {path: [] for path in PATHS}
     steps: List[float] = []
@@ -149,20 +173,24 @@ def main() -> None:
     for path in PATHS:
         total = median([r["total"] for r in runs[path]])
         copy = median([r["copy"] for r in runs[path]])
-        host = median([r["total"] - r["copy"] for r in runs[path]])
+        host = median([r["add"] for r in runs[path]])
         rows.append((f"{path}: micro-batch on a CPU-only machine", total, need["copy"] + need["add"], None))
-        rows.append((f"{path}: of which the copy (DMA on an accelerator)", copy, need["copy"], None))
-        rows.append((f"{path}: host work (the rest)", host, need["add"], host / step_s))
+        rows.append((f"{path}: the copies, training thread (DMA on an accelerator)", copy, need["copy"], None))
+        rows.append((f"{path}: host work, the additions (ring thread)", host, need["add"], host / step_s))
+        alone = median([r["alone"] for r in runs[path]])
+        rows.append((f"{path}: the additions alone (as on an accelerator)", alone, need["add"], alone / step_s))
     rows.append(("host AdamW step", step_s, need["step"], 1.0))
     for name, seconds, nbytes, ratio in rows:
         rate = nbytes * num / seconds / 1e9 if seconds > 0 else float("inf")
         print(f"| {name} | {seconds:.4f} | {seconds * per_100m:.4f} | {nbytes} | {rate:.1f} | "
               + ("" if ratio is None else f"{ratio:.2f}") + " |")
-    before = median([r["total"] - r["copy"] for r in runs["before"]])
-    after = median([r["total"] - r["copy"] for r in runs["after"]])
+    before = median([r["add"] for r in runs["before"]])
+    after = median([r["add"] for r in runs["after"]])
+    alone = median([r["alone"] for r in runs["after"]])
     print()
     print(f"Host work of a non-final micro-batch: before {before:.4f} s, after {after:.4f} s "
-          f"({before / after:.2f}x); {after / step_s:.2f} of the host AdamW step ({step_s:.4f} s)")
+          f"({before / after:.2f}x); {after / step_s:.2f} of the host AdamW step ({step_s:.4f} s) beside this "
+          f"CPU's copies, {alone / step_s:.2f} alone ({alone:.4f} s)")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from torchtune_offload.plan.planner import load_config
@@ -108,25 +109,31 @@ def main() -> None:
         plan_cmd = [sys.executable, "-m", "torchtune_offload.plan", "--config", args.config, "--recipe", recipe,
                     "--variants", "config", "--no-fine-tunes", "--json", str(plan_json), *overrides,
                     *(["--seq-len", str(args.seq_len)] if args.seq_len else [])]
+        seconds = {"planner": time.perf_counter()}
         subprocess.run(plan_cmd, cwd=REPO, check=True, capture_output=True, text=True)
+        seconds["planner"] = time.perf_counter() - seconds["planner"]
         plan = json.loads(plan_json.read_text())["plans"][0]
         if plan["problem"]:
             sys.exit(f"the planner refused the config: {plan['problem']}")
         recipe_file = {"full": "full_finetune_single_device", "lora": "lora_finetune_single_device"}[recipe]
         # torchtune's tune as this interpreter runs it: a `tune` on PATH may be another Python's, or missing.
+        seconds["run"] = time.perf_counter()
         run = subprocess.run([sys.executable, "-m", "torchtune._cli.tune", "run", f"recipes/{recipe_file}.py",
                               "--config", args.config, *overrides, f"output_dir={out}",
                               f"max_steps_per_epoch={args.steps}", "epochs=1",
                               "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
                               f"metric_logger.log_dir={out}/logs", "log_peak_memory_stats=True"],
                              cwd=REPO, capture_output=True, text=True)
+        seconds["run"] = time.perf_counter() - seconds["run"]
         if run.returncode != 0:
             sys.exit(f"the run failed:\n{run.stderr[-3000:]}")
         from torchtune_offload.recipe import read_disk_log
 
         measured_host = max(row["host_rss_peak"] for row in read_disk_log(out)) * GIB
+        seconds["step"] = time.perf_counter()
         step = subprocess.run([sys.executable, "-c", _STEP, args.config, recipe, str(args.seq_len or "-"),
                                *overrides], cwd=REPO, capture_output=True, text=True, check=True)
+        seconds["step"] = time.perf_counter() - seconds["step"]
         measured_step = int(step.stdout.split("STEP_BYTES")[-1])
     predicted_host, predicted_step = plan["host_bytes"], plan["device_bytes"]
     cfg = load_config(args.config, overrides)
@@ -137,6 +144,7 @@ def main() -> None:
     for label, pred, meas in (("peak host memory (RSS)", predicted_host, measured_host),
                               ("training step (weights, gradients, activations)", predicted_step, measured_step)):
         print(f"| {label} | {pred / GIB:.3f} | {meas / GIB:.3f} | {100 * (pred - meas) / meas:+.1f}% |")
+    print("\nseconds: " + ", ".join(f"{name} {s:.1f}" for name, s in seconds.items()))
 
 
 if __name__ == "__main__":

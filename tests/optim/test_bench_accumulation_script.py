@@ -10,9 +10,11 @@ import pytest
 from tests.recipe_harness import working_tree_env
 
 REPO = Path(__file__).resolve().parents[2]
-ROWS = ["before: micro-batch on a CPU-only machine", "before: of which the copy (DMA on an accelerator)",
-        "before: host work (the rest)", "after: micro-batch on a CPU-only machine",
-        "after: of which the copy (DMA on an accelerator)", "after: host work (the rest)", "host AdamW step"]
+ROWS = ["before: micro-batch on a CPU-only machine", "before: the copies, training thread (DMA on an accelerator)",
+        "before: host work, the additions (ring thread)", "before: the additions alone (as on an accelerator)",
+        "after: micro-batch on a CPU-only machine", "after: the copies, training thread (DMA on an accelerator)",
+        "after: host work, the additions (ring thread)", "after: the additions alone (as on an accelerator)",
+        "host AdamW step"]
 
 
 @pytest.mark.parametrize("options,sum_bytes,step_bytes", [([], 2, 14), (["--grad-sum-dtype", "fp32"], 4, 20),
@@ -23,15 +25,17 @@ def test_bench_accumulation_prints_the_table(options, sum_bytes, step_bytes):
     out = subprocess.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^CPU: .+; torch threads: [0-9]+;", out.stdout, flags=re.M)
-    rows = re.findall(r"^\| ([a-zA-Z:() -]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9]+) \| ([0-9.]+|inf) \| ([0-9.]*) \|$",
+    rows = re.findall(r"^\| ([a-zA-Z:(), -]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9]+) \| ([0-9.]+|inf) \| ([0-9.]*) \|$",
                       out.stdout, flags=re.M)
     assert [r[0] for r in rows] == ROWS
     nbytes = {r[0]: int(r[3]) for r in rows}
     # A bf16 gradient chunk copied (read and written), then added into the sum (read, read and write).
-    assert nbytes[ROWS[1]] == 4 and nbytes[ROWS[2]] == 2 + 2 * sum_bytes and nbytes[ROWS[0]] == 6 + 2 * sum_bytes
+    assert nbytes[ROWS[1]] == 4 and nbytes[ROWS[2]] == nbytes[ROWS[3]] == 2 + 2 * sum_bytes
+    assert nbytes[ROWS[0]] == 6 + 2 * sum_bytes
     assert nbytes[ROWS[-1]] == step_bytes
     assert all(float(r[1]) > 0 for r in rows) and float(rows[-1][5]) == 1.0
-    assert re.search(r"^Host work of a non-final micro-batch: before [0-9.]+ s, after [0-9.]+ s", out.stdout, flags=re.M)
+    assert re.search(r"^Host work of a non-final micro-batch: before [0-9.]+ s, after [0-9.]+ s .+ beside this "
+                     r"CPU's copies, [0-9.]+ alone", out.stdout, flags=re.M)
 
 
 def test_bench_accumulation_refuses_an_unknown_precision():

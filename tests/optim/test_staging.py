@@ -1,5 +1,8 @@
 """The bounded staging ring: exact sums in micro-batch order, and memory that does not grow with the model."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -31,6 +34,31 @@ def test_ring_sums_equal_in_order_adds_bit_for_bit(dtype, sum_dtype, fused_add, 
     for e, gsum in zip(expected, got):
         torch.testing.assert_close(gsum, e, rtol=0, atol=0)
     assert ring.nbytes == 3 * chunk_bytes  # however many elements went through
+
+
+def test_ring_times_its_additions_on_its_own_thread(monkeypatch):
+    """``added_seconds`` is the time inside the additions (what bench_accumulation.py reports as the
+    host's work per micro-batch), cumulative, complete after a drain."""
+    ring = StagingRing(TransferEngine(torch.device("cpu")), chunk_bytes=64, num_chunks=2)
+    calls = []
+
+    def slow_add(dst, src):
+        calls.append(threading.current_thread().name)
+        time.sleep(0.01)
+        dst.add_(src)
+
+    monkeypatch.setattr(ring, "_add", slow_add)
+    assert ring.added_seconds == 0.0
+    total = torch.zeros(40)
+    ring.add_into(total, torch.ones(40))  # 160 bytes: 3 chunks of 64
+    ring.drain()
+    first = ring.added_seconds
+    assert len(calls) == 3 and all(name.startswith("offload-staging-add") for name in calls)
+    assert 0.03 <= first < 1.0
+    ring.add_into(total, torch.ones(40))
+    ring.drain()
+    assert ring.added_seconds >= first + 0.03 and torch.equal(total, torch.full((40,), 2.0))
+    ring.close()
 
 
 def test_ring_allocates_only_when_used_and_checks_its_inputs():

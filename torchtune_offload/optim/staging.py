@@ -18,6 +18,7 @@ the chunk first and took 5 to 10 times as long). The ring may be used from the t
 (adding) and a host worker (draining) at once.
 """
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import List, Optional, Tuple
 
@@ -76,6 +77,8 @@ class StagingRing:
         self._lock = stream_check.HostLock()
         # One thread, so the additions run in the order they were issued (started on first use).
         self._adder: Optional[ThreadPoolExecutor] = None
+        # Written by the adder thread only; read after a drain (which orders it after the writes).
+        self._added_seconds = 0.0
 
     @staticmethod
     def chunk_size(*, chunk_bytes: Optional[int] = None, largest_bytes: Optional[int] = None) -> int:
@@ -94,6 +97,13 @@ class StagingRing:
         return self._issued
 
     @property
+    def added_seconds(self) -> float:
+        """Seconds the additions took on the adder thread since the ring was made (cumulative;
+        complete for the additions finished by a :meth:`drain`): the host cores' work per
+        micro-batch, which on an accelerator overlaps the device's (the copies are DMA there)."""
+        return self._added_seconds
+
+    @property
     def nbytes(self) -> int:
         """Host bytes the ring holds (pinned on an accelerator)."""
         return len(self._chunks) * self.chunk_bytes
@@ -107,7 +117,9 @@ class StagingRing:
     def _finish(self, dst: torch.Tensor, staged: torch.Tensor, event: object) -> None:
         """On the adder thread: waits for the chunk's copy, then adds it into its sum."""
         self._transfer.wait(event)
+        start = time.perf_counter()
         self._add(dst, staged)
+        self._added_seconds += time.perf_counter() - start
 
     def _retire(self, index: int) -> None:
         """Waits for the chunk's addition (and raises its error, if it failed)."""
