@@ -429,3 +429,15 @@ def test_checkpointed_layers_never_stop_their_recomputation_inside_the_fp8_linea
     assert grads[True].keys() == grads[False].keys()
     for name, g in grads[False].items():
         assert torch.equal(grads[True][name], g), name
+
+
+def test_a_forward_that_raises_still_restores_checkpoints_early_stop():
+    """The whole-layer setting is the bound model's forward's only, even when that forward fails."""
+    import torch.utils.checkpoint as checkpoint
+
+    model = layered()
+    opt = build(model, offload_gradients=False)
+    with pytest.raises(RuntimeError):
+        model(torch.zeros(6, 23, dtype=DTYPE))  # the wrong width: the first linear refuses it
+    assert checkpoint._enable_checkpoint_early_stop is None
+    opt.close()
