@@ -11,7 +11,9 @@ import copy
 
 import pytest
 import torch
+import torch.utils.checkpoint as checkpoint
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from tests.optim.side_by_side import through_a_file
 from torchtune_offload import AdamW8bit, OffloadOptimizer
@@ -400,9 +402,6 @@ def test_checkpointed_layers_never_stop_their_recomputation_inside_the_fp8_linea
     """Non-reentrant checkpointing ends a layer's recomputation early by raising from its saved-tensor
     hook; inside the FP8 linear's autograd function that exception is lost on CUDA (SystemError on
     an H100, torch 2.11). Bound models recompute whole layers instead, and get the same gradients."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    import torch.utils.checkpoint as checkpoint
-
     stops = []
     original = checkpoint._StopRecomputationError.__init__
 
@@ -433,8 +432,6 @@ def test_checkpointed_layers_never_stop_their_recomputation_inside_the_fp8_linea
 
 def test_a_forward_that_raises_still_restores_checkpoints_early_stop():
     """The whole-layer setting is the bound model's forward's only, even when that forward fails."""
-    import torch.utils.checkpoint as checkpoint
-
     model = layered()
     opt = build(model, offload_gradients=False)
     with pytest.raises(RuntimeError):
