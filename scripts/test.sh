@@ -18,8 +18,9 @@ export WANDB_MODE=offline HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
 PY=${PYTHON:-python3}
 # Two workers, each starting recipe processes with torch's OpenMP threads: more threads than cores.
 # OpenMP's default lets an idle thread spin for a while before it sleeps, burning a core another
-# process needs; passive waiting changes no result (only how idle threads wait) and took the suite
-# from 12 min 35 s to 11 min 54 s here (user CPU 20 min 38 s -> 19 min 15 s), one run each.
+# process needs; passive waiting changes no result (only how idle threads wait). Measured on the 2-core
+# Zen 4: 12 min 35 s without, then 11 min 54 s, 13 min 54 s (fresh clone, .ci/run) and 12 min 58 s
+# with it: any gain is within this machine's drift.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 checked=(--also-checked-streams); [ "${CHECKED_STREAMS:-1}" = 0 ] && checked=()
 $PY -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile "${checked[@]}" "$@"
