@@ -135,37 +135,3 @@ def test_a_source_that_does_not_build_is_refused_with_the_compilers_error_line(t
     source.write_text("int ok;\n#error this build lacks what it needs\n")
     with pytest.raises(RuntimeError, match=r"broken\.c:2:\d+: error: .*this build lacks what it needs$"):
         fused_step.build_library(source)
-
-
-@needs_compiler
-def test_a_build_is_kept_and_later_processes_only_load_it(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    source = tmp_path / "answer.c"
-    source.write_text("int answer(void) { return 42; }\n")
-    assert fused_step.build_library(source).answer() == 42
-    cache = tmp_path / "cache" / "torchtune_offload" / "c_passes"
-    (kept,) = cache.iterdir()  # the library alone: no build folder left behind
-    assert kept.name.startswith("answer-") and kept.suffix == ".so"
-
-    def no_compiler(*args, **kwargs):
-        raise AssertionError("compiled again")
-
-    with monkeypatch.context() as m:
-        m.setattr(fused_step.subprocess, "run", no_compiler)
-        assert fused_step.build_library(source).answer() == 42  # loaded from the cache
-    # Another source, other flags: other builds, kept beside the first.
-    source.write_text("int answer(void) { return 43; }\n")
-    assert fused_step.build_library(source).answer() == 43
-    assert fused_step.build_library(source, flags=("-DUNUSED",)).answer() == 43
-    assert len(list(cache.iterdir())) == 3
-
-
-@needs_compiler
-def test_where_the_cache_cannot_be_written_the_build_is_the_processs_own(monkeypatch, tmp_path):
-    blocked = tmp_path / "a-file"
-    blocked.write_text("")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # mkdir under a file fails
-    source = tmp_path / "answer.c"
-    source.write_text("int answer(void) { return 7; }\n")
-    assert fused_step.build_library(source).answer() == 7
-    assert blocked.read_text() == ""

@@ -6,9 +6,7 @@ passes (widen the gradient, torch's AdamW, round the master) it moves about 40 b
 in one pass, 28, as many as torch's fused fp32 AdamW.
 
 The pass is the C loop in ``fused_adamw.c``, compiled with the system C compiler (``$CC``, else
-``cc``) at its first use on a machine and kept in ``$XDG_CACHE_HOME/torchtune_offload/c_passes``
-(keyed by the sources, flags, compiler and CPU; a temporary directory where that cannot be written),
-loaded once per process and called through
+``cc``) once per process into a temporary directory (a fraction of a second) and called through
 ``ctypes``, which releases the GIL, over all of torch's intra-op threads with OpenMP. Measured
 against the alternatives on this project's 2-core AVX-512 CPU: ``torch.compile`` of the same math
 reached 0.6x of torch's fused fp32 AdamW (its generated loop is compute-bound at a third of torch's
@@ -23,9 +21,7 @@ multiply-adds, so results agree with torch to fp32 rounding, not always bit for 
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -60,61 +56,6 @@ def _first_error(stderr: str) -> str:
     return next((line for line in lines if "error:" in line), lines[-1] if lines else "")
 
 
-def _cache_dir() -> Path:
-    """Where built passes are kept between processes."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "torchtune_offload" / "c_passes"
-
-
-def _cpu_features() -> str:
-    """What ``-march=native`` builds for: the CPU's feature flags (Linux), else the processor's name,
-    so that a cache shared between machines (a network home) never serves another CPU's build."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def _cache_key(compiler: Sequence[str], source: Path, flags: Sequence[str]) -> str:
-    """A build's identity: the compiler (its path and modification time), the flags, the source and
-    the shared header, and the CPU."""
-    digest = hashlib.sha256()
-    program = shutil.which(compiler[0]) or compiler[0]
-    stamp = os.stat(program).st_mtime_ns if os.path.exists(program) else 0
-    for part in (program, str(stamp), *compiler[1:], "\0", *_FLAGS, *flags, "\0", _cpu_features()):
-        digest.update(part.encode() + b"\0")
-    digest.update(source.read_bytes())
-    digest.update((SOURCE.parent / "bf16.h").read_bytes())
-    return f"{source.stem}-{digest.hexdigest()[:24]}"
-
-
-def _compile_cached(source: Path = SOURCE, flags: Sequence[str] = ()) -> ctypes.CDLL:
-    """Loads the build of ``source`` from the cache, building it there first if it is missing (or in a
-    temporary directory where the cache cannot be written). A build lands under its final name by an
-    atomic rename, so processes building at once never load a half-written library."""
-    compiler = c_compiler()
-    if compiler is None:
-        raise RuntimeError("no C compiler found (set CC, or put cc, gcc or clang on PATH)")
-    cache = _cache_dir()
-    target = cache / f"{_cache_key(compiler, source, flags)}.so"
-    if target.is_file():
-        try:
-            return ctypes.CDLL(str(target))
-        except OSError:  # damaged: build it again below
-            pass
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        workdir = tempfile.TemporaryDirectory(prefix=".build_", dir=cache)
-    except OSError:  # not writable: build for this process only, as before the cache
-        with tempfile.TemporaryDirectory(prefix="torchtune_offload_") as directory:
-            return _compile(directory, source, flags)  # loaded before the directory goes
-    with workdir as directory:
-        built = _compile(directory, source, flags)
-        os.replace(built._name, target)
-    return built
-
-
 def _compile(directory: str, source: Path = SOURCE, flags: Sequence[str] = ()) -> ctypes.CDLL:
     compiler = c_compiler()
     if compiler is None:
@@ -137,8 +78,7 @@ def _compile(directory: str, source: Path = SOURCE, flags: Sequence[str] = ()) -
 
 
 def build_library(source: Path, *, flags: Sequence[str] = ()) -> ctypes.CDLL:
-    """Compiles the C file ``source`` as this module's pass is compiled (best flags first) and loads it;
-    a build is kept in the cache (see the module's docstring), so later processes only load it.
+    """Compiles the C file ``source`` as this module's pass is compiled (best flags first) and loads it.
 
     Args:
         source: the C file.
@@ -148,15 +88,16 @@ def build_library(source: Path, *, flags: Sequence[str] = ()) -> ctypes.CDLL:
     Raises:
         RuntimeError: where no compiler is found or every attempt fails.
     """
-    return _compile_cached(source, flags)
+    with tempfile.TemporaryDirectory(prefix="torchtune_offload_") as directory:
+        return _compile(directory, source, flags)  # loaded before the directory goes
 
 
 @functools.lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
-    """The compiled pass, loaded once per process (built once per machine); None (and one warning)
-    where it cannot be built."""
+    """The compiled pass, built once per process; None (and one warning) where it cannot be built."""
     try:
-        library = _compile_cached()
+        with tempfile.TemporaryDirectory(prefix="torchtune_offload_") as directory:
+            library = _compile(directory)  # loaded before the directory goes
     except Exception as err:  # no compiler, unsupported platform: fall back for good
         warnings.warn(f"the fused master-weight AdamW step could not be built ({type(err).__name__}: {err}); "
                       "using the unfused step (widen, torch's AdamW, round)", stacklevel=3)

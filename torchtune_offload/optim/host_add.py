@@ -33,8 +33,7 @@ PARALLEL_MIN = 1 << 16
 
 @functools.lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
-    """The compiled loop, loaded once per process (built once per machine); None (and one warning)
-    where it cannot be built."""
+    """The compiled loop, built once per process; None (and one warning) where it cannot be built."""
     try:
         library = build_library(SOURCE)
     except Exception as err:  # no compiler, unsupported platform: torch's add_ for good
