@@ -364,9 +364,10 @@ def test_logged_metrics_on_cpu(runs):
     assert [r["loss"] for r in off.log] == pytest.approx(off.losses, rel=1e-12)
     for i, row in enumerate(overlapped.log):
         # Overlapped: host steps run on the step thread and a window's finish during the next one,
-        # so the first step() has no host step behind it to report a hidden share of.
+        # so the first step() may have no host step behind it to report a hidden share of (or may,
+        # where a host step queued in its backward ended before it returned: seen in 2 of 8 runs).
         keys = CPU_LOG_KEYS | OFFLOAD_LOG_KEYS
-        assert set(row) - {"step"} == (keys - {"host_step_hidden"} if i == 0 else keys)
+        assert set(row) - {"step"} == keys or (i == 0 and set(row) - {"step"} == keys - {"host_step_hidden"})
         if i > 0:
             assert row["host_step_s"] > 0 and 0 <= row["host_step_hidden"] <= 1 and row["offload_wait_s"] >= 0
 
