@@ -1,13 +1,13 @@
 """Shared test setup: the one GPU marker, and the tiny assets the recipe tests train on."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import zygote
 from tests.recipe_harness import working_tree_env
 from torchtune_offload.optim.stream_check import checked_streams
 
@@ -46,7 +46,7 @@ def tiny_assets(tmp_path_factory) -> Path:
     # A fresh path per session, so tiktoken's cache (keyed by path string) cannot serve stale ranks.
     # PYTHONPATH: the working tree's package, never an installed copy.
     env = working_tree_env(TIKTOKEN_CACHE_DIR="")
-    result = subprocess.run(
+    result = zygote.run(
         [sys.executable, "-m", "torchtune_offload.assets", "--output-dir", str(out)],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
     )

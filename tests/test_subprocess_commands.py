@@ -19,7 +19,8 @@ BARE = ("tune-offload", "tune", "python3", "python", "pytest", "torchrun")
 #: (module, function) calls whose first argument is the program (or a shell line) to start or look up.
 STARTERS = {("subprocess", name) for name in ("run", "Popen", "call", "check_call", "check_output")} | {
     ("os", name) for name in ("system", "popen", "execvp", "execvpe", "execlp", "execlpe", "spawnvp", "spawnlp")
-} | {("shutil", "which"), ("asyncio", "create_subprocess_exec"), ("asyncio", "create_subprocess_shell")}
+} | {("shutil", "which"), ("asyncio", "create_subprocess_exec"), ("asyncio", "create_subprocess_shell")} | {
+    ("zygote", "run"), ("zygote", "Popen")}  # tests/zygote.py: children forked from a pre-imported process
 PYTHON_FOLDERS = ("scripts", "tests", "torchtune_offload", "recipes")
 _NAME = "|".join(re.escape(b) for b in BARE)
 # A bare name where bash expects a command: at the line's start, after ; & | ( { $( or a keyword

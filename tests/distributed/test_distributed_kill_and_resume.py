@@ -11,7 +11,6 @@ staging folder and before they are renamed into place.
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import List
@@ -21,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import zygote
 from tests.recipe_harness import TUNE, tiny_asset_overrides, working_tree_env
 from torchtune_offload.recipe import read_disk_log
 from torchtune_offload.recipe.step_checkpoints import StepCheckpoints, complete_checkpoints
@@ -58,16 +58,16 @@ load_recipe_module("full_finetune_distributed").recipe_main()
 
 
 def _tune_run(script: str, assets: Path, out: Path, extra: List[str], log_name: str, *, cwd: Path = REPO,
-              **env) -> subprocess.Popen:
+              **env) -> zygote.Popen:
     """``tune run --nproc_per_node 2 <script>``; tune runs a script that is not its own as a module
     of ``cwd`` (``python -m``)."""
     cmd = [*TUNE, "run", "--nproc_per_node", "2", script, "--config", str(CONFIG), f"output_dir={out}",
            *tiny_asset_overrides(assets), *TRAIN, *extra, f"metric_logger.filename={log_name}"]
-    return subprocess.Popen(cmd, cwd=cwd, env=working_tree_env(MASTER_ADDR="127.0.0.1", REPO=str(REPO), **env),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return zygote.Popen(cmd, cwd=cwd, env=working_tree_env(MASTER_ADDR="127.0.0.1", REPO=str(REPO), **env),
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _finish(proc: subprocess.Popen) -> str:
+def _finish(proc: zygote.Popen) -> str:
     output = proc.communicate(timeout=400)[0]
     assert proc.returncode == 0, output[-6000:]
     return output
@@ -77,7 +77,7 @@ def _losses(out: Path, log_name: str) -> dict:
     return {row["step"]: row["loss"] for row in read_disk_log(out / "logs" / log_name)}
 
 
-def _kill_run(proc: subprocess.Popen) -> None:
+def _kill_run(proc: zygote.Popen) -> None:
     """SIGKILL to the launcher and both ranks at once."""
     procs = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
     for p in procs:

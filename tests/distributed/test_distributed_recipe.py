@@ -22,6 +22,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from tests import zygote
 from tests.recipe_harness import TUNE, load_recipe_module, tiny_asset_overrides, working_tree_env
 from torchtune_offload.optim.host_arena import pinned_allocation_bytes
 from torchtune_offload.recipe import check_recipe_config, host_preflight, read_disk_log
@@ -67,8 +68,8 @@ def _tune_run_two_ranks(*runs: List[str]) -> None:
     base = [*TUNE, "run", "--nproc_per_node", "2", "recipes/full_finetune_distributed.py", "--config",
             str(CONFIG.relative_to(REPO)), "device=cpu"]
     env = working_tree_env(MASTER_ADDR="127.0.0.1")
-    procs = [subprocess.Popen(base + overrides, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for overrides in runs]
+    procs = [zygote.Popen(base + overrides, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True) for overrides in runs]
     outputs = [p.communicate(timeout=400)[0] for p in procs]
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-6000:]
@@ -253,8 +254,8 @@ def test_two_ranks_stop_together_at_the_step_that_diverged(tiny_assets, tmp_path
            str(CONFIG.relative_to(REPO)), "device=cpu", *tiny_asset_overrides(tiny_assets),
            "max_steps_per_epoch=4", "batch_size=4", "save_every_n_steps=1", "optimizer.lr=1e37",
            "lr_scheduler.num_warmup_steps=0", f"output_dir={tmp_path}"]
-    result = subprocess.run(cmd, cwd=REPO, env=working_tree_env(MASTER_ADDR="127.0.0.1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, timeout=400)
+    result = zygote.run(cmd, cwd=REPO, env=working_tree_env(MASTER_ADDR="127.0.0.1"), stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True, timeout=400)
     assert result.returncode != 0, result.stdout[-6000:]
     stops = result.stdout.count("TrainingDivergedError: Training diverged at step 2 (epoch 1, step 2 of 4) "
                                 "with optimizer AdamW:")
@@ -286,9 +287,9 @@ dist.destroy_process_group()
 
 
 def test_nonfinite_weights_on_one_rank_stop_every_rank_before_the_save(tmp_path):
-    procs = [subprocess.Popen([sys.executable, "-c", _CHECK_WEIGHTS_ON_RANK, str(rank), str(tmp_path / "store")],
-                              cwd=REPO, env=working_tree_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for rank in (0, 1)]
+    procs = [zygote.Popen([sys.executable, "-c", _CHECK_WEIGHTS_ON_RANK, str(rank), str(tmp_path / "store")],
+                          cwd=REPO, env=working_tree_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) for rank in (0, 1)]
     out = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), out
     assert "1 trainable parameter(s) hold nan or inf (on other ranks)" in out[0], out[0]

@@ -2,12 +2,12 @@
 
 import re
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import zygote
 from tests.recipe_harness import working_tree_env
 from torchtune_offload.optim import adamw8bit, fused_step
 
@@ -53,7 +53,7 @@ def test_without_the_avx512_path_the_script_stops_by_name_and_points_to_builds(t
 @needs_cc
 def test_script_prints_the_pass_its_ablations_and_torch_in_one_table(avx512_path):
     cmd = [sys.executable, "scripts/bench_adamw8bit_kernel.py", "--params", "65536", "--rounds", "10"]
-    out = subprocess.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
+    out = zygote.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^.+, 1 thread, torch .+; 0\.1M bf16 parameters in one tensor; median of 10 rounds$",
                      out.stdout, flags=re.M)
@@ -68,7 +68,7 @@ def test_script_prints_the_pass_its_ablations_and_torch_in_one_table(avx512_path
 def test_builds_mode_times_the_pass_as_each_instruction_set_builds_it():
     cmd = [sys.executable, "scripts/bench_adamw8bit_kernel.py", "--params", "65536", "--rounds", "10", "--builds"]
     env = working_tree_env(ATEN_CPU_CAPABILITY="default")  # torch's step as a CPU without AVX2 runs it
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = zygote.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^.+, 1 thread, torch .+ \(DEFAULT kernels\); 0\.1M bf16 parameters", out.stdout, flags=re.M)
     timed = re.findall(r"^\| ([^|]+?) \| (\d+) \| [0-9.]+ \| [0-9.]+x \|$", out.stdout, flags=re.M)

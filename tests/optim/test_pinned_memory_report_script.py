@@ -1,17 +1,17 @@
 """scripts/pinned_memory_report.py runs end to end (on the CPU: nothing pinned, torchao refused)."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
+from tests import zygote
 from tests.recipe_harness import working_tree_env
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_report_prints_a_row_per_optimizer():
-    out = subprocess.run([sys.executable, "scripts/pinned_memory_report.py", "--model",
+    out = zygote.run([sys.executable, "scripts/pinned_memory_report.py", "--model",
                           "torchtune_offload.models.tiny_llama", "--device", "cpu"],
                          cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

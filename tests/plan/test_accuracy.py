@@ -2,12 +2,12 @@
 model and on the 78M-parameter Llama 3.2 (full, and QLoRA): host peak and training step."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import zygote
 from tests.recipe_harness import path_without, tiny_asset_overrides, working_tree_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -17,7 +17,7 @@ def _accuracy(config: str, overrides) -> dict:
     cmd = [sys.executable, "scripts/plan_accuracy.py", "--config", config, *overrides, "--steps", "3"]
     # No tune or tune-offload on PATH, as in a virtual environment that is not activated.
     env = working_tree_env(TIKTOKEN_CACHE_DIR="", PATH=path_without("tune", "tune-offload"))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = zygote.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {}
     for label in ("peak host memory (RSS)", "training step (weights, gradients, activations)"):
@@ -47,7 +47,7 @@ def mid_overrides(tiny_assets, tmp_path_factory) -> list:
     """The 1B configs pointed at a random-init mid-size Llama 3.2 checkpoint (built once for the
     module: the QLoRA model reads the same checkpoint) and synthetic data."""
     mid = tmp_path_factory.mktemp("mid")
-    built = subprocess.run([sys.executable, "-m", "torchtune_offload.assets", "--real-arch", "llama3_2_mid",
+    built = zygote.run([sys.executable, "-m", "torchtune_offload.assets", "--real-arch", "llama3_2_mid",
                             "--output-dir", str(mid), "--no-check"], cwd=REPO, env=working_tree_env(),
                            capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]

@@ -2,11 +2,11 @@
 issue's two targets, and its advice on where the update should run."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from tests import zygote
 from tests.recipe_harness import tiny_asset_overrides, working_tree_env
 from tests.plan.test_planner import REPO
 
@@ -15,7 +15,7 @@ GIB = 1024**3
 
 def _plan(tmp_path, config, *args):
     out = tmp_path / "plan.json"
-    proc = subprocess.run([sys.executable, "-m", "torchtune_offload.plan", "--config", config, "--json", str(out),
+    proc = zygote.run([sys.executable, "-m", "torchtune_offload.plan", "--config", config, "--json", str(out),
                            "--no-fine-tunes", *args], cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,10 +1,10 @@
 """scripts/plan_vs_sweep.py sets the planner's JSON beside a sweep's results.json."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+from tests import zygote
 from tests.recipe_harness import working_tree_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ def test_rows_join_by_variant_and_give_relative_errors(tmp_path):
     ]
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     (tmp_path / "results.json").write_text(json.dumps(results))
-    out = subprocess.run([sys.executable, "scripts/plan_vs_sweep.py", str(tmp_path / "plan.json"),
+    out = zygote.run([sys.executable, "scripts/plan_vs_sweep.py", str(tmp_path / "plan.json"),
                           str(tmp_path / "results.json")], cwd=REPO, env=working_tree_env(),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

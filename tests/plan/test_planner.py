@@ -1,12 +1,12 @@
 """The memory planner: one traced step per shape of run, variants side by side, the pre-flight's host figure."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from tests import zygote
 from tests.recipe_harness import tiny_asset_overrides, working_tree_env
 from torchtune_offload.plan.planner import load_config, miniature_step, plan_variant, process_baseline
 from torchtune_offload.plan.trace import trace_training_step
@@ -18,7 +18,7 @@ CONFIG = "configs/tiny/full.yaml"
 
 def _plan_cli(tmp_path, *args):
     out = tmp_path / "plan.json"
-    proc = subprocess.run([sys.executable, "-m", "torchtune_offload.plan", "--config", CONFIG, "--json", str(out), *args],
+    proc = zygote.run([sys.executable, "-m", "torchtune_offload.plan", "--config", CONFIG, "--json", str(out), *args],
                           cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

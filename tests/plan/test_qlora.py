@@ -1,7 +1,6 @@
 """The planner on QLoRA models (NF4 base weights), the full/LoRA/QLoRA block, and the one-line refusals."""
 
 import json
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -12,6 +11,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torchao.dtypes.nf4tensor import NF4Tensor
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
+from tests import zygote
 from tests.recipe_harness import tiny_asset_overrides, working_tree_env
 from torchtune_offload.plan.fine_tunes import DEFAULT_ADAPTERS, configured_fine_tune, fine_tunes
 from torchtune_offload.plan.planner import VariantPlan, format_fine_tunes, load_config
@@ -77,7 +77,7 @@ def test_the_traced_qlora_step_matches_memtracker_on_real_tensors():
 
 def _plan_cli(tmp_path, config, *args):
     out = tmp_path / "plan.json"
-    proc = subprocess.run([sys.executable, "-m", "torchtune_offload.plan", "--config", config, "--json", str(out),
+    proc = zygote.run([sys.executable, "-m", "torchtune_offload.plan", "--config", config, "--json", str(out),
                            *args], cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True,
                           text=True, timeout=600)
     return proc, (json.loads(out.read_text()) if out.is_file() else None)

@@ -11,7 +11,6 @@ Everything runs on CPU in well under a minute: models are built on the meta devi
 
 import inspect
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from torchtune import config
 from torchtune.config._errors import ConfigError
 from torchtune.config._utils import _get_component_from_path, _has_component
 
+from tests import zygote
 from tests.recipe_harness import TUNE
 from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer, resolve_optimizer_class
 from torchtune_offload.optim import capabilities_of
@@ -141,7 +141,7 @@ def test_validate_rejects_a_misspelled_key():
 
 def test_tune_validate_cli_accepts_a_config():
     target = _table_path("llama3_2", "1B", "full_offload_engine")
-    proc = subprocess.run(
+    proc = zygote.run(
         TUNE + ["validate", _rel(target)], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -9,7 +9,6 @@ newest on disk.
 
 import math
 import os
-import subprocess
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -18,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from tests import zygote
 from tests.optim.test_fp8_weights import build, layered
 from tests.recipe_harness import REPO, TUNE, load_recipe_module, tiny_asset_overrides, working_tree_env
 from torchtune_offload.recipe import Progress, TrainingDivergedError, read_disk_log
@@ -110,7 +110,7 @@ def test_update_on_device_diverging_exits_nonzero_from_tune_run(tiny_assets, tmp
     cmd = [*TUNE, "run", "recipes/full_finetune_single_device.py", "--config", "configs/tiny/full.yaml",
            f"output_dir={tmp_path}", *tiny_asset_overrides(tiny_assets), *DIVERGE, *OFFLOAD,
            "optimizer.minimal_size=1024", "optimizer.update_on=device", "optimizer.overlap=True"]
-    result = subprocess.run(cmd, cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True,
+    result = zygote.run(cmd, cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True,
                             text=True, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]

@@ -1,12 +1,12 @@
 """The recipes' host-RAM pre-flight: sized from meta shapes before loading, checked against what runs hold."""
 
 import re
-import subprocess
 import time
 
 import pytest
 import torch
 
+from tests import zygote
 from tests.recipe.test_recipes import FULL_OFFLOAD, REPO_ROOT, _config, _load_recipe_class, run_recipe
 from tests.recipe_harness import TUNE, working_tree_env
 from torchtune_offload.recipe import host_preflight
@@ -99,7 +99,7 @@ def test_the_key_is_a_strict_boolean(tiny_assets, tmp_path):
 @pytest.mark.skipif(host_preflight.available_host_memory() > 70 * GIB, reason="this machine could fit 8B on the CPU")
 def test_8b_on_the_cpu_fails_within_seconds_from_the_command_line():
     start = time.perf_counter()
-    out = subprocess.run(
+    out = zygote.run(
         [*TUNE, "run", "recipes/full_finetune_single_device.py", "--config",
          "configs/llama3_1/8B_full_offload_engine.yaml", "device=cpu", "output_dir=/nonexistent/never"],
         cwd=REPO_ROOT, env=working_tree_env(), capture_output=True, text=True, timeout=120,

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import zygote
 from tests.recipe_harness import TUNE, tiny_asset_overrides, working_tree_env
 from torchtune_offload.recipe import read_disk_log
 
@@ -69,13 +70,13 @@ def _command(kind: str, assets: Path, out: Path, extra: List[str], log_name: str
             *extra, f"metric_logger.filename={log_name}"]
 
 
-def _tune_run(kind, assets, out, extra, log_name, **popen) -> subprocess.Popen:
+def _tune_run(kind, assets, out, extra, log_name) -> zygote.Popen:
     cmd = [*TUNE, "run", RECIPES[kind], *_command(kind, assets, out, extra, log_name)]
-    return subprocess.Popen(cmd, cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **popen)
+    return zygote.Popen(cmd, cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True)
 
 
-def _finish(proc: subprocess.Popen, *, expect_ok: bool = True) -> str:
+def _finish(proc: zygote.Popen, *, expect_ok: bool = True) -> str:
     output = proc.communicate(timeout=600)[0]
     if expect_ok:
         assert proc.returncode == 0, output[-5000:]
@@ -91,7 +92,7 @@ def _final_weights(kind: str, out: Path) -> dict:
     return load_file(out / "epoch_1" / name)
 
 
-def _kill_at_step(proc: subprocess.Popen, out: Path, log_name: str, step: int) -> None:
+def _kill_at_step(proc: zygote.Popen, out: Path, log_name: str, step: int) -> None:
     """SIGKILLs the run as soon as it has logged ``step`` steps (it may be saving right then)."""
     log = out / "logs" / log_name
     deadline = time.monotonic() + 300
@@ -154,7 +155,7 @@ def test_sigkill_during_a_save_then_resume_is_exact(case, straight_runs, tiny_as
     out = tmp_path / "run"
     cmd = [sys.executable, "-c", _KILL_IN_SAVE, *_command(kind, tiny_assets, out, extra, "killed.txt")]
     env = working_tree_env(TIKTOKEN_CACHE_DIR="", KILL_IN_SAVE=str(kill_at), RECIPE=Path(RECIPES[kind]).stem)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = zygote.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stdout[-3000:] + proc.stderr[-3000:]
     # The half-written save is a staging folder; the checkpoints in place are all complete.
     assert list((out / "checkpoints").glob(".saving_step_*"))

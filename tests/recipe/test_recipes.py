@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 from torchtune.modules.peft import get_adapter_state_dict
 
+from tests import zygote
 from tests.recipe_harness import TUNE, load_recipe_module, tiny_asset_overrides, working_tree_env
 from torchtune_offload.recipe import read_disk_log
 
@@ -382,7 +383,7 @@ def _tune_run(kind: str, assets: Path, output_dir: Path, *overrides: str) -> sub
     ]
     # PYTHONPATH: the working tree's torchtune_offload, not an installed copy.
     env = working_tree_env(TIKTOKEN_CACHE_DIR="")
-    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return zygote.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,10 @@
 """tests/recipe/tune_run_batch.py gives each command the exit status and output a ``tune`` process would."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+from tests import zygote
 from tests.recipe.tune_run_batch import run
 from tests.recipe_harness import tiny_asset_overrides, working_tree_env
 
@@ -30,7 +30,7 @@ def test_each_command_gets_its_own_line_as_it_ends(tmp_path):
     commands = tmp_path / "commands.json"
     commands.write_text(json.dumps([["--help"], ["no-such-subcommand"]]))
     out = tmp_path / "results.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "tests.recipe.tune_run_batch", str(commands), str(out)], cwd=REPO,
+    proc = zygote.run([sys.executable, "-m", "tests.recipe.tune_run_batch", str(commands), str(out)], cwd=REPO,
                           env=working_tree_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert [json.loads(line)["returncode"] for line in out.read_text().splitlines()] == [0, 2]

@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import pytest
 import torch
 
+from tests import zygote
 from tests.recipe.test_recipes import run_recipe
 from tests.recipe_harness import TUNE, tiny_asset_overrides, working_tree_env
 
@@ -184,7 +185,7 @@ def results(tiny_assets, earlier_run, tmp_path_factory, request):
         return argv, out, _snapshot(out)
 
     def run_process(argv: List[str]) -> List[Tuple[int, str]]:
-        proc = subprocess.run([*base, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        proc = zygote.run([*base, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         return [(proc.returncode, proc.stdout + proc.stderr)]
 
     def run_batch(commands: List[List[str]], index: int) -> List[Tuple[int, str]]:
@@ -193,7 +194,7 @@ def results(tiny_assets, earlier_run, tmp_path_factory, request):
         (batch / "commands.json").write_text(json.dumps(commands))
         results = batch / "results.jsonl"
         try:
-            proc = subprocess.run([sys.executable, "-m", "tests.recipe.tune_run_batch", str(batch / "commands.json"),
+            proc = zygote.run([sys.executable, "-m", "tests.recipe.tune_run_batch", str(batch / "commands.json"),
                                    str(results)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
             died = f"the batch process ended with status {proc.returncode}:\n{proc.stdout}{proc.stderr}"
         except subprocess.TimeoutExpired as err:
