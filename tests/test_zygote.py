@@ -72,3 +72,12 @@ def test_a_load_time_setting_that_differs_gets_a_fresh_interpreter():
     assert zygote._servable([sys.executable, "-c", code], env) is None
     assert zygote._servable([sys.executable, "-P", "-c", code], working_tree_env(TIKTOKEN_CACHE_DIR="")) is None
     assert zygote._servable(["bash", "-c", "true"], working_tree_env(TIKTOKEN_CACHE_DIR="")) is None
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["zygote", "fallback"])
+def test_popen_reports_returncode_and_takes_devnull(forked, monkeypatch):
+    monkeypatch.setenv("TEST_ZYGOTE", "1" if forked else "0")
+    proc = zygote.Popen([sys.executable, "-c", "print('dropped'); raise SystemExit(5)"],
+                        env=working_tree_env(TIKTOKEN_CACHE_DIR=""), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.wait(timeout=60) == 5 and proc.returncode == 5
+    assert (proc._fallback is None) == forked

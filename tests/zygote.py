@@ -262,11 +262,13 @@ class Popen:
             self.pid = self._fallback.pid
             return
         self._text = text
-        self.returncode: Optional[int] = None
+        self._returncode: Optional[int] = None
         self._files: List[Optional[tempfile.TemporaryFile]] = [None, None]
+        self._opened: List[int] = []
         out_fd = self._stream(0, stdout, sys.__stdout__)
         err_fd = out_fd if stderr == subprocess.STDOUT else self._stream(1, stderr, sys.__stderr__)
         null = os.open(os.devnull, os.O_RDONLY)
+        self._opened.append(null)
         mode, target, argv = split
         body = json.dumps({"mode": mode, "target": target, "argv": argv, "env": env,
                            "cwd": str(cwd if cwd is not None else os.getcwd())}).encode()
@@ -276,7 +278,8 @@ class Popen:
             socket.send_fds(self._conn, [_HEADER.pack(len(body))], [null, out_fd, err_fd])
             self._conn.sendall(body)
         finally:
-            os.close(null)
+            for fd in self._opened:
+                os.close(fd)
         self._lines = b""
         self.pid = int(self._message("pid"))
 
@@ -287,8 +290,9 @@ class Popen:
             self._files[index] = tempfile.TemporaryFile()
             return self._files[index].fileno()
         if how == subprocess.DEVNULL:
-            self._files[index] = open(os.devnull, "wb")  # noqa: SIM115 - closed with the others
-            return self._files[index].fileno()
+            fd = os.open(os.devnull, os.O_WRONLY)
+            self._opened.append(fd)  # closed once sent: the child gets its own copy
+            return fd
         return how.fileno() if hasattr(how, "fileno") else how
 
     def _message(self, kind: str, timeout: Optional[float] = None) -> Optional[str]:
@@ -308,28 +312,28 @@ class Popen:
     def poll(self) -> Optional[int]:
         if self._fallback is not None:
             return self._fallback.poll()
-        if self.returncode is None:
+        if self._returncode is None:
             value = self._message("exit", timeout=0)
             if value is not None:
-                self.returncode = int(value)
+                self._returncode = int(value)
                 self._conn.close()
-        return self.returncode
+        return self._returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
         if self._fallback is not None:
             return self._fallback.wait(timeout)
-        if self.returncode is None:
+        if self._returncode is None:
             value = self._message("exit", timeout=timeout)
             if value is None:
                 raise subprocess.TimeoutExpired(["zygote child", str(self.pid)], timeout)
-            self.returncode = int(value)
+            self._returncode = int(value)
             self._conn.close()
-        return self.returncode
+        return self._returncode
 
     def send_signal(self, sig: int) -> None:
         if self._fallback is not None:
             self._fallback.send_signal(sig)
-        elif self.returncode is None:
+        elif self._returncode is None:
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
@@ -339,8 +343,8 @@ class Popen:
         self.send_signal(signal.SIGKILL)
 
     def _read(self, index: int):
-        file = self._files[index]
-        if file is None or not hasattr(file, "seek"):
+        file = self._files[index]  # a temporary file where the stream was subprocess.PIPE
+        if file is None:
             return None
         file.seek(0)
         data = file.read()
@@ -352,6 +356,11 @@ class Popen:
             return self._fallback.communicate(timeout=timeout)
         self.wait(timeout)
         return self._read(0), self._read(1)
+
+    @property
+    def returncode(self) -> Optional[int]:
+        """The exit status once :meth:`poll`, :meth:`wait` or :meth:`communicate` has seen it."""
+        return self._fallback.returncode if self._fallback is not None else self._returncode
 
     @property
     def args(self):
