@@ -26,6 +26,7 @@ fresh process.
 import atexit
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -34,6 +35,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
+import types
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from tests.recipe_harness import REPO, working_tree_env
@@ -51,7 +54,7 @@ _HEADER = struct.Struct("!Q")
 # ----------------------------------------------------------------------------- the zygote process
 
 _SERVER = r"""
-import os, signal, socket, struct, sys, json, importlib
+import importlib, sys
 path, modules = sys.argv[1], sys.argv[2].split(",")
 for name in modules:
     importlib.import_module(name)
@@ -78,11 +81,9 @@ def _serve(path: str) -> None:
         conn, _ = server.accept()
         try:
             request, fds = _receive(conn)
-        except (OSError, ValueError, json.JSONDecodeError):
+        except (OSError, ValueError):  # a client that went away mid-request (JSONDecodeError is a ValueError)
             conn.close()
             continue
-        if request is None:  # shutdown
-            return
         # A waiter forks the child and reports its pid and exit status over the connection: the
         # zygote itself stays single-threaded and never waits.
         if os.fork() == 0:
@@ -105,10 +106,12 @@ def _serve(path: str) -> None:
             os.close(fd)
 
 
-def _receive(conn: socket.socket) -> Tuple[Optional[dict], List[int]]:
+def _receive(conn: socket.socket) -> Tuple[dict, List[int]]:
     head, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
-    if not head:
-        return None, list(fds)
+    if len(head) != _HEADER.size:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("short request")
     (size,) = _HEADER.unpack(head)
     body = b""
     while len(body) < size:
@@ -121,12 +124,6 @@ def _receive(conn: socket.socket) -> Tuple[Optional[dict], List[int]]:
 
 def _child(request: dict, fds: List[int]) -> None:
     """In the forked child: become the requested ``python ...`` and exit as it would."""
-    import atexit as _atexit
-    import runpy
-    import threading as _threading
-    import traceback
-    import types
-
     code = 0
     try:
         for target, fd in enumerate(fds):
@@ -168,8 +165,8 @@ def _child(request: dict, fds: List[int]) -> None:
         code = 1
     finally:
         try:
-            _threading._shutdown()  # non-daemon threads end first, as at interpreter exit
-            _atexit._run_exitfuncs()
+            threading._shutdown()  # non-daemon threads end first, as at interpreter exit
+            atexit._run_exitfuncs()
         finally:
             for stream in (sys.stdout, sys.stderr):
                 try:
@@ -361,10 +358,6 @@ class Popen:
     def returncode(self) -> Optional[int]:
         """The exit status once :meth:`poll`, :meth:`wait` or :meth:`communicate` has seen it."""
         return self._fallback.returncode if self._fallback is not None else self._returncode
-
-    @property
-    def args(self):
-        return self._fallback.args if self._fallback is not None else None
 
 
 def run(cmd: Sequence[str], *, cwd=None, env=None, capture_output: bool = False, text: bool = False,
