@@ -8,7 +8,10 @@ repeated until --params is reached, with random gradients. Each row times one wh
 all of them (median of --steps after two warm-up steps, which include any compilation) and reports
 millions of parameters per second. The engine's rows time exactly the per-parameter step the
 offload engine runs on the host (`SlotStepper.step_slot`), without the copies to and from a
-device. Prints a markdown table naming the CPU and the thread count.
+device. The "clipped" rows step as a clipped window does (factor 1.0, which clipping multiplies by
+whenever the norm is within bounds): each gradient scaled in place and then stepped, or the factor
+handed to the step (the C passes apply it as they read the gradient). Prints a markdown table
+naming the CPU and the thread count.
 
 A shared or virtual machine's speed drifts by tens of percent within a minute, so each row's steps
 alternate with steps of torch's fused fp32 AdamW, and the ratio column compares the two medians of
@@ -77,7 +80,15 @@ def torch_fused(dims, dtype):
     return opt.step
 
 
-def engine(dims, dtype, *, optimizer_class="torch.optim.AdamW", **options):
+#: The clipping factor of the "clipped" rows: what torch's clip_grad_norm_ multiplies by when the
+#: norm is within max_norm (it always multiplies); 1.0 keeps the gradients as they are from step to step.
+CLIP_FACTOR = torch.tensor(1.0)
+
+
+def engine(dims, dtype, *, optimizer_class="torch.optim.AdamW", clip: Optional[str] = None, **options):
+    """The engine's per-slot host step; ``clip``: None, "mul" (each gradient scaled in place, then
+    stepped: the overlapped engine before the factor went into the passes, and the torch path still)
+    or "pass" (the factor handed to the step, as the overlapped engine now does)."""
     params = params_of(dims, dtype)
     grads = [p.grad for p in params]
     for p in params:
@@ -91,7 +102,9 @@ def engine(dims, dtype, *, optimizer_class="torch.optim.AdamW", **options):
     def step():
         for slot in opt._slots:
             # With masters the rounded result overwrites the gradient buffer, as in training.
-            opt._stepper.step_slot(slot, slot.host_grad)
+            if clip == "mul":
+                slot.host_grad.mul_(CLIP_FACTOR)
+            opt._stepper.step_slot(slot, slot.host_grad, grad_scale=CLIP_FACTOR if clip == "pass" else None)
 
     return step
 
@@ -139,6 +152,15 @@ ROWS = {
                                                                                   fused=False),
     "engine, bf16, torchtune_offload AdamW8bit states": lambda d: engine(d, torch.bfloat16,
                                                                       optimizer_class="torchtune_offload.AdamW8bit"),
+    "engine, bf16 (default policy), clipped (scaled, then stepped)": lambda d: engine(d, torch.bfloat16, clip="mul"),
+    "engine, fp32 master / bf16 device, fused pass, clipped: scaled, then stepped": lambda d: engine(
+        d, torch.bfloat16, master_dtype="fp32", clip="mul"),
+    "engine, fp32 master / bf16 device, fused pass, clipped: factor in the pass": lambda d: engine(
+        d, torch.bfloat16, master_dtype="fp32", clip="pass"),
+    "engine, bf16, torchtune_offload AdamW8bit states, clipped: scaled, then stepped": lambda d: engine(
+        d, torch.bfloat16, optimizer_class="torchtune_offload.AdamW8bit", clip="mul"),
+    "engine, bf16, torchtune_offload AdamW8bit states, clipped: factor in the pass": lambda d: engine(
+        d, torch.bfloat16, optimizer_class="torchtune_offload.AdamW8bit", clip="pass"),
     "bitsandbytes AdamW8bit (CPU backend), bf16": lambda d: bitsandbytes_adamw8bit(d, torch.bfloat16),
     "torchao AdamW8bit (CPU), bf16": lambda d: torchao_adamw8bit(d, torch.bfloat16),
 }

@@ -23,11 +23,13 @@ def _record_fed_gradients(monkeypatch):
     fed = {}
     original = SlotStepper.step_slot
 
-    def recording(self, slot: Slot, grad: torch.Tensor) -> None:
-        fed.setdefault(slot.key, []).append(grad.detach().float().cpu().clone())
+    def recording(self, slot: Slot, grad: torch.Tensor, *, grad_scale=None) -> None:
+        # With a clipping factor the step is fed the gradient scaled as mul_ scales it.
+        seen = grad if grad_scale is None else grad.mul(grad_scale)
+        fed.setdefault(slot.key, []).append(seen.detach().float().cpu().clone())
         # The outer group's lr, as synced into the slot's base optimizer before each step.
         fed.setdefault("lr", {})[len(fed[slot.key]) - 1] = slot.optimizer.param_groups[0]["lr"]
-        original(self, slot, grad)
+        original(self, slot, grad, grad_scale=grad_scale)
 
     monkeypatch.setattr(SlotStepper, "step_slot", recording)
     return fed

@@ -308,7 +308,7 @@ def test_worker_errors_reach_the_caller(monkeypatch):
     opt = offload(model, overlap=True)
     x, y = batches(num=1)[0]
 
-    def broken(self, slot, grad):
+    def broken(self, slot, grad, **_):
         raise ValueError(f"host step failed for {slot.key}")
 
     monkeypatch.setattr(SlotStepper, "step_slot", broken)
@@ -326,9 +326,9 @@ def test_a_stuck_host_step_times_out_with_a_clear_error(monkeypatch):
     release = threading.Event()
     original = SlotStepper.step_slot
 
-    def stuck(self, slot, grad):
+    def stuck(self, slot, grad, **kwargs):
         release.wait(timeout=30)
-        original(self, slot, grad)
+        original(self, slot, grad, **kwargs)
 
     monkeypatch.setattr(SlotStepper, "step_slot", stuck)
     opt.expect_final_backward(clipping=False)

@@ -172,7 +172,7 @@ def bind_kernel(library: ctypes.CDLL) -> ctypes.CDLL:
     kernel = library.adamw8bit_step
     kernel.restype = None
     kernel.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-                       + [ctypes.c_float] * 8 + [ctypes.c_int])
+                       + [ctypes.c_float] * 8 + [ctypes.c_int, ctypes.c_float, ctypes.c_int])
     return library
 
 
@@ -195,12 +195,14 @@ def fused_available() -> bool:
 
 
 def fused_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], s: Dict[str, float], *,
-                    library: Optional[ctypes.CDLL] = None) -> bool:
+                    library: Optional[ctypes.CDLL] = None, grad_scale: Optional[torch.Tensor] = None) -> bool:
     """The C pass of :func:`reference_step_8bit` on contiguous CPU tensors, on all of torch's threads.
 
     Args:
         param, grad, state, s: as :func:`reference_step_8bit` takes them (``s`` from :func:`step_constants`).
         library: a library from :func:`bind_kernel`; default: the pass, built at first use.
+        grad_scale: a clipping factor (see :func:`fused_step.scale_value`): the pass steps on
+            ``grad.mul(grad_scale)``, computed in registers; ``grad`` itself is left unscaled.
 
     Returns:
         False where the pass cannot be built here (nothing was stepped), else True.
@@ -216,7 +218,8 @@ def fused_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, An
         state["absmax1"].data_ptr(), state["absmax2"].data_ptr(), qmap1.data_ptr(), qmap2.data_ptr(),
         param.numel(), _DTYPES[param.dtype], _DTYPES[grad.dtype],
         s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"], s["inv_bias_correction2_sqrt"],
-        s["eps"], s["decay"], s["neg_step_size"], torch.get_num_threads(),
+        s["eps"], s["decay"], s["neg_step_size"], int(grad_scale is not None),
+        1.0 if grad_scale is None else fused_step.scale_value(grad_scale), torch.get_num_threads(),
     )
     return True
 
@@ -324,12 +327,22 @@ class AdamW8bit(torch.optim.Optimizer):
         return state
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, grad_scale: Optional[torch.Tensor] = None):
         """Performs one step over every parameter with a gradient.
 
         Args:
             closure: re-evaluates the model and returns the loss (optional).
+            grad_scale: a clipping factor (a float32, bf16 or fp16 tensor of one element, as
+                ``torch.nn.utils.clip_grad_norm_`` computes it): the step is the one that follows
+                ``p.grad.mul_(grad_scale)`` for every gradient, to the bit, but the C pass multiplies
+                in registers and the gradients are left unscaled (one pass over them, not two).
+
+        Raises:
+            ValueError: if ``grad_scale`` is not a float32, bf16 or fp16 tensor of one element.
         """
+        if grad_scale is not None:
+            fused_step.scale_value(grad_scale)  # checked before any parameter changes
+            grad_scale = grad_scale.detach().to("cpu")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -340,18 +353,22 @@ class AdamW8bit(torch.optim.Optimizer):
                     continue
                 state = self.state[p] or self._init_state(p)
                 state["step"] += 1
-                self._step_tensor(p, p.grad, state, step_constants(group, state["step"]))
+                self._step_tensor(p, p.grad, state, step_constants(group, state["step"]), grad_scale)
         return loss
 
-    def _step_tensor(self, p: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], s: Dict[str, float]) -> None:
+    def _step_tensor(self, p: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], s: Dict[str, float],
+                     grad_scale: Optional[torch.Tensor]) -> None:
         if grad.dtype not in _DTYPES:
             raise ValueError(f"params: a gradient of dtype {grad.dtype}; AdamW8bit steps on bf16 or fp32 gradients.")
+        if (state["state1"].dtype != torch.float32 and p.device.type == "cpu" and self.fused is not False
+                and p.is_contiguous() and grad.is_contiguous()
+                and fused_step_8bit(p, grad, state, s, grad_scale=grad_scale)):
+            return
+        # The references step on the scaled gradient itself (a new tensor, rounded as mul_ rounds it).
+        if grad_scale is not None:
+            grad = grad.mul(grad_scale.to(grad.device))
         if state["state1"].dtype == torch.float32:
             reference_step_32bit(p, grad, state, s)
-        elif p.device.type == "cpu":
-            if not (self.fused is not False and p.is_contiguous() and grad.is_contiguous()
-                    and fused_step_8bit(p, grad, state, s)):
-                reference_step_8bit(p, grad, state, s)
         else:
             reference_step_8bit(p, grad, state, s)
 

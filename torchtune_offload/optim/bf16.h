@@ -23,4 +23,11 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+/* A bf16 gradient widened to float and multiplied by a clipping factor, as torch's CPU
+ * grad.mul_(factor) leaves it (one float32 product rounded to bf16), widened again: the passes
+ * apply clipping in registers instead of in a pass of its own over the gradient. */
+static inline float bf16_scaled(float g, float scale) { return bf16_to_float(float_to_bf16(g * scale)); }
+/* The same for a float32 gradient: one float32 product. */
+static inline float fp32_scaled(float g, float scale) { return g * scale; }
+
 #endif

@@ -16,15 +16,18 @@ static inline float lerp(float start, float end, float weight) {
 }
 
 /* decay: 1 - lr * weight_decay (AdamW) or unused; l2: weight_decay (Adam) or 0; lerp_weight:
- * 1 - beta1; sq_weight: 1 - beta2; neg_step_size: -lr / (1 - beta1^t). */
-#define ADAMW_PASS(NAME, GRAD_T, GRAD_TO_FLOAT)                                                        \
+ * 1 - beta1; sq_weight: 1 - beta2; neg_step_size: -lr / (1 - beta1^t). scaled: the gradient is
+ * first multiplied by grad_scale (clipping) as grad.mul_(grad_scale) would round it in its dtype;
+ * the gradient in memory is left as it is. */
+#define ADAMW_PASS(NAME, GRAD_T, GRAD_TO_FLOAT, GRAD_SCALED)                                           \
     void NAME(float *param, float *exp_avg, float *exp_avg_sq, const GRAD_T *grad, uint16_t *out,      \
               int64_t n, int decoupled, float decay, float l2, float lerp_weight, float beta2,          \
               float sq_weight, float bias_correction2_sqrt, float eps, float neg_step_size,             \
-              int threads) {                                                                            \
+              int scaled, float grad_scale, int threads) {                                              \
         _Pragma("omp parallel for simd num_threads(threads) schedule(static)")                        \
         for (int64_t i = 0; i < n; i++) {                                                               \
             float g = GRAD_TO_FLOAT(grad[i]);                                                           \
+            if (scaled) g = GRAD_SCALED(g, grad_scale);                                                 \
             float p = param[i];                                                                         \
             if (decoupled) p = p * decay;                                                               \
             else if (l2 != 0.0f) g = g + l2 * p;                                                        \
@@ -42,5 +45,5 @@ static inline float lerp(float start, float end, float weight) {
 
 #define FLOAT_AS_IS(x) (x)
 
-ADAMW_PASS(adamw_bf16_grad, uint16_t, bf16_to_float)
-ADAMW_PASS(adamw_fp32_grad, float, FLOAT_AS_IS)
+ADAMW_PASS(adamw_bf16_grad, uint16_t, bf16_to_float, bf16_scaled)
+ADAMW_PASS(adamw_fp32_grad, float, FLOAT_AS_IS, fp32_scaled)

@@ -27,6 +27,8 @@
 
 typedef struct {
     float beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps, decay, neg_step_size;
+    float grad_scale; /* the clipping factor, where scaled */
+    int scaled;
 } Scalars;
 
 /* Quantization without a search. A map's positive codes fall in groups: zero, seven decades of
@@ -225,7 +227,7 @@ static void quantize_block_avx2(const float *values, int64_t len, float absmax, 
 #define HAVE_AVX2_QUANTIZE 1
 #endif
 
-#define ADAMW8BIT_BLOCK(NAME, PARAM_T, TO_FLOAT, FROM_FLOAT, GRAD_T, GRAD_TO_FLOAT)                     \
+#define ADAMW8BIT_BLOCK(NAME, PARAM_T, TO_FLOAT, FROM_FLOAT, GRAD_T, GRAD_TO_FLOAT, GRAD_SCALED)        \
     static void NAME(PARAM_T *param, const GRAD_T *grad, uint8_t *q1, uint8_t *q2, float *absmax1,      \
                      float *absmax2, const float *code1, const float *code2, const QuantTable *t1,      \
                      const QuantTable *t2, int64_t len, const Scalars *s) {                             \
@@ -235,6 +237,7 @@ static void quantize_block_avx2(const float *values, int64_t len, float absmax, 
         _Pragma("omp simd reduction(max:max1,max2)")                                                   \
         for (int64_t i = 0; i < len; i++) {                                                            \
             float g = GRAD_TO_FLOAT(grad[i]);                                                          \
+            if (s->scaled) g = GRAD_SCALED(g, s->grad_scale);                                          \
             float mi = code1[q1[i]] * a1;                                                              \
             float vi = code2[q2[i]] * a2;                                                              \
             mi = mi * s->beta1 + g * s->one_minus_beta1;                                               \
@@ -481,6 +484,15 @@ static inline __m512i round_bf16(__m512 x) {
     return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
 }
 
+/* The clipping factor on 64 loaded gradients, as bf16_scaled / fp32_scaled compute it. */
+static inline void scale64(__m512 g[4], int is_bf16, float scale) {
+    const __m512 factor = _mm512_set1_ps(scale);
+    for (int k = 0; k < 4; k++) {
+        g[k] = _mm512_mul_ps(g[k], factor);
+        if (is_bf16) g[k] = _mm512_castsi512_ps(_mm512_slli_epi32(round_bf16(g[k]), 16));
+    }
+}
+
 /* float_to_bf16 of the 64 pair-order floats in x, into out[0..63] in order. */
 static inline void store64_bf16(uint16_t *out, const __m512 x[4]) {
 #if defined(__AVX512BF16__)
@@ -533,6 +545,7 @@ static void block_avx512(void *param, int param_bf16, const void *grad, int grad
         dequantize64(q1 + i, code1, old1, mi);
         dequantize64(q2 + i, code2, old2, vi);
         load64(grad, grad_bf16, i, g);
+        if (s->scaled) scale64(g, grad_bf16, s->grad_scale);
         load64(param, param_bf16, i, p);
         for (int k = 0; k < 4; k++) {
             mi[k] = _mm512_add_ps(_mm512_mul_ps(mi[k], beta1), _mm512_mul_ps(g[k], omb1));
@@ -560,19 +573,22 @@ static void block_avx512(void *param, int param_bf16, const void *grad, int grad
 #else
 #define QUANTIZE_BLOCK quantize_block
 #endif
-ADAMW8BIT_BLOCK(block_fp32_fp32, float, FLOAT_AS_IS, FLOAT_AS_IS, float, FLOAT_AS_IS)
-ADAMW8BIT_BLOCK(block_fp32_bf16, float, FLOAT_AS_IS, FLOAT_AS_IS, uint16_t, bf16_to_float)
-ADAMW8BIT_BLOCK(block_bf16_fp32, uint16_t, bf16_to_float, float_to_bf16, float, FLOAT_AS_IS)
-ADAMW8BIT_BLOCK(block_bf16_bf16, uint16_t, bf16_to_float, float_to_bf16, uint16_t, bf16_to_float)
+ADAMW8BIT_BLOCK(block_fp32_fp32, float, FLOAT_AS_IS, FLOAT_AS_IS, float, FLOAT_AS_IS, fp32_scaled)
+ADAMW8BIT_BLOCK(block_fp32_bf16, float, FLOAT_AS_IS, FLOAT_AS_IS, uint16_t, bf16_to_float, bf16_scaled)
+ADAMW8BIT_BLOCK(block_bf16_fp32, uint16_t, bf16_to_float, float_to_bf16, float, FLOAT_AS_IS, fp32_scaled)
+ADAMW8BIT_BLOCK(block_bf16_bf16, uint16_t, bf16_to_float, float_to_bf16, uint16_t, bf16_to_float, bf16_scaled)
 
 /* param_dtype / grad_dtype: 0 float32, 1 bfloat16. The float arguments are the step's constants
- * (see adamw8bit.step_constants); decay is 1 without weight decay (p * 1 is p exactly). */
+ * (see adamw8bit.step_constants); decay is 1 without weight decay (p * 1 is p exactly). scaled: the
+ * gradient is first multiplied by grad_scale (clipping) as grad.mul_(grad_scale) would round it in
+ * its dtype; the gradient in memory is left as it is. */
 void adamw8bit_step(void *param, const void *grad, uint8_t *state1, uint8_t *state2, float *absmax1,
                     float *absmax2, const float *code1, const float *code2, int64_t n, int param_dtype,
                     int grad_dtype, float beta1, float one_minus_beta1, float beta2, float one_minus_beta2,
-                    float inv_bias_correction2_sqrt, float eps, float decay, float neg_step_size, int threads) {
+                    float inv_bias_correction2_sqrt, float eps, float decay, float neg_step_size, int scaled,
+                    float grad_scale, int threads) {
     const Scalars s = {beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps, decay,
-                       neg_step_size};
+                       neg_step_size, grad_scale, scaled};
     QuantTable t1, t2;
     build_table(code1, 1, &t1);
     build_table(code2, 0, &t2);

@@ -106,8 +106,28 @@ def _library() -> Optional[ctypes.CDLL]:
     for name in _KERNELS.values():
         kernel = getattr(library, name)
         kernel.restype = None
-        kernel.argtypes = [pointer] * 5 + [i64, i32] + [f32] * 8 + [i32]
+        kernel.argtypes = [pointer] * 5 + [i64, i32] + [f32] * 8 + [i32, f32, i32]
     return library
+
+
+#: Dtypes of a clipping factor whose every value float32 holds exactly: ``grad.mul_(factor)`` of a
+#: bf16 or fp32 gradient multiplies by that float32 value (the norm, and so the factor, has the
+#: gradients' dtype, bf16 in a bf16 model).
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def scale_value(grad_scale: torch.Tensor) -> float:
+    """A clipping factor as the C passes take it: the float32 value ``grad.mul_(grad_scale)`` multiplies by.
+
+    Raises:
+        ValueError: if ``grad_scale`` is not a one-element tensor of a dtype in :data:`SCALE_DTYPES`
+            (a float64 factor would be rounded to float32 first, which is not checked here to match
+            torch's ``mul_``).
+    """
+    if not isinstance(grad_scale, torch.Tensor) or grad_scale.numel() != 1 or grad_scale.dtype not in SCALE_DTYPES:
+        raise ValueError(f"grad_scale={grad_scale!r}: a one-element tensor of dtype float32, bfloat16 or float16 "
+                         "(the clipping factor, as clip_grad_norm_ computes it) is expected")
+    return float(grad_scale)
 
 
 def supports(optimizer: torch.optim.Optimizer, grad: torch.Tensor, out: torch.Tensor) -> bool:
@@ -140,13 +160,17 @@ def _state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Dict[str, A
     return state
 
 
-def fused_adamw_step(optimizer: torch.optim.Optimizer, grad: torch.Tensor, out: torch.Tensor) -> bool:
+def fused_adamw_step(optimizer: torch.optim.Optimizer, grad: torch.Tensor, out: torch.Tensor, *,
+                     grad_scale: Optional[torch.Tensor] = None) -> bool:
     """Steps the single parameter of ``optimizer`` on ``grad`` and writes its bf16 rounding into ``out``.
 
     Args:
         optimizer: an Adam or AdamW over one fp32 host tensor (see :func:`supports`).
         grad: its gradient, bf16 or fp32, same number of elements.
         out: a bf16 tensor that receives the updated parameter; may be ``grad`` itself.
+        grad_scale: a clipping factor (see :func:`scale_value`): the step uses ``grad.mul(grad_scale)``,
+            each element rounded as ``grad.mul_(grad_scale)`` rounds it, computed in registers (one
+            pass over the gradient instead of two); ``grad`` itself is left unscaled.
 
     Returns:
         True when stepped; False when the pass cannot be built here (nothing was changed then,
@@ -169,7 +193,7 @@ def fused_adamw_step(optimizer: torch.optim.Optimizer, grad: torch.Tensor, out: 
         param.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(), grad.data_ptr(),
         out.data_ptr(), param.numel(), int(decoupled), 1 - lr * weight_decay, 0.0 if decoupled else weight_decay,
         1 - beta1, beta2, 1 - beta2, (1 - beta2**step) ** 0.5, float(group["eps"]), -(lr / (1 - beta1**step)),
-        torch.get_num_threads(),
+        int(grad_scale is not None), 1.0 if grad_scale is None else scale_value(grad_scale), torch.get_num_threads(),
     )
     state["step"].fill_(step)
     return True

@@ -15,6 +15,7 @@ import torch
 
 import torchtune_offload.optim.fused_step as fused_step
 import torchtune_offload.optim.stream_check as stream_check
+from torchtune_offload.optim.adamw8bit import AdamW8bit
 from torchtune_offload.optim.fp8_weights import DeviceWeights
 from torchtune_offload.optim.host_grads import HostGradients
 from torchtune_offload.optim.param_table import ParameterTable, Slot
@@ -47,15 +48,31 @@ class SlotStepper:
         self.fused_master_step = fused_master_step
         self.device_weights = device_weights
 
-    def step_slot(self, slot: Slot, grad: torch.Tensor) -> None:
-        """One base-optimizer step of ``slot`` on ``grad``; with a master, the result rounded into ``slot.out``."""
+    def step_slot(self, slot: Slot, grad: torch.Tensor, *, grad_scale: Optional[torch.Tensor] = None) -> None:
+        """One base-optimizer step of ``slot`` on ``grad``; with a master, the result rounded into ``slot.out``.
+
+        Args:
+            slot: the slot.
+            grad: its gradient.
+            grad_scale: a clipping factor: the step is the one on ``grad.mul_(grad_scale)``. The C
+                passes (the fused master step, AdamW8bit's) multiply in registers and leave ``grad``
+                as it is, sparing a pass over it; other optimizers get ``grad`` scaled in place first.
+        """
         if (slot.has_master and slot.offloaded and self.fused_master_step
                 and fused_step.supports(slot.optimizer, grad, slot.out)
-                and fused_step.fused_adamw_step(slot.optimizer, grad, slot.out)):
+                and fused_step.fused_adamw_step(slot.optimizer, grad, slot.out, grad_scale=grad_scale)):
             return
+        # AdamW8bit takes the factor only where it steps on this very gradient: a master's widened
+        # copy must be scaled (and rounded) in the gradient's own dtype first.
+        scales_itself = type(slot.optimizer) is AdamW8bit and grad.dtype == slot.step_param.dtype
+        if grad_scale is not None and not scales_itself:
+            grad.mul_(grad_scale)
         # A master is fed the gradient widened to its dtype, as plain fp32 training would be.
         slot.step_param.grad = grad if grad.dtype == slot.step_param.dtype else grad.to(slot.step_param.dtype)
-        slot.optimizer.step()
+        if grad_scale is not None and scales_itself:
+            slot.optimizer.step(grad_scale=grad_scale)
+        else:
+            slot.optimizer.step()
         slot.step_param.grad = None
         if slot.has_master:
             slot.out.copy_(slot.step_param)
@@ -85,19 +102,20 @@ class SlotStepper:
                     slot.optimizer.step()
         self._streamer.update(streamed)
 
-    def host_step(self, slot: Slot, *, waited: bool) -> object:
+    def host_step(self, slot: Slot, *, waited: bool, grad_scale: Optional[torch.Tensor] = None) -> object:
         """Steps an offloaded slot on its landed host gradient and sends its new weights up.
 
         Args:
             slot: an offloaded slot whose gradient is complete in ``slot.host_grad``.
             waited: the training thread runs it (serial), so all of it counts as waiting.
+            grad_scale: a clipping factor for the gradient (see :meth:`step_slot`).
 
         Returns:
             the upload's event (see ``TransferEngine.to_device``).
         """
         # Host code: what the base optimizer creates from nothing (its step count) is host memory.
         with self._timings.host_step(waited=waited), stream_check.host_work():
-            self.step_slot(slot, slot.host_grad)
+            self.step_slot(slot, slot.host_grad, grad_scale=grad_scale)
         if self.fp8(slot):
             # Re-quantized into the consumed gradient buffer: the caller marks it consumed.
             return self.device_weights.upload(slot)
