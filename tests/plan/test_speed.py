@@ -100,6 +100,19 @@ def test_the_arithmetic_of_a_known_step():
     # The 8-bit host step at 2000 Mparam/s; fp32 masters at twice the bf16 step's bytes.
     assert predict(replace(work, update="host", eight_bit=True), machine).parts["host_step"] == pytest.approx(0.5)
     assert predict(replace(work, update="host", master_fp32=True), machine).parts["host_step"] == pytest.approx(2)
+    # Clipping host gradients in a pass of its own reads and writes 2 bytes a parameter (4 GB at 6 GB/s)
+    # where the step cannot take the factor: torch's AdamW, and the serial path (which scales in place);
+    # the overlapped AdamW8bit and fp32-master passes multiply as they read. Gradients clipped on the
+    # device (serial, without offload_gradients) cost the host nothing.
+    def host_step(**kw):
+        return predict(replace(work, update="host", clipping=True, **kw), machine).parts["host_step"]
+
+    assert host_step(overlap=True, offload_gradients=True) == pytest.approx(1 + 4 / 6)
+    assert host_step(overlap=True) == pytest.approx(1 + 4 / 6)  # the window's gradients go to the host
+    assert host_step(overlap=True, offload_gradients=True, eight_bit=True) == pytest.approx(0.5)
+    assert host_step(overlap=True, master_fp32=True) == pytest.approx(2)
+    assert host_step(offload_gradients=True, eight_bit=True) == pytest.approx(0.5 + 4 / 6)
+    assert host_step() == pytest.approx(1)
     # Paged state beyond the device: 1 GB out and back in every step.
     paged = predict(replace(work, paged_excess_bytes=10**9), machine)
     assert paged.step_seconds == pytest.approx(10)

@@ -56,12 +56,6 @@ _GAP_MASTER = Gap("fp32 master pass",
     "fp32 master weights: the model scales the host step by its bytes (28 per parameter against 14), but "
     "the run was only 7% slower than offload_grads_overlap: the fused master pass (optim/fused_step.py) "
     "is not bandwidth-bound at the bf16 step's rate, and no machine key measures it")
-_GAP_CLIP = Gap("clipping at 8B",
-    "llama3_1 8B, batch 1, clip 1.0, no accumulation: 2.69 s a step, 0.85 s more than the model's GPU work "
-    "plus the host pipeline (1.84 s: with clipping nothing of it hides). The run's per-part timings (the "
-    "recipe's host_step_s, grad_copy_s and offload_wait_s) did not come back from the device (not profiled); "
-    "a likely part is the clip's scaling of the 16 GB of host gradients before the steps, which no "
-    "machine key measures")
 _GAP_MACHINE = Gap("machine variation",
     "that session's machine ran plain AdamW at 26092 tok/s, 17% below the 31422-31680 of the other "
     "sessions' H100s on the same settings: machine-to-machine variation the preset (fitted to the first "
@@ -143,8 +137,9 @@ def recorded_runs() -> List[RecordedRun]:
         _run("adamw", 26092, S3_24, n1, 4, gap=_GAP_MACHINE),
         _run("offload_device_update", 19800, S3_24, n1, 4, update="device_update"),
         _run("offload_device_update_overlap", 22975, S3_24, n1, 4, update="device_update", overlap=True),
+        # Within 20% only since the model counts clipping's own pass over the host gradients (+19.8%).
         _run("offload_grads_overlap, clip 1.0", 760, S4_8B, n8, 1, overlap=True, clipping=True, offload_gradients=True,
-             gap=_GAP_CLIP, **_HOST),
+             **_HOST),
     ]
     return runs
 

@@ -39,6 +39,13 @@ ADAMW_MASTER_BYTES = 28
 #: Bytes per parameter to add one micro-batch's bf16 gradient into the host sum: the staged
 #: gradient and the sum read, the sum written.
 GRAD_SUM_BYTES_PER_ELEMENT_SIZE = 3
+#: Bytes per parameter of clipping's own pass over the host gradients (each read and written once),
+#: as a multiple of the gradient's element size. The host pays it where the gradients are on the
+#: host when clipped (``offload_gradients``, or any overlapped window) and the step cannot take the
+#: factor itself: torch's optimizers, and the serial path, which scales the gradients in place. The
+#: overlapped engine hands the factor to AdamW8bit's pass and to the fused fp32-master pass, which
+#: multiply as they read the gradient (no pass of its own).
+CLIP_PASS_BYTES_PER_ELEMENT_SIZE = 2
 #: The share of the last backward that the overlapped host step hides behind, fitted to the
 #: recorded H100 overlap runs (docs/planner.md; alone they read about 0 for 1B at batch 2, 0.35 at
 #: batch 4 and 0.64 for 8B at batch 2): the host step slows beside GPU work (0.219 s serial,
@@ -236,6 +243,8 @@ def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Option
     up = weight_bytes / (machine.pcie_h2d_gbs * 1e9)  # the new weights
     rate = (machine.host_adamw8bit_mparams if work.eight_bit else machine.host_adamw_bf16_mparams) * 1e6
     host_step = work.trainable / rate * (ADAMW_MASTER_BYTES / ADAMW_BF16_BYTES if work.master_fp32 else 1)
+    if _clips_in_a_pass_of_its_own(work):
+        host_step += work.trainable * work.element_size * CLIP_PASS_BYTES_PER_ELEMENT_SIZE / (machine.host_copy_gbs * 1e9)
     sum_one = work.trainable * work.element_size * GRAD_SUM_BYTES_PER_ELEMENT_SIZE / (machine.host_copy_gbs * 1e9)
     sums = (work.micro_batches - 1) * sum_one if work.offload_gradients else 0.0
     hides = None
@@ -277,6 +286,14 @@ def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Option
     bound = max(zip(parts.values(), BOUNDS))[1]
     tokens = work.tokens * work.micro_batches
     return Speed(step_seconds=step, tokens_per_second=tokens / step, bound=bound, parts=parts, hides_at_batch=hides)
+
+
+def _clips_in_a_pass_of_its_own(work: StepWork) -> bool:
+    """Whether the host scales the gradients for clipping in a pass of their own (see
+    :data:`CLIP_PASS_BYTES_PER_ELEMENT_SIZE`)."""
+    on_host = work.update == "host" and (work.offload_gradients or work.overlap)
+    factor_in_the_pass = work.overlap and (work.eight_bit or work.master_fp32)
+    return work.clipping and on_host and not factor_in_the_pass
 
 
 def _hides_at_batch(work: StepWork, machine: Machine, phase: float, sum_one: float,
