@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from bench_host_step import CLIP_FACTOR, engine, shapes
+from bench_host_step import CLIP_FACTOR, engine, threads_and_shapes
 from torchtune_offload.bench.machine import cpu_name
 
 #: The passes that take the factor: (row name, engine options).
@@ -36,10 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 5:
         parser.error("--steps must be at least 5")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dims = shapes(args.params)
-    numel = sum(torch.Size(s).numel() for s in dims)
+    dims, numel = threads_and_shapes(args)
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; {numel / 1e6:.1f}M bf16 "
           f"parameters in {len(dims)} Llama-shaped tensors; clipping factor {float(CLIP_FACTOR)}; medians of "
           f"{args.steps} steps, the three kinds in turns\n")

@@ -41,6 +41,15 @@ def shapes(target: float) -> List[tuple]:
     return out
 
 
+def threads_and_shapes(args: argparse.Namespace) -> Tuple[List[tuple], int]:
+    """Sets torch's threads from ``--threads`` (where given); the tensor shapes for ``--params``,
+    and their elements in all."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dims = shapes(args.params)
+    return dims, sum(torch.Size(s).numel() for s in dims)
+
+
 def params_of(dims: List[tuple], dtype: torch.dtype) -> List[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(0)
     params = []
@@ -177,10 +186,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 10:
         parser.error("--steps must be at least 10")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dims = shapes(args.params)
-    numel = sum(torch.Size(s).numel() for s in dims)
+    dims, numel = threads_and_shapes(args)
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"{numel / 1e6:.1f}M parameters in {len(dims)} Llama-shaped tensors; median of {args.steps} steps\n")
     baseline_name = args.baseline
