@@ -4,12 +4,14 @@ Usage: python scripts/bench_clip_in_pass.py [--params 100e6] [--steps 20] [--thr
 
 For each host pass that takes the clipping factor (this project's AdamW8bit pass, and the fused
 fp32-master pass), two engines over the same Llama-shaped bf16 tensors (scripts/bench_host_step.py's)
-step in turns, one step each, each going first every other time: "before" scales every host
-gradient in place (``grad.mul_(factor)``, torch's CPU multiply) and then steps, as the overlapped
-engine did; "after" hands the factor to the pass, which multiplies as it reads the gradient. The
+step in turns with an unclipped one, one step each, the three taking turns to go first: "before"
+scales every host gradient in place (``grad.mul_(factor)``, torch's CPU multiply) and then steps,
+as the overlapped engine did; "after" hands the factor to the pass, which multiplies as it reads
+the gradient. The
 results are the same bits (tests/optim/test_grad_scale.py); what differs is one read and one write of
-every bf16 gradient (4 bytes a parameter) against the pass's own. An unclipped step runs in the same
-turns, as the floor. Prints a markdown table naming the CPU: medians, Mparam/s, and after over before.
+every bf16 gradient (4 bytes a parameter) against the pass's own; the unclipped step is the floor.
+Prints a markdown table naming the CPU: median seconds of each, after over before, and after over
+unclipped.
 """
 
 import argparse
@@ -31,11 +33,12 @@ PASSES = [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=100e6, help="parameters to step (default 100e6)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps of each kind, after 2 warm-up (default 20)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps of each kind, after 2 warm-up (default 20, "
+                        "at least 10)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
-    if args.steps < 5:
-        parser.error("--steps must be at least 5")
+    if args.steps < 10:
+        parser.error("--steps must be at least 10")
     dims, numel = threads_and_shapes(args)
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; {numel / 1e6:.1f}M bf16 "
           f"parameters in {len(dims)} Llama-shaped tensors; clipping factor {float(CLIP_FACTOR)}; medians of "
@@ -59,7 +62,6 @@ def main() -> None:
         print(f"| {name} | {med['unclipped']:.4f} | {med['before']:.4f} | {med['after']:.4f} | "
               f"{med['after'] / med['before']:.2f} | {med['after'] / med['unclipped']:.2f} |")
         kinds = None
-    print(f"\n(Mparam/s = {numel / 1e6:.1f} / seconds.)")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bench_clip_in_pass_prints_both_passes():
-    cmd = [sys.executable, "scripts/bench_clip_in_pass.py", "--params", "300000", "--steps", "5", "--threads", "1"]
+    cmd = [sys.executable, "scripts/bench_clip_in_pass.py", "--params", "300000", "--steps", "10", "--threads", "1"]
     out = zygote.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^.+, 1 threads, torch .+; [0-9.]+M bf16 parameters in [0-9]+ Llama-shaped tensors", out.stdout,

@@ -84,7 +84,8 @@ def test_8bit_pass_with_a_factor_is_the_pass_after_mul(param_dtype, grad_dtype):
 @needs_cc
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("numel", [NUMEL, 1000])  # 8-bit states; fp32 states below min_8bit_size
-def test_adamw8bit_step_with_a_factor_is_the_step_after_mul(fused, numel):
+@pytest.mark.parametrize("shape", [(), (1,)])  # a one-element factor need not be a scalar
+def test_adamw8bit_step_with_a_factor_is_the_step_after_mul(fused, numel, shape):
     """``AdamW8bit.step(grad_scale=f)`` against ``p.grad.mul_(f); step()``, three steps, the C
     pass and the pure-torch references alike; the gradient is left unscaled."""
     start = torch.randn(numel, generator=torch.Generator().manual_seed(2)).bfloat16()
@@ -92,10 +93,11 @@ def test_adamw8bit_step_with_a_factor_is_the_step_after_mul(fused, numel):
     opts = [AdamW8bit([p], lr=1e-3, min_8bit_size=MIN_8BIT, fused=fused) for p in (folded, scaled)]
     for step, value in enumerate([0.75, 1 / torch.pi, 0.3]):
         g = _grad(torch.bfloat16, numel=numel, seed=step)
+        factor = _factor(value).reshape(shape)
         folded.grad = g.clone()
-        opts[0].step(grad_scale=_factor(value))
+        opts[0].step(grad_scale=factor)
         assert torch.equal(folded.grad.view(torch.uint8), g.view(torch.uint8))
-        scaled.grad = g.clone().mul_(_factor(value))
+        scaled.grad = g.clone().mul_(factor)
         opts[1].step()
         assert torch.equal(folded.view(torch.uint8), scaled.view(torch.uint8))
         for key, value_ in opts[0].state[folded].items():

@@ -112,6 +112,8 @@ def test_the_arithmetic_of_a_known_step():
     assert host_step(overlap=True, offload_gradients=True, eight_bit=True) == pytest.approx(0.5)
     assert host_step(overlap=True, master_fp32=True) == pytest.approx(2)
     assert host_step(offload_gradients=True, eight_bit=True) == pytest.approx(0.5 + 4 / 6)
+    # AdamW8bit over fp32 masters: the widened gradient is scaled (in its own dtype) first.
+    assert host_step(overlap=True, eight_bit=True, master_fp32=True) == pytest.approx(1 + 4 / 6)
     assert host_step() == pytest.approx(1)
     # Paged state beyond the device: 1 GB out and back in every step.
     paged = predict(replace(work, paged_excess_bytes=10**9), machine)

@@ -258,7 +258,7 @@ class AdamW8bit(torch.optim.Optimizer):
             an FSDP2-sharded parameter (a ``DTensor``).
     """
 
-    capabilities = dataclasses.replace(PLAIN_CAPABILITIES, runs_under_fsdp2=False, reasons={
+    capabilities = dataclasses.replace(PLAIN_CAPABILITIES, runs_under_fsdp2=False, scales_gradients_in_step=True, reasons={
         **PLAIN_CAPABILITIES.reasons,
         "runs_under_fsdp2": "its 8-bit states are quantized in blocks of 256 elements of a whole tensor, "
         "which FSDP2's shards split, and its host pass steps plain tensors, not DTensor shards",
@@ -342,7 +342,7 @@ class AdamW8bit(torch.optim.Optimizer):
         """
         if grad_scale is not None:
             fused_step.scale_value(grad_scale)  # checked before any parameter changes
-            grad_scale = grad_scale.detach().to("cpu")
+            grad_scale = grad_scale.detach()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -364,9 +364,9 @@ class AdamW8bit(torch.optim.Optimizer):
                 and p.is_contiguous() and grad.is_contiguous()
                 and fused_step_8bit(p, grad, state, s, grad_scale=grad_scale)):
             return
-        # The references step on the scaled gradient itself (a new tensor, rounded as mul_ rounds it).
+        # The references step on a scaled copy, made by the very operation the step stands for.
         if grad_scale is not None:
-            grad = grad.mul(grad_scale.to(grad.device))
+            grad = grad.clone().mul_(grad_scale)
         if state["state1"].dtype == torch.float32:
             reference_step_32bit(p, grad, state, s)
         else:

@@ -45,6 +45,9 @@ class OptimizerCapabilities:
             through ``expect_final_backward(clipping=...)`` which backward ends a window, through
             ``register_forward_waits(model)`` that the next forward waits per module, and
             ``synchronize()`` before the weights are read.
+        scales_gradients_in_step: its ``step(grad_scale=...)`` takes a clipping factor and steps as
+            after ``p.grad.mul_(grad_scale)``, to the bit, leaving the gradients unscaled (where its
+            pass can, it multiplies as it reads them, sparing a pass of their own).
         reasons: for a capability it lacks (by attribute name), why; named in error messages.
     """
 
@@ -59,6 +62,7 @@ class OptimizerCapabilities:
     precision_policy: bool = False
     step_timings: bool = False
     overlaps_host_step: bool = False
+    scales_gradients_in_step: bool = False
     elementwise_update: bool = False
     kernels_on_current_stream: bool = True
     reasons: Mapping[str, str] = field(default_factory=dict)

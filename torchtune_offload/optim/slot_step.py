@@ -15,7 +15,7 @@ import torch
 
 import torchtune_offload.optim.fused_step as fused_step
 import torchtune_offload.optim.stream_check as stream_check
-from torchtune_offload.optim.adamw8bit import AdamW8bit
+from torchtune_offload.optim.capabilities import capabilities_of
 from torchtune_offload.optim.fp8_weights import DeviceWeights
 from torchtune_offload.optim.host_grads import HostGradients
 from torchtune_offload.optim.param_table import ParameterTable, Slot
@@ -54,17 +54,19 @@ class SlotStepper:
         Args:
             slot: the slot.
             grad: its gradient.
-            grad_scale: a clipping factor: the step is the one on ``grad.mul_(grad_scale)``. The C
-                passes (the fused master step, AdamW8bit's) multiply in registers and leave ``grad``
-                as it is, sparing a pass over it; other optimizers get ``grad`` scaled in place first.
+            grad_scale: a clipping factor: the step is the one on ``grad.mul_(grad_scale)``. The
+                fused master pass, and a base optimizer that declares ``scales_gradients_in_step``
+                (AdamW8bit) stepping on this very gradient, take the factor and leave ``grad`` as it
+                is (their C passes multiply as they read it); otherwise ``grad`` is scaled in place first.
         """
         if (slot.has_master and slot.offloaded and self.fused_master_step
                 and fused_step.supports(slot.optimizer, grad, slot.out)
                 and fused_step.fused_adamw_step(slot.optimizer, grad, slot.out, grad_scale=grad_scale)):
             return
-        # AdamW8bit takes the factor only where it steps on this very gradient: a master's widened
-        # copy must be scaled (and rounded) in the gradient's own dtype first.
-        scales_itself = type(slot.optimizer) is AdamW8bit and grad.dtype == slot.step_param.dtype
+        # An optimizer that takes the factor gets it only where it steps on this very gradient: a
+        # master's widened copy must be scaled (and rounded) in the gradient's own dtype first.
+        scales_itself = (capabilities_of(type(slot.optimizer)).scales_gradients_in_step
+                         and grad.dtype == slot.step_param.dtype)
         if grad_scale is not None and not scales_itself:
             grad.mul_(grad_scale)
         # A master is fed the gradient widened to its dtype, as plain fp32 training would be.

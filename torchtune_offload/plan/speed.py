@@ -43,8 +43,9 @@ GRAD_SUM_BYTES_PER_ELEMENT_SIZE = 3
 #: as a multiple of the gradient's element size. The host pays it where the gradients are on the
 #: host when clipped (``offload_gradients``, or any overlapped window) and the step cannot take the
 #: factor itself: torch's optimizers, and the serial path, which scales the gradients in place. The
-#: overlapped engine hands the factor to AdamW8bit's pass and to the fused fp32-master pass, which
-#: multiply as they read the gradient (no pass of its own).
+#: overlapped engine hands the factor to AdamW8bit's pass (without masters; with bf16 gradient sums,
+#: which the model assumes) and to the fused fp32-master pass of torch's Adam/AdamW, which multiply
+#: as they read the gradient (no pass of its own); AdamW8bit over fp32 masters still scales first.
 CLIP_PASS_BYTES_PER_ELEMENT_SIZE = 2
 #: The share of the last backward that the overlapped host step hides behind, fitted to the
 #: recorded H100 overlap runs (docs/planner.md; alone they read about 0 for 1B at batch 2, 0.35 at
@@ -292,7 +293,7 @@ def _clips_in_a_pass_of_its_own(work: StepWork) -> bool:
     """Whether the host scales the gradients for clipping in a pass of their own (see
     :data:`CLIP_PASS_BYTES_PER_ELEMENT_SIZE`)."""
     on_host = work.update == "host" and (work.offload_gradients or work.overlap)
-    factor_in_the_pass = work.overlap and (work.eight_bit or work.master_fp32)
+    factor_in_the_pass = work.overlap and work.eight_bit != work.master_fp32
     return work.clipping and on_host and not factor_in_the_pass
 
 
