@@ -258,11 +258,16 @@ class AdamW8bit(torch.optim.Optimizer):
             an FSDP2-sharded parameter (a ``DTensor``).
     """
 
-    capabilities = dataclasses.replace(PLAIN_CAPABILITIES, runs_under_fsdp2=False, scales_gradients_in_step=True, reasons={
-        **PLAIN_CAPABILITIES.reasons,
-        "runs_under_fsdp2": "its 8-bit states are quantized in blocks of 256 elements of a whole tensor, "
-        "which FSDP2's shards split, and its host pass steps plain tensors, not DTensor shards",
-    })
+    capabilities = dataclasses.replace(
+        PLAIN_CAPABILITIES,
+        runs_under_fsdp2=False,
+        scales_gradients_in_step=True,
+        reasons={
+            **PLAIN_CAPABILITIES.reasons,
+            "runs_under_fsdp2": "its 8-bit states are quantized in blocks of 256 elements of a whole tensor, "
+            "which FSDP2's shards split, and its host pass steps plain tensors, not DTensor shards",
+        },
+    )
 
     def __init__(
         self,

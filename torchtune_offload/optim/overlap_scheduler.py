@@ -112,7 +112,7 @@ class OverlapScheduler:
     def _host_step(self, slot: Slot, coef: Optional[torch.Tensor]) -> None:
         """Step thread: steps one landed slot on the host and sends its new weights up."""
         self._result(self._queued[slot.index].landed, f"{slot.key}: the landing of its gradient")
-        # The clipping factor goes into the step: the C passes apply it as they read the gradient.
+        # The clipping factor goes with the step, which scales the gradient or has its pass do it as it reads.
         self._queued[slot.index].param_event = self._stepper.host_step(slot, waited=False, grad_scale=coef)
         # The window's sum is consumed: the next backward starts a fresh one.
         self._grads.consumed(slot)

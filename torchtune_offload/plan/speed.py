@@ -245,7 +245,8 @@ def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Option
     rate = (machine.host_adamw8bit_mparams if work.eight_bit else machine.host_adamw_bf16_mparams) * 1e6
     host_step = work.trainable / rate * (ADAMW_MASTER_BYTES / ADAMW_BF16_BYTES if work.master_fp32 else 1)
     if _clips_in_a_pass_of_its_own(work):
-        host_step += work.trainable * work.element_size * CLIP_PASS_BYTES_PER_ELEMENT_SIZE / (machine.host_copy_gbs * 1e9)
+        clip_bytes = work.trainable * work.element_size * CLIP_PASS_BYTES_PER_ELEMENT_SIZE
+        host_step += clip_bytes / (machine.host_copy_gbs * 1e9)
     sum_one = work.trainable * work.element_size * GRAD_SUM_BYTES_PER_ELEMENT_SIZE / (machine.host_copy_gbs * 1e9)
     sums = (work.micro_batches - 1) * sum_one if work.offload_gradients else 0.0
     hides = None
