@@ -112,6 +112,14 @@ def test_the_arithmetic_of_a_known_step():
     assert host_step(overlap=True, offload_gradients=True, eight_bit=True) == pytest.approx(0.5)
     assert host_step(overlap=True, master_fp32=True) == pytest.approx(2)
     assert host_step(offload_gradients=True, eight_bit=True) == pytest.approx(0.5 + 4 / 6)
+    # fp32 gradient sums (4 bytes): narrowed to the bf16 parameter before a step without masters (6
+    # bytes), scaled for clipping in their own dtype (8); the master pass reads them as they are (30
+    # bytes against 28), and AdamW8bit takes the factor only on a sum of its parameter's dtype.
+    assert host_step(overlap=True, grad_sum_size=4) == pytest.approx(1 + (6 + 8) / 6)
+    assert host_step(overlap=True, master_fp32=True, grad_sum_size=4) == pytest.approx(30 / 14)
+    assert host_step(overlap=True, eight_bit=True, grad_sum_size=4) == pytest.approx(0.5 + (6 + 8) / 6)
+    sums = predict(replace(work, update="host", offload_gradients=True, micro_batches=3, grad_sum_size=4), machine)
+    assert sums.parts["host_sums"] == pytest.approx(2 * 10 / 6)  # staged 2, sum read and written 4 + 4
     # AdamW8bit over fp32 masters: the widened gradient is scaled (in its own dtype) first.
     assert host_step(overlap=True, eight_bit=True, master_fp32=True) == pytest.approx(1 + 4 / 6)
     assert host_step() == pytest.approx(1)

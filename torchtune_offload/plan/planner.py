@@ -157,6 +157,7 @@ def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module
                     clipping=settings.clip_grad_norm is not None,
                     eight_bit=base is not None and base.__name__ == "AdamW8bit",
                     master_fp32=str(own.get("master_dtype")) in ("fp32", "float32", "torch.float32"),
+                    grad_sum_size=4 if str(own.get("grad_sum_dtype")) in ("fp32", "float32", "torch.float32") else None,
                     state_bytes=state_bytes)
 
 

@@ -36,11 +36,8 @@ ADAMW_BF16_BYTES = 14
 #: With fp32 master weights: fp32 master and states read and written (24), the bf16 gradient read
 #: and the bf16 weight written (4).
 ADAMW_MASTER_BYTES = 28
-#: Bytes per parameter to add one micro-batch's bf16 gradient into the host sum: the staged
-#: gradient and the sum read, the sum written.
-GRAD_SUM_BYTES_PER_ELEMENT_SIZE = 3
 #: Bytes per parameter of clipping's own pass over the host gradients (each read and written once),
-#: as a multiple of the gradient's element size. The host pays it where the gradients are on the
+#: as a multiple of the host gradient's element size. The host pays it where the gradients are on the
 #: host when clipped (``offload_gradients``, or any overlapped window) and the step cannot take the
 #: factor itself: torch's optimizers, and the serial path, which scales the gradients in place. The
 #: overlapped engine hands the factor to AdamW8bit's pass (without masters; with bf16 gradient sums,
@@ -160,6 +157,9 @@ class StepWork:
             backward's norms (with ``overlap``, nothing of them hides behind that backward).
         eight_bit: the host step is :class:`torchtune_offload.AdamW8bit`.
         master_fp32: fp32 master weights and states on the host.
+        grad_sum_size: bytes per element of the host gradient buffers (``grad_sum_dtype``: 4 for
+            fp32 sums); None for the gradient's own ``element_size``. A sum wider than the
+            parameter is narrowed to it before a step without masters (a pass of its own).
         state_bytes: optimizer-state bytes per trainable parameter (what ``device_update`` moves).
         paged_excess_bytes: paged optimizer state beyond the device's room: it crosses PCIe both
             ways every step.
@@ -177,6 +177,7 @@ class StepWork:
     clipping: bool = False
     eight_bit: bool = False
     master_fp32: bool = False
+    grad_sum_size: Optional[int] = None
     state_bytes: float = 4.0
     paged_excess_bytes: int = 0
 
@@ -242,12 +243,10 @@ def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Option
     weight_bytes = work.trainable * work.element_size
     down = weight_bytes / (machine.pcie_d2h_gbs * 1e9)  # one gradient's copy
     up = weight_bytes / (machine.pcie_h2d_gbs * 1e9)  # the new weights
-    rate = (machine.host_adamw8bit_mparams if work.eight_bit else machine.host_adamw_bf16_mparams) * 1e6
-    host_step = work.trainable / rate * (ADAMW_MASTER_BYTES / ADAMW_BF16_BYTES if work.master_fp32 else 1)
-    if _clips_in_a_pass_of_its_own(work):
-        clip_bytes = work.trainable * work.element_size * CLIP_PASS_BYTES_PER_ELEMENT_SIZE
-        host_step += clip_bytes / (machine.host_copy_gbs * 1e9)
-    sum_one = work.trainable * work.element_size * GRAD_SUM_BYTES_PER_ELEMENT_SIZE / (machine.host_copy_gbs * 1e9)
+    host_step = _host_step_seconds(work, machine)
+    # A later micro-batch's sum: the staged gradient and the sum read, the sum written.
+    sum_size = work.grad_sum_size or work.element_size
+    sum_one = work.trainable * (work.element_size + 2 * sum_size) / (machine.host_copy_gbs * 1e9)
     sums = (work.micro_batches - 1) * sum_one if work.offload_gradients else 0.0
     hides = None
     if work.update == "device":
@@ -290,11 +289,31 @@ def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Option
     return Speed(step_seconds=step, tokens_per_second=tokens / step, bound=bound, parts=parts, hides_at_batch=hides)
 
 
+def _host_step_seconds(work: StepWork, machine: Machine) -> float:
+    """The host's work of one step: the optimizer's pass at its measured rate (fp32 masters at
+    their bytes against the bf16 step's), and the passes of their own at ``host_copy_gbs``: a
+    wider gradient sum narrowed to the parameter's dtype, and clipping's scaling."""
+    rate = (machine.host_adamw8bit_mparams if work.eight_bit else machine.host_adamw_bf16_mparams) * 1e6
+    sum_size = (work.grad_sum_size or work.element_size) if work.update == "host" else work.element_size
+    # The master pass reads the gradient sum as it is (28 bytes a parameter with bf16 sums, 30 with fp32).
+    master_bytes = ADAMW_MASTER_BYTES - work.element_size + sum_size
+    seconds = work.trainable / rate * (master_bytes / ADAMW_BF16_BYTES if work.master_fp32 else 1)
+    extra = 0
+    if sum_size != work.element_size and not work.master_fp32:
+        extra += sum_size + work.element_size  # the sum read, its narrowed copy written
+    if _clips_in_a_pass_of_its_own(work):
+        extra += sum_size * CLIP_PASS_BYTES_PER_ELEMENT_SIZE
+    return seconds + work.trainable * extra / (machine.host_copy_gbs * 1e9)
+
+
 def _clips_in_a_pass_of_its_own(work: StepWork) -> bool:
     """Whether the host scales the gradients for clipping in a pass of their own (see
-    :data:`CLIP_PASS_BYTES_PER_ELEMENT_SIZE`)."""
+    :data:`CLIP_PASS_BYTES_PER_ELEMENT_SIZE`): AdamW8bit takes the factor only on a sum of the
+    parameter's own dtype."""
     on_host = work.update == "host" and (work.offload_gradients or work.overlap)
-    factor_in_the_pass = work.overlap and work.eight_bit != work.master_fp32
+    same_dtype_sum = (work.grad_sum_size or work.element_size) == work.element_size
+    factor_in_the_pass = work.overlap and ((work.eight_bit and not work.master_fp32 and same_dtype_sum)
+                                           or (work.master_fp32 and not work.eight_bit))
     return work.clipping and on_host and not factor_in_the_pass
 
 
