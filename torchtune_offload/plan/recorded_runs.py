@@ -54,8 +54,11 @@ _GAP_MICRO = Gap("per-micro-batch host cost",
     "beside the next micro-batch's GPU work as the overlap design intends; being fixed")
 _GAP_MASTER = Gap("fp32 master pass",
     "fp32 master weights: the model scales the host step by its bytes (28 per parameter against 14), but "
-    "the run was only 7% slower than offload_grads_overlap: the fused master pass (optim/fused_step.py) "
-    "is not bandwidth-bound at the bf16 step's rate, and no machine key measures it")
+    "the run was only 7% slower than offload_grads_overlap. Measured on the CPU (scripts/bench_host_step.py, "
+    "2-core Zen 4, two runs side by side, 2026-11-26): the fused master pass (optim/fused_step.py) steps "
+    "0.90-1.08x as many parameters a second as torch's fused bf16 AdamW though it moves twice the bytes, "
+    "because torch's bf16 step does not run at the memory's speed; the bytes ratio overstates the master "
+    "pass there, and no machine key measures its rate")
 _GAP_MACHINE = Gap("machine variation",
     "that session's machine ran plain AdamW at 26092 tok/s, 17% below the 31422-31680 of the other "
     "sessions' H100s on the same settings: machine-to-machine variation the preset (fitted to the first "
