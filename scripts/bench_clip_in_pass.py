@@ -7,9 +7,9 @@ fp32-master pass), two engines over the same Llama-shaped bf16 tensors (scripts/
 step in turns with an unclipped one, one step each, the three taking turns to go first: "before"
 scales every host gradient in place (``grad.mul_(factor)``, torch's CPU multiply) and then steps,
 as the overlapped engine did; "after" hands the factor to the pass, which multiplies as it reads
-the gradient. The
-results are the same bits (tests/optim/test_grad_scale.py); what differs is one read and one write of
-every bf16 gradient (4 bytes a parameter) against the pass's own; the unclipped step is the floor.
+the gradient. The results are the same bits (tests/optim/test_grad_scale.py); what differs is one
+read and one write of every bf16 gradient (4 bytes a parameter) against the pass's own; the
+unclipped step is the floor.
 Prints a markdown table naming the CPU: median seconds of each, after over before, and after over
 unclipped.
 """

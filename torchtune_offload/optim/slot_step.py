@@ -65,16 +65,16 @@ class SlotStepper:
             return
         # An optimizer that takes the factor gets it only where it steps on this very gradient: a
         # master's widened copy must be scaled (and rounded) in the gradient's own dtype first.
-        scales_itself = (capabilities_of(type(slot.optimizer)).scales_gradients_in_step
-                         and grad.dtype == slot.step_param.dtype)
-        if grad_scale is not None and not scales_itself:
-            grad.mul_(grad_scale)
+        step_options = {}
+        if grad_scale is not None:
+            if (capabilities_of(type(slot.optimizer)).scales_gradients_in_step
+                    and grad.dtype == slot.step_param.dtype):
+                step_options["grad_scale"] = grad_scale
+            else:
+                grad.mul_(grad_scale)
         # A master is fed the gradient widened to its dtype, as plain fp32 training would be.
         slot.step_param.grad = grad if grad.dtype == slot.step_param.dtype else grad.to(slot.step_param.dtype)
-        if grad_scale is not None and scales_itself:
-            slot.optimizer.step(grad_scale=grad_scale)
-        else:
-            slot.optimizer.step()
+        slot.optimizer.step(**step_options)
         slot.step_param.grad = None
         if slot.has_master:
             slot.out.copy_(slot.step_param)

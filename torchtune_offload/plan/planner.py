@@ -35,7 +35,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from torchtune_offload.bench.sweep import VARIANTS, overrides_for
 from torchtune_offload.optim.host_memory import offloads, optimizer_state_bytes
-from torchtune_offload.optim.offload_options import device_staging_bytes
+from torchtune_offload.optim.offload_options import device_staging_bytes, precision_option
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class, split_options
 from torchtune_offload.optim.state_streamer import plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
@@ -156,8 +156,8 @@ def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module
                     offload_gradients=settings.offload_gradients, overlap=bool(own.get("overlap", False)),
                     clipping=settings.clip_grad_norm is not None,
                     eight_bit=base is not None and base.__name__ == "AdamW8bit",
-                    master_fp32=str(own.get("master_dtype")) in ("fp32", "float32", "torch.float32"),
-                    grad_sum_size=4 if str(own.get("grad_sum_dtype")) in ("fp32", "float32", "torch.float32") else None,
+                    master_fp32=precision_option(own.get("master_dtype"), key="master_dtype") is not None,
+                    grad_sum_size=4 if precision_option(own.get("grad_sum_dtype"), key="grad_sum_dtype") else None,
                     state_bytes=state_bytes)
 
 

@@ -40,9 +40,9 @@ ADAMW_MASTER_BYTES = 28
 #: as a multiple of the host gradient's element size. The host pays it where the gradients are on the
 #: host when clipped (``offload_gradients``, or any overlapped window) and the step cannot take the
 #: factor itself: torch's optimizers, and the serial path, which scales the gradients in place. The
-#: overlapped engine hands the factor to AdamW8bit's pass (without masters; with bf16 gradient sums,
-#: which the model assumes) and to the fused fp32-master pass of torch's Adam/AdamW, which multiply
-#: as they read the gradient (no pass of its own); AdamW8bit over fp32 masters still scales first.
+#: overlapped engine hands the factor to AdamW8bit's pass (without masters, on sums of the
+#: parameter's dtype) and to the fused fp32-master pass of torch's Adam/AdamW, which multiply as
+#: they read the gradient (no pass of its own); AdamW8bit over fp32 masters still scales first.
 CLIP_PASS_BYTES_PER_ELEMENT_SIZE = 2
 #: The share of the last backward that the overlapped host step hides behind, fitted to the
 #: recorded H100 overlap runs (docs/planner.md; alone they read about 0 for 1B at batch 2, 0.35 at
@@ -181,6 +181,11 @@ class StepWork:
     state_bytes: float = 4.0
     paged_excess_bytes: int = 0
 
+    @property
+    def sum_size(self) -> int:
+        """Bytes per element of the host gradient buffers."""
+        return self.grad_sum_size or self.element_size
+
     def __post_init__(self) -> None:
         if self.update not in UPDATES:
             raise ValueError(f"StepWork.update={self.update!r}: one of {', '.join(UPDATES)}")
@@ -245,8 +250,7 @@ def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Option
     up = weight_bytes / (machine.pcie_h2d_gbs * 1e9)  # the new weights
     host_step = _host_step_seconds(work, machine)
     # A later micro-batch's sum: the staged gradient and the sum read, the sum written.
-    sum_size = work.grad_sum_size or work.element_size
-    sum_one = work.trainable * (work.element_size + 2 * sum_size) / (machine.host_copy_gbs * 1e9)
+    sum_one = work.trainable * (work.element_size + 2 * work.sum_size) / (machine.host_copy_gbs * 1e9)
     sums = (work.micro_batches - 1) * sum_one if work.offload_gradients else 0.0
     hides = None
     if work.update == "device":
@@ -294,7 +298,7 @@ def _host_step_seconds(work: StepWork, machine: Machine) -> float:
     their bytes against the bf16 step's), and the passes of their own at ``host_copy_gbs``: a
     wider gradient sum narrowed to the parameter's dtype, and clipping's scaling."""
     rate = (machine.host_adamw8bit_mparams if work.eight_bit else machine.host_adamw_bf16_mparams) * 1e6
-    sum_size = (work.grad_sum_size or work.element_size) if work.update == "host" else work.element_size
+    sum_size = work.sum_size if work.update == "host" else work.element_size
     # The master pass reads the gradient sum as it is (28 bytes a parameter with bf16 sums, 30 with fp32).
     master_bytes = ADAMW_MASTER_BYTES - work.element_size + sum_size
     seconds = work.trainable / rate * (master_bytes / ADAMW_BF16_BYTES if work.master_fp32 else 1)
@@ -311,7 +315,7 @@ def _clips_in_a_pass_of_its_own(work: StepWork) -> bool:
     :data:`CLIP_PASS_BYTES_PER_ELEMENT_SIZE`): AdamW8bit takes the factor only on a sum of the
     parameter's own dtype."""
     on_host = work.update == "host" and (work.offload_gradients or work.overlap)
-    same_dtype_sum = (work.grad_sum_size or work.element_size) == work.element_size
+    same_dtype_sum = work.sum_size == work.element_size
     factor_in_the_pass = work.overlap and ((work.eight_bit and not work.master_fp32 and same_dtype_sum)
                                            or (work.master_fp32 and not work.eight_bit))
     return work.clipping and on_host and not factor_in_the_pass
