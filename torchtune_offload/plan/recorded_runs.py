@@ -35,6 +35,7 @@ S2_8B = "gpu_results.md, second session (f6cc131): llama3_1 8B at 24 GiB"
 S2_BENCH = "gpu_results.md, second session (46fa3b6): Overlap: scripts/bench_overlap.py on llama3_2 1B"
 S3_24 = "gpu_results.md, session of 2026-11-26 (89c21e7): llama3_2 1B at 24 GiB, update on the device"
 S4_8B = "gpu_results.md, second session of 2026-11-26 (904b5ab): llama3_1 8B at 24 GiB, batch 1, clipping"
+S5_8B = "gpu_results.md, session of 2026-11-27 (32128f9): llama3_1 8B at 24 GiB, batch 1, accumulation 4, clipping"
 
 _GAP_IN_BWD = Gap("optimizer in backward",
     "bitsandbytes steps each parameter inside backward (optimizer_in_bwd); the model counts the GPU's "
@@ -51,7 +52,12 @@ _GAP_MICRO = Gap("per-micro-batch host cost",
     "with offload_gradients and accumulation every micro-batch costs about a host step: 2.0 s per "
     "micro-batch at 8B and 0.40-0.45 s at 1B batch 2, against the model's 0.85 s and 0.13 s of GPU work "
     "and 0.61 s and 0.09 s of gradient sums (6 bytes per parameter at host_copy_gbs), which it hides "
-    "beside the next micro-batch's GPU work as the overlap design intends; being fixed")
+    "beside the next micro-batch's GPU work as the overlap design intends. Located, not profiled, by the "
+    "8B batch-1 run's per-part timings (medians of 10 steps): of an 11.36 s step the training thread "
+    "waited 3.26 s for the host (host step 2.63 s, parameter copies 0.34 s) and the gradient copies took "
+    "1.34 s in all, so the four forward-backward passes took about 8.1 s, 2.0 s each against 0.42 s of "
+    "GPU work; in three of them each 16 GB gradient is added into the host sums through the staging "
+    "ring (4 pinned chunks of 32 MiB), whose copies and additions the run did not time")
 _GAP_MASTER = Gap("fp32 master pass",
     "fp32 master weights: the model scales the host step by its bytes (28 per parameter against 14), but "
     "the run was only 7% slower than offload_grads_overlap. Measured on the CPU (scripts/bench_host_step.py, "
@@ -143,6 +149,8 @@ def recorded_runs() -> List[RecordedRun]:
         # Within 20% only since the model counts clipping's own pass over the host gradients (+19.8%).
         _run("offload_grads_overlap, clip 1.0", 760, S4_8B, n8, 1, overlap=True, clipping=True, offload_gradients=True,
              **_HOST),
+        _run("offload_grads_overlap, accumulation 4, clip 1.0", 721, S5_8B, n8, 1, micro_batches=4, overlap=True,
+             clipping=True, offload_gradients=True, gap=_GAP_MICRO, **_HOST),
     ]
     return runs
 
