@@ -12,6 +12,7 @@ from tests.optim.side_by_side import batches, tiny_model, twin
 from tests.optim.test_overlap import train_windows
 from torchtune_offload.optim import stream_check
 from torchtune_offload.optim.offload_optimizer import OffloadOptimizer
+from torchtune_offload.optim.staging import DeviceSumRing
 from torchtune_offload.optim.stream_check import StreamOrderError, checked_streams
 
 pytestmark = pytest.mark.streams_as_is
@@ -150,6 +151,14 @@ def _host_engine(model, **options):
                             **options)
 
 
+def _sums_on_a_tiny_device_ring(model):
+    """Later micro-batches added on the device through 3 chunks of 64 bytes: every gradient is
+    split, and the ring wraps many times a micro-batch (its chunks are reused)."""
+    opt = _host_engine(model, offload_gradients=True, grad_sum_on="device")
+    opt._grads.staging = DeviceSumRing(opt._transfer, device=opt.device, chunk_bytes=64, num_chunks=3)
+    return opt
+
+
 def _device_update(model, **options):
     return _host_engine(model, update_on="device", device_staging_mib=STAGING_MIB, **options)
 
@@ -160,6 +169,9 @@ SCENARIOS = {
     "serial offload_gradients": (lambda m: _host_engine(m, offload_gradients=True), 2, 1.0, False),
     "overlap": (lambda m: _host_engine(m, overlap=True), 2, None, True),
     "overlap offload_gradients": (lambda m: _host_engine(m, offload_gradients=True, overlap=True), 3, 0.5, True),
+    "serial sums on the device": (_sums_on_a_tiny_device_ring, 3, 1.0, False),
+    "overlap sums on the device": (lambda m: _host_engine(m, offload_gradients=True, overlap=True,
+                                                          grad_sum_on="device"), 3, 0.5, True),
     "device update": (lambda m: _device_update(m), 2, 1.0, False),
     "device update overlap": (lambda m: _device_update(m, overlap=True), 1, None, False),
 }
@@ -209,6 +221,13 @@ WAITS = {
     ("transfer.py", "event.synchronize()"): "serial offload_gradients",
     ("staging.py", "self._transfer.wait(event)"): "serial offload_gradients",
     ("staging.py", "pending[1].result()"): "serial offload_gradients",
+    ("staging.py", "self._transfer.uploads_wait_for_compute()"): "serial sums on the device",
+    ("staging.py", "transfer.h2d_stream.wait_event(event)"): "serial sums on the device",
+    ("staging.py", "transfer.stream.wait_stream(streams.current_stream(self._device))"): "overlap sums on the device",
+    ("staging.py", "transfer.h2d_stream.wait_event(self._read_down[index])"): "serial sums on the device",
+    ("staging.py", "transfer.stream.wait_event(uploaded)"): "overlap sums on the device",
+    ("staging.py", "transfer.record_stream(src, transfer.stream)"): "serial sums on the device",
+    ("staging.py", "self._transfer.wait(last)"): "overlap sums on the device",
     ("state_streamer.py", "self._up.wait_event(self._buffer_free[index])"): "device update",
     ("state_streamer.py", "stream.wait_event(self._buffer_free[index])"): "device update",
     ("state_streamer.py", "stream.wait_event(uploaded)"): "device update",

@@ -19,7 +19,7 @@ import torch
 
 from torchtune_offload.optim.grad_norm import tensor_norm
 from torchtune_offload.optim.param_table import ParameterTable, Slot
-from torchtune_offload.optim.staging import StagingRing
+from torchtune_offload.optim.staging import DeviceSumRing, StagingRing
 from torchtune_offload.optim.step_timings import StepTimings
 from torchtune_offload.optim.transfer import TransferEngine
 
@@ -63,15 +63,19 @@ class HostGradients:
         transfer: the device/host copy engine.
         timings: where the training thread's waits are counted.
         offload_gradients: gradients move to the host during backward and are summed there.
+        sum_on: where later micro-batches are added into the host sums: ``"host"``
+            (:class:`StagingRing`) or ``"device"`` (:class:`DeviceSumRing`).
     """
 
     def __init__(self, table: ParameterTable, transfer: TransferEngine, timings: StepTimings, *,
-                 offload_gradients: bool) -> None:
+                 offload_gradients: bool, sum_on: str = "host") -> None:
         self._table = table
         self._transfer = transfer
         self._timings = timings
         self.offload_gradients = offload_gradients
-        self.staging = StagingRing(transfer, largest_bytes=table.largest_offloaded_bytes)
+        largest = table.largest_offloaded_bytes
+        self.staging = (DeviceSumRing(transfer, device=transfer.device, largest_bytes=largest) if sum_on == "device"
+                        else StagingRing(transfer, largest_bytes=largest))
         self._records = [HostGrad() for _ in table.slots]
 
     def summed_on_host(self, slot: Slot) -> bool:
@@ -102,7 +106,7 @@ class HostGradients:
                 record.event = self._transfer.to_host(slot.host_grad, grad, release_source=True)
             else:
                 # A later micro-batch: through the bounded staging ring into the sum.
-                record.staged = self.staging.add_into(slot.host_grad, grad)
+                record.staged = self.staging.add_into(slot.host_grad, grad, after=record.event)
             record.state = GradState.ARRIVING
             slot.param.grad = None
         elif in_window and slot.offloaded:

@@ -60,7 +60,8 @@ class OffloadOptimizer(Optimizer):
             ``"torch.optim.AdamW"``, ``"torch.optim.SGD"`` or ``"bitsandbytes.optim.AdamW8bit"``.
         offload_gradients, minimal_size, master_dtype, grad_sum_dtype, fused_master_step, overlap,
             overlap_timeout_s, update_on, device_staging_mib, device_weights (bound to the model at
-            :meth:`register_forward_waits`): the engine's own options, described in :class:`OffloadOptions`.
+            :meth:`register_forward_waits`), grad_sum_on: the engine's own options, described in
+            :class:`OffloadOptions`.
         **kwargs: passed to the base optimizer, e.g. ``lr``, ``weight_decay``, ``betas``.
 
     Raises:
@@ -85,6 +86,7 @@ class OffloadOptimizer(Optimizer):
         update_on: str = "host",
         device_staging_mib: Optional[float] = None,
         device_weights: Optional[str] = None,
+        grad_sum_on: str = "host",
         **kwargs: Any,
     ) -> None:
         self.base_class = resolve_optimizer_class(optimizer_class)
@@ -94,7 +96,7 @@ class OffloadOptimizer(Optimizer):
             offload_gradients=offload_gradients, minimal_size=minimal_size, master_dtype=master_dtype,
             grad_sum_dtype=grad_sum_dtype, fused_master_step=fused_master_step, overlap=overlap,
             overlap_timeout_s=overlap_timeout_s, update_on=update_on, device_staging_mib=device_staging_mib,
-            device_weights=device_weights,
+            device_weights=device_weights, grad_sum_on=grad_sum_on,
         )
         groups = named_groups(params)
         self.device = training_device(groups)
@@ -111,7 +113,7 @@ class OffloadOptimizer(Optimizer):
         self._streamer = StateStreamer(self._table, self._transfer, self._timings,
                                        staging_bytes=opts.device_staging_bytes, overlap=opts.overlap)
         self._grads = HostGradients(self._table, self._transfer, self._timings,
-                                    offload_gradients=opts.offload_gradients)
+                                    offload_gradients=opts.offload_gradients, sum_on=opts.grad_sum_on)
         # FP8 device images of the masters (device_weights), made when the model is bound.
         self._weights = DeviceWeights(self._table, self._transfer, mode=opts.device_weights,
                                       synchronize=self.synchronize)

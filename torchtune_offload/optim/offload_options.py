@@ -11,6 +11,9 @@ UPDATE_ON = ("host", "device")
 #: The default bound on the device memory that stages streamed states, in MiB.
 DEVICE_STAGING_MIB = 256.0
 
+#: Where later micro-batches are added into their host sums (see ``OffloadOptions.grad_sum_on``).
+GRAD_SUM_ON = ("host", "device")
+
 #: Accepted ``device_weights`` values besides None (``optim/fp8_weights.py``).
 DEVICE_WEIGHTS = ("fp8", "fp8_per_tensor")
 
@@ -82,6 +85,14 @@ class OffloadOptions:
             per tensor), widened right before use; the host master is stepped exactly as without
             it and re-quantized after each step (``optim/fp8_weights.py``, docs/fp8_weights.md).
             Host updates only (refused with ``update_on="device"``).
+        grad_sum_on: with ``offload_gradients`` and gradient accumulation, where a later
+            micro-batch's gradient is added into its host sum (the sum lives on the host either
+            way). ``"host"`` (default): copied down into a small pinned ring and added by the
+            host's cores (``optim/staging.py``, ``StagingRing``). ``"device"``: the sum's chunk is
+            copied up, added on the device and copied back (``DeviceSumRing``): no host core work,
+            half the host memory traffic, the sum both ways over PCIe, 128 MiB of device memory.
+            The same bits either way. Not yet measured on a GPU (docs/accumulation.md). Refused
+            without ``offload_gradients`` (the device accumulates as plain training does).
     """
 
     offload_gradients: bool
@@ -94,6 +105,7 @@ class OffloadOptions:
     update_on: str = "host"
     device_staging_mib: float = DEVICE_STAGING_MIB
     device_weights: Optional[str] = None
+    grad_sum_on: str = "host"
 
     @property
     def device_staging_bytes(self) -> int:
@@ -113,6 +125,7 @@ class OffloadOptions:
         update_on: Any = "host",
         device_staging_mib: Any = None,
         device_weights: Any = None,
+        grad_sum_on: Any = "host",
     ) -> "OffloadOptions":
         """Checks config values (YAML strings included) and returns them typed.
 
@@ -140,13 +153,14 @@ class OffloadOptions:
         _check_update_on(update_on, device_staging_mib, offload_gradients=offload, master_dtype=master_dtype,
                          grad_sum_dtype=grad_sum_dtype, overlap_timeout_s=overlap_timeout_s)
         _check_device_weights(device_weights, update_on=update_on)
+        _check_grad_sum_on(grad_sum_on, offload_gradients=offload)
         return cls(
             offload_gradients=offload, minimal_size=minimal_size, master_dtype=master,
             grad_sum_dtype=grad_sum, fused_master_step=fused, overlap=overlapped,
             overlap_timeout_s=None if overlap_timeout_s is None else float(overlap_timeout_s),
             update_on=update_on,
             device_staging_mib=DEVICE_STAGING_MIB if device_staging_mib is None else float(device_staging_mib),
-            device_weights=device_weights,
+            device_weights=device_weights, grad_sum_on=grad_sum_on,
         )
 
 
@@ -201,3 +215,14 @@ def _check_device_weights(device_weights: Any, *, update_on: Any) -> None:
         raise ValueError(f"optimizer.device_weights={device_weights} with optimizer.update_on=device: FP8 device "
                          "weights are re-quantized from host masters, and a device update keeps no master. Set "
                          "optimizer.update_on=host, or remove optimizer.device_weights (~optimizer.device_weights).")
+
+
+def _check_grad_sum_on(grad_sum_on: Any, *, offload_gradients: bool) -> None:
+    """Refuses a ``grad_sum_on`` value, or ``"device"`` where no gradient is summed on the host."""
+    if grad_sum_on not in GRAD_SUM_ON:
+        raise ValueError(f"optimizer.grad_sum_on={grad_sum_on!r}: use 'host' (later micro-batches added into the "
+                         "host sums by the host's cores, the default) or 'device' (added on the device).")
+    if grad_sum_on == "device" and not offload_gradients:
+        raise ValueError("optimizer.grad_sum_on=device without optimizer.offload_gradients=True: gradients then "
+                         "accumulate on the device, as in plain training, and no host sum is added into. Set "
+                         "optimizer.offload_gradients=True, or remove it (~optimizer.grad_sum_on).")

@@ -18,9 +18,10 @@ the chunk first and took 5 to 10 times as long). The ring may be used from the t
 (adding) and a host worker (draining) at once.
 """
 
+import collections
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import List, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -128,14 +129,20 @@ class StagingRing:
             self._pending[index] = None
             pending[1].result()
 
+    #: The additions run on the host (see :class:`DeviceSumRing` for the other place).
+    on_device = False
+
     @torch.no_grad()
-    def add_into(self, dst: torch.Tensor, src: torch.Tensor) -> int:
+    def add_into(self, dst: torch.Tensor, src: torch.Tensor, *, after: Optional[object] = None) -> int:
         """Starts adding device tensor ``src`` into host tensor ``dst``; :meth:`drain` finishes it.
 
         Args:
             dst: a contiguous host tensor (a gradient sum).
             src: a device tensor of the same shape (the sum may be kept in a wider dtype); the
                 caller may drop it at once.
+            after: the event of the copy that last wrote ``dst`` (the window's first micro-batch),
+                if any. This ring needs no wait for it: that copy ran on the stream its own copies
+                run on, before them, and its additions wait for their copies.
 
         Returns:
             A token for :meth:`drain_until`: the addition is complete once that returns.
@@ -185,3 +192,160 @@ class StagingRing:
             if self._adder is not None:
                 self._adder.shutdown(wait=True)
                 self._adder = None
+
+
+class DeviceSumRing:
+    """Adds device gradients into host sums *on the device*, through a few device chunks.
+
+    The other place for :class:`StagingRing`'s work (``OffloadOptimizer(grad_sum_on="device")``):
+    for each chunk of a later micro-batch's gradient, the host sum's chunk is copied up into a
+    device chunk (upload stream), the gradient chunk is added into it there and the result copied
+    back down into the host sum (download stream). The host's cores do nothing and its memory moves
+    two bytes per sum byte (the DMA engines' read and write) where :class:`StagingRing` moves four
+    (the DMA write into a pinned chunk, the cores' reads of it and of the sum, their write of the
+    sum); the PCIe link carries the sum both ways, which it can do at once. The device's addition
+    rounds as torch's ``add_`` does on the host (one float32 addition, then to the sum's dtype), so
+    the sums are the same bits. Nothing here blocks the training thread: every order is a stream
+    wait, and the host waits only in :meth:`drain_until`.
+
+    Args:
+        transfer: the engine's host/device copier (its download stream copies down and adds, its
+            upload stream copies up).
+        device: the device the chunks live on.
+        chunk_bytes: the size of one chunk, in bytes (default :data:`CHUNK_BYTES`).
+        num_chunks: how many chunks are in flight at once (default :data:`NUM_CHUNKS`).
+        largest_bytes: the largest sum that will pass through; chunks are no larger.
+    """
+
+    on_device = True
+
+    def __init__(self, transfer: TransferEngine, *, device: torch.device, chunk_bytes: Optional[int] = None,
+                 num_chunks: Optional[int] = None, largest_bytes: Optional[int] = None) -> None:
+        chunk_bytes = StagingRing.chunk_size(chunk_bytes=chunk_bytes, largest_bytes=largest_bytes)
+        num_chunks = NUM_CHUNKS if num_chunks is None else num_chunks
+        if chunk_bytes < 16 or num_chunks < 1:
+            raise ValueError(f"DeviceSumRing: chunk_bytes={chunk_bytes} (>= 16) and num_chunks={num_chunks} (>= 1)")
+        self._transfer = transfer
+        self._device = torch.device(device)
+        self.chunk_bytes = chunk_bytes
+        self.num_chunks = num_chunks
+        # Allocated on first use: a run without accumulation never needs them.
+        self._chunks: List[torch.Tensor] = []
+        # Per chunk: the event of the download that last read it (its next upload waits for it).
+        self._read_down: List[Optional[object]] = [None] * num_chunks
+        # Per host sum (its data pointer): the event of the last download into it.
+        self._written: Dict[int, object] = {}
+        # (token, download event) of the additions not yet waited for, oldest first.
+        self._pending: Deque[Tuple[int, Optional[object]]] = collections.deque()
+        self._next = 0
+        self._issued = 0
+        self._lock = stream_check.HostLock()
+
+    @property
+    def issued(self) -> int:
+        """The token of the newest addition started (see :meth:`add_into`)."""
+        return self._issued
+
+    @property
+    def num_allocated(self) -> int:
+        """Chunks allocated so far (they are allocated on first use)."""
+        return len(self._chunks)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the ring holds."""
+        return len(self._chunks) * self.chunk_bytes
+
+    def _chunk(self, index: int) -> torch.Tensor:
+        while len(self._chunks) <= index:
+            self._chunks.append(torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self._device))
+            if self._transfer.streams is not None:
+                # Allocated on the compute stream, whose queued kernels may still use the memory
+                # the allocator hands out: the upload that first writes it comes after them.
+                self._transfer.uploads_wait_for_compute()
+        return self._chunks[index]
+
+    @torch.no_grad()
+    def add_into(self, dst: torch.Tensor, src: torch.Tensor, *, after: Optional[object] = None) -> int:
+        """Starts adding device tensor ``src`` into host tensor ``dst`` on the device;
+        :meth:`drain` finishes it.
+
+        Args:
+            dst: a contiguous host tensor (a gradient sum), page-locked on an accelerator.
+            src: a device tensor of the same shape, made on the current stream; the caller may
+                drop it at once.
+            after: the event of a copy that last wrote ``dst`` outside this ring (the window's
+                first micro-batch), if any: the first upload waits for it.
+
+        Returns:
+            A token for :meth:`drain_until`: the addition is in ``dst`` once that returns.
+        """
+        if dst.shape != src.shape:
+            raise ValueError(f"DeviceSumRing.add_into: {src.dtype}{list(src.shape)} into {dst.dtype}{list(dst.shape)}")
+        with self._lock:
+            return self._add_into(dst, src, after)
+
+    def _add_into(self, dst: torch.Tensor, src: torch.Tensor, after: Optional[object]) -> int:
+        transfer, streams = self._transfer, self._transfer.streams
+        dst_flat, src_flat = dst.view(-1), src.reshape(-1)
+        per_chunk = self.chunk_bytes // dst.element_size()
+        if streams is not None:
+            # The sum's last writers, before its first chunk goes up.
+            for event in (after, self._written.get(dst.data_ptr())):
+                if event is not None:
+                    transfer.h2d_stream.wait_event(event)
+            # The gradient is made on the compute stream.
+            transfer.stream.wait_stream(streams.current_stream(self._device))
+        end = None
+        for start in range(0, src_flat.numel(), per_chunk):
+            length = min(per_chunk, src_flat.numel() - start)
+            index = self._next
+            self._next = (index + 1) % self.num_chunks
+            chunk = self._chunk(index).view(dst.dtype)[:length]
+            host = dst_flat[start : start + length]
+            if streams is None:  # a CPU-only machine: every step completes at once, in order
+                chunk.copy_(host)
+                chunk.add_(src_flat[start : start + length])
+                host.copy_(chunk)
+            else:
+                if self._read_down[index] is not None:
+                    # The chunk's previous download must have read it before this upload overwrites it.
+                    transfer.h2d_stream.wait_event(self._read_down[index])
+                with streams.stream(transfer.h2d_stream):
+                    chunk.copy_(host, non_blocking=True)
+                    uploaded = streams.Event()
+                    uploaded.record()
+                transfer.stream.wait_event(uploaded)
+                with streams.stream(transfer.stream):
+                    chunk.add_(src_flat[start : start + length])
+                end = transfer.timed_copy(host, chunk, kind="grad", stream=transfer.stream)
+                self._read_down[index] = end
+            self._issued += 1
+            self._pending.append((self._issued, end))
+        if streams is not None:
+            self._written[dst.data_ptr()] = end
+            # The caller drops the gradient: keep its memory until the additions have read it.
+            transfer.record_stream(src, transfer.stream)
+        return self._issued
+
+    def drain(self) -> None:
+        """Finishes every addition started."""
+        self.drain_until(None)
+
+    def drain_until(self, token: Optional[int]) -> None:
+        """Blocks the host until the additions started up to the one :meth:`add_into` returned
+        ``token`` for (every one if ``None``) are in their host sums."""
+        with self._lock:
+            last = None
+            while self._pending and (token is None or self._pending[0][0] <= token):
+                last = self._pending.popleft()[1]
+            # The downloads run in order on one stream: the newest one's end is all of theirs.
+            self._transfer.wait(last)
+
+    def close(self) -> None:
+        """Finishes every addition started and frees the chunks (a later use allocates them again)."""
+        self.drain()
+        with self._lock:
+            self._chunks.clear()
+            self._read_down = [None] * self.num_chunks
+            self._written.clear()
