@@ -58,7 +58,8 @@ def probe(name: str, *, layers: int, width: int, steps: int) -> dict:
     grown = process.memory_info().rss - before
     report = opt.memory_report()
     # Host memory beside the report on this machine: the staging ring, and the emulated device's staging.
-    staging = opt._staging.nbytes + (report.device_staging_bytes if opt.device.type == "cpu" else 0)
+    staging = (0 if opt._staging.on_device else opt._staging.nbytes) + (
+        report.device_staging_bytes if opt.device.type == "cpu" else 0)
     opt.close()
     return {"numel": sum(p.numel() for p in model.parameters()), "report": report.host_bytes, "staging": staging,
             "grown": grown}

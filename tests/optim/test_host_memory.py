@@ -43,17 +43,23 @@ def test_pinned_allocations_round_up_to_a_power_of_two():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("offload_gradients, accum", [(False, 1), (True, 1), (True, 3)])
-def test_offload_plan_equals_what_the_engine_holds_on_cpu(dtype, offload_gradients, accum):
+@pytest.mark.parametrize("offload_gradients, accum, sum_on", [(False, 1, "host"), (True, 1, "host"), (True, 3, "host"),
+                                                              (True, 3, "device")])
+def test_offload_plan_equals_what_the_engine_holds_on_cpu(dtype, offload_gradients, accum, sum_on):
     model = _model(dtype=dtype)
     opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", offload_gradients=offload_gradients,
-                           minimal_size=1000, lr=1e-3)
+                           minimal_size=1000, lr=1e-3, grad_sum_on=sum_on)
     _train_once(model, opt, accum=accum)
     plan = OffloadOptimizer.plan_host_memory(
         _meta_twin(model).named_parameters(), "torch.optim.AdamW", device="cpu",
-        gradient_accumulation_steps=accum, offload_gradients=offload_gradients, minimal_size=1000, lr=1e-3)
+        gradient_accumulation_steps=accum, offload_gradients=offload_gradients, minimal_size=1000, lr=1e-3,
+        grad_sum_on=sum_on)
     report = opt.memory_report()
-    if accum > 1:
+    if sum_on == "device":
+        # The device ring's chunks are device memory (the report's device_staging_bytes), not the host's.
+        assert report.device_staging_bytes == opt._staging.nbytes == NUM_CHUNKS * min(CHUNK_BYTES,
+                                                                                      64 * 64 * dtype.itemsize)
+    elif accum > 1:
         # The ring allocates its chunks on first use; the plan counts all of them, the most it takes.
         assert plan.parts.pop("staging ring") == NUM_CHUNKS * min(CHUNK_BYTES, 64 * 64 * dtype.itemsize)
         report.host_bytes -= opt._staging.nbytes

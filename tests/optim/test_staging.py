@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from tests.optim.side_by_side import assert_same_params, batches, plain_hooks, tiny_model, train, twin
+from tests.optim.test_overlap import cosine, offload, train_windows
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim.host_arena import aligned_bytes
 from torchtune_offload.optim import staging
-from torchtune_offload.optim.staging import StagingRing
+from torchtune_offload.optim.staging import DeviceSumRing, StagingRing
 from torchtune_offload.optim.transfer import TransferEngine
 
 
@@ -101,3 +102,105 @@ def test_accumulation_with_offloaded_gradients_through_a_tiny_ring(clip, monkeyp
     # second gradient buffer.
     assert report.host_bytes == tensors + 3 * 256
     assert max(s.host_grad.numel() * 4 for s in offloaded) > 3 * 256, "the ring must be smaller than a gradient"
+
+
+# ------------------------------------------------------------- sums added on the device (grad_sum_on)
+
+@pytest.mark.parametrize("dtype,sum_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("chunk_bytes", [64, 2**20])
+def test_device_ring_sums_equal_in_order_adds_bit_for_bit(dtype, sum_dtype, chunk_bytes):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (300,), (3, 4, 5), (1,), (129,), (70001,)]
+    micro_batches = [[torch.randn(s, generator=g).to(dtype) for s in shapes] for _ in range(4)]
+    expected = [mb.to(sum_dtype) for mb in micro_batches[0]]
+    got = [mb.to(sum_dtype) for mb in micro_batches[0]]
+    ring = DeviceSumRing(TransferEngine(torch.device("cpu")), device=torch.device("cpu"), chunk_bytes=chunk_bytes,
+                         num_chunks=3)
+    assert ring.nbytes == 0 and ring.on_device and not StagingRing.on_device
+    tokens = []
+    for mb in micro_batches[1:]:
+        for e, gsum, grad in zip(expected, got, mb):
+            e.add_(grad)
+            tokens.append(ring.add_into(gsum, grad))
+    ring.drain_until(tokens[len(shapes) - 1])
+    ring.drain()
+    for e, gsum in zip(expected, got):
+        assert torch.equal(gsum, e)
+    assert tokens == sorted(tokens) and ring.issued == tokens[-1]
+    assert ring.nbytes == 3 * chunk_bytes  # however many elements went through
+    ring.close()
+    assert ring.nbytes == 0
+    with pytest.raises(ValueError, match="into"):
+        ring.add_into(torch.zeros(3), torch.zeros(4))
+    with pytest.raises(ValueError, match="num_chunks"):
+        DeviceSumRing(TransferEngine(torch.device("cpu")), device=torch.device("cpu"), num_chunks=0)
+
+
+@pytest.mark.parametrize("grad_accum", [2, 3])
+@pytest.mark.parametrize("clip", [None, 0.5])
+@pytest.mark.parametrize("with_scheduler", [False, True])
+def test_sums_on_the_device_match_plain_adamw(grad_accum, clip, with_scheduler):
+    ref = tiny_model()
+    model = twin(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", offload_gradients=True,
+                           grad_sum_on="device", minimal_size=1000, lr=1e-2, weight_decay=0.1)
+    assert isinstance(opt._staging, DeviceSumRing)
+    data = batches(num=4 * grad_accum)
+    ref_scale, ref_clip = plain_hooks(ref)
+    ref_norms = train(ref, ref_opt, data, grad_accum=grad_accum, clip=clip,
+                      scheduler=cosine(ref_opt) if with_scheduler else None, scale_grads=ref_scale, clip_grads=ref_clip)
+    norms = train(model, opt, data, grad_accum=grad_accum, clip=clip, scheduler=cosine(opt) if with_scheduler else None,
+                  scale_grads=opt.scale_grads_, clip_grads=opt.clip_grad_norm_)
+    assert_same_params(ref, model, rtol=0, atol=0)
+    assert norms == ref_norms
+    if clip is not None:
+        assert max(ref_norms) > clip, "the clip threshold must bite"
+    assert opt._staging.nbytes > 0, "later micro-batches must have gone through the device ring"
+    opt.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("grad_sum_dtype", [None, "fp32"])
+@pytest.mark.parametrize("master_dtype", [None, "fp32"])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_sums_on_the_device_give_the_host_rings_results_bit_for_bit(overlap, grad_sum_dtype, master_dtype, clip):
+    base = tiny_model().to(torch.bfloat16)
+    runs = {}
+    for where in ("host", "device"):
+        model = twin(base)
+        opt = offload(model, overlap=overlap, offload_gradients=True, grad_sum_on=where,
+                      grad_sum_dtype=grad_sum_dtype, master_dtype=master_dtype)
+        data = [(x.to(torch.bfloat16), y.to(torch.bfloat16)) for x, y in batches(num=9)]
+        runs[where] = (model, train_windows(model, opt, data, grad_accum=3, clip=clip))
+        opt.close()
+    assert runs["host"][1] == runs["device"][1]
+    assert_same_params(runs["host"][0], runs["device"][0], rtol=0, atol=0)
+
+
+def test_the_memory_report_counts_the_device_ring_on_the_device():
+    """The device ring's chunks are device memory: the host holds no ring, and the report says so."""
+    reports = {}
+    for where in ("host", "device"):
+        model = tiny_model()
+        opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", offload_gradients=True,
+                               grad_sum_on=where, minimal_size=1000, lr=1e-2)
+        train(model, opt, batches(num=2), grad_accum=2, clip=None, scale_grads=opt.scale_grads_,
+              clip_grads=opt.clip_grad_norm_)
+        assert opt._staging.nbytes > 0
+        reports[where] = (opt.memory_report(), opt._staging.nbytes)
+        opt.close()
+    (host, host_ring), (device, device_ring) = reports["host"], reports["device"]
+    assert device.device_staging_bytes == device_ring and host.device_staging_bytes == 0
+    assert host.host_bytes == device.host_bytes + host_ring
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(grad_sum_on="gpu", offload_gradients=True), "grad_sum_on='gpu'"),
+    (dict(grad_sum_on="device"), "offload_gradients=True"),
+    (dict(grad_sum_on="device", offload_gradients=False, update_on="device"), "offload_gradients=True"),
+])
+def test_grad_sum_on_refuses_what_cannot_work(options, match):
+    with pytest.raises(ValueError, match=match):
+        OffloadOptimizer(tiny_model().named_parameters(), "torch.optim.AdamW", minimal_size=1000, **options)

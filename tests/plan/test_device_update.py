@@ -52,3 +52,22 @@ def test_the_shipped_configs_meet_the_issue_targets(tmp_path, config, device_gib
     assert plan["device_parts"]["state staging (update_on=device)"] <= 256 * 2**20
     assert set(plan["host_parts"]) == {"this process (Python, PyTorch, torchtune)",
                                        "training: optimizer state (pinned)"}
+
+
+def test_sums_on_the_device_move_the_ring_from_the_host_to_the_device(tiny_assets, tmp_path):
+    """grad_sum_on=device: the plan counts the ring's chunks on the device and none on the host, and
+    the speed model reads the option."""
+    common = [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "device=cuda",
+              "gradient_accumulation_steps=3", "--variants", "offload_grads", "--device-gib", "1", "--host-gib", "64",
+              "--machine", "h100_recorded"]
+    _, host = _plan(tmp_path, "configs/tiny/full.yaml", *common)
+    _, device = _plan(tmp_path, "configs/tiny/full.yaml", *common, "optimizer.grad_sum_on=device")
+    host, device = host["offload_grads"], device["offload_grads"]
+    ring = device["device_parts"]["gradient sum chunks (grad_sum_on=device)"]
+    assert ring > 0 and "gradient sum chunks (grad_sum_on=device)" not in host["device_parts"]
+    host_ring = {k: v for k, v in host["host_parts"].items() if "staging ring" in k}
+    assert host_ring and not any("staging ring" in k for k in device["host_parts"])
+    # Everything else the same (the process's own memory is measured, so it is left out).
+    training = {k: v for k, v in host["host_parts"].items() if k.startswith("training") and k not in host_ring}
+    assert training == {k: v for k, v in device["host_parts"].items() if k.startswith("training")}
+    assert host["speed"]["parts"]["host_sums"] != device["speed"]["parts"]["host_sums"]

@@ -134,6 +134,27 @@ def test_the_arithmetic_of_a_known_step():
         StepWork(params=1, trainable=1, tokens=1, update="gpu")
 
 
+def test_sums_added_on_the_device_cost_the_link_both_ways_and_the_hosts_memory_twice():
+    machine = Machine.from_dict(ROUND, name="round")
+    work = StepWork(params=10**9, trainable=10**9, tokens=1000, update="host", offload_gradients=True, micro_batches=3)
+    # Each later micro-batch's 2 GB sum goes up and comes back down (2 s each way at 1 GB/s, at
+    # once), the host's memory read and written (4 GB at 6 GB/s): 2 s a sum, on the link.
+    device = predict(replace(work, sums_on_device=True), machine)
+    assert device.parts["host_sums"] == pytest.approx(2 * 2)
+    assert device.parts["pcie"] == pytest.approx(2 + 2 + 2 * (2 + 2))
+    assert device.step_seconds == pytest.approx(24 + 4 + 2)
+    # On a 10 GB/s link the host's memory sets the pace: 4 GB at 6 GB/s against the host ring's 6 GB.
+    fast = Machine.from_dict({**ROUND, "pcie_h2d_gbs": 10, "pcie_d2h_gbs": 10}, name="fast")
+    assert predict(replace(work, sums_on_device=True), fast).parts["host_sums"] == pytest.approx(2 * 4 / 6)
+    assert predict(work, fast).parts["host_sums"] == pytest.approx(2 * 6 / 6)
+    # fp32 sums: 4 GB each way.
+    wide = predict(replace(work, sums_on_device=True, grad_sum_size=4), fast)
+    assert wide.parts["host_sums"] == pytest.approx(2 * 8 / 6)
+    # Without accumulation nothing is summed, wherever.
+    assert predict(replace(work, sums_on_device=True, micro_batches=1), fast).parts == \
+        predict(replace(work, micro_batches=1), fast).parts
+
+
 @pytest.mark.parametrize("run", recorded_runs(), ids=lambda r: f"{r.source.split(':')[0][15:40]}-{r.name}")
 def test_each_recorded_h100_run_is_within_20_percent_or_a_named_gap(run):
     speed = predict(run.work, load_machine("h100_recorded"), samples_per_micro_batch=run.samples_per_micro_batch)

@@ -210,3 +210,22 @@ def test_fp8_device_weights_refusals_name_the_key_and_the_fix(recipe, overrides,
 
 def test_device_weights_is_not_an_option_of_a_plain_optimizer():
     assert "optimizer.device_weights: not an option of AdamW" in _problems("full", "optimizer.device_weights=fp8")
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    (["optimizer.grad_sum_on=gpu", "optimizer.offload_gradients=True"],
+     ["optimizer.grad_sum_on='gpu': use 'host'", "'device'"]),
+    (["optimizer.grad_sum_on=device"],
+     ["optimizer.grad_sum_on=device without optimizer.offload_gradients=True", "~optimizer.grad_sum_on"]),
+])
+def test_grad_sum_on_refusals_name_the_key_and_the_fix_before_the_model_loads(overrides, fragments):
+    with pytest.raises(ValueError) as err:
+        check_recipe_config(_cfg("full", *_ENGINE, *overrides), recipe="full")
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_sums_on_the_device_pass_the_full_recipes_check():
+    cfg = _cfg("full", *_ENGINE, "optimizer.offload_gradients=True", "optimizer.grad_sum_on=device",
+               "gradient_accumulation_steps=4")
+    assert check_recipe_config(cfg, recipe="full").offload_gradients

@@ -1,12 +1,13 @@
 """The memory figures an offload optimizer reports about itself."""
 
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 
 from torchtune_offload.optim.host_arena import NONE, buffer_bytes, pinned_allocation_bytes
 from torchtune_offload.optim.param_table import ParameterTable
-from torchtune_offload.optim.staging import StagingRing
+from torchtune_offload.optim.staging import DeviceSumRing, StagingRing
 from torchtune_offload.optim.state_streamer import StateStreamer
 
 
@@ -23,10 +24,11 @@ class OffloadMemoryReport:
             lives on the host instead of the device. Zero for state not yet created by a first step.
         host_bytes: all host memory the optimizer holds: parameter copies, gradient buffers, state.
         pinned_bytes: the part of ``host_bytes`` that is page-locked (accelerators only).
-        device_staging_bytes: ``update_on="device"``: the device buffers that stage streamed
-            states, at most ``device_staging_mib``; with the device update's own temporaries
-            (and, at the first step, the states the base optimizer creates for one slice) this
-            is all the device memory the states take.
+        device_staging_bytes: device memory the engine stages through. ``update_on="device"``:
+            the buffers that stage streamed states, at most ``device_staging_mib``; with the device
+            update's own temporaries (and, at the first step, the states the base optimizer
+            creates for one slice) this is all the device memory the states take.
+            ``grad_sum_on="device"``: the chunks later micro-batches are added through.
     """
 
     num_offloaded: int
@@ -37,8 +39,8 @@ class OffloadMemoryReport:
     device_staging_bytes: int = 0
 
 
-def engine_memory_report(table: ParameterTable, staging: StagingRing, streamer: StateStreamer, *,
-                         offload_gradients: bool) -> OffloadMemoryReport:
+def engine_memory_report(table: ParameterTable, staging: Union[StagingRing, DeviceSumRing],
+                         streamer: StateStreamer, *, offload_gradients: bool) -> OffloadMemoryReport:
     """The report of ``OffloadOptimizer``'s memory, from its parameter table, staging ring and
     state streamer.
 
@@ -68,12 +70,13 @@ def engine_memory_report(table: ParameterTable, staging: StagingRing, streamer: 
     num_offloaded = len(table.offloaded) + len(table.streamed)
     # Of the host engine's memory only its buffers and the staging ring are pinned; its base
     # optimizers' states are plain host memory.
-    staging_bytes = staging.num_allocated * pinned_allocation_bytes(staging.chunk_bytes, pinned=pinned)
+    staging_bytes = 0 if staging.on_device else staging.num_allocated * pinned_allocation_bytes(
+        staging.chunk_bytes, pinned=pinned)
     return OffloadMemoryReport(
         num_offloaded=num_offloaded,
         num_on_device=len(table.slots) - num_offloaded,
         device_bytes_saved=saved,
         host_bytes=host + staging_bytes,
         pinned_bytes=pinned_total + staging_bytes if pinned else 0,
-        device_staging_bytes=streamer.device_staging_bytes,
+        device_staging_bytes=streamer.device_staging_bytes + (staging.nbytes if staging.on_device else 0),
     )

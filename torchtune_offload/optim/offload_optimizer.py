@@ -353,6 +353,7 @@ def _plan_host_memory(groups: Any, base_class: type, own: Dict[str, Any], kwargs
         master_dtype=precision_option(own["master_dtype"], key="master_dtype"),
         grad_sum_dtype=precision_option(own["grad_sum_dtype"], key="grad_sum_dtype"),
         offload_gradients=own["offload_gradients"], gradient_accumulation_steps=gradient_accumulation_steps,
+        grad_sum_on=own["grad_sum_on"],
     )
     plan.add("FP8 scales (pinned)" if pinning != NONE else "FP8 scales",
              plan_scale_bytes(groups, mode=own["device_weights"], minimal_size=own["minimal_size"],

@@ -278,16 +278,18 @@ class ParameterTable:
 
 def plan_table_memory(params: Any, *, base_class: type, options: Dict[str, Any], minimal_size: int, pinning: str,
                       master_dtype: Optional[torch.dtype], grad_sum_dtype: Optional[torch.dtype],
-                      offload_gradients: bool, gradient_accumulation_steps: int) -> HostMemoryPlan:
-    """The host memory a :class:`ParameterTable` (and the staging ring of its gradients) would
-    hold for ``params`` (meta tensors work), allocating nothing; see ``OffloadOptimizer.plan_host_memory``."""
+                      offload_gradients: bool, gradient_accumulation_steps: int,
+                      grad_sum_on: str = "host") -> HostMemoryPlan:
+    """The host memory a :class:`ParameterTable` (and the staging ring of its gradients, unless
+    later micro-batches are added on the device) would hold for ``params`` (meta tensors work),
+    allocating nothing; see ``OffloadOptimizer.plan_host_memory``."""
     trainable = [p for g in named_groups(params) for _, p in g["params"] if p.requires_grad]
     plan = offloaded_buffers_plan(
         trainable, optimizer_class=base_class, options=options, minimal_size=minimal_size, pinning=pinning,
         master_dtype=master_dtype, grad_dtype=grad_sum_dtype,
     )
     offloaded = [p.numel() * p.element_size() for p in trainable if offloads(p, minimal_size)]
-    if offload_gradients and gradient_accumulation_steps > 1 and offloaded:
+    if offload_gradients and gradient_accumulation_steps > 1 and offloaded and grad_sum_on == "host":
         chunk = StagingRing.chunk_size(largest_bytes=max(offloaded))
         pinned = pinning != NONE  # the ring's chunks come from torch's allocator
         plan.add("staging ring" + (" (pinned)" if pinned else ""),

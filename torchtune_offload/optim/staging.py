@@ -34,6 +34,12 @@ CHUNK_BYTES = 32 * 2**20
 NUM_CHUNKS = 4
 
 
+def ring_bytes(*, largest_bytes: int) -> int:
+    """The bytes a ring of the default size holds once used, for tensors of at most ``largest_bytes``
+    (pinned host memory for :class:`StagingRing`, device memory for :class:`DeviceSumRing`)."""
+    return NUM_CHUNKS * StagingRing.chunk_size(largest_bytes=largest_bytes)
+
+
 def _torch_add(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.add_(src)
 

@@ -37,6 +37,7 @@ from torchtune_offload.bench.sweep import VARIANTS, overrides_for
 from torchtune_offload.optim.host_memory import offloads, optimizer_state_bytes
 from torchtune_offload.optim.offload_options import device_staging_bytes, precision_option
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class, split_options
+from torchtune_offload.optim.staging import ring_bytes
 from torchtune_offload.optim.state_streamer import plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
                                                unquantised_twin)
@@ -125,6 +126,11 @@ def _device_state(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Mod
             parts["state staging (update_on=device)"] = plan_device_staging(
                 named, base_class=base, options=options, minimal_size=own["minimal_size"],
                 staging_bytes=device_staging_bytes(own["device_staging_mib"]))
+        offloaded = [p.numel() * p.element_size() for p in trainable if offloads(p, own["minimal_size"])]
+        if (own.get("grad_sum_on") == "device" and own.get("offload_gradients") and offloaded
+                and settings.gradient_accumulation_steps > 1):
+            # Later micro-batches are added into their host sums through a few device chunks.
+            parts["gradient sum chunks (grad_sum_on=device)"] = ring_bytes(largest_bytes=max(offloaded))
         return parts
     if settings.optimizer_class.__module__.startswith("torch.optim") and not settings.optimizer_in_bwd:
         return {}  # traced with the step
@@ -158,7 +164,7 @@ def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module
                     eight_bit=base is not None and base.__name__ == "AdamW8bit",
                     master_fp32=precision_option(own.get("master_dtype"), key="master_dtype") is not None,
                     grad_sum_size=4 if precision_option(own.get("grad_sum_dtype"), key="grad_sum_dtype") else None,
-                    state_bytes=state_bytes)
+                    sums_on_device=own.get("grad_sum_on") == "device", state_bytes=state_bytes)
 
 
 def _make_optimizer(settings: RecipeSettings, cfg: DictConfig) -> Optional[Callable[[list], torch.optim.Optimizer]]:

@@ -160,6 +160,9 @@ class StepWork:
         grad_sum_size: bytes per element of the host gradient buffers (``grad_sum_dtype``: 4 for
             fp32 sums); None for the gradient's own ``element_size``. A sum wider than the
             parameter is narrowed to it before a step without masters (a pass of its own).
+        sums_on_device: ``grad_sum_on=device``: a later micro-batch's gradient is added into its
+            host sum on the device (the sum crosses PCIe both ways and the host's memory twice,
+            its cores do nothing) instead of landing and being added by the host's cores.
         state_bytes: optimizer-state bytes per trainable parameter (what ``device_update`` moves).
         paged_excess_bytes: paged optimizer state beyond the device's room: it crosses PCIe both
             ways every step.
@@ -178,6 +181,7 @@ class StepWork:
     eight_bit: bool = False
     master_fp32: bool = False
     grad_sum_size: Optional[int] = None
+    sums_on_device: bool = False
     state_bytes: float = 4.0
     paged_excess_bytes: int = 0
 
@@ -249,8 +253,17 @@ def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Option
     down = weight_bytes / (machine.pcie_d2h_gbs * 1e9)  # one gradient's copy
     up = weight_bytes / (machine.pcie_h2d_gbs * 1e9)  # the new weights
     host_step = _host_step_seconds(work, machine)
-    # A later micro-batch's sum: the staged gradient and the sum read, the sum written.
-    sum_one = work.trainable * (work.element_size + 2 * work.sum_size) / (machine.host_copy_gbs * 1e9)
+    sum_bytes = work.trainable * work.sum_size
+    if work.sums_on_device:
+        # The sum up and back down (the link carries both ways at once), the host's memory read
+        # and written once by the DMA engines: the slowest of the three sets the pace.
+        sum_one = max(sum_bytes / (machine.pcie_h2d_gbs * 1e9), sum_bytes / (machine.pcie_d2h_gbs * 1e9),
+                      2 * sum_bytes / (machine.host_copy_gbs * 1e9))
+        later_pcie = sum_bytes / (machine.pcie_h2d_gbs * 1e9) + sum_bytes / (machine.pcie_d2h_gbs * 1e9)
+    else:
+        # A later micro-batch's sum on the host: the staged gradient and the sum read, the sum written.
+        sum_one = work.trainable * (work.element_size + 2 * work.sum_size) / (machine.host_copy_gbs * 1e9)
+        later_pcie = down
     sums = (work.micro_batches - 1) * sum_one if work.offload_gradients else 0.0
     hides = None
     if work.update == "device":
@@ -273,7 +286,7 @@ def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Option
         sums = 0.0
         step = gpu + down + host_step + up
     else:
-        pcie = (work.micro_batches if work.offload_gradients else 1) * down + up
+        pcie = down + up + ((work.micro_batches - 1) * later_pcie if work.offload_gradients else 0.0)
         # Copies down, the per-parameter steps and copies up run as a pipeline: the slowest sets its pace.
         phase = max(down, host_step, up)
         # With clipping no batch hides the host steps (they wait for the norms): no such batch.
