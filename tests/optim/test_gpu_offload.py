@@ -5,7 +5,9 @@ import torch
 from torch import nn
 
 from tests.optim.side_by_side import assert_same_params, batches, plain_hooks, tiny_model, train, twin
+from tests.optim.test_overlap import offload, train_windows
 from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer
+from torchtune_offload.optim.staging import DeviceSumRing
 
 pytestmark = pytest.mark.gpu
 MINIMAL_SIZE = 1000
@@ -38,6 +40,28 @@ def test_offload_optimizer_matches_plain_adamw(offload_gradients, grad_accum, cl
     # Host fused AdamW against device foreach AdamW: same math, another summation order.
     assert_same_params(ref, model, rtol=1e-5, atol=1e-5)
     assert norms == pytest.approx(ref_norms, rel=1e-5)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("ring", ["default", "tiny"])
+@pytest.mark.parametrize("dtype,grad_sum_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                                  (torch.bfloat16, "fp32")])
+def test_sums_added_on_the_device_equal_the_host_rings_bit_for_bit(overlap, ring, dtype, grad_sum_dtype):
+    """grad_sum_on=device on real streams: the sums go up, are added by the device and come back
+    down; a tiny ring (64-byte chunks) splits every gradient and reuses each chunk many times."""
+    device = _device()
+    base = tiny_model(device=device).to(dtype)
+    data = [(x.to(dtype), y.to(dtype)) for x, y in batches(num=9, device=device)]
+    runs = {}
+    for where in ("host", "device"):
+        model = twin(base)
+        opt = offload(model, overlap=overlap, offload_gradients=True, grad_sum_on=where, grad_sum_dtype=grad_sum_dtype)
+        if where == "device" and ring == "tiny":
+            opt._grads.staging = DeviceSumRing(opt._transfer, device=opt.device, chunk_bytes=64, num_chunks=3)
+        runs[where] = (model, train_windows(model, opt, data, grad_accum=3, clip=0.5))
+        opt.close()
+    assert runs["host"][1] == runs["device"][1]
+    assert_same_params(runs["host"][0], runs["device"][0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("offload_gradients", [False, True])
