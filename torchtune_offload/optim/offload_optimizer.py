@@ -58,10 +58,9 @@ class OffloadOptimizer(Optimizer):
             parameters, or parameter groups of either. Frozen parameters are skipped.
         optimizer_class: the base optimizer, a class or a dotted path such as
             ``"torch.optim.AdamW"``, ``"torch.optim.SGD"`` or ``"bitsandbytes.optim.AdamW8bit"``.
-        offload_gradients, minimal_size, master_dtype, grad_sum_dtype, fused_master_step, overlap,
-            overlap_timeout_s, update_on, device_staging_mib, device_weights (bound to the model at
-            :meth:`register_forward_waits`), grad_sum_on: the engine's own options, described in
-            :class:`OffloadOptions`.
+        offload_gradients, minimal_size, master_dtype, grad_sum_dtype, grad_sum_on, fused_master_step,
+            overlap, overlap_timeout_s, update_on, device_staging_mib, device_weights (bound to the
+            model at :meth:`register_forward_waits`): the engine's own options, :class:`OffloadOptions`.
         **kwargs: passed to the base optimizer, e.g. ``lr``, ``weight_decay``, ``betas``.
 
     Raises:

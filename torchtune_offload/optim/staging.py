@@ -342,11 +342,19 @@ class DeviceSumRing:
         """Blocks the host until the additions started up to the one :meth:`add_into` returned
         ``token`` for (every one if ``None``) are in their host sums."""
         with self._lock:
-            last = None
-            while self._pending and (token is None or self._pending[0][0] <= token):
-                last = self._pending.popleft()[1]
-            # The downloads run in order on one stream: the newest one's end is all of theirs.
-            self._transfer.wait(last)
+            newest = None
+            for entry in self._pending:
+                if token is not None and entry[0] > token:
+                    break
+                newest = entry
+        if newest is None:
+            return
+        # The downloads run in order on one stream: the newest one's end is all of theirs. Waited
+        # for outside the lock, so that the training thread's next additions are not held up.
+        self._transfer.wait(newest[1])
+        with self._lock:
+            while self._pending and self._pending[0][0] <= newest[0]:
+                self._pending.popleft()
 
     def close(self) -> None:
         """Finishes every addition started and frees the chunks (a later use allocates them again)."""
