@@ -1,6 +1,7 @@
 """The optimizer sweep on the tiny model with synthetic data, the gradient-norm probe, the ballast's checks."""
 
 import importlib.util
+import inspect
 import json
 import math
 import runpy
@@ -13,7 +14,9 @@ import torch
 from tests.recipe_harness import REPO, tiny_asset_overrides
 from torchtune_offload.bench.ballast import GpuBallast
 from torchtune_offload.bench.grad_probe import ENV, GradNormProbeAdamW, read_probe
+from torchtune_offload import OffloadOptimizer
 from torchtune_offload.bench.sweep import (
+    OFFLOAD_ONLY_KEYS,
     diverged,
     log_to_wandb,
     markdown_table,
@@ -42,6 +45,13 @@ def test_overrides_swap_only_the_optimizer():
     fp8_config = str(REPO / "configs" / "llama3_1" / "8B_full_offload_fp8.yaml")
     assert "~optimizer.device_weights" in overrides_for(fp8_config, "offload_grads")
     assert "~optimizer.device_weights" in overrides_for(fp8_config, "adamw")
+
+
+def test_every_option_of_our_optimizer_is_dropped_for_a_plain_one():
+    """A config's own engine option (grad_sum_on, say) would be refused by a plain variant's optimizer."""
+    own = [name for name, p in inspect.signature(OffloadOptimizer.__init__).parameters.items()
+           if p.kind is p.KEYWORD_ONLY]
+    assert own and set(own) <= set(OFFLOAD_ONLY_KEYS)
 
 
 def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, monkeypatch):

@@ -65,7 +65,8 @@ VARIANTS: Dict[str, Tuple[Dict[str, object], List[str], str]] = {
                                       "next forward's order"),
 }
 OFFLOAD_ONLY_KEYS = ("optimizer_class", "offload_gradients", "minimal_size", "master_dtype", "grad_sum_dtype",
-                    "fused_master_step", "overlap", "update_on", "device_staging_mib", "device_weights")
+                    "grad_sum_on", "fused_master_step", "overlap", "overlap_timeout_s", "update_on", "device_staging_mib",
+                    "device_weights")
 _OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 GIB = 1024**3
 #: A variant's status when its training diverged.
