@@ -144,10 +144,11 @@ def train_beside_plain_adamw(device, *, offload_gradients, grad_accum, clip, mas
                 overlap=overlap)
     held = {s.key for s in opt._weights.held}
     assert held == {f"layers.{i}.{m}.weight" for i in range(2) for m in ("up", "down")}
-    on_host = {s.key for s in opt._slots if s.offloaded or s.has_master}
-    # With masters every parameter has a host copy; without, those below minimal_size stay on the device.
-    assert held <= on_host and (master_dtype or len(on_host) < len(opt._slots))
-    ref = {n: nn.Parameter(p.to(master_type) if n in on_host else p.to(device)) for n, p in initial.items()}
+    # Offloaded parameters step on host copies; those below minimal_size step where they live (on
+    # their fp32 master there, with master_dtype).
+    on_host = {s.key for s in opt._slots if s.offloaded}
+    assert held <= on_host and len(on_host) < len(opt._slots), "both kinds of parameter must be checked"
+    ref = {n: nn.Parameter(p.to("cpu" if n in on_host else device, master_type)) for n, p in initial.items()}
     # On a machine with an accelerator the engine steps host copies with torch's fused CPU AdamW
     # (optim/param_table.py); the per-tensor loop's sqrt (MKL's) rounds differently on some CPUs.
     host_ref_opt = torch.optim.AdamW([ref[n] for n in ref if n in on_host], lr=1e-2, weight_decay=0.1,
@@ -194,7 +195,7 @@ def train_beside_plain_adamw(device, *, offload_gradients, grad_accum, clip, mas
         if overlap:
             opt.synchronize()
         for slot in opt._slots:
-            stepped = slot.step_param if slot.key in on_host else slot.param
+            stepped = slot.step_param if slot.offloaded or slot.has_master else slot.param
             assert torch.equal(stepped, ref[slot.key]), slot.key
         assert_images_are_quantized_masters(opt)
     # The layers' device weights hold one element; everything else is a full tensor.

@@ -5,13 +5,15 @@ import time
 
 import pytest
 import torch
+from torch import nn
 
 from tests.optim.side_by_side import assert_same_params, batches, plain_hooks, tiny_model, train, twin
 from tests.optim.test_overlap import cosine, offload, train_windows
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim.host_arena import aligned_bytes
-from torchtune_offload.optim import staging
+from torchtune_offload.optim import staging, stream_check
 from torchtune_offload.optim.staging import DeviceSumRing, StagingRing
+from torchtune_offload.optim.stream_check import checked_streams
 from torchtune_offload.optim.transfer import TransferEngine
 
 
@@ -204,3 +206,42 @@ def test_the_memory_report_counts_the_device_ring_on_the_device():
 def test_grad_sum_on_refuses_what_cannot_work(options, match):
     with pytest.raises(ValueError, match=match):
         OffloadOptimizer(tiny_model().named_parameters(), "torch.optim.AdamW", minimal_size=1000, **options)
+
+
+def test_device_ring_keeps_a_non_contiguous_gradients_flat_copy_until_the_device_read_it():
+    """A gradient with a parameter's transposed strides is flattened into a copy on the compute
+    stream; the additions on the download stream read that copy, so it is kept as the gradient is."""
+    with checked_streams():
+        transfer = TransferEngine(torch.device("cpu"))
+        ring = DeviceSumRing(transfer, device=torch.device("cpu"), chunk_bytes=64, num_chunks=2)
+        total = stream_check.host_tensor(torch.zeros(8, 6))
+        grad = torch.randn(6, 8).t()
+        expected = grad.contiguous()
+        assert not grad.is_contiguous()
+        ring.add_into(total, grad)
+        del grad
+        ring.drain()
+        assert torch.equal(total, expected)
+        ring.close()
+
+
+def test_device_ring_chunks_hold_fp32_sums_of_odd_sized_bf16_parameters():
+    """Chunks are sized from the largest host sum (fp32 here, twice the bf16 parameter) and rounded
+    to 16 bytes, so any dtype can view them."""
+    runs = {}
+    for where in ("host", "device"):
+        torch.manual_seed(0)
+        model = nn.Linear(4097, 1, bias=False).to(torch.bfloat16)
+        opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", offload_gradients=True,
+                               grad_sum_dtype="fp32", grad_sum_on=where, minimal_size=1000, lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            for _ in range(3):
+                model(torch.randn(4, 4097, generator=g).to(torch.bfloat16)).float().pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        runs[where] = model.weight.detach().clone()
+        if where == "device":
+            assert opt._staging.chunk_bytes % 16 == 0 and opt._staging.chunk_bytes >= 4097 * 4
+        opt.close()
+    assert torch.equal(runs["host"], runs["device"])

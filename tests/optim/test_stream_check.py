@@ -226,7 +226,7 @@ WAITS = {
     ("staging.py", "transfer.stream.wait_stream(streams.current_stream(self._device))"): "overlap sums on the device",
     ("staging.py", "transfer.h2d_stream.wait_event(self._read_down[index])"): "serial sums on the device",
     ("staging.py", "transfer.stream.wait_event(uploaded)"): "overlap sums on the device",
-    ("staging.py", "transfer.record_stream(src, transfer.stream)"): "serial sums on the device",
+    ("staging.py", "transfer.record_stream(read, transfer.stream)"): "serial sums on the device",
     ("staging.py", "self._transfer.wait(newest[1])"): "overlap sums on the device",
     ("state_streamer.py", "self._up.wait_event(self._buffer_free[index])"): "device update",
     ("state_streamer.py", "stream.wait_event(self._buffer_free[index])"): "device update",

@@ -73,9 +73,11 @@ class HostGradients:
         self._transfer = transfer
         self._timings = timings
         self.offload_gradients = offload_gradients
-        largest = table.largest_offloaded_bytes
-        self.staging = (DeviceSumRing(transfer, device=transfer.device, largest_bytes=largest) if sum_on == "device"
-                        else StagingRing(transfer, largest_bytes=largest))
+        if sum_on == "device":  # its chunks hold pieces of the sums, in the sums' dtype
+            largest = max((s.host_grad.numel() * s.host_grad.element_size() for s in table.offloaded), default=16)
+            self.staging = DeviceSumRing(transfer, device=transfer.device, largest_bytes=largest)
+        else:  # its chunks hold pieces of the gradients, in the parameters' dtype
+            self.staging = StagingRing(transfer, largest_bytes=table.largest_offloaded_bytes)
         self._records = [HostGrad() for _ in table.slots]
 
     def summed_on_host(self, slot: Slot) -> bool:

@@ -90,7 +90,7 @@ class OffloadOptions:
             way). ``"host"`` (default): copied down into a small pinned ring and added by the
             host's cores (``optim/staging.py``, ``StagingRing``). ``"device"``: the sum's chunk is
             copied up, added on the device and copied back (``DeviceSumRing``): no host core work,
-            half the host memory traffic, the sum both ways over PCIe, 128 MiB of device memory.
+            half the host memory traffic, the sum both ways over PCIe, at most 128 MiB of device memory.
             The same bits either way. Not yet measured on a GPU (docs/accumulation.md). Refused
             without ``offload_gradients`` (the device accumulates as plain training does).
     """

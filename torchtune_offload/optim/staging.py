@@ -34,10 +34,10 @@ CHUNK_BYTES = 32 * 2**20
 NUM_CHUNKS = 4
 
 
-def ring_bytes(*, largest_bytes: int) -> int:
-    """The bytes a ring of the default size holds once used, for tensors of at most ``largest_bytes``
-    (pinned host memory for :class:`StagingRing`, device memory for :class:`DeviceSumRing`)."""
-    return NUM_CHUNKS * StagingRing.chunk_size(largest_bytes=largest_bytes)
+def device_ring_bytes(*, largest_bytes: int) -> int:
+    """The device bytes a :class:`DeviceSumRing` of the default size holds once used, for host sums
+    of at most ``largest_bytes``."""
+    return NUM_CHUNKS * (-(-StagingRing.chunk_size(largest_bytes=largest_bytes) // 16) * 16)
 
 
 def _torch_add(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -220,14 +220,15 @@ class DeviceSumRing:
         device: the device the chunks live on.
         chunk_bytes: the size of one chunk, in bytes (default :data:`CHUNK_BYTES`).
         num_chunks: how many chunks are in flight at once (default :data:`NUM_CHUNKS`).
-        largest_bytes: the largest sum that will pass through; chunks are no larger.
+        largest_bytes: the largest host sum that will pass through (in the sum's dtype); chunks are
+            no larger, rounded up to 16 bytes so that any dtype can view them.
     """
 
     on_device = True
 
     def __init__(self, transfer: TransferEngine, *, device: torch.device, chunk_bytes: Optional[int] = None,
                  num_chunks: Optional[int] = None, largest_bytes: Optional[int] = None) -> None:
-        chunk_bytes = StagingRing.chunk_size(chunk_bytes=chunk_bytes, largest_bytes=largest_bytes)
+        chunk_bytes = -(-StagingRing.chunk_size(chunk_bytes=chunk_bytes, largest_bytes=largest_bytes) // 16) * 16
         num_chunks = NUM_CHUNKS if num_chunks is None else num_chunks
         if chunk_bytes < 16 or num_chunks < 1:
             raise ValueError(f"DeviceSumRing: chunk_bytes={chunk_bytes} (>= 16) and num_chunks={num_chunks} (>= 1)")
@@ -330,8 +331,10 @@ class DeviceSumRing:
             self._pending.append((self._issued, end))
         if streams is not None:
             self._written[dst.data_ptr()] = end
-            # The caller drops the gradient: keep its memory until the additions have read it.
-            transfer.record_stream(src, transfer.stream)
+            # The caller drops the gradient (and src_flat is a copy of it where it was not
+            # contiguous): keep the memory the additions read until they have read it.
+            for read in (src, src_flat):
+                transfer.record_stream(read, transfer.stream)
         return self._issued
 
     def drain(self) -> None:
