@@ -25,8 +25,9 @@ def test_ring_sums_equal_in_order_adds_bit_for_bit(dtype, sum_dtype, fused_add, 
     g = torch.Generator().manual_seed(0)
     shapes = [(7, 5), (300,), (3, 4, 5), (1,), (129,)] + ([(70001,)] if chunk_bytes > 64 else [])
     micro_batches = [[torch.randn(s, generator=g).to(dtype) for s in shapes] for _ in range(4)]
-    expected = [mb.to(sum_dtype) for mb in micro_batches[0]]
-    got = [mb.to(sum_dtype) for mb in micro_batches[0]]
+    # Copies (``to`` returns the tensor itself when the dtype is already the sum's).
+    expected = [mb.to(sum_dtype, copy=True) for mb in micro_batches[0]]
+    got = [stream_check.host_tensor(mb.to(sum_dtype, copy=True)) for mb in micro_batches[0]]
     ring = StagingRing(TransferEngine(torch.device("cpu")), chunk_bytes=chunk_bytes, num_chunks=3,
                        fused_add=fused_add)
     for mb in micro_batches[1:]:
@@ -115,8 +116,10 @@ def test_device_ring_sums_equal_in_order_adds_bit_for_bit(dtype, sum_dtype, chun
     g = torch.Generator().manual_seed(0)
     shapes = [(7, 5), (300,), (3, 4, 5), (1,), (129,), (70001,)]
     micro_batches = [[torch.randn(s, generator=g).to(dtype) for s in shapes] for _ in range(4)]
-    expected = [mb.to(sum_dtype) for mb in micro_batches[0]]
-    got = [mb.to(sum_dtype) for mb in micro_batches[0]]
+    # Copies (``to`` returns the tensor itself when the dtype is already the sum's); the sums in host
+    # memory, as the engine's are.
+    expected = [mb.to(sum_dtype, copy=True) for mb in micro_batches[0]]
+    got = [stream_check.host_tensor(mb.to(sum_dtype, copy=True)) for mb in micro_batches[0]]
     ring = DeviceSumRing(TransferEngine(torch.device("cpu")), device=torch.device("cpu"), chunk_bytes=chunk_bytes,
                          num_chunks=3)
     assert ring.nbytes == 0 and ring.on_device and not StagingRing.on_device
@@ -208,6 +211,7 @@ def test_grad_sum_on_refuses_what_cannot_work(options, match):
         OffloadOptimizer(tiny_model().named_parameters(), "torch.optim.AdamW", minimal_size=1000, **options)
 
 
+@pytest.mark.streams_as_is
 def test_device_ring_keeps_a_non_contiguous_gradients_flat_copy_until_the_device_read_it():
     """A gradient with a parameter's transposed strides is flattened into a copy on the compute
     stream; the additions on the download stream read that copy, so it is kept as the gradient is."""
