@@ -114,7 +114,7 @@ def test_accumulation_with_offloaded_gradients_through_a_tiny_ring(clip, monkeyp
 @pytest.mark.parametrize("chunk_bytes", [64, 2**20])
 def test_device_ring_sums_equal_in_order_adds_bit_for_bit(dtype, sum_dtype, chunk_bytes):
     g = torch.Generator().manual_seed(0)
-    shapes = [(7, 5), (300,), (3, 4, 5), (1,), (129,), (70001,)]
+    shapes = [(7, 5), (300,), (3, 4, 5), (1,), (129,)] + ([(70001,)] if chunk_bytes > 64 else [])
     micro_batches = [[torch.randn(s, generator=g).to(dtype) for s in shapes] for _ in range(4)]
     # Copies (``to`` returns the tensor itself when the dtype is already the sum's); the sums in host
     # memory, as the engine's are.

@@ -152,10 +152,10 @@ def _host_engine(model, **options):
 
 
 def _sums_on_a_tiny_device_ring(model):
-    """Later micro-batches added on the device through 3 chunks of 64 bytes: every gradient is
+    """Later micro-batches added on the device through 3 chunks of 1 KiB: every weight's gradient is
     split, and the ring wraps many times a micro-batch (its chunks are reused)."""
     opt = _host_engine(model, offload_gradients=True, grad_sum_on="device")
-    opt._grads.staging = DeviceSumRing(opt._transfer, device=opt.device, chunk_bytes=64, num_chunks=3)
+    opt._grads.staging = DeviceSumRing(opt._transfer, device=opt.device, chunk_bytes=1024, num_chunks=3)
     return opt
 
 
