@@ -21,7 +21,7 @@ the chunk first and took 5 to 10 times as long). The ring may be used from the t
 import collections
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -37,14 +37,87 @@ NUM_CHUNKS = 4
 def device_ring_bytes(*, largest_bytes: int) -> int:
     """The device bytes a :class:`DeviceSumRing` of the default size holds once used, for host sums
     of at most ``largest_bytes``."""
-    return NUM_CHUNKS * (-(-StagingRing.chunk_size(largest_bytes=largest_bytes) // 16) * 16)
+    return NUM_CHUNKS * DeviceSumRing.chunk_size(largest_bytes=largest_bytes)
 
 
 def _torch_add(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.add_(src)
 
 
-class StagingRing:
+class _ChunkRing:
+    """What both rings share: a few chunks allocated on first use, cycled in order, and the tokens
+    of the additions started through them."""
+
+    #: Whether the chunks, and the additions, are on the device.
+    on_device = False
+
+    def __init__(self, transfer: TransferEngine, *, chunk_bytes: Optional[int], num_chunks: Optional[int],
+                 largest_bytes: Optional[int]) -> None:
+        chunk_bytes = self.chunk_size(chunk_bytes=chunk_bytes, largest_bytes=largest_bytes)
+        num_chunks = NUM_CHUNKS if num_chunks is None else num_chunks
+        if chunk_bytes < 16 or num_chunks < 1:
+            raise ValueError(f"{type(self).__name__}: chunk_bytes={chunk_bytes} (>= 16) and num_chunks={num_chunks} "
+                             "(>= 1)")
+        self._transfer = transfer
+        self.chunk_bytes = chunk_bytes
+        self.num_chunks = num_chunks
+        # Allocated on first use: a run without accumulation never needs them.
+        self._chunks: List[torch.Tensor] = []
+        self._next = 0
+        self._issued = 0
+        # Orders the training thread's use of a chunk, or of the ring's records, after another
+        # thread's drain of them.
+        self._lock = stream_check.HostLock()
+
+    @staticmethod
+    def chunk_size(*, chunk_bytes: Optional[int] = None, largest_bytes: Optional[int] = None) -> int:
+        """The chunk size a ring takes: ``chunk_bytes`` (default :data:`CHUNK_BYTES`), at most ``largest_bytes``."""
+        chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        return chunk_bytes if largest_bytes is None else max(16, min(chunk_bytes, largest_bytes))
+
+    @property
+    def num_allocated(self) -> int:
+        """Chunks allocated so far (they are allocated on first use)."""
+        return len(self._chunks)
+
+    @property
+    def issued(self) -> int:
+        """The token of the newest addition started (see ``add_into``)."""
+        return self._issued
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the ring holds: host memory (pinned on an accelerator), or device memory where
+        :attr:`on_device`."""
+        return len(self._chunks) * self.chunk_bytes
+
+    def _check(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Refuses to add ``src`` into a ``dst`` of another shape (before anything is issued)."""
+        if dst.shape != src.shape:
+            raise ValueError(f"{type(self).__name__}.add_into: {src.dtype}{list(src.shape)} into "
+                             f"{dst.dtype}{list(dst.shape)}")
+
+    def _pieces(self, src: torch.Tensor, element_size: int) -> Iterator[Tuple[int, int, int]]:
+        """``(chunk index, start, length)`` of each piece of ``src`` in turn, ``element_size``
+        bytes an element in a chunk; each piece is a new addition (:attr:`issued` counts it)."""
+        per_chunk = self.chunk_bytes // element_size
+        for start in range(0, src.numel(), per_chunk):
+            index = self._next
+            self._next = (index + 1) % self.num_chunks
+            self._issued += 1
+            yield index, start, min(per_chunk, src.numel() - start)
+
+    def drain(self) -> None:
+        """Finishes every addition started."""
+        self.drain_until(None)
+
+    def drain_until(self, token: Optional[int]) -> None:
+        """Finishes the additions started up to the one ``add_into`` returned ``token`` for (every
+        one if ``None``); each ring says how."""
+        raise NotImplementedError
+
+
+class StagingRing(_ChunkRing):
     """Adds device gradients into host tensors through a few reusable pinned chunks.
 
     Args:
@@ -66,42 +139,14 @@ class StagingRing:
         largest_bytes: Optional[int] = None,
         fused_add: bool = True,
     ) -> None:
-        chunk_bytes = self.chunk_size(chunk_bytes=chunk_bytes, largest_bytes=largest_bytes)
-        num_chunks = NUM_CHUNKS if num_chunks is None else num_chunks
-        if chunk_bytes < 16 or num_chunks < 1:
-            raise ValueError(f"StagingRing: chunk_bytes={chunk_bytes} (>= 16) and num_chunks={num_chunks} (>= 1)")
-        self._transfer = transfer
-        self.chunk_bytes = chunk_bytes
-        self.num_chunks = num_chunks
+        super().__init__(transfer, chunk_bytes=chunk_bytes, num_chunks=num_chunks, largest_bytes=largest_bytes)
         self._add = host_add.add_ if fused_add else _torch_add
-        # Allocated on first use: a run without accumulation never needs them.
-        self._chunks: List[torch.Tensor] = []
         # Per chunk: (sequence number, the addition's future) until the addition is joined.
-        self._pending: List[Optional[Tuple[int, Future]]] = [None] * num_chunks
-        self._next = 0
-        self._issued = 0
-        # The lock orders the training thread's reuse of a chunk after a worker's drain of it.
-        self._lock = stream_check.HostLock()
+        self._pending: List[Optional[Tuple[int, Future]]] = [None] * self.num_chunks
         # One thread, so the additions run in the order they were issued (started on first use).
         self._adder: Optional[ThreadPoolExecutor] = None
         # Written by the adder thread only; read after a drain (which orders it after the writes).
         self._added_seconds = 0.0
-
-    @staticmethod
-    def chunk_size(*, chunk_bytes: Optional[int] = None, largest_bytes: Optional[int] = None) -> int:
-        """The chunk size a ring takes: ``chunk_bytes`` (default :data:`CHUNK_BYTES`), at most ``largest_bytes``."""
-        chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-        return chunk_bytes if largest_bytes is None else max(16, min(chunk_bytes, largest_bytes))
-
-    @property
-    def num_allocated(self) -> int:
-        """Chunks allocated so far (they are allocated on first use)."""
-        return len(self._chunks)
-
-    @property
-    def issued(self) -> int:
-        """The token of the newest addition started (see :meth:`add_into`)."""
-        return self._issued
 
     @property
     def added_seconds(self) -> float:
@@ -109,11 +154,6 @@ class StagingRing:
         complete for the additions finished by a :meth:`drain`): the host cores' work per
         micro-batch, which on an accelerator overlaps the device's (the copies are DMA there)."""
         return self._added_seconds
-
-    @property
-    def nbytes(self) -> int:
-        """Host bytes the ring holds (pinned on an accelerator)."""
-        return len(self._chunks) * self.chunk_bytes
 
     def _chunk(self, index: int) -> torch.Tensor:
         while len(self._chunks) <= index:
@@ -135,9 +175,6 @@ class StagingRing:
             self._pending[index] = None
             pending[1].result()
 
-    #: The additions run on the host (see :class:`DeviceSumRing` for the other place).
-    on_device = False
-
     @torch.no_grad()
     def add_into(self, dst: torch.Tensor, src: torch.Tensor, *, after: Optional[object] = None) -> int:
         """Starts adding device tensor ``src`` into host tensor ``dst``; :meth:`drain` finishes it.
@@ -153,32 +190,22 @@ class StagingRing:
         Returns:
             A token for :meth:`drain_until`: the addition is complete once that returns.
         """
+        self._check(dst, src)
         with self._lock:
             return self._add_into(dst, src)
 
     def _add_into(self, dst: torch.Tensor, src: torch.Tensor) -> int:
-        if dst.shape != src.shape:
-            raise ValueError(f"StagingRing.add_into: {src.dtype}{list(src.shape)} into {dst.dtype}{list(dst.shape)}")
         dst_flat = dst.view(-1)
         src_flat = src.reshape(-1)
-        per_chunk = self.chunk_bytes // src.element_size()
-        for start in range(0, src_flat.numel(), per_chunk):
-            length = min(per_chunk, src_flat.numel() - start)
-            index = self._next
-            self._next = (index + 1) % self.num_chunks
+        for index, start, length in self._pieces(src, src.element_size()):
             self._retire(index)
             staged = self._chunk(index).view(src.dtype)[:length]
             event = self._transfer.to_host(staged, src_flat[start : start + length], release_source=True)
-            self._issued += 1
             if self._adder is None:
                 self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-staging-add")
             done = stream_check.submit(self._adder, self._finish, dst_flat[start : start + length], staged, event)
             self._pending[index] = (self._issued, done)
         return self._issued
-
-    def drain(self) -> None:
-        """Finishes every addition started, oldest first."""
-        self.drain_until(None)
 
     def drain_until(self, token: Optional[int]) -> None:
         """Finishes the additions started up to the one :meth:`add_into` returned ``token`` for
@@ -200,7 +227,7 @@ class StagingRing:
                 self._adder = None
 
 
-class DeviceSumRing:
+class DeviceSumRing(_ChunkRing):
     """Adds device gradients into host sums *on the device*, through a few device chunks.
 
     The other place for :class:`StagingRing`'s work (``OffloadOptimizer(grad_sum_on="device")``):
@@ -228,40 +255,20 @@ class DeviceSumRing:
 
     def __init__(self, transfer: TransferEngine, *, device: torch.device, chunk_bytes: Optional[int] = None,
                  num_chunks: Optional[int] = None, largest_bytes: Optional[int] = None) -> None:
-        chunk_bytes = -(-StagingRing.chunk_size(chunk_bytes=chunk_bytes, largest_bytes=largest_bytes) // 16) * 16
-        num_chunks = NUM_CHUNKS if num_chunks is None else num_chunks
-        if chunk_bytes < 16 or num_chunks < 1:
-            raise ValueError(f"DeviceSumRing: chunk_bytes={chunk_bytes} (>= 16) and num_chunks={num_chunks} (>= 1)")
-        self._transfer = transfer
+        super().__init__(transfer, chunk_bytes=chunk_bytes, num_chunks=num_chunks, largest_bytes=largest_bytes)
         self._device = torch.device(device)
-        self.chunk_bytes = chunk_bytes
-        self.num_chunks = num_chunks
-        # Allocated on first use: a run without accumulation never needs them.
-        self._chunks: List[torch.Tensor] = []
         # Per chunk: the event of the download that last read it (its next upload waits for it).
-        self._read_down: List[Optional[object]] = [None] * num_chunks
+        self._read_down: List[Optional[object]] = [None] * self.num_chunks
         # Per host sum (its data pointer): the event of the last download into it.
         self._written: Dict[int, object] = {}
         # (token, download event) of the additions not yet waited for, oldest first.
         self._pending: Deque[Tuple[int, Optional[object]]] = collections.deque()
-        self._next = 0
-        self._issued = 0
-        self._lock = stream_check.HostLock()
 
-    @property
-    def issued(self) -> int:
-        """The token of the newest addition started (see :meth:`add_into`)."""
-        return self._issued
-
-    @property
-    def num_allocated(self) -> int:
-        """Chunks allocated so far (they are allocated on first use)."""
-        return len(self._chunks)
-
-    @property
-    def nbytes(self) -> int:
-        """Device bytes the ring holds."""
-        return len(self._chunks) * self.chunk_bytes
+    @staticmethod
+    def chunk_size(*, chunk_bytes: Optional[int] = None, largest_bytes: Optional[int] = None) -> int:
+        """:meth:`StagingRing.chunk_size` rounded up to 16 bytes: the chunks hold pieces of sums
+        that may be wider than the gradients the size was taken from, and any dtype must view them."""
+        return -(-_ChunkRing.chunk_size(chunk_bytes=chunk_bytes, largest_bytes=largest_bytes) // 16) * 16
 
     def _chunk(self, index: int) -> torch.Tensor:
         while len(self._chunks) <= index:
@@ -287,15 +294,13 @@ class DeviceSumRing:
         Returns:
             A token for :meth:`drain_until`: the addition is in ``dst`` once that returns.
         """
-        if dst.shape != src.shape:
-            raise ValueError(f"DeviceSumRing.add_into: {src.dtype}{list(src.shape)} into {dst.dtype}{list(dst.shape)}")
+        self._check(dst, src)
         with self._lock:
             return self._add_into(dst, src, after)
 
     def _add_into(self, dst: torch.Tensor, src: torch.Tensor, after: Optional[object]) -> int:
         transfer, streams = self._transfer, self._transfer.streams
         dst_flat, src_flat = dst.view(-1), src.reshape(-1)
-        per_chunk = self.chunk_bytes // dst.element_size()
         if streams is not None:
             # The sum's last writers, before its first chunk goes up.
             for event in (after, self._written.get(dst.data_ptr())):
@@ -304,10 +309,7 @@ class DeviceSumRing:
             # The gradient is made on the compute stream.
             transfer.stream.wait_stream(streams.current_stream(self._device))
         end = None
-        for start in range(0, src_flat.numel(), per_chunk):
-            length = min(per_chunk, src_flat.numel() - start)
-            index = self._next
-            self._next = (index + 1) % self.num_chunks
+        for index, start, length in self._pieces(src, dst.element_size()):
             chunk = self._chunk(index).view(dst.dtype)[:length]
             host = dst_flat[start : start + length]
             if streams is None:  # a CPU-only machine: every step completes at once, in order
@@ -327,7 +329,6 @@ class DeviceSumRing:
                     chunk.add_(src_flat[start : start + length])
                 end = transfer.timed_copy(host, chunk, kind="grad", stream=transfer.stream)
                 self._read_down[index] = end
-            self._issued += 1
             self._pending.append((self._issued, end))
         if streams is not None:
             self._written[dst.data_ptr()] = end
@@ -336,10 +337,6 @@ class DeviceSumRing:
             for read in (src, src_flat):
                 transfer.record_stream(read, transfer.stream)
         return self._issued
-
-    def drain(self) -> None:
-        """Finishes every addition started."""
-        self.drain_until(None)
 
     def drain_until(self, token: Optional[int]) -> None:
         """Blocks the host until the additions started up to the one :meth:`add_into` returned

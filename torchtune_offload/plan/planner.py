@@ -126,8 +126,8 @@ def _device_state(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Mod
             parts["state staging (update_on=device)"] = plan_device_staging(
                 named, base_class=base, options=options, minimal_size=own["minimal_size"],
                 staging_bytes=device_staging_bytes(own["device_staging_mib"]))
-        sum_size = 4 if precision_option(own.get("grad_sum_dtype"), key="grad_sum_dtype") else None
-        sums = [p.numel() * (sum_size or p.element_size()) for p in trainable if offloads(p, own["minimal_size"])]
+        sums = [p.numel() * (_grad_sum_size(own) or p.element_size()) for p in trainable
+                if offloads(p, own["minimal_size"])]
         if (own.get("grad_sum_on") == "device" and settings.offload_gradients and sums
                 and settings.gradient_accumulation_steps > 1):
             # Later micro-batches are added into their host sums through a few device chunks.
@@ -138,6 +138,11 @@ def _device_state(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Mod
     state, _ = optimizer_state_bytes(settings.optimizer_class, trainable, options)
     label = "optimizer state (paged)" if settings.optimizer_class.__name__.startswith("Paged") else "optimizer state"
     return {label: state}
+
+
+def _grad_sum_size(own: Dict[str, object]) -> Optional[int]:
+    """Bytes an element of the host gradient sums (4 with ``grad_sum_dtype: fp32``); None for the parameter's own."""
+    return 4 if precision_option(own.get("grad_sum_dtype"), key="grad_sum_dtype") else None
 
 
 def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module, tokens: int) -> StepWork:
@@ -164,7 +169,7 @@ def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module
                     clipping=settings.clip_grad_norm is not None,
                     eight_bit=base is not None and base.__name__ == "AdamW8bit",
                     master_fp32=precision_option(own.get("master_dtype"), key="master_dtype") is not None,
-                    grad_sum_size=4 if precision_option(own.get("grad_sum_dtype"), key="grad_sum_dtype") else None,
+                    grad_sum_size=_grad_sum_size(own),
                     sums_on_device=own.get("grad_sum_on") == "device", state_bytes=state_bytes)
 
 
