@@ -253,13 +253,13 @@ def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Option
     down = weight_bytes / (machine.pcie_d2h_gbs * 1e9)  # one gradient's copy
     up = weight_bytes / (machine.pcie_h2d_gbs * 1e9)  # the new weights
     host_step = _host_step_seconds(work, machine)
-    sum_bytes = work.trainable * work.sum_size
     if work.sums_on_device:
+        sum_bytes = work.trainable * work.sum_size
+        sum_up, sum_down = sum_bytes / (machine.pcie_h2d_gbs * 1e9), sum_bytes / (machine.pcie_d2h_gbs * 1e9)
         # The sum up and back down (the link carries both ways at once), the host's memory read
         # and written once by the DMA engines: the slowest of the three sets the pace.
-        sum_one = max(sum_bytes / (machine.pcie_h2d_gbs * 1e9), sum_bytes / (machine.pcie_d2h_gbs * 1e9),
-                      2 * sum_bytes / (machine.host_copy_gbs * 1e9))
-        later_pcie = sum_bytes / (machine.pcie_h2d_gbs * 1e9) + sum_bytes / (machine.pcie_d2h_gbs * 1e9)
+        sum_one = max(sum_up, sum_down, 2 * sum_bytes / (machine.host_copy_gbs * 1e9))
+        later_pcie = sum_up + sum_down
     else:
         # A later micro-batch's sum on the host: the staged gradient and the sum read, the sum written.
         sum_one = work.trainable * (work.element_size + 2 * work.sum_size) / (machine.host_copy_gbs * 1e9)
