@@ -359,8 +359,10 @@ def test_logged_metrics_on_cpu(runs):
         assert row["host_rss_peak"] >= row["host_rss"] > 0 and row["tokens_per_second"] > 0
         assert row["optimizer_device_saved"] > 0 and row["optimizer_host"] > row["optimizer_device_saved"]
         assert row["optimizer_pinned"] == 0  # nothing to pin for on a CPU-only machine
-        # Serial: the training thread runs the host step inside step() and waits for all of it.
-        assert 0 <= row["host_step_s"] <= row["offload_wait_s"] <= row["offload_step_s"]
+        # Serial: the training thread runs the host step inside step() and waits for all of it. Its
+        # wait may exceed step()'s own time: clipping, before step(), waits for the gradients too.
+        assert 0 <= row["host_step_s"] <= row["offload_wait_s"]
+        assert row["host_step_s"] <= row["offload_step_s"]
         assert row["host_step_hidden"] == 0 and row["grad_copy_s"] > 0 and row["param_copy_s"] > 0
     assert [r["loss"] for r in off.log] == pytest.approx(off.losses, rel=1e-12)
     for i, row in enumerate(overlapped.log):

@@ -62,8 +62,10 @@ class StepTimings:
     def last(self) -> Dict[str, float]:
         """The previous step's record, in seconds; empty before the first step.
 
-        ``offload_wait_s``: the training thread blocked on host work: waiting for copies, running
-        host steps itself (serial), or waiting for the host workers (overlap); ``host_step_s``:
+        ``offload_wait_s``: the training thread blocked on host work since the previous step():
+        waiting for copies (clipping's wait for the gradients, before step(), included, so it may
+        exceed ``offload_step_s``), running host steps itself (serial), or waiting for the host
+        workers (overlap); ``host_step_s``:
         the base optimizer's steps on the host; ``grad_copy_s`` / ``param_copy_s``: gradient
         downloads and weight uploads; ``offload_step_s``: the ``step()`` call itself;
         ``host_step_hidden``: ``1 - offload_wait_s / host_step_s`` clamped to [0, 1], the share of
