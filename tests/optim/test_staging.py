@@ -42,7 +42,8 @@ def test_ring_sums_equal_in_order_adds_bit_for_bit(dtype, sum_dtype, fused_add, 
 
 def test_ring_times_its_additions_on_its_own_thread(monkeypatch):
     """``added_seconds`` is the time inside the additions (what bench_accumulation.py reports as the
-    host's work per micro-batch), cumulative, complete after a drain."""
+    host's work per micro-batch), cumulative, complete after a drain; ``waited_seconds`` the caller's
+    waits for a chunk still being added."""
     ring = StagingRing(TransferEngine(torch.device("cpu")), chunk_bytes=64, num_chunks=2)
     calls = []
 
@@ -52,9 +53,11 @@ def test_ring_times_its_additions_on_its_own_thread(monkeypatch):
         dst.add_(src)
 
     monkeypatch.setattr(ring, "_add", slow_add)
-    assert ring.added_seconds == 0.0
+    assert ring.added_seconds == 0.0 and ring.waited_seconds == 0.0
     total = torch.zeros(40)
     ring.add_into(total, torch.ones(40))  # 160 bytes: 3 chunks of 64
+    # The third piece needed the first chunk back: the caller waited for its 10 ms addition.
+    assert ring.waited_seconds >= 0.005
     ring.drain()
     first = ring.added_seconds
     assert len(calls) == 3 and all(name.startswith("offload-staging-add") for name in calls)
@@ -63,6 +66,40 @@ def test_ring_times_its_additions_on_its_own_thread(monkeypatch):
     ring.drain()
     assert ring.added_seconds >= first + 0.03 and torch.equal(total, torch.full((40,), 2.0))
     ring.close()
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_step_timings_report_each_steps_gradient_sums(where, monkeypatch):
+    """With offload_gradients each step's record has the sums' seconds of that step alone (the ring's
+    counters grow; the record is their growth), zero where a step had one micro-batch."""
+    # Small chunks: each gradient is split, so the host ring's caller waits for its own additions.
+    monkeypatch.setattr(staging, "CHUNK_BYTES", 256)
+    model = tiny_model()
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", offload_gradients=True,
+                           grad_sum_on=where, minimal_size=1000, lr=1e-2)
+    records = []
+    for grad_accum in (3, 3, 1):
+        train(model, opt, batches(num=grad_accum), grad_accum=grad_accum, clip=None,
+              scale_grads=opt.scale_grads_, clip_grads=opt.clip_grad_norm_)
+        records.append(opt.step_timings())
+    ring = opt._staging
+    # The host's cores add unless the device ring runs on (virtual) streams, as on an accelerator.
+    if where == "host" or opt._transfer.streams is None:
+        assert records[0]["grad_sum_add_s"] > 0 and records[1]["grad_sum_add_s"] > 0
+        assert records[1]["grad_sum_add_s"] < ring.added_seconds
+    else:
+        assert ring.added_seconds == 0 and ring.waited_seconds == 0
+    assert records[2]["grad_sum_add_s"] == 0 and records[2]["grad_sum_wait_s"] == 0
+    # A serial step drains the ring before it returns: every addition is in some step's record.
+    assert sum(r["grad_sum_add_s"] for r in records) == pytest.approx(ring.added_seconds, rel=1e-9)
+    assert sum(r["grad_sum_wait_s"] for r in records) == pytest.approx(ring.waited_seconds, rel=1e-9)
+    opt.close()
+
+    other = tiny_model()
+    plain = OffloadOptimizer(other.named_parameters(), "torch.optim.AdamW", minimal_size=1000, lr=1e-2)
+    train(other, plain, batches(num=2), grad_accum=2, clip=None, scale_grads=plain.scale_grads_,
+          clip_grads=plain.clip_grad_norm_)
+    assert not {"grad_sum_wait_s", "grad_sum_add_s"} & set(plain.step_timings())
 
 
 def test_ring_allocates_only_when_used_and_checks_its_inputs():

@@ -78,6 +78,8 @@ class HostGradients:
             self.staging = DeviceSumRing(transfer, device=transfer.device, largest_bytes=largest)
         else:  # its chunks hold pieces of the gradients, in the parameters' dtype
             self.staging = StagingRing(transfer, largest_bytes=table.largest_offloaded_bytes)
+        if offload_gradients:
+            timings.count_sums(self.staging)
         self._records = [HostGrad() for _ in table.slots]
 
     def summed_on_host(self, slot: Slot) -> bool:

@@ -65,6 +65,10 @@ class _ChunkRing:
         self._chunks: List[torch.Tensor] = []
         self._next = 0
         self._issued = 0
+        # Seconds the training thread waited inside add_into for a chunk to be free, and seconds
+        # the host's cores spent adding (cumulative; each ring has one writer of each).
+        self._waited_seconds = 0.0
+        self._added_seconds = 0.0
         # Orders the training thread's use of a chunk, or of the ring's records, after another
         # thread's drain of them.
         self._lock = stream_check.HostLock()
@@ -84,6 +88,20 @@ class _ChunkRing:
     def issued(self) -> int:
         """The token of the newest addition started (see ``add_into``)."""
         return self._issued
+
+    @property
+    def waited_seconds(self) -> float:
+        """Seconds the callers of ``add_into`` (the backward hook) waited for a chunk still in use,
+        since the ring was made: on an accelerator, time the backward's kernel launches stopped."""
+        return self._waited_seconds
+
+    @property
+    def added_seconds(self) -> float:
+        """Seconds the host's cores spent adding, since the ring was made (cumulative; complete for
+        the additions finished by a :meth:`drain`): :class:`StagingRing`'s adder thread, the host
+        work of a later micro-batch, which on an accelerator overlaps the device's (the copies are
+        DMA there); none for :class:`DeviceSumRing` on an accelerator."""
+        return self._added_seconds
 
     @property
     def nbytes(self) -> int:
@@ -143,17 +161,9 @@ class StagingRing(_ChunkRing):
         self._add = host_add.add_ if fused_add else _torch_add
         # Per chunk: (sequence number, the addition's future) until the addition is joined.
         self._pending: List[Optional[Tuple[int, Future]]] = [None] * self.num_chunks
-        # One thread, so the additions run in the order they were issued (started on first use).
+        # One thread, so the additions run in the order they were issued (started on first use);
+        # it is the only writer of _added_seconds, read after a drain (which orders the writes).
         self._adder: Optional[ThreadPoolExecutor] = None
-        # Written by the adder thread only; read after a drain (which orders it after the writes).
-        self._added_seconds = 0.0
-
-    @property
-    def added_seconds(self) -> float:
-        """Seconds the additions took on the adder thread since the ring was made (cumulative;
-        complete for the additions finished by a :meth:`drain`): the host cores' work per
-        micro-batch, which on an accelerator overlaps the device's (the copies are DMA there)."""
-        return self._added_seconds
 
     def _chunk(self, index: int) -> torch.Tensor:
         while len(self._chunks) <= index:
@@ -198,7 +208,9 @@ class StagingRing(_ChunkRing):
         dst_flat = dst.view(-1)
         src_flat = src.reshape(-1)
         for index, start, length in self._pieces(src, src.element_size()):
+            start_wait = time.perf_counter()
             self._retire(index)
+            self._waited_seconds += time.perf_counter() - start_wait
             staged = self._chunk(index).view(src.dtype)[:length]
             event = self._transfer.to_host(staged, src_flat[start : start + length], release_source=True)
             if self._adder is None:
@@ -313,9 +325,11 @@ class DeviceSumRing(_ChunkRing):
             chunk = self._chunk(index).view(dst.dtype)[:length]
             host = dst_flat[start : start + length]
             if streams is None:  # a CPU-only machine: every step completes at once, in order
+                begun = time.perf_counter()
                 chunk.copy_(host)
                 chunk.add_(src_flat[start : start + length])
                 host.copy_(chunk)
+                self._added_seconds += time.perf_counter() - begun
             else:
                 if self._read_down[index] is not None:
                     # The chunk's previous download must have read it before this upload overwrites it.

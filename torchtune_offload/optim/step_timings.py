@@ -7,7 +7,14 @@ from whichever thread runs them (the training thread, or the overlap step thread
 import contextlib
 import threading
 import time
-from typing import Dict, Iterator
+from typing import Dict, Iterator, Optional, Protocol
+
+
+class _SumRing(Protocol):
+    """What a staging ring reports of its time (``staging.py``)."""
+
+    waited_seconds: float
+    added_seconds: float
 
 
 class StepTimings:
@@ -15,6 +22,10 @@ class StepTimings:
 
     def __init__(self, *, streams_states: bool = False) -> None:
         self._streams_states = streams_states
+        # The staging ring whose seconds each record reports (see count_sums), and its cumulative
+        # (waited, added) seconds at the last close_step.
+        self._ring: Optional[_SumRing] = None
+        self._sums_seen = (0.0, 0.0)
         self._wait_s = 0.0
         self._host_step_s = 0.0
         self._lock = threading.Lock()
@@ -40,6 +51,12 @@ class StepTimings:
         if waited:
             self._wait_s += seconds
 
+    def count_sums(self, ring: "_SumRing") -> None:
+        """Adds to each record the growth of ``ring``'s cumulative ``waited_seconds`` and
+        ``added_seconds`` since the previous one (with ``offload_gradients``)."""
+        self._ring = ring
+        self._sums_seen = (ring.waited_seconds, ring.added_seconds)
+
     def close_step(self, *, started: float, copies: Dict[str, float]) -> None:
         """Ends the step that began at ``started`` (``time.perf_counter()``): the counters become
         its record and start again from zero."""
@@ -53,6 +70,11 @@ class StepTimings:
             "param_copy_s": copies["param"],
             "offload_step_s": time.perf_counter() - started,
         }
+        if self._ring is not None:
+            sums = (self._ring.waited_seconds, self._ring.added_seconds)
+            self._last["grad_sum_wait_s"] = sums[0] - self._sums_seen[0]
+            self._last["grad_sum_add_s"] = sums[1] - self._sums_seen[1]
+            self._sums_seen = sums
         if self._streams_states:
             self._last["state_upload_s"] = copies["state_up"]
             self._last["state_download_s"] = copies["state_down"]
@@ -73,6 +95,12 @@ class StepTimings:
         finishes during the next one, so the figures describe the steady state over steps, not
         one window. With ``update_on="device"``, ``state_upload_s`` / ``state_download_s``: the
         streamed states' copies (on an accelerator, counted once they have finished), and on a
-        CPU-only machine ``offload_wait_s`` includes the queued updates the forward ran.
+        CPU-only machine ``offload_wait_s`` includes the queued updates the forward ran. With
+        ``offload_gradients``, the gradient sums of the micro-batches after a window's first:
+        ``grad_sum_wait_s``, the backward hooks' waits for a staging chunk still being added (on
+        an accelerator, time the backward stopped launching kernels; not in ``offload_wait_s``),
+        and ``grad_sum_add_s``, the host cores' additions (the staging ring's thread; none when
+        the sums are added on the device); additions still running when a step ends count in a
+        later step's record.
         """
         return dict(self._last)
