@@ -34,6 +34,7 @@ from torchtune_offload.optim.host_arena import pinned_allocation_bytes
 from torchtune_offload.optim.host_memory import HostMemoryPlan, nbytes, optimizer_state_bytes, plan_host_memory
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
 from torchtune_offload.recipe.config import RecipeSettings
+from torchtune_offload.recipe.meta_nf4 import nf4_on_meta_without_arithmetic
 from torchtune_offload.recipe.resume import run_output_dir
 from torchtune_offload.recipe.step_checkpoints import STATE_FILE, newest_checkpoint
 
@@ -102,8 +103,9 @@ def _checkpoint_bytes(cfg_checkpointer: DictConfig) -> Tuple[int, Optional[str]]
 
 
 def meta_model(cfg_model: DictConfig, settings: RecipeSettings) -> nn.Module:
-    """The configured model on the meta device, in the run's dtype: shapes without memory."""
-    with training.set_default_dtype(settings.dtype), torch.device("meta"):
+    """The configured model on the meta device, in the run's dtype: shapes without memory (NF4
+    base weights without their quantisation's arithmetic, :mod:`.meta_nf4`)."""
+    with training.set_default_dtype(settings.dtype), torch.device("meta"), nf4_on_meta_without_arithmetic():
         return config.instantiate(cfg_model)
 
 
