@@ -47,17 +47,26 @@ def test_ring_times_its_additions_on_its_own_thread(monkeypatch):
     ring = StagingRing(TransferEngine(torch.device("cpu")), chunk_bytes=64, num_chunks=2)
     calls = []
 
+    ended, retired = [], []
+
     def slow_add(dst, src):
         calls.append(threading.current_thread().name)
         time.sleep(0.01)
         dst.add_(src)
+        ended.append(time.perf_counter())
+
+    def timed_retire(index, retire=ring._retire):
+        retired.append(time.perf_counter())
+        retire(index)
 
     monkeypatch.setattr(ring, "_add", slow_add)
+    monkeypatch.setattr(ring, "_retire", timed_retire)
     assert ring.added_seconds == 0.0 and ring.waited_seconds == 0.0
     total = torch.zeros(40)
     ring.add_into(total, torch.ones(40))  # 160 bytes: 3 chunks of 64
-    # The third piece needed the first chunk back: the caller waited for its 10 ms addition.
-    assert ring.waited_seconds >= 0.005
+    # The third piece needed the first chunk back: the caller waited from its retire call at least
+    # until the first addition had ended (however the two threads were scheduled).
+    assert ring.waited_seconds >= ended[0] - retired[2] and ring.waited_seconds > 0
     ring.drain()
     first = ring.added_seconds
     assert len(calls) == 3 and all(name.startswith("offload-staging-add") for name in calls)
