@@ -96,8 +96,10 @@ def test_step_timings_report_each_steps_gradient_sums(where, monkeypatch):
     if where == "host" or opt._transfer.streams is None:
         assert records[0]["grad_sum_add_s"] > 0 and records[1]["grad_sum_add_s"] > 0
         assert records[1]["grad_sum_add_s"] < ring.added_seconds
-    else:
-        assert ring.added_seconds == 0 and ring.waited_seconds == 0
+    else:  # on streams the device adds
+        assert ring.added_seconds == 0
+    # Each caller took the ring's lock (and, on the host ring, retired chunks): timed, however short.
+    assert records[0]["grad_sum_wait_s"] > 0 and records[1]["grad_sum_wait_s"] > 0
     assert records[2]["grad_sum_add_s"] == 0 and records[2]["grad_sum_wait_s"] == 0
     # A serial step drains the ring before it returns: every addition is in some step's record.
     assert sum(r["grad_sum_add_s"] for r in records) == pytest.approx(ring.added_seconds, rel=1e-9)
@@ -109,6 +111,55 @@ def test_step_timings_report_each_steps_gradient_sums(where, monkeypatch):
     train(other, plain, batches(num=2), grad_accum=2, clip=None, scale_grads=plain.scale_grads_,
           clip_grads=plain.clip_grad_norm_)
     assert not {"grad_sum_wait_s", "grad_sum_add_s"} & set(plain.step_timings())
+
+
+def test_a_drain_holding_the_lock_counts_as_the_callers_wait(monkeypatch):
+    """With overlap a host worker drains the ring while backward goes on; the hook's add_into then
+    waits for the lock, not for a chunk, and that wait is the caller's too."""
+    ring = StagingRing(TransferEngine(torch.device("cpu")), chunk_bytes=64, num_chunks=4)
+    ended, draining, release = [], threading.Event(), threading.Event()
+
+    def slow_add(dst, src):
+        release.wait(timeout=10)  # until 20 ms after the training thread asked for the lock
+        dst.add_(src)
+        ended.append(time.perf_counter())
+
+    def retire(index, retire=ring._retire):
+        if threading.current_thread().name == "drainer":
+            draining.set()  # inside drain_until, holding the lock
+        retire(index)
+
+    class EnteredLock:
+        """The ring's lock, noting when the training thread asks for it while the drain holds it."""
+
+        def __init__(self, lock):
+            self.lock, self.asked = lock, []
+
+        def __enter__(self):
+            if threading.current_thread() is threading.main_thread() and draining.is_set():
+                self.asked.append(time.perf_counter())
+                threading.Timer(0.02, release.set).start()
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
+
+    monkeypatch.setattr(ring, "_add", slow_add)
+    monkeypatch.setattr(ring, "_retire", retire)
+    monkeypatch.setattr(ring, "_lock", EnteredLock(ring._lock))
+    total = torch.zeros(16)
+    ring.add_into(total, torch.ones(16))  # one piece, its chunk free: no wait for a chunk
+    before = ring.waited_seconds
+    drainer = threading.Thread(target=ring.drain, name="drainer")
+    drainer.start()
+    assert draining.wait(timeout=10)
+    ring.add_into(total, torch.ones(16))  # another free chunk: only the lock holds it up
+    # The drain held the lock until the first addition had ended, at least 20 ms after the caller
+    # asked for it: the caller waited that long, however the threads were scheduled.
+    assert ring.waited_seconds - before >= ended[0] - ring._lock.asked[-1] >= 0.02
+    drainer.join()
+    ring.close()
+    assert torch.equal(total, torch.full((16,), 2.0))
 
 
 def test_ring_allocates_only_when_used_and_checks_its_inputs():

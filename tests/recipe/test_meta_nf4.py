@@ -30,6 +30,35 @@ def test_a_meta_weight_is_described_as_torchao_describes_it(shape, dtype):
     assert _described(fast) == _described(slow)
 
 
+def test_inside_the_block_a_meta_weight_skips_the_quantisation(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("quantised")
+
+    monkeypatch.setattr(NF4Tensor, "quantize_tensor_nearest", staticmethod(refuse))
+    weight = torch.empty(512, 1536, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(AssertionError, match="quantised"):
+        to_nf4(weight)
+    with nf4_on_meta_without_arithmetic():
+        assert to_nf4(weight).quantized_data.shape == (512 * 1536 // 2,)
+
+
+def test_a_patch_made_after_import_is_used_for_real_weights_and_kept(monkeypatch):
+    calls = []
+    torchaos = NF4Tensor.__dict__["convert_to_norm_float_weight"].__func__
+
+    def counted(*args):
+        calls.append(args[0].device.type)
+        return torchaos(*args)
+
+    monkeypatch.setattr(NF4Tensor, "convert_to_norm_float_weight", staticmethod(counted))
+    patched = NF4Tensor.__dict__["convert_to_norm_float_weight"]
+    with nf4_on_meta_without_arithmetic():
+        to_nf4(torch.randn(64, 256))
+        to_nf4(torch.empty(64, 256, device="meta"))
+    assert calls == ["cpu"]
+    assert NF4Tensor.__dict__["convert_to_norm_float_weight"] is patched
+
+
 def test_a_whole_qlora_model_on_meta_has_the_same_tensors():
     def build():
         with training.set_default_dtype(torch.bfloat16), torch.device("meta"):

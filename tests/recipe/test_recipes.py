@@ -366,7 +366,7 @@ def test_logged_metrics_on_cpu(runs):
         assert row["host_step_s"] <= row["offload_step_s"]
         assert row["host_step_hidden"] == 0 and row["grad_copy_s"] > 0 and row["param_copy_s"] > 0
         # 3 micro-batches a step: the later two are added on the staging ring's thread.
-        assert row["grad_sum_add_s"] > 0 and row["grad_sum_wait_s"] >= 0
+        assert row["grad_sum_add_s"] > 0 and row["grad_sum_wait_s"] > 0
     assert [r["loss"] for r in off.log] == pytest.approx(off.losses, rel=1e-12)
     for i, row in enumerate(overlapped.log):
         # Overlapped: host steps run on the step thread and a window's finish during the next one,

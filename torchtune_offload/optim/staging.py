@@ -19,6 +19,7 @@ the chunk first and took 5 to 10 times as long). The ring may be used from the t
 """
 
 import collections
+import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Deque, Dict, Iterator, List, Optional, Tuple
@@ -65,11 +66,12 @@ class _ChunkRing:
         self._chunks: List[torch.Tensor] = []
         self._next = 0
         self._issued = 0
-        # Seconds the training thread waited inside add_into for a chunk to be free, and seconds
-        # the host's cores spent adding (cumulative; each ring has one writer of each).
+        # Seconds the add_into caller was held up inside it (the ring's lock, a chunk still being
+        # added), and seconds the host's cores spent adding (cumulative; one writer of each: the
+        # add_into caller, and the ring's adder thread or, without one, the add_into caller).
         self._waited_seconds = 0.0
         self._added_seconds = 0.0
-        # Orders the training thread's use of a chunk, or of the ring's records, after another
+        # Orders the add_into caller's use of a chunk, or of the ring's records, after another
         # thread's drain of them.
         self._lock = stream_check.HostLock()
 
@@ -91,16 +93,27 @@ class _ChunkRing:
 
     @property
     def waited_seconds(self) -> float:
-        """Seconds the callers of ``add_into`` (the backward hook) waited for a chunk still in use,
-        since the ring was made: on an accelerator, time the backward's kernel launches stopped."""
+        """Seconds the callers of ``add_into`` (the backward hooks) were held up inside it, since
+        the ring was made: waiting for the ring's lock (a drain on another thread may hold it while
+        it waits for additions) or for a chunk still in use. On an accelerator, time the backward's
+        kernel launches stopped."""
         return self._waited_seconds
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Holds the ring's lock for an ``add_into`` call, the wait for it counted as the caller's."""
+        start = time.perf_counter()
+        with self._lock:
+            self._waited_seconds += time.perf_counter() - start
+            yield
 
     @property
     def added_seconds(self) -> float:
         """Seconds the host's cores spent adding, since the ring was made (cumulative; complete for
         the additions finished by a :meth:`drain`): :class:`StagingRing`'s adder thread, the host
         work of a later micro-batch, which on an accelerator overlaps the device's (the copies are
-        DMA there); none for :class:`DeviceSumRing` on an accelerator."""
+        DMA there); none for :class:`DeviceSumRing` on an accelerator, and on a CPU-only machine
+        the additions its ``add_into`` caller runs itself."""
         return self._added_seconds
 
     @property
@@ -201,7 +214,7 @@ class StagingRing(_ChunkRing):
             A token for :meth:`drain_until`: the addition is complete once that returns.
         """
         self._check(dst, src)
-        with self._lock:
+        with self._locked():
             return self._add_into(dst, src)
 
     def _add_into(self, dst: torch.Tensor, src: torch.Tensor) -> int:
@@ -307,7 +320,7 @@ class DeviceSumRing(_ChunkRing):
             A token for :meth:`drain_until`: the addition is in ``dst`` once that returns.
         """
         self._check(dst, src)
-        with self._lock:
+        with self._locked():
             return self._add_into(dst, src, after)
 
     def _add_into(self, dst: torch.Tensor, src: torch.Tensor, after: Optional[object]) -> int:

@@ -13,8 +13,11 @@ from typing import Dict, Iterator, Optional, Protocol
 class _SumRing(Protocol):
     """What a staging ring reports of its time (``staging.py``)."""
 
-    waited_seconds: float
-    added_seconds: float
+    @property
+    def waited_seconds(self) -> float: ...
+
+    @property
+    def added_seconds(self) -> float: ...
 
 
 class StepTimings:
@@ -51,9 +54,14 @@ class StepTimings:
         if waited:
             self._wait_s += seconds
 
-    def count_sums(self, ring: "_SumRing") -> None:
+    def count_sums(self, ring: _SumRing) -> None:
         """Adds to each record the growth of ``ring``'s cumulative ``waited_seconds`` and
-        ``added_seconds`` since the previous one (with ``offload_gradients``)."""
+        ``added_seconds`` since the previous one, so that a run's log shows what adding later
+        micro-batches into the host sums cost, and how long it held backward up.
+
+        Args:
+            ring: the staging ring of ``offload_gradients``; a ring swapped in later is not seen.
+        """
         self._ring = ring
         self._sums_seen = (ring.waited_seconds, ring.added_seconds)
 
@@ -97,10 +105,11 @@ class StepTimings:
         streamed states' copies (on an accelerator, counted once they have finished), and on a
         CPU-only machine ``offload_wait_s`` includes the queued updates the forward ran. With
         ``offload_gradients``, the gradient sums of the micro-batches after a window's first:
-        ``grad_sum_wait_s``, the backward hooks' waits for a staging chunk still being added (on
-        an accelerator, time the backward stopped launching kernels; not in ``offload_wait_s``),
-        and ``grad_sum_add_s``, the host cores' additions (the staging ring's thread; none when
-        the sums are added on the device); additions still running when a step ends count in a
-        later step's record.
+        ``grad_sum_wait_s``, the backward hooks' waits inside the staging ring (for its lock, or
+        a chunk still being added; on an accelerator, time the backward stopped launching
+        kernels; not in ``offload_wait_s``),
+        and ``grad_sum_add_s``, the host cores' additions (the staging ring's thread; on an
+        accelerator none when the sums are added on the device); additions still running when a
+        step ends count in a later step's record (the last step's, in none).
         """
         return dict(self._last)

@@ -8,6 +8,9 @@ build, a few seconds each time the planner builds the model. On the meta device 
 indices' shape and dtype matter, and they follow from the weight's size alone (two indices a
 byte), so :func:`nf4_on_meta_without_arithmetic` gives them directly. Weights on a real device
 are quantised by torchao as before, and the block scalers (small) always are.
+
+The replacement is torchao's class attribute, so while a block is open it holds for the whole
+process: another thread's meta build gets the same shapes, without torchao's arithmetic.
 """
 
 import contextlib
@@ -19,9 +22,11 @@ from torchao.dtypes.nf4tensor import NF4Tensor
 
 __all__ = ["nf4_on_meta_without_arithmetic"]
 
-_ORIGINAL = NF4Tensor.__dict__["convert_to_norm_float_weight"]
-# Nesting depth of the context (any thread): the shortcut stays installed while it is above zero.
+_NAME = "convert_to_norm_float_weight"
+# Nesting depth of the context (any thread): the shortcut stays installed while it is above zero;
+# what it replaced (taken when the first block opened, so a later patch of torchao's is kept).
 _depth = 0
+_replaced = None
 _lock = threading.Lock()
 
 
@@ -30,7 +35,7 @@ def _packed_indices(input_tensor: torch.Tensor, n_blocks: int, block_size: int, 
     numel = input_tensor.numel()
     if input_tensor.device.type != "meta" or numel % 2 or n_blocks * block_size != numel:
         # A real weight, or one torchao refuses: torchao's own code quantises it or says why.
-        return _ORIGINAL.__func__(input_tensor, n_blocks, block_size, nf4)
+        return getattr(_replaced, "__func__", _replaced)(input_tensor, n_blocks, block_size, nf4)
     return torch.empty(numel // 2, dtype=torch.uint8, device="meta")
 
 
@@ -39,10 +44,11 @@ def nf4_on_meta_without_arithmetic() -> Iterator[None]:
     """Within the block, NF4 weights made from meta tensors get their packed indices without the
     quantisation's per-chunk operators (shapes, dtypes and every other tensor as torchao makes
     them); weights on other devices are quantised as always. Reentrant."""
-    global _depth
+    global _depth, _replaced
     with _lock:
         if _depth == 0:
-            NF4Tensor.convert_to_norm_float_weight = staticmethod(_packed_indices)
+            _replaced = NF4Tensor.__dict__[_NAME]
+            setattr(NF4Tensor, _NAME, staticmethod(_packed_indices))
         _depth += 1
     try:
         yield
@@ -50,4 +56,4 @@ def nf4_on_meta_without_arithmetic() -> Iterator[None]:
         with _lock:
             _depth -= 1
             if _depth == 0:
-                NF4Tensor.convert_to_norm_float_weight = _ORIGINAL
+                setattr(NF4Tensor, _NAME, _replaced)
