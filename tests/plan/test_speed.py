@@ -13,7 +13,7 @@ from tests.recipe_harness import tiny_asset_overrides
 from torchtune_offload.cli.main import main as tune_offload
 from torchtune_offload.plan import probe as probe_module
 from torchtune_offload.plan.__main__ import main as plan_main
-from torchtune_offload.plan.recorded_runs import TOLERANCE, calibrate, calibration_table, recorded_runs
+from torchtune_offload.plan.recorded_runs import TOLERANCE, calibrate, calibration_table, known_gaps, recorded_runs
 from torchtune_offload.plan.speed import (MACHINE_KEYS, OVERLAP_HIDDEN_SHARE, Machine, StepWork, load_machine,
                                           predict, preset_about, preset_names)
 
@@ -219,6 +219,28 @@ def test_the_planner_adds_speed_to_each_variant(tiny_assets, tmp_path):
     # Where overlap would hide the offload variants' work; nothing to hide for the others.
     assert plans["offload"]["speed"]["hides_at_batch"] >= 1
     assert plans["adamw"]["speed"]["hides_at_batch"] is None and plans["torchao"]["speed"]["hides_at_batch"] is None
+    # Beside each prediction, the known gaps of its kind of step, with what the recorded runs made of it.
+    for name, plan in plans.items():
+        expected = [{"label": label, "measured_over_predicted": [pytest.approx(lo, rel=1e-3), pytest.approx(hi, rel=1e-3)]}
+                    for label, lo, hi in known_gaps(StepWork(**plan["work"]))]
+        assert plan["speed"]["known_gaps"] == expected, name
+    assert [g["label"] for g in plans["torchao"]["speed"]["known_gaps"]] == ["torchao"]
+    assert plans["adamw"]["speed"]["known_gaps"] == []
+    assert "Known gaps of the speed model" in stdout and "\n- torchao: torchao: 0." in stdout
+
+
+def test_a_gaps_kind_of_step_is_that_of_the_recorded_runs_that_show_it():
+    """The planner warns of a gap on exactly the steps of the kind the recorded runs showing it are:
+    each such run is of its gap's kind, and no run that the model fits is."""
+    for run in recorded_runs():
+        labels = [label for label, _, _ in known_gaps(run.work)]
+        shown = run.gap is not None and run.gap.applies is not None
+        assert labels == ([run.gap.label] if shown else []), (run.name, run.source)
+    micro = next(r for r in recorded_runs() if r.gap is not None and r.gap.label == "per-micro-batch host cost")
+    (label, lo, hi), = known_gaps(micro.work)
+    assert 0 < lo < hi < 1 - TOLERANCE  # the runs made well under the prediction
+    # Adding the sums on the device is another kind of step (not measured on a GPU: no gap known).
+    assert known_gaps(replace(micro.work, sums_on_device=True)) == []
 
 
 @pytest.mark.gpu

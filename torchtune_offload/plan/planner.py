@@ -41,6 +41,7 @@ from torchtune_offload.optim.staging import device_ring_bytes
 from torchtune_offload.optim.state_streamer import plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
                                                unquantised_twin)
+from torchtune_offload.plan.recorded_runs import known_gaps, known_gaps_block
 from torchtune_offload.plan.speed import Machine, Speed, StepWork, predict
 from torchtune_offload.plan.trace import (StepTrace, UntraceableModelError, build_meta_model, micro_batch_loss,
                                           one_line, trace_training_step)
@@ -509,14 +510,16 @@ def update_on_advice(plans: List[VariantPlan], *, device_budget: Optional[int], 
 
 
 def plan_speed(plan: VariantPlan, machine: Machine, *, device_budget: Optional[int]) -> Optional[Speed]:
-    """The variant's predicted step on ``machine`` (None where it cannot run or runs on the CPU).
-    Paged optimizer state beyond the device budget crosses PCIe both ways every step."""
+    """The variant's predicted step on ``machine`` (None where it cannot run or runs on the CPU),
+    with the model's known gaps on steps of its kind. Paged optimizer state beyond the device
+    budget crosses PCIe both ways every step."""
     if plan.work is None or plan.problem is not None:
         return None
     work = plan.work
     if plan.paged_bytes and device_budget is not None:
         work = replace(work, paged_excess_bytes=max(0, plan.device_bytes + plan.paged_bytes - device_budget))
-    return predict(work, machine, samples_per_micro_batch=plan.batch_size)
+    speed = predict(work, machine, samples_per_micro_batch=plan.batch_size)
+    return replace(speed, known_gaps=tuple(known_gaps(work)))
 
 
 def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Optional[int], host_budget: int,
@@ -560,6 +563,7 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
                      f"{'-' if s.hides_at_batch is None else f'>= {s.hides_at_batch}'} |")
         lines.append(f"| {p.name} | {gib(p.device_bytes)} | {paged} | {verdict(p.device_bytes, device_budget)} | "
                      f"{gib(p.host_bytes)} | {verdict(p.host_bytes, host_budget)} |{speed} {what} |")
+    lines += known_gaps_block({p.name: speeds[p.name] for p in plans if speeds and speeds.get(p.name)})
     advice = update_on_advice(plans, device_budget=device_budget, host_budget=host_budget)
     if advice:
         lines += ["", advice]

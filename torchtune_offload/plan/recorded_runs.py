@@ -6,8 +6,8 @@ more than :data:`TOLERANCE` names its cause in ``gap``; ``python -m torchtune_of
 prints the calibration table of docs/planner.md.
 """
 
-from dataclasses import dataclass
-from typing import List, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
 
 from torchtune_offload.plan.speed import Speed, StepWork, load_machine, predict
 
@@ -21,10 +21,17 @@ GIB = 1024**3
 
 @dataclass(frozen=True)
 class Gap:
-    """A known gap between the model and a run: a short label, and its cause."""
+    """A known gap between the model and a run: a short label, its cause, and which steps are of
+    the kind it was seen on (``applies``; None where no step planned today is: a path since
+    replaced, a machine's own variation, or a kind :class:`StepWork` does not tell apart)."""
 
     label: str
     cause: str
+    applies: Optional[Callable[[StepWork], bool]] = field(default=None, compare=False)
+
+
+def _accumulates_through_the_host_ring(work: StepWork) -> bool:
+    return work.update == "host" and work.offload_gradients and work.micro_batches > 1 and not work.sums_on_device
 
 
 S1_ALL = "gpu_results.md, first session (2026-11-22, db96fea): llama3_2 1B, whole GPU"
@@ -43,7 +50,7 @@ _GAP_IN_BWD = Gap("optimizer in backward",
 _GAP_TORCHAO = Gap("torchao",
     "torchao's CPUOffloadOptimizer: the model counts copies, its host step at torch's fused rate and the "
     "GPU one after the other; the run was slower still (its per-parameter steps and synchronisations were "
-    "not profiled)")
+    "not profiled)", applies=lambda work: work.update == "torchao")
 _GAP_S1_GRADS = Gap("first offload_gradients path",
     "the first session's offload_gradients path (commit db96fea) cost 0.3-0.9 s a step more than offload, "
     "growing with the parameters (gpu_results.md: 'not profiled'); the overlap variants that replaced it "
@@ -57,14 +64,16 @@ _GAP_MICRO = Gap("per-micro-batch host cost",
     "waited 3.26 s for the host (host step 2.63 s, parameter copies 0.34 s) and the gradient copies took "
     "1.34 s in all, so the four forward-backward passes took about 8.1 s, 2.0 s each against 0.42 s of "
     "GPU work; in three of them each 16 GB gradient is added into the host sums through the staging "
-    "ring (4 pinned chunks of 32 MiB), whose copies and additions the run did not time")
+    "ring (4 pinned chunks of 32 MiB), whose copies and additions the run did not time",
+    applies=_accumulates_through_the_host_ring)
 _GAP_MASTER = Gap("fp32 master pass",
     "fp32 master weights: the model scales the host step by its bytes (28 per parameter against 14), but "
     "the run was only 7% slower than offload_grads_overlap. Measured on the CPU (scripts/bench_host_step.py, "
     "2-core Zen 4, two runs side by side, 2026-11-26): the fused master pass (optim/fused_step.py) steps "
     "0.90-1.08x as many parameters a second as torch's fused bf16 AdamW though it moves twice the bytes, "
     "because torch's bf16 step does not run at the memory's speed; the bytes ratio overstates the master "
-    "pass there, and no machine key measures its rate")
+    "pass there, and no machine key measures its rate",
+    applies=lambda work: work.update == "host" and work.master_fp32)
 _GAP_MACHINE = Gap("machine variation",
     "that session's machine ran plain AdamW at 26092 tok/s, 17% below the 31422-31680 of the other "
     "sessions' H100s on the same settings: machine-to-machine variation the preset (fitted to the first "
@@ -181,6 +190,30 @@ def calibration_table(machine_name: str = "h100_recorded") -> str:
                      f"{speed.bound} | {verdict} |")
     lines += ["", "Known gaps:", ""] + [f"- **{label}**: {cause}." for label, cause in gaps.items()]
     return "\n".join(lines)
+
+
+def known_gaps(work: StepWork, machine_name: str = "h100_recorded") -> List[Tuple[str, float, float]]:
+    """The known gaps of the kind of step ``work`` is, each as ``(label, lowest, highest)``: the
+    range of measured / predicted tok/s over the recorded runs that show it (on ``machine_name``,
+    the machine they ran on), for the planner to print beside its own prediction."""
+    ratios = {}
+    for run, _, err in calibrate(machine_name):
+        gap = run.gap
+        if gap is not None and gap.applies is not None and gap.applies(work):
+            ratios.setdefault(gap.label, []).append(1 / (1 + err))
+    return [(label, min(r), max(r)) for label, r in ratios.items()]
+
+
+def known_gaps_block(speeds: Dict[str, Speed]) -> List[str]:
+    """Lines for under the planner's table: each variant's known gaps (``Speed.known_gaps``) with
+    what the recorded runs made of the model's tok/s; none where no variant has one."""
+    lines = [f"- {name}: {label}: {lo:.2f}-{hi:.2f} of the predicted tok/s" if lo != hi else
+             f"- {name}: {label}: {lo:.2f} of the predicted tok/s"
+             for name, speed in speeds.items() for label, lo, hi in speed.known_gaps]
+    if not lines:
+        return []
+    return ["", "Known gaps of the speed model: recorded H100 runs of the same kind made, of what it predicted "
+            "for them (docs/planner.md#calibration-against-the-recorded-h100-runs):", *lines]
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Mapping, Optional, Union
+from typing import Dict, Mapping, Optional, Tuple, Union
 
 #: The keys of a machine file, each a positive number, with what it means.
 MACHINE_KEYS: Dict[str, str] = {
@@ -212,6 +212,9 @@ class Speed:
             the smallest batch per micro-batch (samples of this sequence length) at which, with
             ``overlap``, the offloaded work hides behind GPU work; None for the others, and for the
             host engine with clipping (its steps wait for the last backward's norms).
+        known_gaps: ``(label, lowest, highest)`` for each known gap of the model on steps of this
+            kind: the range of measured / predicted tok/s of the recorded runs that show it (the
+            planner fills it from :mod:`torchtune_offload.plan.recorded_runs`).
     """
 
     step_seconds: float
@@ -219,6 +222,7 @@ class Speed:
     bound: str
     parts: Dict[str, float]
     hides_at_batch: Optional[int] = None
+    known_gaps: Tuple[Tuple[str, float, float], ...] = ()
 
     def summary(self) -> Dict[str, object]:
         """The ``"speed"`` entry of the plan's JSON."""
@@ -227,7 +231,9 @@ class Speed:
 
         return {"step_seconds": four(self.step_seconds), "tokens_per_second": four(self.tokens_per_second),
                 "bound": self.bound, "parts": {k: four(v) for k, v in self.parts.items()},
-                "hides_at_batch": self.hides_at_batch}
+                "hides_at_batch": self.hides_at_batch,
+                "known_gaps": [{"label": label, "measured_over_predicted": [four(lo), four(hi)]}
+                               for label, lo, hi in self.known_gaps]}
 
 
 def _gpu_seconds(work: StepWork, machine: Machine, tokens: int) -> tuple:
