@@ -107,9 +107,9 @@ class StepTimings:
         ``offload_gradients``, the gradient sums of the micro-batches after a window's first:
         ``grad_sum_wait_s``, the backward hooks' waits inside the staging ring (for its lock, or
         a chunk still being added; on an accelerator, time the backward stopped launching
-        kernels; not in ``offload_wait_s``),
-        and ``grad_sum_add_s``, the host cores' additions (the staging ring's thread; on an
-        accelerator none when the sums are added on the device); additions still running when a
-        step ends count in a later step's record (the last step's, in none).
+        kernels; not in ``offload_wait_s``), and ``grad_sum_add_s``, the host cores' additions
+        (the staging ring's thread; on an accelerator none when the sums are added on the
+        device); additions still running when a step ends count in a later step's record (the
+        last step's, in none).
         """
         return dict(self._last)

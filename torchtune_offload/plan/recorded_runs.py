@@ -192,7 +192,7 @@ def calibration_table(machine_name: str = "h100_recorded") -> str:
     return "\n".join(lines)
 
 
-def known_gaps(work: StepWork, machine_name: str = "h100_recorded") -> List[Tuple[str, float, float]]:
+def known_gaps(work: StepWork, *, machine_name: str = "h100_recorded") -> List[Tuple[str, float, float]]:
     """The known gaps of the kind of step ``work`` is, each as ``(label, lowest, highest)``: the
     range of measured / predicted tok/s over the recorded runs that show it (on ``machine_name``,
     the machine they ran on), for the planner to print beside its own prediction."""
