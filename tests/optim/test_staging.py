@@ -17,23 +17,33 @@ from torchtune_offload.optim.stream_check import checked_streams
 from torchtune_offload.optim.transfer import TransferEngine
 
 
+def _add_through(ring, *, dtype: torch.dtype, sum_dtype: torch.dtype, chunk_bytes: int):
+    """Sums four micro-batches of gradients of assorted shapes both ways: the first starts each sum,
+    the other three are added with torch's ``add_`` and, undrained, through ``ring``. Returns
+    (torch's sums, the ring's sums, the tokens ``add_into`` returned, the number of shapes)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (300,), (3, 4, 5), (1,), (129,)] + ([(70001,)] if chunk_bytes > 64 else [])
+    micro_batches = [[torch.randn(s, generator=g).to(dtype) for s in shapes] for _ in range(4)]
+    # Copies (``to`` returns the tensor itself when the dtype is already the sum's); the ring's sums
+    # in host memory, as the engine's are.
+    expected = [mb.to(sum_dtype, copy=True) for mb in micro_batches[0]]
+    got = [stream_check.host_tensor(mb.to(sum_dtype, copy=True)) for mb in micro_batches[0]]
+    tokens = []
+    for mb in micro_batches[1:]:
+        for e, gsum, grad in zip(expected, got, mb):
+            e.add_(grad)
+            tokens.append(ring.add_into(gsum, grad))
+    return expected, got, tokens, len(shapes)
+
+
 @pytest.mark.parametrize("dtype,sum_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                              (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("fused_add", [True, False])
 @pytest.mark.parametrize("chunk_bytes", [64, 2**20])  # many one-thread additions; a few on every thread
 def test_ring_sums_equal_in_order_adds_bit_for_bit(dtype, sum_dtype, fused_add, chunk_bytes):
-    g = torch.Generator().manual_seed(0)
-    shapes = [(7, 5), (300,), (3, 4, 5), (1,), (129,)] + ([(70001,)] if chunk_bytes > 64 else [])
-    micro_batches = [[torch.randn(s, generator=g).to(dtype) for s in shapes] for _ in range(4)]
-    # Copies (``to`` returns the tensor itself when the dtype is already the sum's).
-    expected = [mb.to(sum_dtype, copy=True) for mb in micro_batches[0]]
-    got = [stream_check.host_tensor(mb.to(sum_dtype, copy=True)) for mb in micro_batches[0]]
     ring = StagingRing(TransferEngine(torch.device("cpu")), chunk_bytes=chunk_bytes, num_chunks=3,
                        fused_add=fused_add)
-    for mb in micro_batches[1:]:
-        for e, gsum, grad in zip(expected, got, mb):
-            e.add_(grad)
-            ring.add_into(gsum, grad)
+    expected, got, _, _ = _add_through(ring, dtype=dtype, sum_dtype=sum_dtype, chunk_bytes=chunk_bytes)
     ring.drain()
     for e, gsum in zip(expected, got):
         torch.testing.assert_close(gsum, e, rtol=0, atol=0)
@@ -210,22 +220,11 @@ def test_accumulation_with_offloaded_gradients_through_a_tiny_ring(clip, monkeyp
                                              (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("chunk_bytes", [64, 2**20])
 def test_device_ring_sums_equal_in_order_adds_bit_for_bit(dtype, sum_dtype, chunk_bytes):
-    g = torch.Generator().manual_seed(0)
-    shapes = [(7, 5), (300,), (3, 4, 5), (1,), (129,)] + ([(70001,)] if chunk_bytes > 64 else [])
-    micro_batches = [[torch.randn(s, generator=g).to(dtype) for s in shapes] for _ in range(4)]
-    # Copies (``to`` returns the tensor itself when the dtype is already the sum's); the sums in host
-    # memory, as the engine's are.
-    expected = [mb.to(sum_dtype, copy=True) for mb in micro_batches[0]]
-    got = [stream_check.host_tensor(mb.to(sum_dtype, copy=True)) for mb in micro_batches[0]]
     ring = DeviceSumRing(TransferEngine(torch.device("cpu")), device=torch.device("cpu"), chunk_bytes=chunk_bytes,
                          num_chunks=3)
     assert ring.nbytes == 0 and ring.on_device and not StagingRing.on_device
-    tokens = []
-    for mb in micro_batches[1:]:
-        for e, gsum, grad in zip(expected, got, mb):
-            e.add_(grad)
-            tokens.append(ring.add_into(gsum, grad))
-    ring.drain_until(tokens[len(shapes) - 1])
+    expected, got, tokens, num_shapes = _add_through(ring, dtype=dtype, sum_dtype=sum_dtype, chunk_bytes=chunk_bytes)
+    ring.drain_until(tokens[num_shapes - 1])
     ring.drain()
     for e, gsum in zip(expected, got):
         assert torch.equal(gsum, e)

@@ -26,7 +26,8 @@ class StepTimings:
     def __init__(self, *, streams_states: bool = False) -> None:
         self._streams_states = streams_states
         # The staging ring whose seconds each record reports (see count_sums), and its cumulative
-        # (waited, added) seconds at the last close_step.
+        # (waited, added) seconds at the last close_step: read as differences, never reset, since
+        # the ring's adder thread writes them (transfer's copy_seconds resets under its own lock).
         self._ring: Optional[_SumRing] = None
         self._sums_seen = (0.0, 0.0)
         self._wait_s = 0.0
