@@ -74,8 +74,7 @@ class HostGradients:
         self._timings = timings
         self.offload_gradients = offload_gradients
         if sum_on == "device":  # its chunks hold pieces of the sums, in the sums' dtype
-            largest = max((s.host_grad.numel() * s.host_grad.element_size() for s in table.offloaded), default=16)
-            self.staging = DeviceSumRing(transfer, device=transfer.device, largest_bytes=largest)
+            self.staging = DeviceSumRing(transfer, device=transfer.device, largest_bytes=table.largest_host_grad_bytes)
         else:  # its chunks hold pieces of the gradients, in the parameters' dtype
             self.staging = StagingRing(transfer, largest_bytes=table.largest_offloaded_bytes)
         if offload_gradients:

@@ -217,6 +217,11 @@ class ParameterTable:
     def largest_offloaded_bytes(self) -> int:
         return max((s.param.numel() * s.param.element_size() for s in self.offloaded), default=16)
 
+    @property
+    def largest_host_grad_bytes(self) -> int:
+        """The largest offloaded gradient buffer (a sum may be wider than its parameter)."""
+        return max((s.host_grad.numel() * s.host_grad.element_size() for s in self.offloaded), default=16)
+
     def _allocate_host_buffers(self, groups: List[Dict[str, Any]]) -> Dict[int, Dict[str, torch.Tensor]]:
         """All offloaded parameters' host buffers at once, by ``id(param)`` and purpose: one block
         per purpose, page-locked at its exact size where the device allows (``optim/host_arena.py``)."""
