@@ -42,7 +42,7 @@ S2_8B = "gpu_results.md, second session (f6cc131): llama3_1 8B at 24 GiB"
 S2_BENCH = "gpu_results.md, second session (46fa3b6): Overlap: scripts/bench_overlap.py on llama3_2 1B"
 S3_24 = "gpu_results.md, session of 2026-11-26 (89c21e7): llama3_2 1B at 24 GiB, update on the device"
 S4_8B = "gpu_results.md, second session of 2026-11-26 (904b5ab): llama3_1 8B at 24 GiB, batch 1, clipping"
-S5_8B = "gpu_results.md, session of 2026-11-27 (32128f9): llama3_1 8B at 24 GiB, batch 1, accumulation 4, clipping"
+S5_8B = "gpu_results.md, first session of 2026-11-27 (32128f9): llama3_1 8B at 24 GiB, batch 1, accumulation 4, clipping"
 
 _GAP_IN_BWD = Gap("optimizer in backward",
     "bitsandbytes steps each parameter inside backward (optimizer_in_bwd); the model counts the GPU's "
