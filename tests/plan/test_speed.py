@@ -88,11 +88,12 @@ def test_the_arithmetic_of_a_known_step():
     assert predict(replace(work, update="device_update"), slow, samples_per_micro_batch=1).hides_at_batch == 4
     assert predict(work, slow, samples_per_micro_batch=1).hides_at_batch is None
     # Three micro-batches with offload_gradients: 24 s of GPU work, gradients down three times, and
-    # two sums of 6 GB (2-byte staged gradient and sum read, sum written) at 6 GB/s: 1 s each.
+    # two sums of 8 GB (the 2-byte gradient written into the staging chunks by the DMA engine and read
+    # from them, the sum read and written) at 6 GB/s: 4/3 s each.
     grads = predict(replace(work, update="host", offload_gradients=True, micro_batches=3), machine)
-    assert grads.step_seconds == pytest.approx(24 + 2 + 2)
-    assert grads.parts["pcie"] == pytest.approx(8) and grads.parts["host_sums"] == pytest.approx(2)
-    assert grads.tokens_per_second == pytest.approx(3000 / 28)
+    assert grads.step_seconds == pytest.approx(24 + 8 / 3 + 2)
+    assert grads.parts["pcie"] == pytest.approx(8) and grads.parts["host_sums"] == pytest.approx(8 / 3)
+    assert grads.tokens_per_second == pytest.approx(3000 / (28 + 2 / 3))
     # The device update moves 4 bytes of state per parameter up and down: 4 s each way.
     assert predict(replace(work, update="device_update"), machine).step_seconds == pytest.approx(16)
     # torchao: the GPU, the copy down, the step, the copy up, one after the other.
@@ -119,7 +120,7 @@ def test_the_arithmetic_of_a_known_step():
     assert host_step(overlap=True, master_fp32=True, grad_sum_size=4) == pytest.approx(30 / 14)
     assert host_step(overlap=True, eight_bit=True, grad_sum_size=4) == pytest.approx(0.5 + (6 + 8) / 6)
     sums = predict(replace(work, update="host", offload_gradients=True, micro_batches=3, grad_sum_size=4), machine)
-    assert sums.parts["host_sums"] == pytest.approx(2 * 10 / 6)  # staged 2, sum read and written 4 + 4
+    assert sums.parts["host_sums"] == pytest.approx(2 * 12 / 6)  # staged 2 + 2, sum read and written 4 + 4
     # AdamW8bit over fp32 masters: the widened gradient is scaled (in its own dtype) first.
     assert host_step(overlap=True, eight_bit=True, master_fp32=True) == pytest.approx(1 + 4 / 6)
     assert host_step() == pytest.approx(1)
@@ -143,10 +144,10 @@ def test_sums_added_on_the_device_cost_the_link_both_ways_and_the_hosts_memory_t
     assert device.parts["host_sums"] == pytest.approx(2 * 2)
     assert device.parts["pcie"] == pytest.approx(2 + 2 + 2 * (2 + 2))
     assert device.step_seconds == pytest.approx(24 + 4 + 2)
-    # On a 10 GB/s link the host's memory sets the pace: 4 GB at 6 GB/s against the host ring's 6 GB.
+    # On a 10 GB/s link the host's memory sets the pace: 4 GB at 6 GB/s against the host ring's 8 GB.
     fast = Machine.from_dict({**ROUND, "pcie_h2d_gbs": 10, "pcie_d2h_gbs": 10}, name="fast")
     assert predict(replace(work, sums_on_device=True), fast).parts["host_sums"] == pytest.approx(2 * 4 / 6)
-    assert predict(work, fast).parts["host_sums"] == pytest.approx(2 * 6 / 6)
+    assert predict(work, fast).parts["host_sums"] == pytest.approx(2 * 8 / 6)
     # fp32 sums: 4 GB each way.
     wide = predict(replace(work, sums_on_device=True, grad_sum_size=4), fast)
     assert wide.parts["host_sums"] == pytest.approx(2 * 8 / 6)
@@ -239,8 +240,12 @@ def test_a_gaps_kind_of_step_is_that_of_the_recorded_runs_that_show_it():
     micro = next(r for r in recorded_runs() if r.gap is not None and r.gap.label == "per-micro-batch host cost")
     (label, lo, hi), = known_gaps(micro.work)
     assert 0 < lo < hi < 1 - TOLERANCE  # the runs made well under the prediction
-    # Adding the sums on the device is another kind of step (not measured on a GPU: no gap known).
-    assert known_gaps(replace(micro.work, sums_on_device=True)) == []
+    # Adding the sums on the device is another kind of step, with a gap of its own (one run).
+    (label, lo, hi), = known_gaps(replace(micro.work, sums_on_device=True))
+    assert label == "accumulation with the sums on the device" and 0 < lo == hi < 1 - TOLERANCE
+    # Without accumulation neither applies.
+    assert known_gaps(replace(micro.work, micro_batches=1)) == []
+    assert known_gaps(replace(micro.work, micro_batches=1, sums_on_device=True)) == []
 
 
 @pytest.mark.gpu

@@ -37,7 +37,6 @@ OFFLOAD_COMPONENTS = {
     "torchtune_offload.CPUOffloadOptimizer": CPUOffloadOptimizer,
 }
 PAGED_COMPONENTS = {"bitsandbytes.optim.PagedAdamW", "bitsandbytes.optim.PagedAdamW8bit"}
-# Keys the offload wrappers consume themselves; the rest go to the base optimizer.
 
 # (family, size) -> (output_dir slug, input/output embeddings tied)
 MODELS = {
@@ -242,6 +241,19 @@ def test_offload_config_respects_its_optimizer_limits(path):
         # The engine supports both; just make sure the values are sane.
         assert cfg.gradient_accumulation_steps >= 1
         assert cfg.get("clip_grad_norm") is None or float(cfg.clip_grad_norm) > 0
+
+
+@pytest.mark.parametrize("path", OFFLOAD_CONFIGS, ids=_ids(OFFLOAD_CONFIGS))
+def test_full_offload_configs_that_accumulate_add_the_sums_on_the_gpu(path):
+    """The measured choice (docs/accumulation.md): the full fine-tunes' gradient sums are added on
+    the GPU (18% faster on the H100 8B run); the adapters' small sums, and configs without a later
+    micro-batch, keep the option's default."""
+    cfg = _load(path)
+    accumulates = cfg.optimizer.get("offload_gradients", False) and cfg.gradient_accumulation_steps > 1
+    engine = cfg.optimizer._component_ == "torchtune_offload.OffloadOptimizer"
+    adapters = "lora_" in cfg.model._component_.rsplit(".", 1)[-1]  # LoRA and QLoRA builders
+    expected = "device" if engine and accumulates and not adapters else "host"
+    assert cfg.optimizer.get("grad_sum_on", "host") == expected
 
 
 # ---------------------------------------------------------------- per-model table
