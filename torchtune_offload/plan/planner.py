@@ -42,7 +42,7 @@ from torchtune_offload.optim.state_streamer import plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
                                                unquantised_twin)
 from torchtune_offload.plan.recorded_runs import known_gaps, known_gaps_block
-from torchtune_offload.plan.speed import Machine, Speed, StepWork, predict
+from torchtune_offload.plan.speed import Machine, Speed, StepWork, predict, sums_elsewhere_block
 from torchtune_offload.plan.trace import (StepTrace, UntraceableModelError, build_meta_model, micro_batch_loss,
                                           one_line, trace_training_step)
 from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
@@ -563,7 +563,8 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
                      f"{'-' if s.hides_at_batch is None else f'>= {s.hides_at_batch}'} |")
         lines.append(f"| {p.name} | {gib(p.device_bytes)} | {paged} | {verdict(p.device_bytes, device_budget)} | "
                      f"{gib(p.host_bytes)} | {verdict(p.host_bytes, host_budget)} |{speed} {what} |")
-    lines += known_gaps_block({p.name: speeds[p.name] for p in plans if speeds and speeds.get(p.name)})
+    predicted = {p.name: speeds[p.name] for p in plans if speeds and speeds.get(p.name)}
+    lines += known_gaps_block(predicted) + sums_elsewhere_block(predicted)
     advice = update_on_advice(plans, device_budget=device_budget, host_budget=host_budget)
     if advice:
         lines += ["", advice]

@@ -14,9 +14,11 @@ with their causes.
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Dict, Mapping, Optional, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Tuple, Union
+
+from torchtune_offload.optim.staging import CHUNK_BYTES, NUM_CHUNKS
 
 #: The keys of a machine file, each a positive number, with what it means.
 MACHINE_KEYS: Dict[str, str] = {
@@ -215,6 +217,8 @@ class Speed:
         known_gaps: ``(label, lowest, highest)`` for each known gap of the model on steps of this
             kind: the range of measured / predicted tok/s of the recorded runs that show it (the
             planner fills it from :mod:`torchtune_offload.plan.recorded_runs`).
+        sums_elsewhere: for a host-engine step that sums offloaded gradients over micro-batches,
+            the other ``grad_sum_on`` value and the tok/s predicted with it; None for the others.
     """
 
     step_seconds: float
@@ -223,6 +227,7 @@ class Speed:
     parts: Dict[str, float]
     hides_at_batch: Optional[int] = None
     known_gaps: Tuple[Tuple[str, float, float], ...] = ()
+    sums_elsewhere: Optional[Tuple[str, float]] = None
 
     def summary(self) -> Dict[str, object]:
         """The ``"speed"`` entry of the plan's JSON."""
@@ -233,7 +238,9 @@ class Speed:
                 "bound": self.bound, "parts": {k: four(v) for k, v in self.parts.items()},
                 "hides_at_batch": self.hides_at_batch,
                 "known_gaps": [{"label": label, "measured_over_predicted": [four(lo), four(hi)]}
-                               for label, lo, hi in self.known_gaps]}
+                               for label, lo, hi in self.known_gaps],
+                "sums_elsewhere": None if self.sums_elsewhere is None else {
+                    "grad_sum_on": self.sums_elsewhere[0], "tokens_per_second": four(self.sums_elsewhere[1])}}
 
 
 def _gpu_seconds(work: StepWork, machine: Machine, tokens: int) -> tuple:
@@ -247,11 +254,21 @@ def _gpu_seconds(work: StepWork, machine: Machine, tokens: int) -> tuple:
 
 
 def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Optional[int] = None) -> Speed:
-    """The step's seconds on ``machine`` (see the module's docstring and docs/planner.md).
+    """The step's seconds on ``machine`` (see the module's docstring and docs/planner.md), and
+    where the host engine sums offloaded gradients, the same step with them summed at the other
+    place (:attr:`Speed.sums_elsewhere`).
 
     Args:
         samples_per_micro_batch: the batch size, for :attr:`Speed.hides_at_batch`.
     """
+    speed = _predict(work, machine, samples_per_micro_batch)
+    if work.update == "host" and work.offload_gradients and work.micro_batches > 1:
+        other = _predict(replace(work, sums_on_device=not work.sums_on_device), machine, samples_per_micro_batch)
+        speed = replace(speed, sums_elsewhere=("host" if work.sums_on_device else "device", other.tokens_per_second))
+    return speed
+
+
+def _predict(work: StepWork, machine: Machine, samples_per_micro_batch: Optional[int]) -> Speed:
     forward, backward = _gpu_seconds(work, machine, work.tokens)
     micro = forward + backward
     gpu = work.micro_batches * micro
@@ -312,6 +329,29 @@ def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Option
     bound = max(zip(parts.values(), BOUNDS))[1]
     tokens = work.tokens * work.micro_batches
     return Speed(step_seconds=step, tokens_per_second=tokens / step, bound=bound, parts=parts, hides_at_batch=hides)
+
+
+#: How much faster the other place to sum the micro-batches must be predicted before the planner names it.
+SUMS_ELSEWHERE_MARGIN = 1.05
+
+
+def sums_elsewhere_block(speeds: Mapping[str, Speed]) -> List[str]:
+    """Lines for under the planner's table: the variants whose gradient sums are predicted at least
+    :data:`SUMS_ELSEWHERE_MARGIN` times faster summed at the other place (``grad_sum_on``), with
+    both predictions; none where no variant's are."""
+    lines = []
+    for name, speed in speeds.items():
+        if speed.sums_elsewhere is None or speed.sums_elsewhere[1] < SUMS_ELSEWHERE_MARGIN * speed.tokens_per_second:
+            continue
+        site, tokens_per_second = speed.sums_elsewhere
+        # Either ring holds at most NUM_CHUNKS chunks of CHUNK_BYTES: on the device, or pinned on the host.
+        cost = "on the device" if site == "device" else "pinned on the host"
+        lines.append(f"- {name}: optimizer.grad_sum_on={site}: {tokens_per_second:.0f} tok/s predicted against "
+                     f"{speed.tokens_per_second:.0f}, for at most {NUM_CHUNKS * CHUNK_BYTES // 2**20} MiB more {cost}")
+    if not lines:
+        return []
+    return ["", "Where later micro-batches are summed (docs/accumulation.md): the other place is predicted faster "
+            "for", *lines]
 
 
 def _host_step_seconds(work: StepWork, machine: Machine) -> float:
