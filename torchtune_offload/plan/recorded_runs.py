@@ -82,7 +82,9 @@ _GAP_PASSES = Gap("accumulation with the sums on the device",
     "nothing, yet on the 8B at batch 1 the four forward-backward passes took 1.27 s each against 0.42 s of "
     "matmuls, and the training thread's wait at the window's end 4.19 s against a host step of 2.73 s and "
     "weight copies of 0.35 s. A later pass's copies (its 16 GB sum up and back down at once, 0.30 s each "
-    "way at 54 GB/s) do not account for it. Measured what it is not; not profiled (owed in gpu_results.md)",
+    "way at 54 GB/s) do not account for it. Measured what it is not; not profiled. A batch-2 pass of the same "
+    "settings at f6cc131 (2043 tok/s) cost only 0.1-0.35 s beyond its matmuls: the next GPU runs (owed in "
+    "gpu_results.md) tell a cost added since from one that does not grow with the batch",
     applies=_accumulates_on_the_device)
 _GAP_MASTER = Gap("fp32 master pass",
     "fp32 master weights: the model scales the host step by its bytes (28 per parameter against 14), but "
