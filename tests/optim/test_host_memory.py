@@ -12,6 +12,7 @@ from tests.recipe_harness import working_tree_env
 from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer
 from torchtune_offload.optim.host_arena import pinned_allocation_bytes
 from torchtune_offload.optim.host_memory import optimizer_state_bytes, plan_host_memory
+from torchtune_offload.optim.param_table import CPU_DEVICE_RING
 from torchtune_offload.optim.staging import CHUNK_BYTES, NUM_CHUNKS
 
 
@@ -55,16 +56,30 @@ def test_offload_plan_equals_what_the_engine_holds_on_cpu(dtype, offload_gradien
         gradient_accumulation_steps=accum, offload_gradients=offload_gradients, minimal_size=1000, lr=1e-3,
         grad_sum_on=sum_on)
     report = opt.memory_report()
-    if sum_on == "device":
-        # The device ring's chunks are device memory (the report's device_staging_bytes), not the host's.
+    if sum_on == "device" and accum > 1:
+        # The device ring's chunks are the report's device staging; on this CPU-only machine the
+        # device is the host, so the host plan counts them (all of them, the most the ring takes).
         assert report.device_staging_bytes == opt._staging.nbytes == NUM_CHUNKS * min(CHUNK_BYTES,
                                                                                       64 * 64 * dtype.itemsize)
+        assert plan.parts.pop(CPU_DEVICE_RING) == opt._staging.nbytes
     elif accum > 1:
         # The ring allocates its chunks on first use; the plan counts all of them, the most it takes.
         assert plan.parts.pop("staging ring") == NUM_CHUNKS * min(CHUNK_BYTES, 64 * 64 * dtype.itemsize)
         report.host_bytes -= opt._staging.nbytes
     assert plan.total == report.host_bytes
     assert set(plan.parts) == {"parameter copies", "gradient buffers", "optimizer state"}
+
+
+def test_the_device_ring_of_fp32_sums_without_an_accelerator_is_planned_as_host_memory():
+    # fp32 sums of bf16 weights: the chunks are sized by the sums (4 bytes an element), not the weights.
+    model = _model(dtype=torch.bfloat16)
+    options = dict(offload_gradients=True, minimal_size=1000, lr=1e-3, grad_sum_on="device", grad_sum_dtype="fp32")
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", **options)
+    _train_once(model, opt, accum=3)
+    plan = OffloadOptimizer.plan_host_memory(_meta_twin(model).named_parameters(), "torch.optim.AdamW", device="cpu",
+                                             gradient_accumulation_steps=3, **options)
+    assert plan.parts[CPU_DEVICE_RING] == opt._staging.nbytes == NUM_CHUNKS * 64 * 64 * 4
+    assert "staging ring" not in plan.parts
 
 
 def test_state_size_is_measured_not_assumed():

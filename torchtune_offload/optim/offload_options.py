@@ -90,9 +90,10 @@ class OffloadOptions:
             way). ``"host"`` (default): copied down into a small pinned ring and added by the
             host's cores (``optim/staging.py``, ``StagingRing``). ``"device"``: the sum's chunk is
             copied up, added on the device and copied back (``DeviceSumRing``): no host core work,
-            half the host memory traffic, the sum both ways over PCIe, at most 128 MiB of device memory.
-            The same bits either way. Not yet measured on a GPU (docs/accumulation.md). Refused
-            without ``offload_gradients`` (the device accumulates as plain training does).
+            half the host memory traffic with bf16 sums, the sum both ways over PCIe, at most 128 MiB
+            of device memory. The same bits either way. On an H100 it ran llama3_1 8B at batch 1 with
+            4 micro-batches 18% faster (docs/accumulation.md). Refused without ``offload_gradients``
+            (the device accumulates as plain training does).
     """
 
     offload_gradients: bool

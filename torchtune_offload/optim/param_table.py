@@ -19,8 +19,10 @@ from torch.optim import Optimizer
 
 from torchtune_offload.optim.host_arena import ALLOCATOR, NONE, PageLockError, host_buffers, pinned_allocation_bytes
 from torchtune_offload.optim.host_memory import HostMemoryPlan, host_buffer_dtypes, offloaded_buffers_plan, offloads
-from torchtune_offload.optim.staging import NUM_CHUNKS, StagingRing
+from torchtune_offload.optim.staging import NUM_CHUNKS, StagingRing, device_ring_bytes
 
+#: The host plan's part for ``grad_sum_on="device"`` on a machine without an accelerator.
+CPU_DEVICE_RING = "gradient sum chunks (grad_sum_on=device, in host memory: no accelerator)"
 #: ``(key, shape, dtypes by purpose)`` of each offloaded parameter, by ``id(param)``.
 _Owners = Dict[int, Tuple[str, torch.Size, Dict[str, torch.dtype]]]
 
@@ -285,18 +287,26 @@ def plan_table_memory(params: Any, *, base_class: type, options: Dict[str, Any],
                       master_dtype: Optional[torch.dtype], grad_sum_dtype: Optional[torch.dtype],
                       offload_gradients: bool, gradient_accumulation_steps: int,
                       grad_sum_on: str = "host") -> HostMemoryPlan:
-    """The host memory a :class:`ParameterTable` (and the staging ring of its gradients, unless
-    later micro-batches are added on the device) would hold for ``params`` (meta tensors work),
+    """The host memory a :class:`ParameterTable` (and the ring later micro-batches' gradients are
+    added through: the host's staging ring, or with ``grad_sum_on="device"`` and no accelerator the
+    device ring, whose device is then this host) would hold for ``params`` (meta tensors work),
     allocating nothing; see ``OffloadOptimizer.plan_host_memory``."""
     trainable = [p for g in named_groups(params) for _, p in g["params"] if p.requires_grad]
     plan = offloaded_buffers_plan(
         trainable, optimizer_class=base_class, options=options, minimal_size=minimal_size, pinning=pinning,
         master_dtype=master_dtype, grad_dtype=grad_sum_dtype,
     )
-    offloaded = [p.numel() * p.element_size() for p in trainable if offloads(p, minimal_size)]
-    if offload_gradients and gradient_accumulation_steps > 1 and offloaded and grad_sum_on == "host":
-        chunk = StagingRing.chunk_size(largest_bytes=max(offloaded))
+    offloaded = [p for p in trainable if offloads(p, minimal_size)]
+    if not (offload_gradients and gradient_accumulation_steps > 1 and offloaded):
+        return plan
+    if grad_sum_on == "host":
+        chunk = StagingRing.chunk_size(largest_bytes=max(p.numel() * p.element_size() for p in offloaded))
         pinned = pinning != NONE  # the ring's chunks come from torch's allocator
         plan.add("staging ring" + (" (pinned)" if pinned else ""),
                  NUM_CHUNKS * pinned_allocation_bytes(chunk, pinned=pinned))
+    elif pinning == NONE:
+        # No accelerator: the device ring's chunks (sized by the largest sum) are in this host's memory.
+        sum_size = None if grad_sum_dtype is None else grad_sum_dtype.itemsize
+        largest = max(p.numel() * (sum_size or p.element_size()) for p in offloaded)
+        plan.add(CPU_DEVICE_RING, device_ring_bytes(largest_bytes=largest))
     return plan

@@ -12,7 +12,9 @@ additions into any element happen in the order of the micro-batches, as the devi
 accumulation does: the result is the same bits. The training thread (the backward hook) only
 issues the copies, and waits only where a chunk it needs is still being added: on an accelerator
 the backward's kernels go on while the host adds (when the hook added, the two could only run one
-after the other; docs/accumulation.md, not yet measured on a GPU). Each addition is one pass of
+after the other). On an H100 host the additions still outlast a batch-1 pass's GPU work and the
+hooks wait for the excess; :class:`DeviceSumRing` adds on the device instead (docs/accumulation.md,
+measured). Each addition is one pass of
 ``host_add.add_`` over all host cores (torch's ``add_`` of a bf16 chunk into an fp32 sum converted
 the chunk first and took 5 to 10 times as long). The ring may be used from the training thread
 (adding) and a host worker (draining) at once.

@@ -74,7 +74,7 @@ _GAP_MICRO = Gap("per-micro-batch host cost",
     "written: 64 GB at 74 GB/s, the host's memory speed) against the pass's 0.42 s of GPU work; the model "
     "counts those bytes and hides what the GPU's work covers (1.18 s a step left over, against 1.43 s "
     "measured). grad_sum_on=device removes the wait (883 against 747 tok/s). The rest is the passes' own "
-    "cost ('accumulation with the sums on the device'); the 1B runs and the first 8B runs added on the "
+    "cost ('accumulation with the sums on the device'); the 1B runs and the f6cc131 8B run added on the "
     "training thread (moved to a thread of its own since)",
     applies=_accumulates_through_the_host_ring)
 _GAP_PASSES = Gap("accumulation with the sums on the device",
