@@ -45,6 +45,14 @@ def test_overrides_swap_only_the_optimizer():
     fp8_config = str(REPO / "configs" / "llama3_1" / "8B_full_offload_fp8.yaml")
     assert "~optimizer.device_weights" in overrides_for(fp8_config, "offload_grads")
     assert "~optimizer.device_weights" in overrides_for(fp8_config, "adamw")
+    # The shipped full configs add their sums on the device; the sweep's variants say where they add
+    # them: offload_grads_overlap on the host (the option's default), its twin on the device.
+    engine = str(REPO / "configs" / "llama3_1" / "8B_full_offload_engine.yaml")
+    assert "~optimizer.grad_sum_on" in overrides_for(engine, "offload_grads_overlap")
+    twin = overrides_for(engine, "offload_grads_overlap_device_sums")
+    assert "optimizer.grad_sum_on=device" in twin and "~optimizer.grad_sum_on" not in twin
+    assert set(twin) - {"optimizer.grad_sum_on=device"} == set(overrides_for(engine, "offload_grads_overlap")) - {
+        "~optimizer.grad_sum_on"}
 
 
 def test_every_option_of_our_optimizer_is_dropped_for_a_plain_one():

@@ -49,6 +49,10 @@ VARIANTS: Dict[str, Tuple[Dict[str, object], List[str], str]] = {
     "offload_overlap": (_ours(overlap=True), [], "OffloadOptimizer, host step overlapped with GPU work"),
     "offload_grads_overlap": (_ours(offload_gradients=True, overlap=True), [],
                               "OffloadOptimizer, offload_gradients, host step overlapped with GPU work"),
+    # With accumulation only: without it there is no later micro-batch, and this is offload_grads_overlap.
+    "offload_grads_overlap_device_sums": (_ours(offload_gradients=True, overlap=True, grad_sum_on="device"), [],
+                                          "OffloadOptimizer, offload_gradients, overlap, later micro-batches added "
+                                          "into their host sums on the device"),
     "offload_master_overlap": (_ours(offload_gradients=True, overlap=True, master_dtype="fp32"), [],
                                "OffloadOptimizer, offload_gradients, overlap, fp32 master weights and "
                                "states on the host"),
