@@ -305,8 +305,17 @@ def plan_table_memory(params: Any, *, base_class: type, options: Dict[str, Any],
         plan.add("staging ring" + (" (pinned)" if pinned else ""),
                  NUM_CHUNKS * pinned_allocation_bytes(chunk, pinned=pinned))
     elif pinning == NONE:
-        # No accelerator: the device ring's chunks (sized by the largest sum) are in this host's memory.
-        sum_size = None if grad_sum_dtype is None else grad_sum_dtype.itemsize
-        largest = max(p.numel() * (sum_size or p.element_size()) for p in offloaded)
-        plan.add(CPU_DEVICE_RING, device_ring_bytes(largest_bytes=largest))
+        # No accelerator: the device ring's chunks are in this host's memory.
+        plan.add(CPU_DEVICE_RING, device_sum_ring_bytes(offloaded, minimal_size=minimal_size,
+                                                        grad_sum_dtype=grad_sum_dtype))
     return plan
+
+
+def device_sum_ring_bytes(params: List[torch.Tensor], *, minimal_size: int,
+                          grad_sum_dtype: Optional[torch.dtype]) -> int:
+    """The bytes of the ring that adds later micro-batches into their host sums on the device
+    (``grad_sum_on="device"``) for the trainable ``params`` (meta tensors work): sized by the
+    largest offloaded gradient sum, in the sums' dtype; 0 where nothing is offloaded."""
+    sums = [p.numel() * (p.element_size() if grad_sum_dtype is None else grad_sum_dtype.itemsize)
+            for p in params if offloads(p, minimal_size)]
+    return device_ring_bytes(largest_bytes=max(sums)) if sums else 0

@@ -37,7 +37,7 @@ from torchtune_offload.bench.sweep import VARIANTS, overrides_for
 from torchtune_offload.optim.host_memory import offloads, optimizer_state_bytes
 from torchtune_offload.optim.offload_options import device_staging_bytes, precision_option
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class, split_options
-from torchtune_offload.optim.staging import device_ring_bytes
+from torchtune_offload.optim.param_table import device_sum_ring_bytes
 from torchtune_offload.optim.state_streamer import plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
                                                unquantised_twin)
@@ -127,12 +127,12 @@ def _device_state(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Mod
             parts["state staging (update_on=device)"] = plan_device_staging(
                 named, base_class=base, options=options, minimal_size=own["minimal_size"],
                 staging_bytes=device_staging_bytes(own["device_staging_mib"]))
-        sums = [p.numel() * (_grad_sum_size(own) or p.element_size()) for p in trainable
-                if offloads(p, own["minimal_size"])]
-        if (own.get("grad_sum_on") == "device" and settings.offload_gradients and sums
-                and settings.gradient_accumulation_steps > 1):
+        accumulates = settings.offload_gradients and settings.gradient_accumulation_steps > 1
+        if own.get("grad_sum_on") == "device" and accumulates:
             # Later micro-batches are added into their host sums through a few device chunks.
-            parts["gradient sum chunks (grad_sum_on=device)"] = device_ring_bytes(largest_bytes=max(sums))
+            parts["gradient sum chunks (grad_sum_on=device)"] = device_sum_ring_bytes(
+                trainable, minimal_size=own["minimal_size"],
+                grad_sum_dtype=precision_option(own.get("grad_sum_dtype"), key="grad_sum_dtype"))
         return parts
     if settings.optimizer_class.__module__.startswith("torch.optim") and not settings.optimizer_in_bwd:
         return {}  # traced with the step
