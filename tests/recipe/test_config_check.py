@@ -229,3 +229,24 @@ def test_sums_on_the_device_pass_the_full_recipes_check():
     cfg = _cfg("full", *_ENGINE, "optimizer.offload_gradients=True", "optimizer.grad_sum_on=device",
                "gradient_accumulation_steps=4")
     assert check_recipe_config(cfg, recipe="full").offload_gradients
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], True),
+    (["profiler.profile_memory=True"], False),  # torch records no memory events profiling every thread
+    (["profiler.all_threads=False"], False),
+    (None, True),  # no profiler section
+])
+def test_the_profiler_records_every_thread_unless_memory_is_profiled(overrides, expected):
+    cfg = _cfg("full", *(overrides or []))
+    if overrides is None:
+        del cfg["profiler"]
+    assert check_recipe_config(cfg, recipe="full").profile_all_threads is expected
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["profiler.all_threads=sometimes"], "profiler.all_threads='sometimes': must be True or False"),
+    (["profiler.all_threads=True", "profiler.profile_memory=True"], "Set profiler.all_threads=False to profile memory"),
+])
+def test_profiler_all_threads_refusals_name_the_key_and_the_fix(overrides, fragment):
+    assert fragment in _problems("full", *overrides)

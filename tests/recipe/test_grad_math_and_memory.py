@@ -99,6 +99,30 @@ def test_memory_monitor_without_an_offload_optimizer():
     assert set(stats) == {"host_rss", "host_rss_peak"}
 
 
+def test_memory_monitor_logs_the_allocators_stalls_as_their_growth_between_log_lines(monkeypatch):
+    """Retries, driver allocations and frees, all-stream synchronizations: counted by the caching
+    allocator from the start; each log line gets what happened since the previous one."""
+    counters = iter([
+        {"num_alloc_retries": 0, "num_device_alloc": 10, "num_device_free": 2, "num_sync_all_streams": 1},
+        {"num_alloc_retries": 3, "num_device_alloc": 14, "num_device_free": 2, "num_sync_all_streams": 4},
+        {"num_alloc_retries": 3, "num_device_alloc": 15, "num_device_free": 5, "num_sync_all_streams": 4},
+    ])
+    resets = []
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "memory_stats", lambda device: dict(next(counters)))
+    monkeypatch.setattr(torch.accelerator, "max_memory_allocated", lambda device: GIB)
+    monkeypatch.setattr(torch.accelerator, "max_memory_reserved", lambda device: 2 * GIB)
+    monkeypatch.setattr(torch.accelerator, "reset_peak_memory_stats", lambda device: resets.append(device))
+    monitor = MemoryMonitor(torch.device("meta"))
+    events = ("alloc_retries", "device_allocs", "device_frees", "sync_all_streams")
+    first, peeked, second = (monitor.stats(reset=r) for r in (True, False, True))
+    monitor.close()
+    assert [first[k] for k in events] == [0, 10, 2, 1]  # since the process started
+    assert [peeked[k] for k in events] == [3, 4, 0, 3]  # a read without reset moves nothing
+    assert [second[k] for k in events] == [3, 5, 3, 3]
+    assert first["peak_memory_reserved"] == 2.0 and len(resets) == 2
+
+
 def _log_run(log_dir, losses, filename=None):
     logger = DiskLogger(log_dir=str(log_dir), **({"filename": filename} if filename else {}))
     for step, loss in enumerate(losses, start=1):

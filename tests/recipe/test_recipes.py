@@ -19,6 +19,7 @@ from torchtune.modules.peft import get_adapter_state_dict
 
 from tests import zygote
 from tests.recipe_harness import TUNE, load_recipe_module, tiny_asset_overrides, working_tree_env
+from torchtune_offload.bench.trace_summary import format_summary, summarize
 from torchtune_offload.recipe import read_disk_log
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -175,6 +176,30 @@ def test_full_offload_matches_plain_adamw(runs, tiny_assets, offload_gradients, 
     assert initial.keys() == saved_plain.keys()
     assert all(not torch.equal(initial[k], saved_plain[k]) for k in initial)
     _assert_same_tensors(off.params, plain.params, **FP32)
+
+
+def test_a_profiled_run_trains_the_same_bits_and_traces_the_engine_on_each_thread(runs):
+    """``profiler.enabled``: the trace names the engine's ranges on the training thread and on its
+    host threads (the overlap step and the staging ring's adder), which torch records only when it
+    profiles every thread (``profiler.all_threads``, on by default); profiling changes no bit."""
+    settings = (*FULL_EQUIV, *FULL_OFFLOAD, "optimizer.offload_gradients=True", "optimizer.overlap=True")
+    schedule = ("profiler.enabled=True", "profiler.wait_steps=1", "profiler.warmup_steps=1",
+                "profiler.active_steps=2", "profiler.num_cycles=1")
+    plain = runs("full", *settings)
+    profiled = runs("full", *settings, *schedule)
+    assert torch.equal(torch.tensor(profiled.losses), torch.tensor(plain.losses))
+    summary = summarize(profiled.output_dir / "profiling_outputs")
+    print(format_summary(summary))
+    assert [number for number, _ in summary.steps] == [2, 3]
+    threads = {name: thread for thread, name in summary.ranges}
+    training = summary.training_thread
+    assert threads["offload/gradient hook"] == training
+    # Each window's 3 micro-batches: the two later ones go through the staging ring's adder thread.
+    assert {threads["offload/sum: add"], threads["offload/host step"]}.isdisjoint({training})
+    assert not summary.device_s  # a CPU-only run: no device rows to read
+
+    one_thread = runs("full", *settings, *schedule, "profiler.all_threads=False")
+    assert {thread for thread, _ in summarize(one_thread.output_dir / "profiling_outputs").ranges} == {training}
 
 
 @pytest.mark.parametrize("overlap", [False, True])

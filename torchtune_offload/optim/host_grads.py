@@ -20,7 +20,7 @@ import torch
 from torchtune_offload.optim.grad_norm import tensor_norm
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.staging import DeviceSumRing, StagingRing
-from torchtune_offload.optim.step_timings import StepTimings
+from torchtune_offload.optim.step_timings import StepTimings, profiled
 from torchtune_offload.optim.transfer import TransferEngine
 
 
@@ -153,7 +153,7 @@ class HostGradients:
         record = self._records[slot.index]
         if record.state is not GradState.ARRIVING:
             return
-        with self._timings.waiting():
+        with self._timings.waiting("gradient copies"):
             self._transfer.wait(record.event)
             record.event = None
             # The ring adds in the order chunks were issued, whichever slots they belong to.
@@ -210,9 +210,10 @@ class HostGradients:
     def land(self, slot: Slot) -> None:
         """Landing thread: the window's gradient is complete in ``slot.host_grad`` when this returns."""
         record = self._records[slot.index]
-        self._transfer.wait(record.event)
-        if record.staged is not None:
-            self.staging.drain_until(record.staged)
+        with profiled("land"):
+            self._transfer.wait(record.event)
+            if record.staged is not None:
+                self.staging.drain_until(record.staged)
         if record.norm is None:
             record.norm = tensor_norm(slot.host_grad)
 

@@ -30,7 +30,7 @@ from torchtune_offload.optim.overlap_scheduler import OverlapScheduler
 from torchtune_offload.optim.param_table import ParameterTable, named_groups, plan_table_memory, training_device
 from torchtune_offload.optim.slot_step import SlotStepper
 from torchtune_offload.optim.state_streamer import StateStreamer, plan_streamed_memory
-from torchtune_offload.optim.step_timings import StepTimings
+from torchtune_offload.optim.step_timings import StepTimings, profiled
 from torchtune_offload.optim.transfer import TransferEngine
 
 __all__ = ["OffloadOptimizer", "STATE_DICT_FORMAT"]
@@ -155,11 +155,11 @@ class OffloadOptimizer(Optimizer):
     def _on_grad(self, param: torch.Tensor) -> None:
         """Backward hook: a parameter's gradient for this backward is complete."""
         slot = self._table.slot_of[param]
-        if param.grad is None:
-            return
-        self._scheduler.before_backward_grad(slot)
-        self._grads.on_backward(slot, param.grad, in_window=self._scheduler.window is not None)
-        self._scheduler.after_backward_grad(slot)
+        if param.grad is not None:
+            with profiled("gradient hook"):
+                self._scheduler.before_backward_grad(slot)
+                self._grads.on_backward(slot, param.grad, in_window=self._scheduler.window is not None)
+                self._scheduler.after_backward_grad(slot)
 
     def synchronize(self) -> None:
         """Waits for every queued host step and upload (errors raised in a worker are raised here)

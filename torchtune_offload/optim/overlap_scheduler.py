@@ -204,7 +204,7 @@ class OverlapScheduler:
         queued = self._queued[slot.index]
         if queued.done is None:
             return
-        with self._timings.waiting():
+        with self._timings.waiting("host step"):
             self._result(queued.done, f"{slot.key}: its host step")
         # The window's gradient is consumed, and with it its norm.
         queued.done = queued.landed = None
@@ -215,7 +215,7 @@ class OverlapScheduler:
     def wait_landed(self, slot: Slot) -> None:
         queued = self._queued[slot.index]
         if queued.landed is not None:
-            with self._timings.waiting():
+            with self._timings.waiting("gradient landing"):
                 self._result(queued.landed, f"{slot.key}: the landing of its gradient")
 
     def synchronize(self) -> None:

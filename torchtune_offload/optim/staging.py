@@ -30,6 +30,7 @@ import torch
 
 import torchtune_offload.optim.host_add as host_add
 import torchtune_offload.optim.stream_check as stream_check
+from torchtune_offload.optim.step_timings import profiled
 from torchtune_offload.optim.transfer import TransferEngine
 
 #: Bytes of one chunk, and how many chunks the ring holds: the bound on staging memory.
@@ -105,7 +106,9 @@ class _ChunkRing:
     def _locked(self) -> Iterator[None]:
         """Holds the ring's lock for an ``add_into`` call, the wait for it counted as the caller's."""
         start = time.perf_counter()
-        with self._lock:
+        with contextlib.ExitStack() as held:
+            with profiled("sum: wait in hook"):
+                held.enter_context(self._lock)
             self._waited_seconds += time.perf_counter() - start
             yield
 
@@ -188,9 +191,11 @@ class StagingRing(_ChunkRing):
 
     def _finish(self, dst: torch.Tensor, staged: torch.Tensor, event: object) -> None:
         """On the adder thread: waits for the chunk's copy, then adds it into its sum."""
-        self._transfer.wait(event)
+        with profiled("sum: wait for chunk copy"):
+            self._transfer.wait(event)
         start = time.perf_counter()
-        self._add(dst, staged)
+        with profiled("sum: add"):
+            self._add(dst, staged)
         self._added_seconds += time.perf_counter() - start
 
     def _retire(self, index: int) -> None:
@@ -224,7 +229,8 @@ class StagingRing(_ChunkRing):
         src_flat = src.reshape(-1)
         for index, start, length in self._pieces(src, src.element_size()):
             start_wait = time.perf_counter()
-            self._retire(index)
+            with profiled("sum: wait in hook"):
+                self._retire(index)
             self._waited_seconds += time.perf_counter() - start_wait
             staged = self._chunk(index).view(src.dtype)[:length]
             event = self._transfer.to_host(staged, src_flat[start : start + length], release_source=True)
@@ -341,9 +347,10 @@ class DeviceSumRing(_ChunkRing):
             host = dst_flat[start : start + length]
             if streams is None:  # a CPU-only machine: every step completes at once, in order
                 begun = time.perf_counter()
-                chunk.copy_(host)
-                chunk.add_(src_flat[start : start + length])
-                host.copy_(chunk)
+                with profiled("sum: add"):
+                    chunk.copy_(host)
+                    chunk.add_(src_flat[start : start + length])
+                    host.copy_(chunk)
                 self._added_seconds += time.perf_counter() - begun
             else:
                 if self._read_down[index] is not None:

@@ -488,7 +488,7 @@ class StateStreamer:
             return
         queued = self._pending.pop(slot.index)
         if self._update_stream is None:
-            with self._timings.waiting(), torch.no_grad():
+            with self._timings.waiting("queued update"), torch.no_grad():
                 self._run(slot, queued, None)
         elif queued is not None:
             self._current_stream().wait_event(queued)

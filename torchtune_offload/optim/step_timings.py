@@ -1,4 +1,5 @@
-"""Where the time of an offloaded step went: the only writer of the step-timing counters.
+"""Where the time of an offloaded step went: the only writer of the step-timing counters, and the
+names the engine's parts take in a torch profiler's trace.
 
 The training thread adds the seconds it blocked on host work; host steps add their own seconds
 from whichever thread runs them (the training thread, or the overlap step thread), hence the lock.
@@ -7,7 +8,23 @@ from whichever thread runs them (the training thread, or the overlap step thread
 import contextlib
 import threading
 import time
-from typing import Dict, Iterator, Optional, Protocol
+from typing import ContextManager, Dict, Iterator, Optional, Protocol
+
+import torch
+
+#: The prefix of every range the engine names in a profiler trace (``bench/trace_summary.py`` reads them).
+PROFILE_PREFIX = "offload/"
+
+
+def profiled(name: str) -> ContextManager[object]:
+    """A range named ``offload/<name>`` in a torch profiler's trace, on the thread that runs it.
+
+    A step's timings say how long each part took in all; a trace says when, beside the device's
+    kernels and copies, which is what finds the cause of a gap between the speed model and a run.
+    Without a running profiler the range costs one dispatcher call. The engine's host threads show
+    only when the profiler records every thread (the recipes' ``profiler.all_threads``).
+    """
+    return torch.profiler.record_function(PROFILE_PREFIX + name)
 
 
 class _SumRing(Protocol):
@@ -36,11 +53,16 @@ class StepTimings:
         self._last: Dict[str, float] = {}
 
     @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
-        """Counts the block as time the training thread waited (training thread only)."""
+    def waiting(self, what: str) -> Iterator[None]:
+        """Counts the block as time the training thread waited (training thread only).
+
+        Args:
+            what: what it waits for, named in a profiler trace as ``offload/wait: <what>``.
+        """
         start = time.perf_counter()
         try:
-            yield
+            with profiled(f"wait: {what}"):
+                yield
         finally:
             self._wait_s += time.perf_counter() - start
 
@@ -48,7 +70,8 @@ class StepTimings:
     def host_step(self, *, waited: bool) -> Iterator[None]:
         """Counts the block as host-step time, and as waiting too when the training thread ran it."""
         start = time.perf_counter()
-        yield
+        with profiled("host step"):
+            yield
         seconds = time.perf_counter() - start
         with self._lock:
             self._host_step_s += seconds

@@ -182,10 +182,14 @@ def build_lr_scheduler(
     return scheduler
 
 
-def build_profiler(cfg_profiler: Optional[DictConfig]) -> Any:
-    """torchtune's torch profiler, or its no-op stand-in when disabled."""
-    if cfg_profiler is None:
-        cfg_profiler = DictConfig({"enabled": False})
+def build_profiler(cfg_profiler: Optional[DictConfig], settings: RecipeSettings) -> Any:
+    """torchtune's torch profiler, or its no-op stand-in when disabled.
+
+    Beside torchtune's keys, ``all_threads`` (``settings.profile_all_threads``) records the
+    engine's host threads too (the overlap step, the staging ring's additions), whose ranges are
+    named ``offload/...``; ``python scripts/profile_summary.py <profiler.output_dir>`` reads the trace.
+    """
+    cfg_profiler = DictConfig({"enabled": False}) if cfg_profiler is None else cfg_profiler.copy()
     component = cfg_profiler.get("_component_", None)
     if component is None:
         cfg_profiler["_component_"] = "torchtune.training.setup_torch_profiler"
@@ -193,5 +197,9 @@ def build_profiler(cfg_profiler: Optional[DictConfig]) -> Any:
         raise ValueError(
             f"profiler._component_={component}: only torchtune.training.setup_torch_profiler is supported."
         )
+    cfg_profiler.pop("all_threads", None)  # read into settings; torchtune does not know it
     profiler, _ = config.instantiate(cfg_profiler)
+    if settings.profile_all_threads and isinstance(profiler, torch.profiler.profile):
+        # torchtune builds the profiler without this option; torch reads it when the profiler starts.
+        profiler.experimental_config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     return profiler

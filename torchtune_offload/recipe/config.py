@@ -85,6 +85,8 @@ class RecipeSettings:
     keep_last_n_checkpoints: int = 2
     #: The optimizer offloads and frees the device gradients during backward.
     offload_gradients: bool = False
+    #: A profiler (``profiler.enabled``) records every thread, the engine's host threads too.
+    profile_all_threads: bool = True
 
 
 class _Reader:
@@ -137,6 +139,7 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
     device_name, dtype_name = _device_problems(cfg, problems, device_present=device_present)
     activations = _activation_settings(read, is_cuda=device_name.startswith("cuda"))
     collate_fn = _collate_fn(read)
+    profile_all_threads = _profile_all_threads(cfg, problems)
     flags = {key: read.flag(key, default) for key, default in (
         ("compile", False), ("log_peak_memory_stats", True), ("resume_from_checkpoint", False),
         ("shuffle", True), ("save_adapter_weights_only", False), ("host_memory_check", True),
@@ -170,6 +173,7 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
         fsdp_cpu_offload=flags["fsdp_cpu_offload"],
         fsdp_reshard_after_forward=flags["fsdp_reshard_after_forward"],
         host_memory_check=flags["host_memory_check"],
+        profile_all_threads=profile_all_threads,
     )
 
 
@@ -355,6 +359,25 @@ def _distributed_problems(read: _Reader, caps: Optional[OptimizerCapabilities]) 
             "gradients and AdamW state then live on the host, where the step runs on all cores)."
         )
     return problems
+
+
+def _profile_all_threads(cfg: DictConfig, problems: List[str]) -> bool:
+    """``profiler.all_threads`` (this project's key; default: true unless ``profile_memory``)."""
+    section = cfg.get("profiler")
+    if not isinstance(section, DictConfig):
+        return True
+    value, memory = section.get("all_threads"), section.get("profile_memory", False)
+    if value is None:
+        return not memory
+    if not isinstance(value, bool):
+        problems.append(f"profiler.all_threads={value!r}: must be True or False (or left out).")
+    elif value and memory:
+        problems.append(
+            "profiler.all_threads=True with profiler.profile_memory=True: torch records no memory events "
+            "while it profiles every thread. Set profiler.all_threads=False to profile memory, or "
+            "profiler.profile_memory=False to see the engine's host threads."
+        )
+    return value is True
 
 
 def _device_weights_problems(cfg: DictConfig, why: str) -> List[str]:

@@ -17,6 +17,18 @@ import torch
 GIB = 1024**3
 
 
+#: Logged key -> the caching allocator's cumulative counter, logged as its growth since the last
+#: log line. Each is a stall the step's timings do not name: a retry frees the cache after a failed
+#: allocation (synchronizing the device), a device allocation or free calls the driver, and a
+#: synchronization of all streams waits for every queued copy and kernel.
+ALLOCATOR_EVENTS = {
+    "alloc_retries": "num_alloc_retries",
+    "device_allocs": "num_device_alloc",
+    "device_frees": "num_device_free",
+    "sync_all_streams": "num_sync_all_streams",
+}
+
+
 #: The allocator setting offload runs get unless the user set ``PYTORCH_CUDA_ALLOC_CONF``.
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
@@ -92,6 +104,8 @@ class MemoryMonitor:
     def __init__(self, device: torch.device, *, optimizer: Optional[object] = None) -> None:
         self.device = device
         self.optimizer = optimizer
+        # The allocator's event counters at the last reset (see ALLOCATOR_EVENTS).
+        self._events_seen: Dict[str, int] = {}
         self._process = psutil.Process()
         self._nvml: Optional[_NvmlPeakSampler] = None
         if device.type == "cuda":
@@ -108,8 +122,12 @@ class MemoryMonitor:
             out["peak_memory_active"] = mem.get("active_bytes.all.peak", 0) / GIB
             out["peak_memory_alloc"] = torch.accelerator.max_memory_allocated(self.device) / GIB
             out["peak_memory_reserved"] = torch.accelerator.max_memory_reserved(self.device) / GIB
+            for key, stat in ALLOCATOR_EVENTS.items():
+                if stat in mem:
+                    out[key] = float(mem[stat] - self._events_seen.get(stat, 0))
             if reset:
                 torch.accelerator.reset_peak_memory_stats(self.device)
+                self._events_seen = {stat: mem[stat] for stat in ALLOCATOR_EVENTS.values() if stat in mem}
         if self._nvml is not None:
             out["nvml_device_used_peak"] = self._nvml.read_peak(reset=reset) / GIB
         rss = self._process.memory_info().rss
