@@ -36,7 +36,7 @@ def _trace():
         _x("cudaLaunchKernel", "cuda_runtime", BACKWARD, 50, 5),
         _x("offload/gradient hook", "user_annotation", BACKWARD, 100, 300),
         _x("cudaStreamSynchronize", "cuda_runtime", BACKWARD, 200, 200),
-        _x("cudaLaunchKernel", "cuda_runtime", BACKWARD, 480, 5),
+        _x("cuLaunchKernelEx", "cuda_driver", BACKWARD, 480, 5),
         _x("gpu annotation", "gpu_user_annotation", GPU, 0, 2000),  # mirrored range, not work
         _x("sm90_xmma_gemm_bf16bf16_bf16f32", "kernel", GPU, 0, 100),
         _x("vectorized_elementwise_kernel", "kernel", GPU, 400, 100),

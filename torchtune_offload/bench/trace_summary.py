@@ -17,13 +17,15 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 from torchtune_offload.optim.step_timings import PROFILE_PREFIX
 
 #: Trace categories of device work; ``gpu_user_annotation`` (a CPU range mirrored) is not work.
 _DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 _NOT_HOST_WORK = _DEVICE_CATEGORIES | {"gpu_user_annotation", "ac2g", "Trace"}
+#: Host calls into CUDA (cudaLaunchKernel; cuLaunchKernel for what cuBLASLt launches through the driver).
+_LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver"}
 #: Kernel names of matrix products and attention (cuBLAS, cuBLASLt's nvjet, CUTLASS, flash attention).
 _MATMUL = re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|flash|fmha|attention|sdpa", re.IGNORECASE)
 _STEP = re.compile(r"ProfilerStep#(\d+)$")
@@ -121,6 +123,10 @@ def load_events(path: Path) -> Tuple[List[_Event], Dict[Tuple[Any, Any], str]]:
     return events, names
 
 
+def _thread_name(names: Dict[Tuple[Any, Any], str], thread: Tuple[Any, Any]) -> str:
+    return names.get(thread) or f"thread {thread[1]}"
+
+
 def _union(intervals: Iterable[Interval]) -> List[Interval]:
     merged: List[List[float]] = []
     for start, end in sorted(intervals):
@@ -211,10 +217,49 @@ def _overlaps(pieces: List[Tuple[float, float, str]], ends: List[float], interva
 
 def _watched(by_thread: Dict[Tuple[Any, Any], List[_Event]], training: Tuple[Any, Any]) -> List[Tuple[Any, Any]]:
     """The training thread, and every other thread that launched at least 5% of the kernels."""
-    launches = {t: sum(e.category == "cuda_runtime" and "Launch" in e.name for e in events)
+    launches = {t: sum(e.category in _LAUNCH_CATEGORIES and "Launch" in e.name for e in events)
                 for t, events in by_thread.items()}
     total = sum(launches.values())
     return [training] + [t for t in by_thread if t != training and total and launches[t] >= 0.05 * total]
+
+
+def _add_device_figures(summary: TraceSummary, device: List[_Event], watched: Dict[str, List[_Event]],
+                        windows: List[Interval], *, gap_ms: float, num_longest: int) -> None:
+    """Fills ``summary``'s device figures: the work by kind, the time without kernels, and what the
+    ``watched`` threads (name -> events) were in during the stretches of at least ``gap_ms``."""
+    kinds: Dict[str, List[Interval]] = defaultdict(list)
+    for e in device:
+        kinds[_device_kind(e)].append((e.start, e.end))
+    for kind in sorted(kinds):
+        busy = _union(kinds[kind])
+        summary.device_s[kind] = sum(_length(_clip(busy, w)) for w in windows) / 1e6
+    kernels = _union(iv for kind, ivs in kinds.items() if kind.startswith("kernels") for iv in ivs)
+    timelines = {}
+    for thread, events in watched.items():
+        pieces = _timeline(events)
+        timelines[thread] = (pieces, [e for _, e, _ in pieces])
+    by_activity: Dict[Tuple[str, str], float] = defaultdict(float)
+    gaps = []
+    for window in windows:
+        idle = _complement(_clip(kernels, window), window)
+        summary.kernel_idle_s += _length(idle) / 1e6
+        for gap in (g for g in idle if g[1] - g[0] >= gap_ms * 1e3):
+            at_middle = []
+            for thread, (pieces, ends) in timelines.items():
+                spent = _overlaps(pieces, ends, gap)
+                spent[_PYTHON] += (gap[1] - gap[0]) - sum(spent.values())
+                for what, us in spent.items():
+                    if us > 0:
+                        by_activity[(thread, what)] += us / 1e6
+                middle = (gap[0] + gap[1]) / 2
+                there = _overlaps(pieces, ends, (middle, middle + 1e-3))
+                at_middle.append(f"{thread}: {max(there, key=there.get) if there else _PYTHON}")
+            offset = _length(_clip(windows, (windows[0][0], gap[0])))
+            gaps.append((offset / 1e6, (gap[1] - gap[0]) / 1e6, "; ".join(at_middle)))
+    summary.num_gaps = len(gaps)
+    summary.gap_s = sum(g[1] for g in gaps)
+    summary.idle_by_activity = sorted(((t, w, s) for (t, w), s in by_activity.items()), key=lambda x: -x[2])
+    summary.longest_gaps = sorted(gaps, key=lambda g: -g[1])[:num_longest]
 
 
 def summarize(path: Path, *, gap_ms: float = 1.0, num_longest: int = 10) -> TraceSummary:
@@ -246,51 +291,20 @@ def summarize(path: Path, *, gap_ms: float = 1.0, num_longest: int = 10) -> Trac
         windows = _union((e.start, e.end) for _, e in steps)
     else:
         # Without step markers: the thread that launched the device's work, else the busiest one.
-        training = max(by_thread, key=lambda t: (sum(e.category == "cuda_runtime" for e in by_thread[t]),
+        training = max(by_thread, key=lambda t: (sum(e.category in _LAUNCH_CATEGORIES for e in by_thread[t]),
                                                   len(by_thread[t])))
         windows = [(min(e.start for e in events), max(e.end for e in events))]
     summary = TraceSummary(
         source=str(source),
         steps=[(number, (e.end - e.start) / 1e6) for number, e in steps],
         span_s=_length(windows) / 1e6,
-        training_thread=names.get(training) or f"thread {training[1]}",
+        training_thread=_thread_name(names, training),
     )
 
     device = [e for e in events if e.category in _DEVICE_CATEGORIES]
     if device:
-        kinds: Dict[str, List[Interval]] = defaultdict(list)
-        for e in device:
-            kinds[_device_kind(e)].append((e.start, e.end))
-        for kind in sorted(kinds):
-            busy = _union(kinds[kind])
-            summary.device_s[kind] = sum(_length(_clip(busy, w)) for w in windows) / 1e6
-        kernels = _union(iv for kind, ivs in kinds.items() if kind.startswith("kernels") for iv in ivs)
-        timelines = {}
-        for thread in _watched(by_thread, training):
-            pieces = _timeline(by_thread[thread])
-            timelines[names.get(thread) or f"thread {thread[1]}"] = (pieces, [e for _, e, _ in pieces])
-        by_activity: Dict[Tuple[str, str], float] = defaultdict(float)
-        gaps = []
-        for window in windows:
-            idle = _complement(_clip(kernels, window), window)
-            summary.kernel_idle_s += _length(idle) / 1e6
-            for gap in (g for g in idle if g[1] - g[0] >= gap_ms * 1e3):
-                at_middle = []
-                for thread, (pieces, ends) in timelines.items():
-                    spent = _overlaps(pieces, ends, gap)
-                    spent[_PYTHON] += (gap[1] - gap[0]) - sum(spent.values())
-                    for what, us in spent.items():
-                        if us > 0:
-                            by_activity[(thread, what)] += us / 1e6
-                    middle = (gap[0] + gap[1]) / 2
-                    there = _overlaps(pieces, ends, (middle, middle + 1e-3))
-                    at_middle.append(f"{thread}: {max(there, key=there.get) if there else _PYTHON}")
-                offset = _length(_clip(windows, (windows[0][0], gap[0])))
-                gaps.append((offset / 1e6, (gap[1] - gap[0]) / 1e6, "; ".join(at_middle)))
-        summary.num_gaps = len(gaps)
-        summary.gap_s = sum(g[1] for g in gaps)
-        summary.idle_by_activity = sorted(((t, w, s) for (t, w), s in by_activity.items()), key=lambda x: -x[2])
-        summary.longest_gaps = sorted(gaps, key=lambda g: -g[1])[:num_longest]
+        watched = {_thread_name(names, t): by_thread[t] for t in _watched(by_thread, training)}
+        _add_device_figures(summary, device, watched, windows, gap_ms=gap_ms, num_longest=num_longest)
 
     ranges: Dict[Tuple[str, str], List[float]] = defaultdict(lambda: [0, 0.0])
     for thread, thread_events in by_thread.items():
@@ -298,7 +312,7 @@ def summarize(path: Path, *, gap_ms: float = 1.0, num_longest: int = 10) -> Trac
             if e.name.startswith(PROFILE_PREFIX):
                 seen = sum(_length(_clip([(e.start, e.end)], w)) for w in windows)
                 if seen > 0:
-                    entry = ranges[(names.get(thread) or f"thread {thread[1]}", e.name)]
+                    entry = ranges[(_thread_name(names, thread), e.name)]
                     entry[0] += 1
                     entry[1] += seen / 1e6
     summary.ranges = {key: (int(c), s) for key, (c, s) in sorted(ranges.items())}
@@ -309,7 +323,10 @@ def format_summary(summary: TraceSummary) -> str:
     """The summary as Markdown: device work, where the kernel-idle time went, the engine's ranges.
     Figures are per profiled step (summed over the steps, divided by their number)."""
     n = max(1, len(summary.steps))
-    per = (lambda s: f"{s / n:.4f}")
+
+    def per(seconds: float) -> str:
+        return f"{seconds / n:.4f}"
+
     lines = [f"Trace: {summary.source}"]
     if summary.steps:
         walls = ", ".join(f"#{k} {s:.3f} s" for k, s in summary.steps)
