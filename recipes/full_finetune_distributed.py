@@ -184,7 +184,7 @@ class FullFinetuneRecipeDistributed:
         # 6. Schedule, profiler and memory figures, wired into the shared loop.
         self._lr_scheduler = build_lr_scheduler(cfg.get("lr_scheduler"), optimizer=self._optimizer,
                                                 progress=self.progress)
-        profiler = build_profiler(cfg.get("profiler"), s)
+        profiler = build_profiler(cfg.get("profiler"), all_threads=s.profile_all_threads)
         self._memory = MemoryMonitor(s.device, optimizer=self._optimizer)
         self._loop = TrainLoop(
             model=self._model, loss_fn=loss_fn, dataloader=self._dataloader, optimizer=self._optimizer,

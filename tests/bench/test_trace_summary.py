@@ -15,6 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN, BACKWARD, HOST, GPU = (1, 100), (1, 300), (1, 200), (0, 7)
 COPY_STREAM = (0, 20)
 PYTHON = "(in no recorded op)"
+#: Threads are named as the trace names them, with the engine range each spent longest in.
+AUTOGRAD = "autograd [gradient hook]"
 
 
 def _x(name, cat, thread, ts, dur):
@@ -38,6 +40,7 @@ def _trace():
         _x("cudaStreamSynchronize", "cuda_runtime", BACKWARD, 200, 200),
         _x("cuLaunchKernelEx", "cuda_driver", BACKWARD, 480, 5),
         _x("gpu annotation", "gpu_user_annotation", GPU, 0, 2000),  # mirrored range, not work
+        _x("cudaStreamSynchronize", "cuda_sync", GPU, 600, 10),  # on the device's row: not a host thread
         _x("sm90_xmma_gemm_bf16bf16_bf16f32", "kernel", GPU, 0, 100),
         _x("vectorized_elementwise_kernel", "kernel", GPU, 400, 100),
         _x("nvjet_tst_128x256", "kernel", GPU, 500, 400),
@@ -71,33 +74,33 @@ def test_every_figure_of_a_made_up_trace(tmp_path, gz):
     assert summary.num_gaps == 2 and summary.gap_s == pytest.approx(400e-6)
     assert {(t, w): v for t, w, v in summary.idle_by_activity} == pytest.approx({
         ("main", PYTHON): 400e-6,
-        ("autograd", "offload/gradient hook > cudaStreamSynchronize"): 200e-6,
-        ("autograd", "offload/gradient hook"): 100e-6,
-        ("autograd", PYTHON): 100e-6,
+        (AUTOGRAD, "offload/gradient hook > cudaStreamSynchronize"): 200e-6,
+        (AUTOGRAD, "offload/gradient hook"): 100e-6,
+        (AUTOGRAD, PYTHON): 100e-6,
     })
     assert summary.idle_by_activity[0][:2] == ("main", PYTHON)  # longest first
     assert summary.longest_gaps == [
-        pytest.approx((100e-6, 300e-6, f"main: {PYTHON}; autograd: offload/gradient hook > cudaStreamSynchronize")),
-        pytest.approx((900e-6, 100e-6, f"main: {PYTHON}; autograd: {PYTHON}")),
+        pytest.approx((100e-6, 300e-6, f"main: {PYTHON}; {AUTOGRAD}: offload/gradient hook > cudaStreamSynchronize")),
+        pytest.approx((900e-6, 100e-6, f"main: {PYTHON}; {AUTOGRAD}: {PYTHON}")),
     ]
     assert summary.ranges == {
-        ("autograd", "offload/gradient hook"): (1, pytest.approx(300e-6)),
-        ("step worker", "offload/host step"): (1, pytest.approx(1600e-6)),
+        (AUTOGRAD, "offload/gradient hook"): (1, pytest.approx(300e-6)),
+        ("step worker [host step]", "offload/host step"): (1, pytest.approx(1600e-6)),
     }
 
     text = format_summary(summary)
     assert "Profiled steps: #5 0.001 s, #6 0.001 s" in text
     assert "| kernels: matmul and attention | 0.0007 | 74.0% |" in text  # per step: 1480 / 2 us
     assert "| no kernel running | 0.0002 | 21.0% |" in text
-    assert "| autograd | offload/gradient hook > cudaStreamSynchronize | 0.0001 |" in text
-    assert "| step worker | offload/host step | 0.5 | 0.0008 |" in text
+    assert f"| {AUTOGRAD} | offload/gradient hook > cudaStreamSynchronize | 0.0001 |" in text
+    assert "| step worker [host step] | offload/host step | 0.5 | 0.0008 |" in text
 
 
 def test_without_step_markers_the_whole_trace_counts_and_the_launching_thread_trains(tmp_path):
     events = [e for e in _trace()["traceEvents"] if not e["name"].startswith("ProfilerStep")]
     summary = summarize(_write(tmp_path / "t.json", {"traceEvents": events}, gz=False), gap_ms=0.05)
     assert summary.steps == [] and summary.span_s == pytest.approx(0.0026)  # from 0 to the last end
-    assert summary.training_thread == "autograd"  # the thread that called the CUDA runtime most
+    assert summary.training_thread == AUTOGRAD  # the thread that called into CUDA most
     assert "No ProfilerStep markers" in format_summary(summary)
 
 
@@ -131,3 +134,25 @@ def test_the_script_prints_the_summary_and_refuses_a_path_without_a_trace(tmp_pa
     assert out.count("| 0.0001 | 0.0003 |") == 1 and "| 0.0009 | 0.0001 |" not in out  # the longest gap only
     with pytest.raises(SystemExit, match="no profiler trace"):
         main([str(tmp_path / "missing")])
+
+
+def test_ranges_that_overlap_without_nesting_and_repeated_step_numbers_are_read(tmp_path):
+    """Clock rounding can start a child before its parent; a cycle restarted can repeat a step number."""
+    events = [
+        _x("ProfilerStep#3", "user_annotation", TRAIN, 0, 100),
+        _x("ProfilerStep#3", "user_annotation", TRAIN, 100, 100),
+        _x("aten::add_", "cpu_op", TRAIN, 9, 11),  # starts 1 us before the range it belongs in
+        _x("offload/host step", "user_annotation", TRAIN, 10, 60),
+        _x("elementwise_kernel", "kernel", GPU, 0, 5),
+    ]
+    summary = summarize(_write(tmp_path / "t.json", {"traceEvents": events}, gz=False), gap_ms=0.001)
+    assert summary.steps == [(3, 0.0001), (3, 0.0001)]
+    # 5-9 no op, 9-10 the add alone, 10-70 the host step (the add's rest inside it), 70-200 no op.
+    assert dict((w, v) for _, w, v in summary.idle_by_activity) == pytest.approx(
+        {PYTHON: 134e-6, "aten::add_": 1e-6, "offload/host step": 60e-6})
+
+
+def test_a_trace_without_host_events_is_refused(tmp_path):
+    events = [_x("elementwise_kernel", "kernel", GPU, 0, 5)]
+    with pytest.raises(ValueError, match="no host events"):
+        summarize(_write(tmp_path / "t.json", {"traceEvents": events}, gz=False))

@@ -6,6 +6,8 @@ times faster than ``tune run``; one ``tune run`` per recipe proves the command l
 same config, and every reference run is also checked to learn (loss falls).
 """
 
+import gzip
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -19,7 +21,7 @@ from torchtune.modules.peft import get_adapter_state_dict
 
 from tests import zygote
 from tests.recipe_harness import TUNE, load_recipe_module, tiny_asset_overrides, working_tree_env
-from torchtune_offload.bench.trace_summary import format_summary, summarize
+from torchtune_offload.bench.trace_summary import summarize
 from torchtune_offload.recipe import read_disk_log
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -189,17 +191,30 @@ def test_a_profiled_run_trains_the_same_bits_and_traces_the_engine_on_each_threa
     profiled = runs("full", *settings, *schedule)
     assert torch.equal(torch.tensor(profiled.losses), torch.tensor(plain.losses))
     summary = summarize(profiled.output_dir / "profiling_outputs")
-    print(format_summary(summary))
     assert [number for number, _ in summary.steps] == [2, 3]
-    threads = {name: thread for thread, name in summary.ranges}
+    threads = _threads_of_ranges(summary)
     training = summary.training_thread
-    assert threads["offload/gradient hook"] == training
+    assert threads["offload/gradient hook"] == {training}
     # Each window's 3 micro-batches: the two later ones go through the staging ring's adder thread.
-    assert {threads["offload/sum: add"], threads["offload/host step"]}.isdisjoint({training})
+    assert {*threads["offload/sum: add"], *threads["offload/host step"]}.isdisjoint({training})
     assert not summary.device_s  # a CPU-only run: no device rows to read
 
-    one_thread = runs("full", *settings, *schedule, "profiler.all_threads=False")
-    assert {thread for thread, _ in summarize(one_thread.output_dir / "profiling_outputs").ranges} == {training}
+    one_thread = summarize(runs("full", *settings, *schedule, "profiler.all_threads=False").output_dir)
+    assert set(_threads_of_ranges(one_thread)["offload/gradient hook"]) == {one_thread.training_thread}
+    assert len({thread for thread, _ in one_thread.ranges}) == 1
+
+    # With stacks recorded (torchtune's verbose option, kept beside every thread's): both show.
+    stacks = summarize(runs("full", *settings, *schedule, "profiler.with_stack=True").output_dir)
+    assert _threads_of_ranges(stacks)["offload/sum: add"]
+    with gzip.open(stacks.source, "rt") as f:
+        assert any("Call stack" in e.get("args", {}) for e in json.load(f)["traceEvents"])
+
+
+def _threads_of_ranges(summary) -> Dict[str, set]:
+    threads: Dict[str, set] = {}
+    for thread, name in summary.ranges:
+        threads.setdefault(name, set()).add(thread)
+    return threads
 
 
 @pytest.mark.parametrize("overlap", [False, True])

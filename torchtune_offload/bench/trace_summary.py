@@ -11,7 +11,6 @@ the training thread was doing while no kernel ran, and how long each of the engi
 
 import bisect
 import gzip
-import itertools
 import json
 import re
 from collections import defaultdict
@@ -84,6 +83,9 @@ def find_trace(path: Path) -> Path:
     """The trace at ``path``: the file itself, or the newest ``*.pt.trace.json[.gz]`` (the name
     torch's trace handler gives) anywhere under a folder, so a run's or a sweep's folder will do.
 
+    Args:
+        path: a trace file (any name), or a folder.
+
     Raises:
         FileNotFoundError: if there is none, naming the path and how traces are made.
     """
@@ -102,6 +104,9 @@ def find_trace(path: Path) -> Path:
 
 def load_events(path: Path) -> Tuple[List[_Event], Dict[Tuple[Any, Any], str]]:
     """The complete (``"ph": "X"``) events of a Chrome trace, and its threads' names.
+
+    Args:
+        path: a Chrome trace, gzipped where its name ends in ``.gz``.
 
     Raises:
         ValueError: if the file is not a trace (no ``traceEvents`` list).
@@ -125,6 +130,21 @@ def load_events(path: Path) -> Tuple[List[_Event], Dict[Tuple[Any, Any], str]]:
 
 def _thread_name(names: Dict[Tuple[Any, Any], str], thread: Tuple[Any, Any]) -> str:
     return names.get(thread) or f"thread {thread[1]}"
+
+
+def _thread_names(names: Dict[Tuple[Any, Any], str],
+                  by_thread: Dict[Tuple[Any, Any], List[_Event]]) -> Dict[Tuple[Any, Any], str]:
+    """Each thread's trace name, with the engine range it spent longest in: Python does not name
+    its threads for the OS, so a trace calls them all after the process (``thread 8262 (python3)``)."""
+    out = {}
+    for thread, events in by_thread.items():
+        spent: Dict[str, float] = defaultdict(float)
+        for e in events:
+            if e.name.startswith(PROFILE_PREFIX):
+                spent[e.name[len(PROFILE_PREFIX):]] += e.end - e.start
+        busiest = f" [{max(spent, key=spent.get)}]" if spent else ""
+        out[thread] = _thread_name(names, thread) + busiest
+    return out
 
 
 def _union(intervals: Iterable[Interval]) -> List[Interval]:
@@ -182,7 +202,8 @@ def _activity(stack: Sequence[_Event]) -> str:
 
 def _timeline(events: List[_Event]) -> List[Tuple[float, float, str]]:
     """A thread's events (nested ranges) cut into ``(start, end, activity)`` pieces that tile the
-    time some event covers; a child that outlasts its parent (clock rounding) is cut at its end."""
+    time some event covers, in time order. Two ranges that overlap without one holding the other
+    (clock rounding) are cut where the later one starts."""
     pieces: List[Tuple[float, float, str]] = []
     stack: List[_Event] = []
     cursor = 0.0
@@ -197,8 +218,9 @@ def _timeline(events: List[_Event]) -> List[Tuple[float, float, str]]:
             cursor = stack.pop().end
         emit(event.start)
         cursor = event.start
-        end = min(event.end, stack[-1].end) if stack else event.end
-        stack.append(_Event(event.name, event.category, event.thread, event.start, end))
+        while stack and stack[-1].end < event.end:
+            stack.pop()
+        stack.append(event)
     while stack:
         emit(stack[-1].end)
         cursor = stack.pop().end
@@ -208,7 +230,8 @@ def _timeline(events: List[_Event]) -> List[Tuple[float, float, str]]:
 def _overlaps(pieces: List[Tuple[float, float, str]], ends: List[float], interval: Interval) -> Dict[str, float]:
     """Per activity, the time of ``interval`` it covers; ``pieces`` are in time order, ``ends`` their ends."""
     spent: Dict[str, float] = defaultdict(float)
-    for s, e, what in itertools.islice(pieces, bisect.bisect_right(ends, interval[0]), None):
+    for index in range(bisect.bisect_right(ends, interval[0]), len(pieces)):
+        s, e, what = pieces[index]
         if s >= interval[1]:
             break
         spent[what] += min(e, interval[1]) - max(s, interval[0])
@@ -281,11 +304,17 @@ def summarize(path: Path, *, gap_ms: float = 1.0, num_longest: int = 10) -> Trac
     events, names = load_events(source)
     if not events:
         raise ValueError(f"{source}: the trace holds no events.")
-    host = [e for e in events if e.category not in _NOT_HOST_WORK]
-    steps = sorted((int(_STEP.match(e.name).group(1)), e) for e in host if _STEP.match(e.name))
+    # A device's rows (its pid) hold only device work, whatever their categories.
+    device_pids = {e.thread[0] for e in events if e.category in _DEVICE_CATEGORIES}
+    host = [e for e in events if e.category not in _NOT_HOST_WORK and e.thread[0] not in device_pids]
+    if not host:
+        raise ValueError(f"{source}: the trace holds no host events (was it recorded with profiler.cpu=True?).")
+    steps = sorted(((int(_STEP.match(e.name).group(1)), e) for e in host if _STEP.match(e.name)),
+                   key=lambda step: (step[0], step[1].start))
     by_thread: Dict[Tuple[Any, Any], List[_Event]] = defaultdict(list)
     for e in host:
         by_thread[e.thread].append(e)
+    names = _thread_names(names, by_thread)
     if steps:
         training = steps[0][1].thread
         windows = _union((e.start, e.end) for _, e in steps)

@@ -107,7 +107,7 @@ class _ChunkRing:
         """Holds the ring's lock for an ``add_into`` call, the wait for it counted as the caller's."""
         start = time.perf_counter()
         with contextlib.ExitStack() as held:
-            with profiled("sum: wait in hook"):
+            with profiled("sum: wait for the ring's lock"):
                 held.enter_context(self._lock)
             self._waited_seconds += time.perf_counter() - start
             yield
@@ -229,7 +229,7 @@ class StagingRing(_ChunkRing):
         src_flat = src.reshape(-1)
         for index, start, length in self._pieces(src, src.element_size()):
             start_wait = time.perf_counter()
-            with profiled("sum: wait in hook"):
+            with profiled("sum: wait for a chunk"):
                 self._retire(index)
             self._waited_seconds += time.perf_counter() - start_wait
             staged = self._chunk(index).view(src.dtype)[:length]

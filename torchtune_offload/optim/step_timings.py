@@ -21,8 +21,9 @@ def profiled(name: str) -> ContextManager[object]:
 
     A step's timings say how long each part took in all; a trace says when, beside the device's
     kernels and copies, which is what finds the cause of a gap between the speed model and a run.
-    Without a running profiler the range costs one dispatcher call. The engine's host threads show
-    only when the profiler records every thread (the recipes' ``profiler.all_threads``).
+    Without a running profiler a range costs two operator calls (about 9 us on the project's CPU
+    machine: a few ms a step at 8B). The engine's host threads show only when the profiler records
+    every thread (the recipes' ``profiler.all_threads``).
     """
     return torch.profiler.record_function(PROFILE_PREFIX + name)
 

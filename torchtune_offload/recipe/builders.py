@@ -182,12 +182,16 @@ def build_lr_scheduler(
     return scheduler
 
 
-def build_profiler(cfg_profiler: Optional[DictConfig], settings: RecipeSettings) -> Any:
+def build_profiler(cfg_profiler: Optional[DictConfig], *, all_threads: bool) -> Any:
     """torchtune's torch profiler, or its no-op stand-in when disabled.
 
-    Beside torchtune's keys, ``all_threads`` (``settings.profile_all_threads``) records the
-    engine's host threads too (the overlap step, the staging ring's additions), whose ranges are
-    named ``offload/...``; ``python scripts/profile_summary.py <profiler.output_dir>`` reads the trace.
+    Args:
+        cfg_profiler: the config's ``profiler`` section, if any; its ``all_threads`` key (this
+            project's, read into the settings) is left out of what torchtune gets.
+        all_threads: record every thread (``RecipeSettings.profile_all_threads``), so that the
+            engine's host threads (the overlap step, the staging ring's additions) and their
+            ``offload/...`` ranges are in the trace; ``python scripts/profile_summary.py
+            <profiler.output_dir>`` reads it.
     """
     cfg_profiler = DictConfig({"enabled": False}) if cfg_profiler is None else cfg_profiler.copy()
     component = cfg_profiler.get("_component_", None)
@@ -197,9 +201,11 @@ def build_profiler(cfg_profiler: Optional[DictConfig], settings: RecipeSettings)
         raise ValueError(
             f"profiler._component_={component}: only torchtune.training.setup_torch_profiler is supported."
         )
-    cfg_profiler.pop("all_threads", None)  # read into settings; torchtune does not know it
+    cfg_profiler.pop("all_threads", None)
     profiler, _ = config.instantiate(cfg_profiler)
-    if settings.profile_all_threads and isinstance(profiler, torch.profiler.profile):
-        # torchtune builds the profiler without this option; torch reads it when the profiler starts.
-        profiler.experimental_config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    if all_threads and isinstance(profiler, torch.profiler.profile):
+        # torchtune builds the profiler without this option; torch reads it when the profiler
+        # starts. verbose is what torchtune sets where stacks are recorded, which they need.
+        profiler.experimental_config = torch._C._profiler._ExperimentalConfig(
+            verbose=profiler.with_stack, profile_all_threads=True)
     return profiler

@@ -115,7 +115,8 @@ class MemoryMonitor:
                 print(f"[torchtune_offload] NVML device memory unavailable ({err}); logging allocator figures only.")
 
     def stats(self, *, reset: bool = True) -> Dict[str, float]:
-        """Peak figures since the last call with ``reset``, in GiB."""
+        """Peak figures since the last call with ``reset``, in GiB, and the allocator's event
+        counts since then (:data:`ALLOCATOR_EVENTS`; the first call's since the process began)."""
         out: Dict[str, float] = {}
         if self.device.type != "cpu" and torch.accelerator.is_available():
             mem = torch.accelerator.memory_stats(self.device)
