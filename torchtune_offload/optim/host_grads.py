@@ -214,8 +214,8 @@ class HostGradients:
             self._transfer.wait(record.event)
             if record.staged is not None:
                 self.staging.drain_until(record.staged)
-        if record.norm is None:
-            record.norm = tensor_norm(slot.host_grad)
+            if record.norm is None:
+                record.norm = tensor_norm(slot.host_grad)
 
     def consumed(self, slot: Slot) -> None:
         """A step has used the slot's host gradient (or overwritten its buffer with new weights):
