@@ -40,7 +40,8 @@ _STEP = """
 import os, sys, threading, time, psutil, torch
 from omegaconf import OmegaConf
 from torchtune_offload.recipe import check_recipe_config, instantiate_model, build_loss
-from torchtune_offload.plan.planner import sequence_length, _mark_lora, load_config
+from torchtune_offload.plan.planner import load_config
+from torchtune_offload.plan.step_traces import mark_lora, sequence_length
 from dataclasses import replace
 cfg = load_config(sys.argv[1], sys.argv[4:])
 recipe, seq = sys.argv[2], sequence_length(cfg, int(sys.argv[3]) if sys.argv[3] != "-" else None)
@@ -63,7 +64,7 @@ def sample():
 def step(micro_batches):
     model = instantiate_model(cfg.model, settings)
     if recipe == "lora":
-        _mark_lora(model)
+        mark_lora(model)
     loss_fn = build_loss(cfg.loss, model, settings, verbose=False)
     # As the configured optimizer does: offload_gradients frees each gradient once backward has produced it.
     if settings.offload_gradients:

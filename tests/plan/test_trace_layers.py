@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from torchtune_offload.plan import trace
-from torchtune_offload.plan.planner import _make_optimizer, _mark_lora, load_config
+from torchtune_offload.plan.planner import load_config
+from torchtune_offload.plan.step_traces import mark_lora, traced_optimizer
 from torchtune_offload.plan.trace import REDUCED_LAYERS, build_meta_model, trace_training_step
 from torchtune_offload.recipe import check_recipe_config
 
@@ -21,9 +22,9 @@ def _traces(monkeypatch, config, overrides, *, recipe, seq_len, free_gradients=T
     """The step traced as the planner traces it, then with every layer (extrapolation turned off)."""
     cfg = load_config(config, overrides)
     settings = replace(check_recipe_config(cfg, recipe=recipe, device_present=False), compile=False)
-    options = dict(seq_len=seq_len, mark_trainable=_mark_lora if recipe == "lora" else None,
+    options = dict(seq_len=seq_len, mark_trainable=mark_lora if recipe == "lora" else None,
                    free_gradients=free_gradients, fp8_weights=fp8_weights,
-                   make_optimizer=_make_optimizer(settings, cfg) if with_optimizer else None)
+                   make_optimizer=traced_optimizer(settings, cfg) if with_optimizer else None)
     if with_optimizer:
         assert options["make_optimizer"] is not None
     reduced = trace_training_step(cfg, settings, **options)

@@ -35,9 +35,10 @@ from torchtune_offload.plan.planner import (
     plan_speed,
     plan_variant,
     process_baseline,
-    sequence_length,
+    step_requests,
 )
 from torchtune_offload.plan.speed import load_machine, preset_names
+from torchtune_offload.plan.step_traces import default_jobs, sequence_length, trace_steps
 from torchtune_offload.plan.trace import UntraceableModelError
 
 RECIPE_OF = {"full_finetune_single_device": "full", "lora_finetune_single_device": "lora",
@@ -66,6 +67,9 @@ def main(argv=None) -> int:
     p.add_argument("--fine-tunes", action=argparse.BooleanOptionalAction, default=True,
                    help="also plan the full, LoRA and QLoRA fine-tunes of the model (single-device recipes)")
     p.add_argument("--json", type=Path, help="also write the plans to this JSON file")
+    p.add_argument("--jobs", type=int, default=default_jobs(),
+                   help="processes that trace the plan's distinct training steps side by side (default: this "
+                        "machine's cores; 1 traces each step in this process as it is needed)")
     p.add_argument("--machine", help="predict each variant's speed on this machine: a preset "
                    f"({', '.join(preset_names())}) or a machine.json (tune-offload probe --output machine.json)")
     args = p.parse_intermixed_args(argv)
@@ -74,6 +78,8 @@ def main(argv=None) -> int:
     unknown = [v for v in args.variants.split(",") if v != "config" and v not in VARIANTS]
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from config, {', '.join(VARIANTS)}")
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: must be at least 1")
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         p.error(f"overrides must be key=value: {bad}")
@@ -93,13 +99,20 @@ def main(argv=None) -> int:
         device_budget = host_budget  # a CPU run's device memory is the host's
     try:
         plans, fine, traces = [], [], {}
+        with_fine_tunes = args.fine_tunes and recipe in ("full", "lora")
+        requests = step_requests(str(args.config), args.overrides, args.variants.split(","), recipe=recipe,
+                                 seq_len=args.seq_len, with_fine_tunes=with_fine_tunes)
+        if args.jobs > 1:
+            print(f"tracing the distinct training steps in up to {args.jobs} processes ...", file=sys.stderr,
+                  flush=True)
+        trace_steps(requests, traces, jobs=args.jobs)
         for name in args.variants.split(","):
             print(f"planning {name} ...", file=sys.stderr, flush=True)
             plan = plan_variant(str(args.config), args.overrides, name, recipe=recipe, seq_len=args.seq_len,
                                 baseline=baseline, traces=traces)
             plan.notes += baseline_notes if plan.problem is None else []
             plans.append(plan)
-        if args.fine_tunes and recipe in ("full", "lora"):
+        if with_fine_tunes:
             print("planning full, LoRA and QLoRA ...", file=sys.stderr, flush=True)
             configured = next((p for p in plans if p.name == "config"), None) or plan_variant(
                 str(args.config), args.overrides, "config", recipe=recipe, seq_len=args.seq_len,

@@ -15,11 +15,10 @@ sweep changes it and checked as the recipe checks it. Then:
 """
 
 import gc
-import json
 import os
 from argparse import Namespace
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import psutil
 import torch
@@ -31,7 +30,6 @@ from torchtune._cli import tune as _tune_launcher  # noqa: F401
 from torchtune.config._utils import _merge_yaml_and_cli_args
 from torchtune.models.llama3 import llama3, lora_llama3
 from torchtune.modules.loss import CEWithChunkedOutputLoss
-from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from torchtune_offload.bench.sweep import VARIANTS, overrides_for
 from torchtune_offload.optim.host_memory import offloads, optimizer_state_bytes
@@ -43,9 +41,9 @@ from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, confi
                                                unquantised_twin)
 from torchtune_offload.plan.recorded_runs import known_gaps, known_gaps_block
 from torchtune_offload.plan.speed import Machine, Speed, StepWork, predict, sums_elsewhere_block
-from torchtune_offload.plan.trace import (StepTrace, UntraceableModelError, build_meta_model, micro_batch_loss,
-                                          one_line, trace_training_step)
-from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
+from torchtune_offload.plan.step_traces import StepRequest, mark_lora, step_request
+from torchtune_offload.plan.trace import StepTrace, UntraceableModelError, build_meta_model, micro_batch_loss, one_line
+from torchtune_offload.recipe import RecipeSettings, host_memory_need
 from torchtune_offload.recipe.config import RECIPE_KEYS
 from torchtune_offload.recipe.host_preflight import available_host_memory
 
@@ -77,22 +75,6 @@ class VariantPlan:
     batch_size: Optional[int] = None
     #: CUDA offload runs: the caching allocator's reserved peak the plan assumes (see ``RESERVED_MARGIN``).
     reserved_bytes: Optional[int] = None
-
-
-def _mark_lora(model: torch.nn.Module) -> None:
-    set_trainable_params(model, get_adapter_params(model))
-
-
-def sequence_length(cfg: DictConfig, override: Optional[int]) -> int:
-    """Tokens per sample: ``--seq-len``, else the synthetic dataset's ``seq_len``, else ``tokenizer.max_seq_len``.
-
-    Raises:
-        ValueError: when none is known.
-    """
-    for value in (override, OmegaConf.select(cfg, "dataset.seq_len"), OmegaConf.select(cfg, "tokenizer.max_seq_len")):
-        if value is not None:
-            return int(value)
-    raise ValueError("tokenizer.max_seq_len is null, so the sequence length is unknown: give --seq-len N.")
 
 
 def load_config(config_path: str, overrides: Sequence[str]) -> DictConfig:
@@ -174,39 +156,6 @@ def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module
                     sums_on_device=own.get("grad_sum_on") == "device", state_bytes=state_bytes)
 
 
-def _make_optimizer(settings: RecipeSettings, cfg: DictConfig) -> Optional[Callable[[list], torch.optim.Optimizer]]:
-    """The optimizer whose step is traced: torch's own, on the device, stepping after backward."""
-    cls = settings.optimizer_class
-    if settings.device.type == "cpu" or settings.optimizer_in_bwd or not cls.__module__.startswith("torch.optim"):
-        return None
-    options = {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
-    # torch picks its multi-tensor (foreach) kernels for CUDA parameters; the fake ones are CPU
-    # tensors. A config that asks for the fused step keeps it (torch refuses fused with foreach).
-    if not options.get("fused"):
-        options.setdefault("foreach", True)
-
-    def make(params: list) -> torch.optim.Optimizer:
-        optimizer = cls(params, **options)
-        for p in params:  # one step first: the state exists during a step's forward and backward
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return optimizer
-
-    return make
-
-
-def _fp8_weights(settings: RecipeSettings, cfg: DictConfig) -> Optional[Tuple[int, bool]]:
-    """``(minimal_size, per_row)`` where the run holds its layer weights in FP8 on the device."""
-    if not settings.optimizer_capabilities.offloads or settings.device.type == "cpu":
-        return None
-    options = {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
-    own, _ = split_options(settings.optimizer_class.__init__, options)
-    if not own.get("device_weights"):
-        return None
-    return own["minimal_size"], own["device_weights"] == "fp8"
-
-
 def plan_variant(config_path: str, overrides: Sequence[str], name: str, *, recipe: str, seq_len: Optional[int],
                  baseline: int, traces: Optional[Dict[tuple, StepTrace]] = None) -> VariantPlan:
     """Predicts one variant's device and host peaks (or says why it cannot run).
@@ -230,8 +179,7 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
         UntraceableModelError: ``cfg.model`` cannot be built or traced.
     """
     try:
-        settings = check_recipe_config(cfg, recipe=recipe, device_present=False)
-        length = sequence_length(cfg, seq_len)
+        request = step_request(cfg, recipe=recipe, seq_len=seq_len)
     except UntraceableModelError:
         raise
     except ValueError as err:
@@ -240,22 +188,11 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     except ImportError as err:  # bitsandbytes missing
         plan.problem = f"cannot be planned here ({err})"
         return plan
-    settings = replace(settings, compile=False)
-    mark = _mark_lora if recipe == "lora" else None
-    offload_grads = settings.offload_gradients
-    free = offload_grads or settings.optimizer_in_bwd
-    make = _make_optimizer(settings, cfg)
-    fp8 = _fp8_weights(settings, cfg)
-    # The micro-batches the trace runs: one where each gradient is freed (a second repeats it), else up to two.
-    micro_batches = 1 if free else min(settings.gradient_accumulation_steps, 2)
-    key = (free, fp8, settings.optimizer_class if make else None, micro_batches,
-           str(settings.device), json.dumps(OmegaConf.to_container(cfg.optimizer, resolve=True), sort_keys=True)
-           if make else None, recipe, json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True))
+    settings, mark, fp8 = request.settings, request.mark_trainable, request.fp8_weights
     traces = {} if traces is None else traces
-    if key not in traces:
-        traces[key] = trace_training_step(cfg, settings, seq_len=length, mark_trainable=mark,
-                                          free_gradients=free, make_optimizer=make, fp8_weights=fp8)
-    trace = traces[key]
+    if request.key not in traces:
+        traces[request.key] = request.trace()
+    trace = traces[request.key]
     plan.device_parts = {f"step peak: {k.lower()}": v for k, v in trace.by_kind.items() if v}
     twin = unquantised_twin(cfg.model)
     if twin is not None:  # the counts below read shapes only; a QLoRA model takes seconds to build
@@ -275,7 +212,7 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     plan.device_bytes = sum(plan.device_parts.values())
     plan.batch_size = settings.batch_size
     if settings.device.type != "cpu":
-        plan.work = _step_work(settings, cfg, model, settings.batch_size * length)
+        plan.work = _step_work(settings, cfg, model, settings.batch_size * request.seq_len)
     if fp8 is not None:
         loaded = sum(p.numel() * p.element_size() for p in model.parameters())
         plan.notes.append(f"device_weights: the model loads in {settings.dtype} on the device before the optimizer "
@@ -298,6 +235,27 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
                           "(unless PYTORCH_CUDA_ALLOC_CONF is set), whose pages leave little cached beside what is "
                           "allocated (the 8B batch-1 runs on an H100: 1.8-2.0% above; docs/fp8_weights.md)")
     return plan
+
+
+def step_requests(config_path: str, overrides: Sequence[str], names: Sequence[str], *, recipe: str,
+                  seq_len: Optional[int], with_fine_tunes: bool) -> List[StepRequest]:
+    """The steps a plan of these variants (and of the fine-tunes, ``with_fine_tunes``) will trace,
+    for :func:`~torchtune_offload.plan.step_traces.trace_steps` to trace ahead, side by side. One
+    that cannot be described (a refused config, a model without a builder) is left out: the plan
+    meets it again and says why."""
+    configs = [(_variant_cfg(config_path, overrides, name), recipe) for name in names]
+    if with_fine_tunes:
+        cfg = load_config(config_path, overrides)
+        mine = configured_fine_tune(cfg.model)
+        configs += [(_fine_tune_cfg(cfg, f), f.recipe) for f in fine_tunes(cfg.model)
+                    if f.model is not None and f.name != mine]
+    requests = []
+    for cfg, cfg_recipe in configs:
+        try:
+            requests.append(step_request(cfg, recipe=cfg_recipe, seq_len=seq_len))
+        except (ValueError, ImportError):
+            pass
+    return requests
 
 
 def plan_fine_tunes(config_path: str, overrides: Sequence[str], configured: VariantPlan, *,
@@ -415,7 +373,7 @@ def miniature_step(cfg: DictConfig) -> str:
             model = lora_llama3(**_MINIATURE, quantize_base=kind == "QLoRA", **{
                 k: v for k, v in DEFAULT_ADAPTERS.items() if k != "lora_dropout"})
     if kind != "full":
-        _mark_lora(model)
+        mark_lora(model)
     if cfg.get("enable_activation_checkpointing", False):
         training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
     loss_fn = config.instantiate(cfg.loss) if "loss" in cfg else torch.nn.CrossEntropyLoss()

@@ -1,0 +1,80 @@
+"""The plan's distinct training steps, traced side by side in forked workers: the same traces as
+one process traces, each step once, and a step that fails in a worker left to the plan."""
+
+import dataclasses
+import json
+import sys
+
+
+from tests import zygote
+from tests.plan.test_planner import CONFIG, REPO
+from tests.recipe_harness import tiny_asset_overrides, working_tree_env
+from torchtune_offload.plan.planner import step_requests
+from torchtune_offload.plan.step_traces import StepRequest, trace_steps
+
+VARIANTS = ["config", "adamw", "offload", "offload_grads", "offload_grads_overlap"]
+
+
+def _requests(tiny_assets, tmp_path):
+    overrides = [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "device=cuda"]
+    return step_requests(CONFIG, overrides, VARIANTS, recipe="full", seq_len=None, with_fine_tunes=True)
+
+
+def _figures(trace):
+    return dataclasses.replace(trace, seconds=0.0)  # how long it took is all that may differ
+
+
+def test_workers_trace_each_distinct_step_once_as_one_process_would(tiny_assets, tmp_path):
+    requests = _requests(tiny_assets, tmp_path)
+    keys = {r.key for r in requests}
+    # Five variants and two more fine-tunes (LoRA, QLoRA) share four steps: gradients kept with
+    # torch's AdamW stepping, kept without a traced optimizer, freed; and the two adapters'.
+    assert len(requests) == len(VARIANTS) + 2 and len(keys) == 5
+    traces = {}
+    # The tiny QLoRA model cannot be built (too few weights to quantise): the plan says so, the
+    # workers leave it out.
+    qlora = next(r.key for r in requests if r.cfg.model.get("quantize_base"))
+    assert trace_steps(requests, traces, jobs=2) == len(keys) - 1
+    assert traces.keys() == keys - {qlora}
+    for request in {r.key: r for r in requests if r.key != qlora}.values():
+        assert _figures(traces[request.key]) == _figures(request.trace())
+    assert trace_steps(requests, traces, jobs=2) == 0  # the rest in the cache already, and one left
+
+
+def test_one_job_traces_nothing_ahead_and_a_failed_step_is_left_to_the_plan(tiny_assets, tmp_path):
+    requests = _requests(tiny_assets, tmp_path)
+    traces = {}
+    assert trace_steps(requests, traces, jobs=1) == 0 and not traces
+
+    class Broken(StepRequest):
+        def trace(self):
+            raise RuntimeError("untraceable")
+
+    broken = Broken(**{f.name: getattr(requests[0], f.name) for f in dataclasses.fields(StepRequest)})
+    others = [r for r in requests if r.key != broken.key and not r.cfg.model.get("quantize_base")]
+    traced = trace_steps([broken, *others], traces, jobs=2)
+    assert broken.key not in traces and traced == len({r.key for r in others}) == len(traces) == 3
+
+
+def _plan(tiny_assets, tmp_path, jobs):
+    out = tmp_path / f"plan-{jobs}.json"
+    proc = zygote.run([sys.executable, "-m", "torchtune_offload.plan", "--config", CONFIG, "--json", str(out),
+                       "--jobs", jobs, *tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "device=cuda",
+                       "--device-gib", "1", "--host-gib", "64"],
+                      cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True, text=True,
+                      timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("in up to 2 processes" in proc.stderr) is (jobs == "2")
+    plans = json.loads(out.read_text())
+    return {p["name"]: (p["device_bytes"], p["device_parts"], p["problem"]) for p in plans["plans"] + plans["fine_tunes"]}
+
+
+def test_the_cli_plans_the_same_with_one_job_or_two(tiny_assets, tmp_path):
+    one, two = _plan(tiny_assets, tmp_path, "1"), _plan(tiny_assets, tmp_path, "2")
+    assert one == two and len(one) == 20  # 17 variants and the 3 fine-tunes
+
+
+def test_jobs_below_one_are_refused(tmp_path):
+    proc = zygote.run([sys.executable, "-m", "torchtune_offload.plan", "--config", CONFIG, "--jobs", "0"],
+                      cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "--jobs 0: must be at least 1" in proc.stderr
