@@ -4,6 +4,7 @@ one process traces, each step once, and a step that fails in a worker left to th
 import dataclasses
 import json
 import sys
+import time
 
 
 from tests import zygote
@@ -78,3 +79,20 @@ def test_jobs_below_one_are_refused(tmp_path):
     proc = zygote.run([sys.executable, "-m", "torchtune_offload.plan", "--config", CONFIG, "--jobs", "0"],
                       cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "--jobs 0: must be at least 1" in proc.stderr
+
+
+def test_a_worker_that_gives_no_result_in_time_is_stopped_and_the_rest_left_to_the_plan(tiny_assets, tmp_path,
+                                                                                       capsys):
+    requests = [r for r in _requests(tiny_assets, tmp_path) if not r.cfg.model.get("quantize_base")]
+
+    class Stuck(StepRequest):
+        def trace(self):
+            time.sleep(120)
+
+    stuck = Stuck(**{f.name: getattr(requests[0], f.name) for f in dataclasses.fields(StepRequest)})
+    traces = {}
+    start = time.perf_counter()
+    trace_steps([stuck, *[r for r in requests if r.key != stuck.key]], traces, jobs=2, timeout_s=5)
+    assert time.perf_counter() - start < 60  # the stuck worker was stopped, not waited for
+    assert stuck.key not in traces
+    assert "gave no result in 5 s" in capsys.readouterr().err

@@ -12,7 +12,7 @@ them in the plan's shared cache, so that a 2-core machine plans an 8B config on 
 import json
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor, as_completed
+import sys
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -139,31 +139,38 @@ def default_jobs() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+#: The longest wait for a worker's next traced step (an 8B step takes 2-8 s on the 2-core development
+#: machine); a worker that hangs or dies costs this wait, then the plan traces in this process.
+WORKER_TIMEOUT_S = 300.0
+
 #: The requests the forked workers trace, by index: set by trace_steps before it forks, and read
 #: by the workers in their copy of this process (a fork copies them; nothing is pickled).
 _PENDING: List[StepRequest] = []
 
 
-def _trace_pending(index: int) -> Optional[StepTrace]:
+def _trace_pending(index: int) -> Tuple[int, Optional[StepTrace]]:
     torch.set_num_threads(1)  # one worker a core; fake tensors compute next to nothing
     try:
-        return _PENDING[index].trace()
+        return index, _PENDING[index].trace()
     except Exception:  # not sent back: an exception that cannot be unpickled would break the pool
-        return None
+        return index, None
 
 
-def trace_steps(requests: Sequence[StepRequest], traces: Dict[tuple, StepTrace], *, jobs: int) -> int:
+def trace_steps(requests: Sequence[StepRequest], traces: Dict[tuple, StepTrace], *, jobs: int,
+                timeout_s: float = WORKER_TIMEOUT_S) -> int:
     """Traces the distinct steps of ``requests`` that ``traces`` lacks, ``jobs`` at a time in forked
     worker processes, into ``traces``.
 
     A step whose trace fails in a worker is left out: the plan traces it again where it needs it,
     and reports the error there as it always has. With one job, one step to trace, or no ``fork``
-    (Windows), nothing is traced here.
+    (Windows), nothing is traced here. Workers that go ``timeout_s`` without a result are stopped,
+    and the plan traces what they left in this process.
 
     Args:
         requests: the plan's steps (see :func:`step_request`).
         traces: the plan's cache of traced steps by key; filled in.
         jobs: worker processes at most.
+        timeout_s: the longest wait for the next result.
 
     Returns:
         How many steps were traced here.
@@ -178,17 +185,17 @@ def trace_steps(requests: Sequence[StepRequest], traces: Dict[tuple, StepTrace],
     _PENDING = list(todo.values())
     traced = 0
     try:
-        context = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(max_workers=min(jobs, len(_PENDING)), mp_context=context) as pool:
-            futures = {pool.submit(_trace_pending, i): r.key for i, r in enumerate(_PENDING)}
-            for future in as_completed(futures):
-                try:
-                    trace = future.result()
-                except Exception:  # a worker died (BrokenProcessPool): the plan traces what is missing
-                    trace = None
+        # Leaving the block terminates the workers, any still running included.
+        with multiprocessing.get_context("fork").Pool(processes=min(jobs, len(_PENDING))) as pool:
+            results = pool.imap_unordered(_trace_pending, range(len(_PENDING)))
+            for _ in range(len(_PENDING)):
+                index, trace = results.next(timeout=timeout_s)
                 if trace is not None:  # else traced again by the plan, which reports the error where it belongs
-                    traces[futures[future]] = trace
+                    traces[_PENDING[index].key] = trace
                     traced += 1
+    except multiprocessing.TimeoutError:
+        print(f"[plan] a tracing worker gave no result in {timeout_s:.0f} s; the rest are traced in this process.",
+              file=sys.stderr, flush=True)
     finally:
         _PENDING = []
     return traced
