@@ -38,7 +38,7 @@ from torchtune_offload.plan.planner import (
     step_requests,
 )
 from torchtune_offload.plan.speed import load_machine, preset_names
-from torchtune_offload.plan.step_traces import default_jobs, sequence_length, trace_steps
+from torchtune_offload.plan.step_traces import default_jobs, parallel_tracing_available, sequence_length, trace_steps
 from torchtune_offload.plan.trace import UntraceableModelError
 
 RECIPE_OF = {"full_finetune_single_device": "full", "lora_finetune_single_device": "lora",
@@ -102,10 +102,13 @@ def main(argv=None) -> int:
         with_fine_tunes = args.fine_tunes and recipe in ("full", "lora")
         requests = step_requests(str(args.config), args.overrides, args.variants.split(","), recipe=recipe,
                                  seq_len=args.seq_len, with_fine_tunes=with_fine_tunes)
-        if args.jobs > 1:
-            print(f"tracing the distinct training steps in up to {args.jobs} processes ...", file=sys.stderr,
-                  flush=True)
-        trace_steps(requests, traces, jobs=args.jobs)
+        distinct = len({r.key for r in requests})
+        if args.jobs > 1 and distinct > 1 and parallel_tracing_available():
+            print(f"tracing {distinct} distinct training steps, {min(args.jobs, distinct)} worker processes at a "
+                  "time ...", file=sys.stderr, flush=True)
+            traced = trace_steps(requests, traces, jobs=args.jobs)
+            print(f"traced {traced} of {distinct} in workers" + ("" if traced == distinct else
+                  "; the plan traces the rest, and says why it cannot where it cannot"), file=sys.stderr, flush=True)
         for name in args.variants.split(","):
             print(f"planning {name} ...", file=sys.stderr, flush=True)
             plan = plan_variant(str(args.config), args.overrides, name, recipe=recipe, seq_len=args.seq_len,

@@ -41,9 +41,9 @@ from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, confi
                                                unquantised_twin)
 from torchtune_offload.plan.recorded_runs import known_gaps, known_gaps_block
 from torchtune_offload.plan.speed import Machine, Speed, StepWork, predict, sums_elsewhere_block
-from torchtune_offload.plan.step_traces import StepRequest, mark_lora, step_request
+from torchtune_offload.plan.step_traces import StepRequest, mark_lora, sequence_length, step_request
 from torchtune_offload.plan.trace import StepTrace, UntraceableModelError, build_meta_model, micro_batch_loss, one_line
-from torchtune_offload.recipe import RecipeSettings, host_memory_need
+from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
 from torchtune_offload.recipe.config import RECIPE_KEYS
 from torchtune_offload.recipe.host_preflight import available_host_memory
 
@@ -179,7 +179,8 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
         UntraceableModelError: ``cfg.model`` cannot be built or traced.
     """
     try:
-        request = step_request(cfg, recipe=recipe, seq_len=seq_len)
+        settings = check_recipe_config(cfg, recipe=recipe, device_present=False)
+        length = sequence_length(cfg, seq_len)
     except UntraceableModelError:
         raise
     except ValueError as err:
@@ -188,6 +189,7 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     except ImportError as err:  # bitsandbytes missing
         plan.problem = f"cannot be planned here ({err})"
         return plan
+    request = step_request(cfg, settings, recipe=recipe, seq_len=length)
     settings, mark, fp8 = request.settings, request.mark_trainable, request.fp8_weights
     traces = {} if traces is None else traces
     if request.key not in traces:
@@ -212,7 +214,7 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     plan.device_bytes = sum(plan.device_parts.values())
     plan.batch_size = settings.batch_size
     if settings.device.type != "cpu":
-        plan.work = _step_work(settings, cfg, model, settings.batch_size * request.seq_len)
+        plan.work = _step_work(settings, cfg, model, settings.batch_size * length)
     if fp8 is not None:
         loaded = sum(p.numel() * p.element_size() for p in model.parameters())
         plan.notes.append(f"device_weights: the model loads in {settings.dtype} on the device before the optimizer "
@@ -239,10 +241,22 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
 
 def step_requests(config_path: str, overrides: Sequence[str], names: Sequence[str], *, recipe: str,
                   seq_len: Optional[int], with_fine_tunes: bool) -> List[StepRequest]:
-    """The steps a plan of these variants (and of the fine-tunes, ``with_fine_tunes``) will trace,
-    for :func:`~torchtune_offload.plan.step_traces.trace_steps` to trace ahead, side by side. One
-    that cannot be described (a refused config, a model without a builder) is left out: the plan
-    meets it again and says why."""
+    """The steps a plan will trace, for :func:`~torchtune_offload.plan.step_traces.trace_steps` to
+    trace ahead, side by side.
+
+    Args:
+        config_path, overrides: the config and its command-line overrides.
+        names: the variants planned (``config`` and names of the sweep's variants).
+        recipe: the recipe the config runs.
+        seq_len: ``--seq-len``, or None for the config's.
+        with_fine_tunes: the full, LoRA and QLoRA fine-tunes are planned too (with the config's
+            own plan, which stands for its fine-tune).
+
+    Returns:
+        One request per variant or fine-tune that can be described; one that cannot (a refused
+        config, a model without a builder) is left out, for the plan to meet again and report.
+    """
+    names = [*names, "config"] if with_fine_tunes and "config" not in names else list(names)
     configs = [(_variant_cfg(config_path, overrides, name), recipe) for name in names]
     if with_fine_tunes:
         cfg = load_config(config_path, overrides)
@@ -252,8 +266,9 @@ def step_requests(config_path: str, overrides: Sequence[str], names: Sequence[st
     requests = []
     for cfg, cfg_recipe in configs:
         try:
-            requests.append(step_request(cfg, recipe=cfg_recipe, seq_len=seq_len))
-        except (ValueError, ImportError):
+            settings = check_recipe_config(cfg, recipe=cfg_recipe, device_present=False)
+            requests.append(step_request(cfg, settings, recipe=cfg_recipe, seq_len=sequence_length(cfg, seq_len)))
+        except Exception:  # met again by the plan, which reports or raises it as it would without this
             pass
     return requests
 

@@ -12,17 +12,22 @@ them in the plan's shared cache, so that a 2-core machine plans an 8B config on 
 import json
 import multiprocessing
 import os
+import signal
 import sys
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as connection_wait
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from torchtune_offload.optim.optimizer_class import split_options
+from torchtune_offload.plan.fine_tunes import configured_fine_tune
 from torchtune_offload.plan.trace import StepTrace, trace_training_step
-from torchtune_offload.recipe import RecipeSettings, check_recipe_config
+from torchtune_offload.recipe import RecipeSettings
 
 
 def mark_lora(model: torch.nn.Module) -> None:
@@ -95,6 +100,11 @@ class StepRequest:
     mark_trainable: Optional[Callable[[torch.nn.Module], None]]
     fp8_weights: Optional[Tuple[int, bool]]
 
+    def describe(self) -> str:
+        """The step in a few words, for messages."""
+        frees = "gradients freed" if _frees_gradients(self.settings) else "gradients kept"
+        return f"{self.cfg.model._component_} ({frees}, {self.settings.optimizer_class.__name__})"
+
     def trace(self) -> StepTrace:
         """Traces the step (seconds for an 8B model)."""
         s = self.settings
@@ -107,20 +117,21 @@ def _frees_gradients(settings: RecipeSettings) -> bool:
     return settings.offload_gradients or settings.optimizer_in_bwd
 
 
-def step_request(cfg: DictConfig, *, recipe: str, seq_len: Optional[int]) -> StepRequest:
-    """The step ``cfg`` trains, checked as ``recipe`` checks it.
+def step_request(cfg: DictConfig, settings: RecipeSettings, *, recipe: str, seq_len: int) -> StepRequest:
+    """The step ``cfg`` trains.
 
     Args:
         cfg: a recipe config.
+        settings: its settings, as ``check_recipe_config`` read them for ``recipe``.
         recipe: ``full``, ``lora`` or ``distributed``.
-        seq_len: tokens per sample, or None for the config's (:func:`sequence_length`).
+        seq_len: tokens per sample (:func:`sequence_length`).
 
-    Raises:
-        ValueError: a problem of the config (the recipe's check) or an unknown sequence length.
-        ImportError: the configured optimizer's library is missing.
+    Returns:
+        The request, keyed by what tells the steps of one plan apart. The variants and fine-tunes
+        of one plan share the config's batch, dtype, activation settings and loss, so the key
+        leaves them out; a cache shared across plans would need them.
     """
-    settings = replace(check_recipe_config(cfg, recipe=recipe, device_present=False), compile=False)
-    length = sequence_length(cfg, seq_len)
+    settings = replace(settings, compile=False)
     free = _frees_gradients(settings)
     make = traced_optimizer(settings, cfg)
     fp8 = fp8_weights(settings, cfg)
@@ -129,8 +140,8 @@ def step_request(cfg: DictConfig, *, recipe: str, seq_len: Optional[int]) -> Ste
     key = (free, fp8, settings.optimizer_class if make else None, micro_batches,
            str(settings.device), json.dumps(OmegaConf.to_container(cfg.optimizer, resolve=True), sort_keys=True)
            if make else None, recipe, json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True),
-           length)
-    return StepRequest(key=key, cfg=cfg, settings=settings, seq_len=length,
+           seq_len)
+    return StepRequest(key=key, cfg=cfg, settings=settings, seq_len=seq_len,
                        mark_trainable=mark_lora if recipe == "lora" else None, fp8_weights=fp8)
 
 
@@ -139,63 +150,98 @@ def default_jobs() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-#: The longest wait for a worker's next traced step (an 8B step takes 2-8 s on the 2-core development
-#: machine); a worker that hangs or dies costs this wait, then the plan traces in this process.
+#: The longest a worker may take over one step (an 8B step takes 2-8 s on the 2-core development
+#: machine): one that hangs is stopped then, and the plan traces its step in this process.
 WORKER_TIMEOUT_S = 300.0
 
-#: The requests the forked workers trace, by index: set by trace_steps before it forks, and read
-#: by the workers in their copy of this process (a fork copies them; nothing is pickled).
-_PENDING: List[StepRequest] = []
 
-
-def _trace_pending(index: int) -> Tuple[int, Optional[StepTrace]]:
-    torch.set_num_threads(1)  # one worker a core; fake tensors compute next to nothing
+def _trace_in_worker(request: StepRequest, conn: Connection) -> None:
+    """A forked worker's whole life: one step traced, its trace (or None) sent back."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops its workers
+    # The parent may have run torch's OpenMP threads (the process baseline runs a real step), and
+    # libgomp's thread pool does not survive a fork: with one thread no parallel region enters it.
+    torch.set_num_threads(1)
     try:
-        return index, _PENDING[index].trace()
-    except Exception:  # not sent back: an exception that cannot be unpickled would break the pool
-        return index, None
+        trace: Optional[StepTrace] = request.trace()
+    except Exception:  # not sent: the plan traces the step again and reports the error where it belongs
+        trace = None
+    conn.send(trace)
+    conn.close()
+
+
+def parallel_tracing_available() -> bool:
+    """Forked workers trace on Linux only: macOS's system libraries are not safe to fork (Python
+    spawns there since 3.8) and Windows cannot fork."""
+    return sys.platform == "linux"
 
 
 def trace_steps(requests: Sequence[StepRequest], traces: Dict[tuple, StepTrace], *, jobs: int,
                 timeout_s: float = WORKER_TIMEOUT_S) -> int:
-    """Traces the distinct steps of ``requests`` that ``traces`` lacks, ``jobs`` at a time in forked
-    worker processes, into ``traces``.
+    """Traces the distinct steps of ``requests`` that ``traces`` lacks in forked worker processes,
+    at most ``jobs`` at once, one step each, into ``traces``.
 
-    A step whose trace fails in a worker is left out: the plan traces it again where it needs it,
-    and reports the error there as it always has. With one job, one step to trace, or no ``fork``
-    (Windows), nothing is traced here. Workers that go ``timeout_s`` without a result are stopped,
-    and the plan traces what they left in this process.
+    Whatever goes wrong here only leaves steps out of ``traces``, and the plan traces those in this
+    process where it needs them, reporting any error there as it always has: a step whose trace
+    raises, a worker that dies (seen at once, by its pipe closing) or takes more than ``timeout_s``
+    (stopped, and named on stderr), or processes that cannot be started. With one job, fewer than
+    two steps to trace, or off Linux (:func:`parallel_tracing_available`), nothing is traced here.
 
     Args:
         requests: the plan's steps (see :func:`step_request`).
-        traces: the plan's cache of traced steps by key; filled in.
+        traces: the plan's cache of traced steps by key; filled in (the plan then adds what is missing).
         jobs: worker processes at most.
-        timeout_s: the longest wait for the next result.
+        timeout_s: the longest one worker may take.
 
     Returns:
         How many steps were traced here.
     """
-    global _PENDING
     todo: Dict[tuple, StepRequest] = {}
     for request in requests:
         if request.key not in traces:
             todo.setdefault(request.key, request)
-    if jobs < 2 or len(todo) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+    if jobs < 2 or len(todo) < 2 or not parallel_tracing_available():
         return 0
-    _PENDING = list(todo.values())
+    context = multiprocessing.get_context("fork")
+    # The slowest first, so that the last worker to finish started early: a QLoRA step builds its
+    # model whole, quantising every weight.
+    waiting = sorted(todo.values(), key=lambda r: configured_fine_tune(r.cfg.model) != "QLoRA")
+    running: Dict[Connection, Tuple[multiprocessing.process.BaseProcess, StepRequest, float]] = {}
     traced = 0
     try:
-        # Leaving the block terminates the workers, any still running included.
-        with multiprocessing.get_context("fork").Pool(processes=min(jobs, len(_PENDING))) as pool:
-            results = pool.imap_unordered(_trace_pending, range(len(_PENDING)))
-            for _ in range(len(_PENDING)):
-                index, trace = results.next(timeout=timeout_s)
-                if trace is not None:  # else traced again by the plan, which reports the error where it belongs
-                    traces[_PENDING[index].key] = trace
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                request = waiting.pop(0)
+                receive, send = context.Pipe(duplex=False)
+                # Forked: the request is the parent's own object, not a pickled copy.
+                worker = context.Process(target=_trace_in_worker, args=(request, send), daemon=True)
+                worker.start()
+                send.close()  # the worker holds the only sending end: its death closes the pipe
+                running[receive] = (worker, request, time.monotonic() + timeout_s)
+            next_deadline = min(deadline for _, _, deadline in running.values())
+            for receive in connection_wait(list(running), timeout=max(0.0, next_deadline - time.monotonic())):
+                worker, request, _ = running.pop(receive)
+                try:
+                    trace = receive.recv()
+                except (EOFError, OSError):  # the worker died before sending
+                    trace = None
+                receive.close()
+                worker.join()
+                if trace is not None:
+                    traces[request.key] = trace
                     traced += 1
-    except multiprocessing.TimeoutError:
-        print(f"[plan] a tracing worker gave no result in {timeout_s:.0f} s; the rest are traced in this process.",
-              file=sys.stderr, flush=True)
+            now = time.monotonic()
+            for receive in [r for r, (_, _, deadline) in running.items() if deadline <= now]:
+                worker, request, _ = running.pop(receive)
+                worker.kill()
+                worker.join()
+                receive.close()
+                print(f"[plan] the trace of {request.describe()} took more than {timeout_s:.0f} s in a worker; "
+                      "it is traced in this process.", file=sys.stderr, flush=True)
+    except Exception as err:  # no process could be started, say: the plan traces the rest itself
+        print(f"[plan] tracing in worker processes stopped ({type(err).__name__}: {err}); the rest is traced in "
+              "this process.", file=sys.stderr, flush=True)
     finally:
-        _PENDING = []
+        for worker, _, _ in running.values():
+            worker.kill()
+            worker.join()
     return traced
