@@ -6,7 +6,8 @@ time. Many share a step (the same model, gradients kept or freed, the same trace
 :func:`step_request` describes a config's step and the key that tells one step from another.
 :func:`trace_steps` traces the distinct steps side by side in forked worker processes and leaves
 them in the plan's shared cache, so that a 2-core machine plans an 8B config on both of its cores
-(issue 43 asks for at most 60 s there); the plan is then assembled from the cache as before.
+(issue 43 asks for at most 60 s there; Linux only); the plan is then assembled from the cache as
+before.
 """
 
 import json
@@ -15,9 +16,9 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as connection_wait
-from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
