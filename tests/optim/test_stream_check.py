@@ -262,6 +262,16 @@ def test_each_wait_is_one_a_checked_test_needs(site):
         _run(WAITS[site], drop=[site])
 
 
+def test_the_engines_profiler_ranges_order_nothing():
+    """Under a running profiler the engine's ranges (step_timings.profiled) are operators that take
+    no tensor: were they counted as work on a stream, the landing range around the host norm would
+    order the threads and hide this dropped wait."""
+    site = ("overlap_scheduler.py", "self._result(queued.landed,")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        with pytest.raises(StreamOrderError):
+            _run(WAITS[site], drop=[site])
+
+
 def test_the_staging_race_the_h100_showed_is_caught_with_its_fix_undone():
     fix = ("state_streamer.py", "stream.wait_event(self._buffer_free[index])")
     with pytest.raises(StreamOrderError, match="state_streamer.py"):
