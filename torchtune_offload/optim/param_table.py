@@ -306,7 +306,7 @@ def plan_table_memory(params: Any, *, base_class: type, options: Dict[str, Any],
                  NUM_CHUNKS * pinned_allocation_bytes(chunk, pinned=pinned))
     elif pinning == NONE:
         # No accelerator: the device ring's chunks are in this host's memory.
-        plan.add(CPU_DEVICE_RING, device_sum_ring_bytes(offloaded, minimal_size=minimal_size,
+        plan.add(CPU_DEVICE_RING, device_sum_ring_bytes(trainable, minimal_size=minimal_size,
                                                         grad_sum_dtype=grad_sum_dtype))
     return plan
 

@@ -30,16 +30,12 @@ class Gap:
     applies: Optional[Callable[[StepWork], bool]] = field(default=None, compare=False)
 
 
-def _accumulates_offloaded_gradients(work: StepWork) -> bool:
-    return work.update == "host" and work.offload_gradients and work.micro_batches > 1
-
-
 def _accumulates_through_the_host_ring(work: StepWork) -> bool:
-    return _accumulates_offloaded_gradients(work) and not work.sums_on_device
+    return work.sums_later_micro_batches and not work.sums_on_device
 
 
 def _accumulates_on_the_device(work: StepWork) -> bool:
-    return _accumulates_offloaded_gradients(work) and work.sums_on_device
+    return work.sums_later_micro_batches and work.sums_on_device
 
 
 S1_ALL = "gpu_results.md, first session (2026-11-22, db96fea): llama3_2 1B, whole GPU"

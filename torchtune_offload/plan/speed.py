@@ -192,6 +192,12 @@ class StepWork:
         """Bytes per element of the host gradient buffers."""
         return self.grad_sum_size or self.element_size
 
+    @property
+    def sums_later_micro_batches(self) -> bool:
+        """The host engine adds later micro-batches' offloaded gradients into their host sums
+        (where ``sums_on_device`` says: the host's staging ring, or the device)."""
+        return self.update == "host" and self.offload_gradients and self.micro_batches > 1
+
     def __post_init__(self) -> None:
         if self.update not in UPDATES:
             raise ValueError(f"StepWork.update={self.update!r}: one of {', '.join(UPDATES)}")
@@ -262,7 +268,7 @@ def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Option
         samples_per_micro_batch: the batch size, for :attr:`Speed.hides_at_batch`.
     """
     speed = _predict(work, machine, samples_per_micro_batch)
-    if work.update == "host" and work.offload_gradients and work.micro_batches > 1:
+    if work.sums_later_micro_batches:
         other = _predict(replace(work, sums_on_device=not work.sums_on_device), machine, samples_per_micro_batch)
         speed = replace(speed, sums_elsewhere=("host" if work.sums_on_device else "device", other.tokens_per_second))
     return speed
