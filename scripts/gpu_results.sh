@@ -9,7 +9,7 @@
 #   demo            scripts/gradient_math_demo.py on the GPU (log: OUT_DIR/grad-math.log)
 #   sweep:MODEL:GIB the optimizer sweep of MODEL (1B or 3B: llama3_2; 8B: llama3_1) from a random-init checkpoint on
 #                   synthetic data; GIB: GPU memory left free by a ballast, or "all" for the whole GPU
-#                   (table and logs: OUT_DIR/sweep-MODEL-GIB.tgz, table also OUT_DIR/sweep-MODEL-GIB.md, each
+#                   (table and logs: OUT_DIR/sweep-MODEL-GIB.tgz, without profiler traces; table also OUT_DIR/sweep-MODEL-GIB.md, each
 #                   variant's log also OUT_DIR/sweep-MODEL-GIB-VARIANT.log)
 #   pinned:MODEL    pinned host bytes against tensor bytes for MODEL (as for sweep), per offload optimizer
 #                   (table: OUT_DIR/pinned-MODEL.md)
@@ -20,6 +20,9 @@
 # Environment: STEPS (default 20), BATCH_SIZE (default 4), VARIANTS (default: all), VARIANT_TIMEOUT_S (default 240),
 #   OVERRIDES (config overrides appended to the sweep's, e.g. "gradient_accumulation_steps=4 clip_grad_norm=1.0"),
 #   TAG (appended to the sweep's output names, so that two sweeps of one model and limit keep both tables),
+#   PROFILE_STEP (a sweep profiles this step of each variant, counted from 1, with every thread recorded
+#   (docs/benchmarks.md, "Profiling a step"), and summarises it: OUT_DIR/sweep-MODEL-GIB-VARIANT-profile.md;
+#   PROFILE_THREADS=main records the training thread only),
 #   TESTS_TIMEOUT_S (default 1800), SANITIZER_TIMEOUT_S (default 3600),
 #   PYTHON (the interpreter with the project's dependencies; default python3).
 set -uo pipefail
@@ -54,10 +57,30 @@ checkpoint() {  # a random-init checkpoint of model $1, written once per machine
 if [[ " $* " == *" sweep:"* ]] && [ "$steps" -lt 11 ]; then
   echo "STEPS=$steps: a sweep needs at least 11 (one warm-up step, then at least 10 measured)" >&2; exit 2
 fi
+# A profiled step follows a warm-up step of the profiler's own: the 2nd step at the earliest.
+profile=()
+if [ -n "${PROFILE_STEP:-}" ]; then
+  if ! [[ "$PROFILE_STEP" =~ ^[0-9]+$ ]] || [ "$PROFILE_STEP" -lt 2 ] || [ "$PROFILE_STEP" -gt "$steps" ]; then
+    echo "PROFILE_STEP=$PROFILE_STEP: give a step from 2 to STEPS=$steps (the step before it warms the profiler up)" >&2
+    exit 2
+  fi
+  profile=(profiler.enabled=True profiler.record_shapes=False "profiler.wait_steps=$((PROFILE_STEP - 2))"
+           profiler.warmup_steps=1 profiler.active_steps=1 profiler.num_cycles=1)
+  [ "${PROFILE_THREADS:-all}" = main ] && profile+=(profiler.all_threads=False)
+fi
 
 copy_logs() {  # each variant's log of sweep $1 beside the tarball: a failure's traceback comes back even where
   # the tarball cannot, or the sweep was stopped
   for log in "/tmp/$1"/*/run.log; do [ -f "$log" ] && cp "$log" "$out/$1-$(basename "$(dirname "$log")").log"; done
+}
+
+summarise_profiles() {  # each profiled variant of sweep $1: the summary of its trace, beside its log
+  local dir variant
+  for dir in "/tmp/$1"/*/profiling_outputs; do
+    [ -d "$dir" ] || continue
+    variant=$(basename "$(dirname "$dir")")
+    $PY scripts/profile_summary.py "$dir" > "$out/$1-$variant-profile.md" 2>&1
+  done
 }
 
 for stage in "$@"; do
@@ -89,14 +112,15 @@ for stage in "$@"; do
         tokenizer.special_tokens_path="$TINY/tokenizer/special_tokens.json" \
         dataset._component_=torchtune_offload.data.synthetic_dataset dataset.seq_len=2048 \
         dataset.num_samples=$((batch * steps + 8)) batch_size=$batch gradient_accumulation_steps=1 clip_grad_norm=null \
-        dtype=bf16 enable_activation_checkpointing=True ${OVERRIDES:-} &
+        dtype=bf16 enable_activation_checkpointing=True ${OVERRIDES:-} "${profile[@]}" &
       sweep_pid=$!
       trap 'copy_logs "$name"; kill -- "$sweep_pid" 2>/dev/null; exit 143' TERM INT
       wait "$sweep_pid"
       trap - TERM INT
       copy_logs "$name"
+      summarise_profiles "$name"
       cp "/tmp/$name/results.md" "$out/$name.md"
-      tar czf "$out/$name.tgz" -C /tmp "$name" ;;
+      tar czf "$out/$name.tgz" --exclude='*.pt.trace.json*' -C /tmp "$name" ;;
     pinned:*)
       model=${stage#pinned:}; fam=$(family "$model")
       $PY scripts/pinned_memory_report.py --model "torchtune.models.$fam.${fam}_${model,,}" \

@@ -291,3 +291,68 @@ def test_each_listed_wait_is_in_the_engine_as_written(site):
     filename, text = site
     with open(os.path.join(os.path.dirname(stream_check.__file__), filename)) as f:
         assert text in f.read(), site
+
+
+# ------------------------------------------------- what a later micro-batch waits for, summed on the device
+
+def _side_streams_known(checker) -> dict:
+    """How far into each side stream's work the compute stream and the calling (training) thread
+    are ordered: what they have waited for, directly or through another thread."""
+    side = [agent for agent in checker.clocks if agent is not checker.default_stream.agent
+            and agent not in checker.hosts.values()]
+    compute, host = checker.clock_of(checker.default_stream.agent), checker.clock_of(checker.host())
+    return {agent.name: (compute.get(agent, 0), host.get(agent, 0)) for agent in side}
+
+
+def _waits_in_later_passes(*, grad_sum_on: str, overlap: bool, grad_accum: int = 4) -> list:
+    """Trains three windows; for each pass of the middle window that is neither its first nor its
+    last, whether the compute stream or the training thread became ordered after more of the side
+    streams' work (the copies, the ring's additions) during that pass's forward and backward."""
+    model = tiny_model()
+    data = batches(num=3 * grad_accum)
+    grew = []
+    with checked_streams():
+        checker = stream_check._ACTIVE
+        opt = _host_engine(model, offload_gradients=True, overlap=overlap, grad_sum_on=grad_sum_on)
+        opt.register_forward_waits(model)
+        for window in range(3):
+            for i, (x, y) in enumerate(data[window * grad_accum : (window + 1) * grad_accum]):
+                before = _side_streams_known(checker)
+                loss = ((model(x) - y) ** 2).sum() / grad_accum
+                if overlap and i == grad_accum - 1:
+                    opt.expect_final_backward(clipping=True)
+                loss.backward()
+                if window == 1 and 0 < i < grad_accum - 1:
+                    grew.append(_side_streams_known(checker) != before)
+            opt.clip_grad_norm_(0.5)
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+    return grew
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_later_micro_batches_summed_on_the_device_wait_for_none_of_the_sums(overlap):
+    """With grad_sum_on=device the ring's uploads, additions and downloads are to run beside the
+    next passes: a later micro-batch that is not the window's last orders neither the compute
+    stream nor the training thread after any of them (on a GPU, such a wait would stall the passes
+    until the sums' PCIe traffic caught up). The vector clocks say it, not a timing."""
+    assert _waits_in_later_passes(grad_sum_on="device", overlap=overlap) == [False, False]
+
+
+@pytest.mark.parametrize("wait", ["compute stream", "training thread"])
+def test_the_later_pass_wait_measure_sees_a_wait_added_to_the_device_ring(wait, monkeypatch):
+    """The measure above is calibrated: a wait for the ring's downloads added after each addition,
+    by the compute stream or by the training thread, is seen in every later pass."""
+    original = DeviceSumRing._add_into
+
+    def add_then_wait(self, dst, src, after):
+        token = original(self, dst, src, after)
+        if wait == "compute stream":
+            self._transfer.compute_waits_for_copies()
+        else:
+            self._transfer.synchronize()
+        return token
+
+    monkeypatch.setattr(DeviceSumRing, "_add_into", add_then_wait)
+    assert _waits_in_later_passes(grad_sum_on="device", overlap=True) == [True, True]

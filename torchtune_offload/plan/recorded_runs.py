@@ -55,8 +55,11 @@ _GAP_IN_BWD = Gap("optimizer in backward",
     "matmuls only, not the per-parameter optimizer kernels between backward's (not profiled in the run)")
 _GAP_TORCHAO = Gap("torchao",
     "torchao's CPUOffloadOptimizer: the model counts copies, its host step at torch's fused rate and the "
-    "GPU one after the other; the run was slower still (its per-parameter steps and synchronisations were "
-    "not profiled)", applies=lambda work: work.update == "torchao")
+    "GPU one after the other; the run was slower still, by about one more host step (0.21-0.33 s a step at "
+    "1B against a host step of 0.22 s, 0.88-0.91 s at 3B against 0.57 s). Not its stepping one optimizer per "
+    "tensor: torch's fused bf16 AdamW stepped so ran at 0.86-0.94x of one optimizer over the same tensors "
+    "(scripts/bench_host_step.py, 2-core Zen 4, 2026-11-27), and the engine's serial path, which steps per "
+    "parameter too, runs at the model's figure. Not profiled on the GPU's host", applies=lambda work: work.update == "torchao")
 _GAP_S1_GRADS = Gap("first offload_gradients path",
     "the first session's offload_gradients path (commit db96fea) cost 0.3-0.9 s a step more than offload, "
     "growing with the parameters (gpu_results.md: 'not profiled'); the overlap variants that replaced it "
@@ -79,7 +82,9 @@ _GAP_PASSES = Gap("accumulation with the sums on the device",
     "nothing, yet on the 8B at batch 1 the four forward-backward passes took 1.27 s each against 0.42 s of "
     "matmuls, and the training thread's wait at the window's end 4.19 s against a host step of 2.73 s and "
     "weight copies of 0.35 s. A later pass's copies (its 16 GB sum up and back down at once, 0.30 s each "
-    "way at 54 GB/s) do not account for it. Measured what it is not; not profiled. A batch-2 pass of the same "
+    "way at 54 GB/s) do not account for it, nor does an ordering: on the CPU emulation's virtual streams no "
+    "later pass but the last waits, on the compute stream or the training thread, for any of the ring's "
+    "copies or additions (tests/optim/test_stream_check.py). Measured what it is not; not profiled. A batch-2 pass of the same "
     "settings at f6cc131 (2043 tok/s) cost only 0.1-0.35 s beyond its matmuls: the next GPU runs (owed in "
     "gpu_results.md) tell a cost added since from one that does not grow with the batch",
     applies=_accumulates_on_the_device)

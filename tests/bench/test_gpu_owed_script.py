@@ -1,0 +1,133 @@
+"""``scripts/gpu_owed.sh``, the owed GPU checks in one call, on the CPU with a stand-in interpreter: the
+steps run in order with their settings (a profiled step, the sweep's overrides), what they print is packed
+into the few files a device call brings back, and a step the deadline cannot fit is skipped, saying so.
+Also ``scripts/gpu_results.sh``'s ``PROFILE_STEP``, which the profiled steps use."""
+
+import os
+import signal
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu_owed.sh"
+
+#: Stands in for python, logging each call's arguments: a sweep writes its table and a variant folder
+#: with a profiler trace, the summary names its folder, the host-step benchmark prints a table.
+FAKE_PYTHON = """#!/usr/bin/env bash
+echo "$*" >> "$FAKE_CALLS"
+case " $* " in
+  *benchmark_sweep.py*)
+    out=$(echo "$*" | sed -E 's/.*--output-dir ([^ ]+).*/\\1/')
+    mkdir -p "$out/v1/profiling_outputs/iteration_9"
+    echo "trace" | gzip > "$out/v1/profiling_outputs/iteration_9/r0.pt.trace.json.gz"
+    echo "| variant | tok/s |" > "$out/results.md"
+    [ -n "${FAKE_HANG:-}" ] && { touch "$FAKE_HANG"; sleep 60; } ;;
+  *profile_summary.py*) echo "summary of $2" ;;
+  *bench_host_step.py*) echo "| host step | Mparam/s |" ;;
+  *" -m pytest "*) echo "2 passed" ;;
+  *) exit 0 ;;
+esac
+"""
+
+
+def _run(tmp_path: Path, *steps: str, budget: int = 1000, **env) -> subprocess.CompletedProcess:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "FAKE_CALLS": str(tmp_path / "calls"), "BUDGET_S": str(budget),
+           "WORK": str(tmp_path / "work"), **env}
+    return subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out"), *steps], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def sweep_folders():
+    """gpu_results.sh sweeps into /tmp/sweep-<model>-<limit>-<tag>: removed afterwards."""
+    names = ["/tmp/sweep-8B-24-b1", "/tmp/sweep-1B-24-1b"]
+    yield names
+    subprocess.run(["rm", "-rf", *names], check=False)
+
+
+def test_the_steps_run_in_order_and_come_back_in_four_files(tmp_path, sweep_folders):
+    r = _run(tmp_path, "sanitizer", "8b-b1", "1b-profiles", "hoststep")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["owed.log", "owed.tgz", "profiles.md", "trace-8b-b1.json.gz"]
+    log = (out / "owed.log").read_text()
+    order = [log.index(f"=== {step} ") for step in ("sanitizer", "8b-b1", "1b-profiles", "hoststep")]
+    assert order == sorted(order)
+    assert "2 passed" in log and "| host step | Mparam/s |" in log
+    calls = (tmp_path / "calls").read_text().splitlines()
+    sweeps = [c for c in calls if "benchmark_sweep.py" in c]
+    assert len(sweeps) == 2
+    # The 8B run: batch 1, accumulation 4, clipping, the sums on the device, the 9th of 11 steps profiled.
+    assert "--variants offload_grads_overlap_device_sums" in sweeps[0] and "batch_size=1 " in sweeps[0]
+    for key in ("gradient_accumulation_steps=4", "clip_grad_norm=1.0", "profiler.enabled=True",
+                "profiler.wait_steps=7", "profiler.warmup_steps=1", "profiler.active_steps=1"):
+        assert key in sweeps[0], key
+    assert "--steps 11" in sweeps[0] and "profiler.all_threads=False" not in sweeps[0]
+    assert "--variants torchao,paged_adamw8bit_in_bwd,offload_grads,offload_grads_overlap" in sweeps[1]
+    assert "TORCH_CUDA_SANITIZER" not in " ".join(calls)  # an environment variable, not an argument
+    profiles = (out / "profiles.md").read_text()
+    assert "## sweep-8B-24-b1\n" in profiles and "## sweep-1B-24-1b\n" in profiles
+    assert "## sweep-8B-24-b1-v1-profile\n" in profiles and "summary of /tmp/sweep-8B-24-b1/v1/profiling_outputs" in profiles
+    with tarfile.open(out / "owed.tgz") as tar:
+        names = tar.getnames()
+    assert any(n.endswith("sweep-1B-24-1b-v1-profile.md") for n in names)
+    # The sweeps' own tarballs leave the traces out: only the one trace file comes back.
+    for name in [n for n in names if n.endswith(".tgz")]:
+        with tarfile.open(out / "owed.tgz") as tar, tarfile.open(fileobj=tar.extractfile(name)) as inner:
+            assert not any(".pt.trace.json" in n for n in inner.getnames())
+
+
+def test_a_step_the_deadline_cannot_fit_is_skipped_and_said(tmp_path):
+    r = _run(tmp_path, "8b-b1", "hoststep", budget=100)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = (tmp_path / "out" / "owed.log").read_text()
+    assert "=== 8b-b1: skipped" in log and "(it needs 300 s)" in log
+    assert "=== hoststep " in log and "| host step | Mparam/s |" in log
+    assert "benchmark_sweep.py" not in (tmp_path / "calls").read_text()
+
+
+def test_a_stopped_call_still_packs_what_is_done(tmp_path, sweep_folders):
+    """The device tool stops a command at its limit: the steps done come back all the same."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    hung = tmp_path / "hung"
+    env = {**os.environ, "PYTHON": str(fake), "FAKE_CALLS": str(tmp_path / "calls"), "BUDGET_S": "1000",
+           "WORK": str(tmp_path / "work"), "FAKE_HANG": str(hung)}
+    proc = subprocess.Popen(["bash", str(SCRIPT), str(tmp_path / "out"), "hoststep", "1b-profiles"], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not hung.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else ""
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143
+    log = (tmp_path / "out" / "owed.log").read_text()
+    assert "| host step | Mparam/s |" in log and "stopped (TERM)" in log
+    assert (tmp_path / "out" / "owed.tgz").exists() and (tmp_path / "out" / "profiles.md").exists()
+
+
+def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
+    r = _run(tmp_path, "8b", budget=1000)
+    assert r.returncode == 2 and "unknown step 8b" in r.stderr
+    assert not (tmp_path / "calls").exists()
+
+
+@pytest.mark.parametrize("step", ["1", "12", "x"])
+def test_gpu_results_refuses_a_profile_step_outside_the_run(tmp_path, step):
+    env = {**os.environ, "PYTHON": "false", "STEPS": "11", "PROFILE_STEP": step}
+    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_results.sh"), str(tmp_path), "sweep:1B:24"], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    assert f"PROFILE_STEP={step}: give a step from 2 to STEPS=11" in r.stderr
