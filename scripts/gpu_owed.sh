@@ -20,7 +20,8 @@
 # /tmp/owed); OUT_DIR gets four files at most (the device tool brings back eight): owed.log (every step's
 # output), profiles.md (each sweep's table and each profile's summary), owed.tgz (what gpu_results.sh wrote:
 # logs, tables, the sweeps' folders without their traces) and trace-8b-b1.json.gz (the 8B batch-1 trace, when under 15 MiB).
-# A TERM (a timeout around this script) still packs what is done.
+# A TERM (a timeout around this script) still packs what is done. A profiled sweep's tok/s counts its profiled
+# step, which the profiler slows: read its per-step log rows beside the table, not the table alone.
 # Environment: BUDGET_S, WORK, PYTHON (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
