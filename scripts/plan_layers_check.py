@@ -8,7 +8,9 @@ Plans each config as ``python -m torchtune_offload.plan`` does (every variant of
 the full, LoRA and QLoRA fine-tunes), and traces each distinct step twice: as the planner does
 (a deep decoder's first 4 and 5 layers, extrapolated: ``plan/trace.py``) and whole. Prints one
 line per step, ``SAME`` where the peak and its split by kind agree to the byte, ``DIFF`` where
-not, and a config the planner cannot plan with its error. Exits 1 on any ``DIFF``. Whole traces
+not, and a config the planner cannot plan with its error. A step the plan takes from another's
+trace (the same step without its optimizer, ``StepTrace.without_optimizer``) is checked against
+its own whole trace. Exits 1 on any ``DIFF``. Whole traces
 of 7-8B models take 5-35 s each on 2 cores: all shipped configs take about half an hour.
 """
 
@@ -43,21 +45,35 @@ def main(paths) -> int:
             start = time.perf_counter()
             planned = trace.trace_training_step(cfg, settings, **options)
             middle = time.perf_counter()
-            layers, trace.REDUCED_LAYERS = trace.REDUCED_LAYERS, (10**9, 10**9)  # more than any model: whole
-            try:
-                whole = trace.trace_training_step(cfg, settings, **options)
-            finally:
-                trace.REDUCED_LAYERS = layers
-            same = (planned.peak_bytes, planned.by_kind) == (whole.peak_bytes, whole.by_kind)
-            if not same:
-                differ.append(key)
-            print(f"{'SAME' if same else 'DIFF'} {cfg.model._component_}, traced layers "
-                  f"{planned.traced_layers or 'all'}, free_gradients={options.get('free_gradients')}, optimizer "
-                  f"step={optimizer is not None}, fp8_weights={options.get('fp8_weights')}, batch "
-                  f"{settings.batch_size} x {options['seq_len']}: {planned.peak_bytes} and {whole.peak_bytes} bytes "
-                  f"({middle - start:.1f} s and {time.perf_counter() - middle:.1f} s)", flush=True)
+            whole = traced_whole(cfg, settings, **options)
+            compare(key, planned, whole, cfg, settings, options, optimizer is not None, middle - start,
+                    time.perf_counter() - middle)
+            if planned.without_optimizer is not None:
+                # The plan takes the step without the optimizer from this trace: traced whole without it.
+                middle = time.perf_counter()
+                whole = traced_whole(cfg, settings, **{**options, "make_optimizer": None})
+                compare(key + " without its optimizer", planned.without_optimizer, whole, cfg, settings, options,
+                        "derived without it", 0.0, time.perf_counter() - middle)
             checked[key] = planned
         return checked[key]
+
+    def traced_whole(cfg, settings, **options):
+        layers, trace.REDUCED_LAYERS = trace.REDUCED_LAYERS, (10**9, 10**9)  # more than any model: whole
+        try:
+            return trace.trace_training_step(cfg, settings, **options)
+        finally:
+            trace.REDUCED_LAYERS = layers
+
+    def compare(key, planned, whole, cfg, settings, options, step, planned_s, whole_s):
+        same = (planned.peak_bytes, planned.by_kind) == (whole.peak_bytes, whole.by_kind)
+        if not same:
+            differ.append(key)
+        checked.setdefault(key, planned)
+        print(f"{'SAME' if same else 'DIFF'} {cfg.model._component_}, traced layers "
+              f"{planned.traced_layers or 'all'}, free_gradients={options.get('free_gradients')}, optimizer "
+              f"step={step}, fp8_weights={options.get('fp8_weights')}, batch "
+              f"{settings.batch_size} x {options['seq_len']}: {planned.peak_bytes} and {whole.peak_bytes} bytes "
+              f"({planned_s:.1f} s and {whole_s:.1f} s)", flush=True)
 
     # Where the plan's steps call the tracer (one process: the planner's parallel tracing is the CLI's).
     step_traces.trace_training_step = both_ways

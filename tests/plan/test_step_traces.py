@@ -9,6 +9,7 @@ import runpy
 import sys
 import time
 
+from omegaconf import OmegaConf
 
 from tests import zygote
 from tests.plan.test_planner import CONFIG, REPO
@@ -26,7 +27,9 @@ def _requests(tiny_assets, tmp_path):
 
 
 def _figures(trace):
-    return dataclasses.replace(trace, seconds=0.0)  # how long it took is all that may differ
+    # How long it took is all that may differ.
+    without = trace.without_optimizer and dataclasses.replace(trace.without_optimizer, seconds=0.0)
+    return dataclasses.replace(trace, seconds=0.0, without_optimizer=without)
 
 
 def test_workers_trace_each_distinct_step_once_as_one_process_would(tiny_assets, tmp_path):
@@ -44,6 +47,27 @@ def test_workers_trace_each_distinct_step_once_as_one_process_would(tiny_assets,
     for request in {r.key: r for r in requests if r.key != qlora}.values():
         assert _figures(traces[request.key]) == _figures(request.trace())
     assert trace_steps(requests, traces, jobs=2) == 0  # the rest in the cache already, and one left
+
+
+def test_the_step_without_an_optimizer_comes_with_the_step_with_it(tiny_assets, tmp_path, monkeypatch):
+    """Gradients kept with torch's AdamW stepping, and kept without a traced optimizer (the
+    offload variant): one worker traces the first and gives both."""
+    requests = [r for r in _requests(tiny_assets, tmp_path) if not r.cfg.model.get("quantize_base")]
+    with_adamw = next(r for r in requests if r.key_without_optimizer is not None)
+    without = next(r for r in requests if r.key == with_adamw.key_without_optimizer)
+    sent = tmp_path / "sent"
+    worker = step_traces._trace_in_worker
+
+    def logging_worker(request, conn):
+        with open(sent, "a") as f:
+            f.write(repr(request.key) + "\n")
+        worker(request, conn)
+
+    monkeypatch.setattr(step_traces, "_trace_in_worker", logging_worker)
+    traces = {}
+    assert trace_steps(requests, traces, jobs=2) == len({r.key for r in requests}) == 4
+    assert repr(without.key) not in sent.read_text().splitlines()
+    assert _figures(traces[without.key]) == _figures(without.trace())
 
 
 def test_one_job_traces_nothing_ahead_and_a_failed_step_is_left_to_the_plan(tiny_assets, tmp_path):
@@ -126,3 +150,15 @@ def test_the_layers_check_sees_the_plans_steps(capsys, monkeypatch):
     main = runpy.run_path(str(REPO / "scripts" / "plan_layers_check.py"), run_name="plan_layers_check")["main"]
     assert main([CONFIG]) == 0
     assert "3 steps, 0 differ" in capsys.readouterr().out
+
+
+def test_the_layers_check_checks_a_step_derived_without_its_optimizer(capsys, monkeypatch, tmp_path):
+    """On a GPU config torch's AdamW steps on the device and the plan takes the steps without a
+    traced optimizer from its trace: the check traces those whole too."""
+    monkeypatch.setattr(step_traces, "trace_training_step", step_traces.trace_training_step)  # put back after
+    config = tmp_path / "full.yaml"
+    config.write_text(OmegaConf.to_yaml(OmegaConf.merge(OmegaConf.load(REPO / CONFIG), {"device": "cuda"})))
+    main = runpy.run_path(str(REPO / "scripts" / "plan_layers_check.py"), run_name="plan_layers_check")["main"]
+    assert main([str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer step=derived without it" in out and re.search(r"\d+ steps, 0 differ", out)

@@ -114,3 +114,48 @@ def test_traces_whose_events_do_not_line_up_give_no_extrapolation():
     # One more operator in the last layer of the larger trace: the step depends on the layer count.
     assert trace._extrapolated_peak(small, traced(5, [((), 2, 10), ((0,), 3, 22), ((-1,), 4, 33)]),
                                     num_layers=32) is None
+
+
+@pytest.mark.parametrize("config, overrides, recipe", [
+    # Traced whole (two layers), one micro-batch.
+    ("configs/tiny/full.yaml", [], "full"),
+    # Extrapolated, gradients kept over two micro-batches.
+    ("configs/tiny/full.yaml", [*DEEP_TINY, "gradient_accumulation_steps=2"], "full"),
+    # Extrapolated LoRA: the adapters' state only, bf16 with activation checkpointing.
+    ("configs/tiny/lora.yaml", [*DEEP_TINY, *BF16_CHECKPOINTED], "lora"),
+], ids=["whole", "extrapolated-accumulating", "lora"])
+def test_the_step_without_its_optimizer_is_derived_as_tracing_it_gives(config, overrides, recipe):
+    """One trace with torch's AdamW stepping also gives the step without it (a paged or offloaded
+    optimizer's), byte for byte and kind for kind, at the same layer counts."""
+    cfg = load_config(config, [*overrides, "device=cuda", "optimizer._component_=torch.optim.AdamW"])
+    settings = replace(check_recipe_config(cfg, recipe=recipe, device_present=False), compile=False)
+    options = dict(seq_len=4, mark_trainable=mark_lora if recipe == "lora" else None, free_gradients=False)
+    with_optimizer = trace_training_step(cfg, settings, make_optimizer=traced_optimizer(settings, cfg), **options)
+    without = trace_training_step(cfg, settings, **options)
+    derived = with_optimizer.without_optimizer
+    assert derived is not None and without.without_optimizer is None
+    assert (derived.peak_bytes, derived.by_kind, derived.traced_layers) == (
+        without.peak_bytes, without.by_kind, without.traced_layers)
+    assert with_optimizer.by_kind["Optstate"] > 0 == derived.by_kind["Optstate"]
+
+
+def test_no_step_is_derived_where_the_optimizers_state_changes_before_its_step():
+    """The derivation holds only while the state stays as the optimizer made it until its step
+    (torch's optimizers touch it in step() alone): one whose state is dropped during backward (here,
+    by a gradient hook) gets no derived step."""
+    cfg = load_config("configs/tiny/full.yaml", ["device=cuda", "optimizer._component_=torch.optim.AdamW"])
+    settings = replace(check_recipe_config(cfg, recipe="full", device_present=False), compile=False)
+    make = traced_optimizer(settings, cfg)
+
+    def make_forgetful(params):
+        optimizer = make(params)
+
+        def forget(param):
+            optimizer.state[param].clear()
+
+        for param in params:
+            param.register_post_accumulate_grad_hook(forget)
+        return optimizer
+
+    assert trace_training_step(cfg, settings, seq_len=4, make_optimizer=make).without_optimizer is not None
+    assert trace_training_step(cfg, settings, seq_len=4, make_optimizer=make_forgetful).without_optimizer is None

@@ -103,9 +103,11 @@ def main(argv=None) -> int:
         requests = step_requests(str(args.config), args.overrides, args.variants.split(","), recipe=recipe,
                                  seq_len=args.seq_len, with_fine_tunes=with_fine_tunes)
         distinct = len({r.key for r in requests})
-        if args.jobs > 1 and distinct > 1 and parallel_tracing_available():
-            print(f"tracing {distinct} distinct training steps, {min(args.jobs, distinct)} worker processes at a "
-                  "time ...", file=sys.stderr, flush=True)
+        # A step without its optimizer comes with the trace of the same step with it.
+        needed = len({r.key for r in requests} - {r.key_without_optimizer for r in requests})
+        if args.jobs > 1 and needed > 1 and parallel_tracing_available():
+            print(f"tracing {distinct} distinct training steps ({needed} traces), {min(args.jobs, needed)} worker "
+                  "processes at a time ...", file=sys.stderr, flush=True)
             traced = trace_steps(requests, traces, jobs=args.jobs)
             print(f"traced {traced} of {distinct} in workers" + ("" if traced == distinct else
                   "; the plan traces the rest, and says why it cannot where it cannot"), file=sys.stderr, flush=True)

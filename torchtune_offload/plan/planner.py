@@ -193,7 +193,7 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     settings, mark, fp8 = request.settings, request.mark_trainable, request.fp8_weights
     traces = {} if traces is None else traces
     if request.key not in traces:
-        traces[request.key] = request.trace()
+        traces.update(request.traces())
     trace = traces[request.key]
     plan.device_parts = {f"step peak: {k.lower()}": v for k, v in trace.by_kind.items() if v}
     twin = unquantised_twin(cfg.model)
@@ -220,7 +220,7 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
         plan.notes.append(f"device_weights: the model loads in {settings.dtype} on the device before the optimizer "
                           f"makes its FP8 images: {loaded / GIB:.2f} GiB of weights at that moment, not in the step "
                           "peak above (on a card that barely holds them, the tightest moment of the run)")
-    need = host_memory_need(cfg, settings, mark_trainable=mark,
+    need = host_memory_need(cfg, settings, mark_trainable=mark, model=model,
                             step_bytes=trace.peak_bytes if settings.device.type == "cpu" else None)
     phase = max(need.phases, key=lambda p: sum(need.phases[p].values()))
     plan.host_parts = {"this process (Python, PyTorch, torchtune)": baseline,

@@ -92,6 +92,9 @@ class StepRequest:
         seq_len: tokens per sample.
         mark_trainable: marks the trainable parameters (LoRA), or None for all of them.
         fp8_weights: see :func:`fp8_weights`.
+        key_without_optimizer: where the step traces an optimizer, the key of the same step
+            without it (a config whose optimizer keeps its state off the device), which
+            :meth:`traces` gives as well; else None.
     """
 
     key: tuple
@@ -100,6 +103,7 @@ class StepRequest:
     seq_len: int
     mark_trainable: Optional[Callable[[torch.nn.Module], None]]
     fp8_weights: Optional[Tuple[int, bool]]
+    key_without_optimizer: Optional[tuple] = None
 
     def describe(self) -> str:
         """The step in a few words, for messages."""
@@ -112,6 +116,16 @@ class StepRequest:
         return trace_training_step(self.cfg, s, seq_len=self.seq_len, mark_trainable=self.mark_trainable,
                                    free_gradients=_frees_gradients(s), make_optimizer=traced_optimizer(s, self.cfg),
                                    fp8_weights=self.fp8_weights)
+
+    def traces(self) -> Dict[tuple, StepTrace]:
+        """Traces the step: by key, its trace and, where it traces an optimizer, the same step's
+        without it (``key_without_optimizer``; derived exactly from the one trace, see
+        :func:`~torchtune_offload.plan.trace.trace_training_step`)."""
+        trace = self.trace()
+        out = {self.key: trace}
+        if self.key_without_optimizer is not None and trace.without_optimizer is not None:
+            out[self.key_without_optimizer] = trace.without_optimizer
+        return out
 
 
 def _frees_gradients(settings: RecipeSettings) -> bool:
@@ -138,12 +152,19 @@ def step_request(cfg: DictConfig, settings: RecipeSettings, *, recipe: str, seq_
     fp8 = fp8_weights(settings, cfg)
     # The micro-batches the trace runs: one where each gradient is freed (a second repeats it), else up to two.
     micro_batches = 1 if free else min(settings.gradient_accumulation_steps, 2)
-    key = (free, fp8, settings.optimizer_class if make else None, micro_batches,
-           str(settings.device), json.dumps(OmegaConf.to_container(cfg.optimizer, resolve=True), sort_keys=True)
-           if make else None, recipe, json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True),
-           seq_len)
-    return StepRequest(key=key, cfg=cfg, settings=settings, seq_len=seq_len,
-                       mark_trainable=mark_lora if recipe == "lora" else None, fp8_weights=fp8)
+
+    def key(optimizer: Optional[tuple]) -> tuple:
+        # optimizer: (class, its options) where its step is traced, else None.
+        return (free, fp8, *(optimizer or (None, None)), micro_batches, str(settings.device), recipe,
+                json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True), seq_len)
+
+    traced = None
+    if make is not None:
+        traced = (settings.optimizer_class, json.dumps(OmegaConf.to_container(cfg.optimizer, resolve=True),
+                                                       sort_keys=True))
+    return StepRequest(key=key(traced), cfg=cfg, settings=settings, seq_len=seq_len,
+                       mark_trainable=mark_lora if recipe == "lora" else None, fp8_weights=fp8,
+                       key_without_optimizer=key(None) if traced is not None else None)
 
 
 def default_jobs() -> int:
@@ -156,17 +177,25 @@ def default_jobs() -> int:
 WORKER_TIMEOUT_S = 300.0
 
 
+def _not_given(later: Dict[tuple, StepRequest], request: StepRequest, traces: Dict[tuple, StepTrace]) -> list:
+    """The step ``request`` was to give as well (``later``, by its key) where its worker did not
+    give it: to be traced on its own."""
+    step = later.pop(request.key, None)
+    return [step] if step is not None and step.key not in traces else []
+
+
 def _trace_in_worker(request: StepRequest, conn: Connection) -> None:
-    """A forked worker's whole life: one step traced, its trace (or None) sent back."""
+    """A forked worker's whole life: one step traced, its traces by key (:meth:`StepRequest.traces`;
+    None where it failed) sent back."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops its workers
     # The parent may have run torch's OpenMP threads (the process baseline runs a real step), and
     # libgomp's thread pool does not survive a fork: with one thread no parallel region enters it.
     torch.set_num_threads(1)
     try:
-        trace: Optional[StepTrace] = request.trace()
+        traces: Optional[Dict[tuple, StepTrace]] = request.traces()
     except Exception:  # not sent: the plan traces the step again and reports the error where it belongs
-        trace = None
-    conn.send(trace)
+        traces = None
+    conn.send(traces)
     conn.close()
 
 
@@ -194,18 +223,25 @@ def trace_steps(requests: Sequence[StepRequest], traces: Dict[tuple, StepTrace],
         timeout_s: the longest one worker may take.
 
     Returns:
-        How many steps were traced here.
+        How many steps' traces were filled in here, those of steps without their optimizer
+        included: each comes with the trace of the same step with it (:meth:`StepRequest.traces`)
+        and is not traced on its own.
     """
+    wanted = {request.key for request in requests}
     todo: Dict[tuple, StepRequest] = {}
     for request in requests:
         if request.key not in traces:
             todo.setdefault(request.key, request)
-    if jobs < 2 or len(todo) < 2 or not parallel_tracing_available():
+    # Steps another one gives as well, by the key of that one: traced on their own only where it
+    # does not give them (it failed, or its optimizer's state changed before its step).
+    later = {r.key: todo[r.key_without_optimizer] for r in todo.values() if r.key_without_optimizer in todo}
+    first = [r for r in todo.values() if r.key not in {d.key for d in later.values()}]
+    if jobs < 2 or len(first) < 2 or not parallel_tracing_available():
         return 0
     context = multiprocessing.get_context("fork")
     # The slowest first, so that the last worker to finish started early: a QLoRA step builds its
     # model whole, quantising every weight.
-    waiting = sorted(todo.values(), key=lambda r: configured_fine_tune(r.cfg.model) != "QLoRA")
+    waiting = sorted(first, key=lambda r: configured_fine_tune(r.cfg.model) != "QLoRA")
     running: Dict[Connection, Tuple[multiprocessing.process.BaseProcess, StepRequest, float]] = {}
     traced = 0
     try:
@@ -222,14 +258,17 @@ def trace_steps(requests: Sequence[StepRequest], traces: Dict[tuple, StepTrace],
             for receive in connection_wait(list(running), timeout=max(0.0, next_deadline - time.monotonic())):
                 worker, request, _ = running.pop(receive)
                 try:
-                    trace = receive.recv()
+                    result = receive.recv()
                 except (EOFError, OSError):  # the worker died before sending
-                    trace = None
+                    result = None
                 receive.close()
                 worker.join()
-                if trace is not None:
-                    traces[request.key] = trace
-                    traced += 1
+                if result is not None:
+                    # A step without its optimizer that no variant runs is left out.
+                    result = {key: trace for key, trace in result.items() if key in wanted}
+                    traces.update(result)
+                    traced += len(result)
+                waiting += _not_given(later, request, traces)
             now = time.monotonic()
             for receive in [r for r, (_, _, deadline) in running.items() if deadline <= now]:
                 worker, request, _ = running.pop(receive)
@@ -238,6 +277,7 @@ def trace_steps(requests: Sequence[StepRequest], traces: Dict[tuple, StepTrace],
                 receive.close()
                 print(f"[plan] the trace of {request.describe()} took more than {timeout_s:.0f} s in a worker; "
                       "it is traced in this process.", file=sys.stderr, flush=True)
+                waiting += _not_given(later, request, traces)
     except Exception as err:  # no process could be started, say: the plan traces the rest itself
         print(f"[plan] tracing in worker processes stopped ({type(err).__name__}: {err}); the rest is traced in "
               "this process.", file=sys.stderr, flush=True)

@@ -75,12 +75,15 @@ class StepTrace:
         seconds: how long the trace took.
         traced_layers: the layer counts of the reduced traces the step was extrapolated from
             (:func:`trace_training_step`); empty where the whole model was traced.
+        without_optimizer: where an optimizer's step was traced, the same step without that
+            optimizer (no state, no step), as tracing it so would give; else None.
     """
 
     peak_bytes: int
     by_kind: Dict[str, int]
     seconds: float
     traced_layers: Tuple[int, ...] = ()
+    without_optimizer: Optional["StepTrace"] = None
 
 
 def trace_training_step(
@@ -107,7 +110,13 @@ def trace_training_step(
         free_gradients: each gradient is freed as soon as backward has produced it (an
             optimizer that offloads gradients, or steps inside backward).
         make_optimizer: builds the optimizer whose step is traced too, from the trainable
-            parameters; ``None`` when its state is not on the device.
+            parameters; ``None`` when its state is not on the device. The result then also holds
+            the step without it (``without_optimizer``): the optimizer's state is made before the
+            step's first operator, and torch's optimizers touch it in their step alone, so the
+            events up to the step, less that state, are the events of the step traced without
+            the optimizer, and a plan whose optimizer keeps its state off the device needs no
+            trace of its own. Nothing is derived where the state the tracker saw was not the same
+            at the first operator, at every event before the step and at the step.
         fp8_weights: ``(minimal_size, per_row)`` of ``device_weights`` FP8 images: the layers the
             engine would hold in FP8 compute as it makes them (widened in forward and backward),
             their images counted under ``FP8 weight images``.
@@ -123,16 +132,24 @@ def trace_training_step(
     step = partial(_traced_step, cfg, settings, seq_len=seq_len, free_gradients=free_gradients,
                    make_optimizer=make_optimizer, fp8_weights=fp8_weights)
     layers = _identical_layers(model)
-    peak, traced_layers = None, ()
+    peak, peak_without, traced_layers = None, None, ()
     if layers is not None and len(layers) > sum(REDUCED_LAYERS):
         small, large = (step(_with_first_layers(model, n), record=True) for n in REDUCED_LAYERS)
         peak = _extrapolated_peak(small, large, num_layers=len(layers))
         traced_layers = REDUCED_LAYERS if peak is not None else ()
+        if peak is not None and small.before_step is not None and large.before_step is not None:
+            peak_without = _extrapolated_peak(small.before_step, large.before_step, num_layers=len(layers))
     if peak is None:
-        peak = step(model, record=False).peak
+        whole = step(model, record=False)
+        peak, peak_without = whole.peak, whole.before_step.peak if whole.before_step is not None else None
+    seconds = time.perf_counter() - start
+    without = None
+    if peak_without is not None:
+        without = StepTrace(peak_bytes=peak_without[0], by_kind=peak_without[1], seconds=seconds,
+                            traced_layers=traced_layers)
     total, by_kind = peak
-    return StepTrace(peak_bytes=total, by_kind=by_kind, seconds=time.perf_counter() - start,
-                     traced_layers=traced_layers)
+    return StepTrace(peak_bytes=total, by_kind=by_kind, seconds=seconds, traced_layers=traced_layers,
+                     without_optimizer=without)
 
 
 #: Events of a traced step: after each operator, the layers running (their roles: see
@@ -142,11 +159,14 @@ _Event = Tuple[FrozenSet[Any], Tuple[int, ...]]
 
 @dataclass
 class _Traced:
-    """One traced step: its peak ``(bytes, bytes by kind)`` and, where recorded, every event."""
+    """One traced step: its peak ``(bytes, bytes by kind)`` and, where recorded, every event;
+    ``before_step``: the same step without its optimizer, where one was traced and its state
+    stayed the same until its step (see :func:`trace_training_step`)."""
 
     peak: Tuple[int, Dict[str, int]]
     events: List[_Event]
     num_layers: int
+    before_step: Optional["_Traced"] = None
 
 
 def _traced_step(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *, seq_len: int, free_gradients: bool,
@@ -193,8 +213,10 @@ def _traced_step(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *,
         # MemTracker warns about the gradients the free hook has just dropped; they are gone, as meant.
         warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
         tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+        before_step = None
         try:
             with tracker:
+                state = tracker.now()[_OPT]
                 for micro_batch in range(min(settings.gradient_accumulation_steps, 2)):
                     if micro_batch and all(p.grad is None for p in trainable):
                         break  # nothing kept from the first: the second would repeat it byte for byte
@@ -207,23 +229,45 @@ def _traced_step(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *,
                     loss.backward()
                     del loss
                 if optimizer is not None:
+                    before_step = (tracker.peak(), len(tracker.events), tracker.now()[_OPT])
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
         except Exception as err:  # whatever an operator of the model refuses on fake tensors
             raise UntraceableModelError(_component(cfg), f"a training step could not be traced on fake tensors "
                                         f"({type(err).__name__}: {one_line(err)})") from err
-        snapshot = tracker.get_tracker_snapshot("peak")
     for hook in hooks:
         hook.remove()
-    figures = next(iter(snapshot.values())) if snapshot else {}
-    by_kind = {getattr(k, "value", str(k)): int(v) for k, v in figures.items() if k != "Total"}
     # The FP8 images are alive for the whole step, beside whatever the tracker saw (it tracks
     # parameters, not them): a constant added to every event.
     events = [(label, (*kinds, images)) for label, kinds in tracker.events]
+    num_layers = len(layers) if layers is not None else 0
+    traced = _Traced(peak=_peak_of(tracker.peak(), images), events=events, num_layers=num_layers)
+    if before_step is not None:
+        peak, count, state_at_step = before_step
+        earlier = events[:count]
+        # Exact only if the optimizer's state was the same from the first operator to its step
+        # (the peak's figure stands for the events a whole-model trace does not keep).
+        if state_at_step == state == peak[_OPT] and all(figures[_OPT] == state for _, figures in earlier):
+            traced.before_step = _Traced(
+                peak=_peak_of(_less_state(peak, state), images),
+                events=[(label, _less_state(figures, state)) for label, figures in earlier], num_layers=num_layers)
+    return traced
+
+
+def _less_state(figures: Tuple[int, ...], state: int) -> Tuple[int, ...]:
+    """Figures by kind (``_KINDS``, then any more) without ``state`` bytes of optimizer state."""
+    out = list(figures)
+    out[_OPT] -= state
+    out[_TOTAL] -= state
+    return tuple(out)
+
+
+def _peak_of(figures: Tuple[int, ...], images: int) -> Tuple[int, Dict[str, int]]:
+    """``(bytes, bytes by kind)`` of a tracker's figures (``_KINDS``) with ``images`` bytes of FP8 images beside."""
+    by_kind = {getattr(k, "value", str(k)): v for k, v in zip(_KINDS, figures) if k != _TOTAL_KEY}
     if images:
         by_kind[_FP8_IMAGES] = images
-    return _Traced(peak=(int(figures.get("Total", 0)) + images, by_kind), events=events,
-                   num_layers=len(layers) if layers is not None else 0)
+    return figures[_TOTAL] + images, by_kind
 
 
 #: The layer counts of the two reduced traces a deep decoder's step is extrapolated from: with
@@ -393,6 +437,7 @@ def one_line(err: BaseException) -> str:
 
 #: The kinds of memory MemTracker counts, in the order of its snapshots, and their total.
 _KINDS = (*_MemRefType, _TOTAL_KEY)
+_OPT, _TOTAL = _KINDS.index(_MemRefType.OPT), _KINDS.index(_TOTAL_KEY)
 
 
 class _PeakTracker(MemTracker):
@@ -431,6 +476,16 @@ class _PeakTracker(MemTracker):
         if self._layers is not None and (self._total() != self._before or not self.events):
             snapshot = next(iter(self._curr_mem_snap.values()), {})
             self.events.append((self._running(), tuple(snapshot.get(k, 0) for k in _KINDS)))
+
+    def now(self) -> Tuple[int, ...]:
+        """What is alive now, by kind (``_KINDS``)."""
+        snapshot = next(iter(self._curr_mem_snap.values()), {})
+        return tuple(int(snapshot.get(k, 0)) for k in _KINDS)
+
+    def peak(self) -> Tuple[int, ...]:
+        """What was alive at the peak so far, by kind (``_KINDS``)."""
+        snapshot = next(iter(self._peak_mem_snap.values()), {})
+        return tuple(int(snapshot.get(k, 0)) for k in _KINDS)
 
     def _total(self) -> int:
         # Fake tensors are all on one device (the CPU).

@@ -134,6 +134,7 @@ def host_memory_need(
     optimizer_options: Optional[Dict[str, Any]] = None,
     device: Optional[torch.device] = None,
     step_bytes: Optional[int] = None,
+    model: Optional[nn.Module] = None,
 ) -> HostMemoryNeed:
     """The host memory the run ``cfg`` describes will need, computed on the meta device.
 
@@ -147,12 +148,16 @@ def host_memory_need(
         step_bytes: for a ``device=cpu`` run, the traced peak of its training step (weights,
             gradients, activations: ``torchtune_offload.plan``), counted in place of the weights
             and gradients; without it activations are not counted.
+        model: ``cfg.model`` on the meta device with its trainable parameters marked, where the
+            caller has built it (the planner: an 8B model takes a tenth of a second or more to
+            build); built here (and ``mark_trainable`` applied) when None.
     """
     if device is not None:
         settings = replace(settings, device=device)
-    model = meta_model(cfg.model, settings)
-    if mark_trainable is not None:
-        mark_trainable(model)
+    if model is None:
+        model = meta_model(cfg.model, settings)
+        if mark_trainable is not None:
+            mark_trainable(model)
     on_cpu = settings.device.type == "cpu"
     weights = sum(nbytes(t) for t in model.parameters()) + sum(nbytes(b) for b in model.buffers())
     trainable = sum(nbytes(p) for p in model.parameters() if p.requires_grad)
