@@ -3,33 +3,36 @@
 # each step capped, all of them within one deadline, and what they print packed into the few files a call
 # brings back. Run it on the lent machine after the wheels' install line of ../shared/gpu/README.md.
 #
-# Usage (from the repository root): BUDGET_S=570 bash scripts/gpu_owed.sh OUT_DIR [STEP...]
+# Usage (from the repository root): BUDGET_S=540 bash scripts/gpu_owed.sh OUT_DIR [STEP...]
 #   sanitizer    under TORCH_CUDA_SANITIZER=1, the GPU tests not yet seen under it: the sets of
 #                test_sums_added_on_the_device_equal_the_host_rings_bit_for_bit and the bitsandbytes recipe tests
 #   8b-b1        llama3_1 8B at 24 GiB, batch 1 x 2048, accumulation 4, clip 1.0, the sums added on the device
 #                (offload_grads_overlap_device_sums): 11 steps, the 9th profiled and summarised
 #   8b-b2        the same at batch 2 (the f6cc131 run's batch): whether the per-pass cost grows with the batch
-#   1b-profiles  llama3_2 1B at 24 GiB, batch 4: torchao, paged_adamw8bit_in_bwd, offload_grads and
+#   1b-profiles  llama3_2 1B at 24 GiB, batch 4: torchao, offload_grads, paged_adamw8bit_in_bwd and
 #                offload_grads_overlap, 11 steps each, the 9th profiled and summarised (the calibration's gaps
-#                "torchao", "optimizer in backward" and "first offload_gradients path")
+#                "torchao", "first offload_gradients path" and "optimizer in backward"), as many of them, in
+#                this order, as have about a minute each
 #   hoststep     torchao's host step (one fused AdamW per tensor) beside torch's one-optimizer step, all cores
 # Without STEP arguments every step runs, in the order above.
 #
-# Each step gets its cap (below) or the time left of BUDGET_S (counted from the start; default 570), whichever
-# is less, and is skipped, saying so, when less than its minimum is left. The work goes to WORK (default
-# /tmp/owed); OUT_DIR gets four files at most (the device tool brings back eight): owed.log (every step's
+# Each step gets its cap (below) or the time left of BUDGET_S (counted from this script's start, default 540: a
+# call of 600 s less the wheels' install and a margin), whichever is less, and is skipped, saying so, when less
+# than its minimum is left. The work goes to WORK (default /tmp/owed); OUT_DIR gets four files at most (the
+# device tool brings back eight), written again after every step, so that a call killed at its limit still
+# brings back the steps done: owed.log (every step's
 # output), profiles.md (each sweep's table and each profile's summary), owed.tgz (what gpu_results.sh wrote:
 # logs, tables, the sweeps' folders without their traces) and trace-8b-b1.json.gz (the 8B batch-1 trace, when under 15 MiB).
-# A TERM (a timeout around this script) still packs what is done. A profiled sweep's tok/s counts its profiled
+# A TERM (a timeout around this script) packs what is done too. A profiled sweep's tok/s counts its profiled
 # step, which the profiler slows: read its per-step log rows beside the table, not the table alone.
 # Environment: BUDGET_S, WORK, PYTHON (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: BUDGET_S=570 bash scripts/gpu_owed.sh OUT_DIR [STEP...]}; shift
+out=${1:?usage: BUDGET_S=540 bash scripts/gpu_owed.sh OUT_DIR [STEP...]}; shift
 mkdir -p "$out"
-budget=${BUDGET_S:-570}
+budget=${BUDGET_S:-540}
 work=${WORK:-/tmp/owed}
-mkdir -p "$work"
+mkdir -p "$work/sweeps"
 start=$SECONDS
 PY=${PYTHON:-python3}
 export PYTHON=$PY
@@ -39,7 +42,8 @@ log=$out/owed.log
 #: step -> "cap minimum" in seconds. An 8B step writes its random-init checkpoint first (about 65 s, once per
 #: machine), loads the model (about 50 s) and saves one at the end: its run needs about 300 s to log its
 #: table (docs/gpu_results.md), and the trace's summary some seconds after it.
-declare -A CAPS=([sanitizer]="150 40" [8b-b1]="360 300" [8b-b2]="330 280" [1b-profiles]="280 100"
+#: A 1B variant loads, runs its 11 steps and saves in about a minute (1b-profiles runs as many as fit).
+declare -A CAPS=([sanitizer]="150 40" [8b-b1]="360 300" [8b-b2]="330 280" [1b-profiles]="280 70"
                  [hoststep]="90 45")
 for step in "${steps[@]}"; do
   [ -n "${CAPS[$step]:-}" ] || { echo "unknown step $step (steps: ${!CAPS[*]})" >&2; exit 2; }
@@ -56,9 +60,10 @@ pack() {  # the files that come back; safe to run twice
       [ -f "$summary" ] && { printf '\n## %s\n\n' "$(basename "$summary" .md)"; cat "$summary"; }
     done
   } > "$out/profiles.md"
-  tar czf "$out/owed.tgz" -C "$work" . 2>/dev/null
+  # The sweeps' folders travel in gpu_results.sh's own tarballs, without their traces.
+  tar czf "$out/owed.tgz" --exclude=./sweeps -C "$work" . 2>/dev/null
   local trace
-  trace=$(ls -t /tmp/sweep-8B-24-b1/*/profiling_outputs/*/*.pt.trace.json.gz 2>/dev/null | head -1)
+  trace=$(ls -t "$work"/sweeps/sweep-8B-24-b1/*/profiling_outputs/*/*.pt.trace.json.gz 2>/dev/null | head -1)
   if [ -n "$trace" ] && [ "$(stat -c %s "$trace")" -lt $((15 * 1024 * 1024)) ]; then
     cp "$trace" "$out/trace-8b-b1.json.gz"
   fi
@@ -70,23 +75,29 @@ trap 'echo "stopped (TERM) after $((SECONDS - start)) s" >> "$log"; [ -n "$child
 # The command of a step, into the array cmd; $1: the step, $2: its seconds.
 command_of() {
   local seconds=$2
-  # gpu_results.sh's sweep, 11 steps, the 9th profiled; then the settings and the stage, in "$@".
-  local sweep=(env STEPS=11 PROFILE_STEP=9 PYTHON="$PY")
-  local device_sums=(VARIANTS=offload_grads_overlap_device_sums
-                     "OVERRIDES=gradient_accumulation_steps=4 clip_grad_norm=1.0" VARIANT_TIMEOUT_S=$((seconds - 45)))
+  # gpu_results.sh's sweep, 11 steps, the 9th profiled.
+  local sweep=(env STEPS=11 PROFILE_STEP=9 PYTHON="$PY" SWEEP_ROOT="$work/sweeps")
+  local device_sums=(VARIANTS=offload_grads_overlap_device_sums ACCUMULATION=4 OVERRIDES=clip_grad_norm=1.0
+                     VARIANT_TIMEOUT_S=$((seconds - 45)))
   case $1 in
     sanitizer)
-      cmd=(env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs
-           tests/optim/test_gpu_offload.py tests/recipe/test_recipes_gpu.py
+      # The bitsandbytes tests first (about 60 s); the device-sum sets then run about a minute each
+      # under the sanitizer, so the cap reaches only some of them.
+      cmd=(env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -m gpu -p no:cacheprovider -rs
+           tests/recipe/test_recipes_gpu.py tests/optim/test_gpu_offload.py
            -k "sums_added_on_the_device_equal_the_host_rings or bitsandbytes") ;;
     8b-b1) cmd=("${sweep[@]}" BATCH_SIZE=1 TAG=b1 "${device_sums[@]}"
                 bash scripts/gpu_results.sh "$work/8b-b1" sweep:8B:24) ;;
     8b-b2) cmd=("${sweep[@]}" BATCH_SIZE=2 TAG=b2 "${device_sums[@]}"
                 bash scripts/gpu_results.sh "$work/8b-b2" sweep:8B:24) ;;
     1b-profiles)
-      # Four variants of about a minute each: one that hangs leaves the others their time.
-      cmd=("${sweep[@]}" BATCH_SIZE=4 TAG=1b VARIANTS=torchao,paged_adamw8bit_in_bwd,offload_grads,offload_grads_overlap
-           VARIANT_TIMEOUT_S=$(((seconds - 10) / 4)) bash scripts/gpu_results.sh "$work/1b-profiles" sweep:1B:24) ;;
+      # About a minute a variant, the largest gaps first; each capped, so that one that hangs leaves
+      # the others their time.
+      local variants=(torchao offload_grads paged_adamw8bit_in_bwd offload_grads_overlap)
+      local n=$(((seconds - 10) / 60)); [ "$n" -gt 4 ] && n=4
+      local chosen; chosen=$(IFS=,; echo "${variants[*]:0:n}")
+      cmd=("${sweep[@]}" BATCH_SIZE=4 TAG=1b VARIANTS="$chosen" VARIANT_TIMEOUT_S=$(((seconds - 10) / n))
+           bash scripts/gpu_results.sh "$work/1b-profiles" sweep:1B:24) ;;
     hoststep)
       cmd=("$PY" scripts/bench_host_step.py --params 1.2e9 --steps 10 --baseline "torch fused AdamW, bf16"
            --rows "one optimizer per tensor") ;;
@@ -110,6 +121,8 @@ for step in "${steps[@]}"; do
   child=$!
   wait "$child"
   echo "=== $step: exit $? after $((SECONDS - start)) s in all" >> "$log"
+  child=
+  pack
 done
 pack
 tail -40 "$log"

@@ -17,8 +17,10 @@
 #                   8-bit pass (bench_host_step.py), and the pass's cost per core and on all cores
 #                   (bench_adamw8bit_kernel.py), and the pass as built for AVX2 beside torch's AVX2 kernels
 #                   (tables: OUT_DIR/hoststep.md)
-# Environment: STEPS (default 20), BATCH_SIZE (default 4), VARIANTS (default: all), VARIANT_TIMEOUT_S (default 240),
-#   OVERRIDES (config overrides appended to the sweep's, e.g. "gradient_accumulation_steps=4 clip_grad_norm=1.0"),
+# Environment: STEPS (default 20), BATCH_SIZE (default 4), ACCUMULATION (micro-batches per step, default 1; the
+#   synthetic dataset is sized for STEPS steps of them), VARIANTS (default: all), VARIANT_TIMEOUT_S (default 240),
+#   OVERRIDES (config overrides appended to the sweep's, e.g. "clip_grad_norm=1.0"),
+#   SWEEP_ROOT (where the sweeps' folders go, default /tmp),
 #   TAG (appended to the sweep's output names, so that two sweeps of one model and limit keep both tables),
 #   PROFILE_STEP (a sweep profiles this step of each variant, counted from 1, with every thread recorded
 #   (docs/benchmarks.md, "Profiling a step"), and summarises it: OUT_DIR/sweep-MODEL-GIB-VARIANT-profile.md;
@@ -32,6 +34,8 @@ mkdir -p "$out"
 steps=${STEPS:-20}
 variant_timeout=${VARIANT_TIMEOUT_S:-240}
 batch=${BATCH_SIZE:-4}
+accumulation=${ACCUMULATION:-1}
+sweeps=${SWEEP_ROOT:-/tmp}
 tests_timeout=${TESTS_TIMEOUT_S:-1800}
 sanitizer_timeout=${SANITIZER_TIMEOUT_S:-3600}
 # Where `python -m torchtune_offload.assets` writes the tiny assets (torchtune_offload/assets/files.py).
@@ -60,7 +64,7 @@ fi
 # A profiled step follows a warm-up step of the profiler's own: the 2nd step at the earliest.
 profile=()
 if [ -n "${PROFILE_STEP:-}" ]; then
-  if ! [[ "$PROFILE_STEP" =~ ^[0-9]+$ ]] || [ "$PROFILE_STEP" -lt 2 ] || [ "$PROFILE_STEP" -gt "$steps" ]; then
+  if ! [[ "$PROFILE_STEP" =~ ^[1-9][0-9]*$ ]] || [ "$PROFILE_STEP" -lt 2 ] || [ "$PROFILE_STEP" -gt "$steps" ]; then
     echo "PROFILE_STEP=$PROFILE_STEP: give a step from 2 to STEPS=$steps (the step before it warms the profiler up)" >&2
     exit 2
   fi
@@ -71,12 +75,12 @@ fi
 
 copy_logs() {  # each variant's log of sweep $1 beside the tarball: a failure's traceback comes back even where
   # the tarball cannot, or the sweep was stopped
-  for log in "/tmp/$1"/*/run.log; do [ -f "$log" ] && cp "$log" "$out/$1-$(basename "$(dirname "$log")").log"; done
+  for log in "$sweeps/$1"/*/run.log; do [ -f "$log" ] && cp "$log" "$out/$1-$(basename "$(dirname "$log")").log"; done
 }
 
 summarise_profiles() {  # each profiled variant of sweep $1: the summary of its trace, beside its log
   local dir variant
-  for dir in "/tmp/$1"/*/profiling_outputs; do
+  for dir in "$sweeps/$1"/*/profiling_outputs; do
     [ -d "$dir" ] || continue
     variant=$(basename "$(dirname "$dir")")
     $PY scripts/profile_summary.py "$dir" > "$out/$1-$variant-profile.md" 2>&1
@@ -104,23 +108,24 @@ for stage in "$@"; do
       limit=(); [ "$gib" = all ] || limit=(--gpu-memory-gib "$gib")
       # In the background, so that a TERM (a `timeout` around this script) still brings the logs back.
       $PY scripts/benchmark_sweep.py --config "configs/$(family "$model")/${model}_full_paged_adamw.yaml" \
-        --steps "$steps" --output-dir "/tmp/$name" --timeout-s "$variant_timeout" "${limit[@]}" \
+        --steps "$steps" --output-dir "$sweeps/$name" --timeout-s "$variant_timeout" "${limit[@]}" \
         ${VARIANTS:+--variants "$VARIANTS"} -- \
         checkpointer.checkpoint_dir="$ckpt" "checkpointer.checkpoint_files=[model.safetensors]" \
         checkpointer.output_dir=/tmp/sweep_checkpoints \
         tokenizer.path="$TINY/tokenizer/tokenizer.model" \
         tokenizer.special_tokens_path="$TINY/tokenizer/special_tokens.json" \
         dataset._component_=torchtune_offload.data.synthetic_dataset dataset.seq_len=2048 \
-        dataset.num_samples=$((batch * steps + 8)) batch_size=$batch gradient_accumulation_steps=1 clip_grad_norm=null \
+        dataset.num_samples=$((batch * accumulation * steps + 8)) batch_size=$batch \
+        gradient_accumulation_steps=$accumulation clip_grad_norm=null \
         dtype=bf16 enable_activation_checkpointing=True ${OVERRIDES:-} "${profile[@]}" &
       sweep_pid=$!
-      trap 'copy_logs "$name"; kill -- "$sweep_pid" 2>/dev/null; exit 143' TERM INT
+      trap 'copy_logs "$name"; kill -- "$sweep_pid" 2>/dev/null; summarise_profiles "$name"; exit 143' TERM INT
       wait "$sweep_pid"
       trap - TERM INT
       copy_logs "$name"
       summarise_profiles "$name"
-      cp "/tmp/$name/results.md" "$out/$name.md"
-      tar czf "$out/$name.tgz" --exclude='*.pt.trace.json*' -C /tmp "$name" ;;
+      cp "$sweeps/$name/results.md" "$out/$name.md"
+      tar czf "$out/$name.tgz" --exclude='*.pt.trace.json*' -C "$sweeps" "$name" ;;
     pinned:*)
       model=${stage#pinned:}; fam=$(family "$model")
       $PY scripts/pinned_memory_report.py --model "torchtune.models.$fam.${fam}_${model,,}" \

@@ -46,15 +46,17 @@ def main(paths) -> int:
             planned = trace.trace_training_step(cfg, settings, **options)
             middle = time.perf_counter()
             whole = traced_whole(cfg, settings, **options)
-            compare(key, planned, whole, cfg, settings, options, optimizer is not None, middle - start,
-                    time.perf_counter() - middle)
+            compare(key, planned, whole, cfg=cfg, settings=settings, options=options, step=optimizer is not None,
+                    seconds=(middle - start, time.perf_counter() - middle))
+            checked[key] = planned
             if planned.without_optimizer is not None:
-                # The plan takes the step without the optimizer from this trace: traced whole without it.
+                # The plan takes the step without the optimizer from this trace: traced whole without it,
+                # and counted as a step of its own.
                 middle = time.perf_counter()
                 whole = traced_whole(cfg, settings, **{**options, "make_optimizer": None})
-                compare(key + " without its optimizer", planned.without_optimizer, whole, cfg, settings, options,
-                        "derived without it", 0.0, time.perf_counter() - middle)
-            checked[key] = planned
+                compare(key + " without its optimizer", planned.without_optimizer, whole, cfg=cfg, settings=settings,
+                        options=options, step="derived without it", seconds=(0.0, time.perf_counter() - middle))
+                checked[key + " without its optimizer"] = planned.without_optimizer
         return checked[key]
 
     def traced_whole(cfg, settings, **options):
@@ -64,16 +66,15 @@ def main(paths) -> int:
         finally:
             trace.REDUCED_LAYERS = layers
 
-    def compare(key, planned, whole, cfg, settings, options, step, planned_s, whole_s):
+    def compare(key, planned, whole, *, cfg, settings, options, step, seconds):
         same = (planned.peak_bytes, planned.by_kind) == (whole.peak_bytes, whole.by_kind)
         if not same:
             differ.append(key)
-        checked.setdefault(key, planned)
         print(f"{'SAME' if same else 'DIFF'} {cfg.model._component_}, traced layers "
               f"{planned.traced_layers or 'all'}, free_gradients={options.get('free_gradients')}, optimizer "
               f"step={step}, fp8_weights={options.get('fp8_weights')}, batch "
               f"{settings.batch_size} x {options['seq_len']}: {planned.peak_bytes} and {whole.peak_bytes} bytes "
-              f"({planned_s:.1f} s and {whole_s:.1f} s)", flush=True)
+              f"({seconds[0]:.1f} s and {seconds[1]:.1f} s)", flush=True)
 
     # Where the plan's steps call the tracer (one process: the planner's parallel tracing is the CLI's).
     step_traces.trace_training_step = both_ways

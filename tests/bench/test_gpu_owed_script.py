@@ -44,15 +44,7 @@ def _run(tmp_path: Path, *steps: str, budget: int = 1000, **env) -> subprocess.C
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.fixture
-def sweep_folders():
-    """gpu_results.sh sweeps into /tmp/sweep-<model>-<limit>-<tag>: removed afterwards."""
-    names = ["/tmp/sweep-8B-24-b1", "/tmp/sweep-1B-24-1b"]
-    yield names
-    subprocess.run(["rm", "-rf", *names], check=False)
-
-
-def test_the_steps_run_in_order_and_come_back_in_four_files(tmp_path, sweep_folders):
+def test_the_steps_run_in_order_and_come_back_in_four_files(tmp_path):
     r = _run(tmp_path, "sanitizer", "8b-b1", "1b-profiles", "hoststep")
     assert r.returncode == 0, r.stdout + r.stderr
     out = tmp_path / "out"
@@ -64,20 +56,25 @@ def test_the_steps_run_in_order_and_come_back_in_four_files(tmp_path, sweep_fold
     calls = (tmp_path / "calls").read_text().splitlines()
     sweeps = [c for c in calls if "benchmark_sweep.py" in c]
     assert len(sweeps) == 2
-    # The 8B run: batch 1, accumulation 4, clipping, the sums on the device, the 9th of 11 steps profiled.
+    # The 8B run: batch 1, accumulation 4, clipping, the sums on the device, the 9th of 11 steps profiled,
+    # with samples for all 11 steps of 4 micro-batches (and a few to spare).
     assert "--variants offload_grads_overlap_device_sums" in sweeps[0] and "batch_size=1 " in sweeps[0]
-    for key in ("gradient_accumulation_steps=4", "clip_grad_norm=1.0", "profiler.enabled=True",
-                "profiler.wait_steps=7", "profiler.warmup_steps=1", "profiler.active_steps=1"):
+    for key in ("gradient_accumulation_steps=4 ", "dataset.num_samples=52 ", "clip_grad_norm=1.0",
+                "profiler.enabled=True", "profiler.wait_steps=7", "profiler.warmup_steps=1", "profiler.active_steps=1"):
         assert key in sweeps[0], key
+    assert "gradient_accumulation_steps=1 " in sweeps[1] and "dataset.num_samples=52 " in sweeps[1]
     assert "--steps 11" in sweeps[0] and "profiler.all_threads=False" not in sweeps[0]
-    assert "--variants torchao,paged_adamw8bit_in_bwd,offload_grads,offload_grads_overlap" in sweeps[1]
+    assert "--variants torchao,offload_grads,paged_adamw8bit_in_bwd,offload_grads_overlap" in sweeps[1]
+    assert "--timeout-s 67 " in sweeps[1]  # (280 s - 10) / 4 each
     assert "TORCH_CUDA_SANITIZER" not in " ".join(calls)  # an environment variable, not an argument
     profiles = (out / "profiles.md").read_text()
     assert "## sweep-8B-24-b1\n" in profiles and "## sweep-1B-24-1b\n" in profiles
-    assert "## sweep-8B-24-b1-v1-profile\n" in profiles and "summary of /tmp/sweep-8B-24-b1/v1/profiling_outputs" in profiles
+    assert "## sweep-8B-24-b1-v1-profile\n" in profiles
+    assert f"summary of {tmp_path}/work/sweeps/sweep-8B-24-b1/v1/profiling_outputs" in profiles
     with tarfile.open(out / "owed.tgz") as tar:
         names = tar.getnames()
     assert any(n.endswith("sweep-1B-24-1b-v1-profile.md") for n in names)
+    assert not any(n.startswith("./sweeps") for n in names)
     # The sweeps' own tarballs leave the traces out: only the one trace file comes back.
     for name in [n for n in names if n.endswith(".tgz")]:
         with tarfile.open(out / "owed.tgz") as tar, tarfile.open(fileobj=tar.extractfile(name)) as inner:
@@ -89,12 +86,15 @@ def test_a_step_the_deadline_cannot_fit_is_skipped_and_said(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     log = (tmp_path / "out" / "owed.log").read_text()
     assert "=== 8b-b1: skipped" in log and "(it needs 300 s)" in log
+    assert (tmp_path / "out" / "profiles.md").exists()  # packed all the same
     assert "=== hoststep " in log and "| host step | Mparam/s |" in log
     assert "benchmark_sweep.py" not in (tmp_path / "calls").read_text()
 
 
-def test_a_stopped_call_still_packs_what_is_done(tmp_path, sweep_folders):
-    """The device tool stops a command at its limit: the steps done come back all the same."""
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
+def test_a_stopped_call_still_packs_what_is_done(tmp_path, stop):
+    """The device tool stops a command at its limit (perhaps with no signal the script can catch):
+    the steps done come back all the same."""
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
@@ -108,14 +108,21 @@ def test_a_stopped_call_still_packs_what_is_done(tmp_path, sweep_folders):
         while not hung.exists():
             assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else ""
             time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(stop)
         proc.wait(timeout=30)
     finally:
         proc.kill()
-    assert proc.returncode == 143
+    assert proc.returncode == (143 if stop == signal.SIGTERM else -9)
     log = (tmp_path / "out" / "owed.log").read_text()
-    assert "| host step | Mparam/s |" in log and "stopped (TERM)" in log
+    assert "| host step | Mparam/s |" in log and ("stopped (TERM)" in log) is (stop == signal.SIGTERM)
     assert (tmp_path / "out" / "owed.tgz").exists() and (tmp_path / "out" / "profiles.md").exists()
+
+
+def test_the_1b_profiles_take_the_largest_gaps_first_as_time_allows(tmp_path):
+    r = _run(tmp_path, "1b-profiles", budget=140)
+    assert r.returncode == 0, r.stdout + r.stderr
+    sweep = next(c for c in (tmp_path / "calls").read_text().splitlines() if "benchmark_sweep.py" in c)
+    assert "--variants torchao,offload_grads " in sweep and "--timeout-s 65 " in sweep
 
 
 def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
@@ -124,7 +131,7 @@ def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
     assert not (tmp_path / "calls").exists()
 
 
-@pytest.mark.parametrize("step", ["1", "12", "x"])
+@pytest.mark.parametrize("step", ["1", "12", "x", "09"])
 def test_gpu_results_refuses_a_profile_step_outside_the_run(tmp_path, step):
     env = {**os.environ, "PYTHON": "false", "STEPS": "11", "PROFILE_STEP": step}
     r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_results.sh"), str(tmp_path), "sweep:1B:24"], cwd=REPO,

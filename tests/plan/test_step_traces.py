@@ -70,6 +70,33 @@ def test_the_step_without_an_optimizer_comes_with_the_step_with_it(tiny_assets, 
     assert _figures(traces[without.key]) == _figures(without.trace())
 
 
+def test_a_step_two_failed_steps_were_to_give_is_traced_once(tiny_assets, tmp_path, monkeypatch):
+    """Two steps with an optimizer (other options) share the step without it: where neither gives
+    it, it is traced on its own, once."""
+    requests = [r for r in _requests(tiny_assets, tmp_path) if not r.cfg.model.get("quantize_base")]
+    with_adamw = next(r for r in requests if r.key_without_optimizer is not None)
+
+    class Broken(StepRequest):
+        def traces(self):
+            raise RuntimeError("untraceable")
+
+    fields = {f.name: getattr(with_adamw, f.name) for f in dataclasses.fields(StepRequest)}
+    broken = [Broken(**{**fields, "key": with_adamw.key + (n,)}) for n in range(2)]
+    sent = tmp_path / "sent"
+    worker = step_traces._trace_in_worker
+
+    def logging_worker(request, conn):
+        with open(sent, "a") as f:
+            f.write(repr(request.key) + "\n")
+        worker(request, conn)
+
+    monkeypatch.setattr(step_traces, "_trace_in_worker", logging_worker)
+    others = [r for r in requests if r.key != with_adamw.key]
+    traces = {}
+    assert trace_steps([*broken, *others], traces, jobs=2) == len({r.key for r in others})
+    assert sent.read_text().splitlines().count(repr(with_adamw.key_without_optimizer)) == 1
+
+
 def test_one_job_traces_nothing_ahead_and_a_failed_step_is_left_to_the_plan(tiny_assets, tmp_path):
     requests = _requests(tiny_assets, tmp_path)
     traces = {}

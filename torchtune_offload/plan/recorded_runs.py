@@ -84,7 +84,8 @@ _GAP_PASSES = Gap("accumulation with the sums on the device",
     "weight copies of 0.35 s. A later pass's copies (its 16 GB sum up and back down at once, 0.30 s each "
     "way at 54 GB/s) do not account for it, nor does an ordering: on the CPU emulation's virtual streams no "
     "later pass but the last waits, on the compute stream or the training thread, for any of the ring's "
-    "copies or additions (tests/optim/test_stream_check.py). Measured what it is not; not profiled. A batch-2 pass of the same "
+    "copies or additions (tests/optim/test_stream_check.py; the checker sees the engine's own waits, not the "
+    "caching allocator's or the driver's implicit ones). Measured what it is not; not profiled. A batch-2 pass of the same "
     "settings at f6cc131 (2043 tok/s) cost only 0.1-0.35 s beyond its matmuls: the next GPU runs (owed in "
     "gpu_results.md) tell a cost added since from one that does not grow with the batch",
     applies=_accumulates_on_the_device)

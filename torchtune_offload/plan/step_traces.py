@@ -118,9 +118,13 @@ class StepRequest:
                                    fp8_weights=self.fp8_weights)
 
     def traces(self) -> Dict[tuple, StepTrace]:
-        """Traces the step: by key, its trace and, where it traces an optimizer, the same step's
-        without it (``key_without_optimizer``; derived exactly from the one trace, see
-        :func:`~torchtune_offload.plan.trace.trace_training_step`)."""
+        """Traces the step, and gives the same step without its optimizer from the one trace.
+
+        Returns:
+            By key: the step's trace, and where it traces an optimizer and the derivation holds
+            (see :func:`~torchtune_offload.plan.trace.trace_training_step`), the trace of the same
+            step without it under ``key_without_optimizer``.
+        """
         trace = self.trace()
         out = {self.key: trace}
         if self.key_without_optimizer is not None and trace.without_optimizer is not None:
@@ -179,9 +183,11 @@ WORKER_TIMEOUT_S = 300.0
 
 def _not_given(later: Dict[tuple, StepRequest], request: StepRequest, traces: Dict[tuple, StepTrace]) -> list:
     """The step ``request`` was to give as well (``later``, by its key) where its worker did not
-    give it: to be traced on its own."""
+    give it and no other step still may: to be traced on its own, once."""
     step = later.pop(request.key, None)
-    return [step] if step is not None and step.key not in traces else []
+    if step is None or step.key in traces or any(other.key == step.key for other in later.values()):
+        return []
+    return [step]
 
 
 def _trace_in_worker(request: StepRequest, conn: Connection) -> None:

@@ -72,7 +72,7 @@ class StepTrace:
         peak_bytes: the most memory alive at once during the step.
         by_kind: that peak split by kind (``Parameter``, ``Buffer``, ``Gradient``,
             ``Activation``, ``Temp``, ``Optstate``, ``Other``).
-        seconds: how long the trace took.
+        seconds: how long the trace took (0 for a step derived from another's trace).
         traced_layers: the layer counts of the reduced traces the step was extrapolated from
             (:func:`trace_training_step`); empty where the whole model was traced.
         without_optimizer: where an optimizer's step was traced, the same step without that
@@ -116,7 +116,9 @@ def trace_training_step(
             events up to the step, less that state, are the events of the step traced without
             the optimizer, and a plan whose optimizer keeps its state off the device needs no
             trace of its own. Nothing is derived where the state the tracker saw was not the same
-            at the first operator, at every event before the step and at the step.
+            at the first operator, at the peak before the step and at the step (and, in a trace
+            extrapolated from reduced layers, at every event before the step: a whole-model trace
+            keeps no events).
         fp8_weights: ``(minimal_size, per_row)`` of ``device_weights`` FP8 images: the layers the
             engine would hold in FP8 compute as it makes them (widened in forward and backward),
             their images counted under ``FP8 weight images``.
@@ -145,7 +147,7 @@ def trace_training_step(
     seconds = time.perf_counter() - start
     without = None
     if peak_without is not None:
-        without = StepTrace(peak_bytes=peak_without[0], by_kind=peak_without[1], seconds=seconds,
+        without = StepTrace(peak_bytes=peak_without[0], by_kind=peak_without[1], seconds=0.0,
                             traced_layers=traced_layers)
     total, by_kind = peak
     return StepTrace(peak_bytes=total, by_kind=by_kind, seconds=seconds, traced_layers=traced_layers,
@@ -356,16 +358,12 @@ def _extrapolated_peak(small: _Traced, large: _Traced, *, num_layers: int) -> Op
     for (_, few), (_, more) in zip(*runs):
         for a, b in zip(few, more):
             figures = [x + (y - x) * (num_layers - small.num_layers) // steps for x, y in zip(a, b)]
-            total = figures[_KINDS.index(_TOTAL_KEY)] + figures[-1]
+            total = figures[_TOTAL] + figures[-1]
             if peak is None or total > peak[0]:
                 peak = (total, figures)
     if peak is None:
         return None
-    total, figures = peak
-    by_kind = {getattr(k, "value", str(k)): v for k, v in zip(_KINDS, figures) if k != _TOTAL_KEY}
-    if figures[-1]:
-        by_kind[_FP8_IMAGES] = figures[-1]
-    return total, by_kind
+    return _peak_of(tuple(peak[1][:-1]), peak[1][-1])
 
 
 def _runs(traced: _Traced) -> List[Tuple[FrozenSet[Any], List[Tuple[int, ...]]]]:
