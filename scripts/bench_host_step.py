@@ -29,6 +29,7 @@ import torch
 
 from torchtune_offload import AdamW8bit, OffloadOptimizer
 from torchtune_offload.bench.machine import cpu_name
+from torchtune_offload.optim.grad_norm import total_norm
 
 LAYER = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192),
          (2048,), (2048,)]
@@ -102,6 +103,14 @@ def torch_fused_per_tensor(dims, dtype):
     return step
 
 
+def host_norms(dims, dtype):
+    """Not a step: the total 2-norm of the gradients over their host copies, one tensor after the
+    other, as torchao's wrapper and the first offload_gradients path measured the norm the recipe
+    logs, before each step (both now measure it on the device during backward)."""
+    grads = [p.grad for p in params_of(dims, dtype)]
+    return lambda: total_norm(grads, device="cpu")
+
+
 #: The clipping factor of the "clipped" rows: what torch's clip_grad_norm_ multiplies by when the
 #: norm is within max_norm (it always multiplies); 1.0 keeps the gradients as they are from step to step.
 CLIP_FACTOR = torch.tensor(1.0)
@@ -162,6 +171,8 @@ ROWS = {
     "torch fused AdamW, bf16": lambda d: torch_fused(d, torch.bfloat16),
     "torch fused AdamW, bf16, one optimizer per tensor (torchao CPUOffloadOptimizer's host step)":
         lambda d: torch_fused_per_tensor(d, torch.bfloat16),
+    "not a step: the 2-norm of the bf16 gradients on the host (the logged norm, as torchao's wrapper measured it)":
+        lambda d: host_norms(d, torch.bfloat16),
     "engine, fp32 (default policy)": lambda d: engine(d, torch.float32),
     "engine, bf16 (default policy)": lambda d: engine(d, torch.bfloat16),
     "engine, fp32 master / bf16 device, fused pass": lambda d: engine(d, torch.bfloat16, master_dtype="fp32"),

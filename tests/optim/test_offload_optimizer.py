@@ -10,6 +10,7 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
 
 from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer
+from torchtune_offload.optim.grad_norm import total_norm
 from torchtune_offload.optim.host_arena import aligned_bytes
 
 # Smaller than every weight (24*96 = 2304 elements) but larger than every bias: both paths run.
@@ -323,6 +324,27 @@ def test_cpu_offload_optimizer_resumed_keeps_its_schedule_on_the_device_step(mon
     scheduler.step()
     lrs = {g["lr"] for g in resumed.param_groups} | {g["lr"] for g in resumed.d_opt.param_groups}
     assert lrs == {scheduler.get_last_lr()[0]} and lrs != {1e-2}
+
+
+@pytest.mark.parametrize("offload_gradients, grad_accum", [(False, 2), (True, 1)])
+def test_cpu_offload_optimizer_measures_the_logged_norm_on_the_device(monkeypatch, offload_gradients, grad_accum):
+    """The norm the recipe logs every step is the norm of the gradients torchao steps on, as the
+    host copies give it, but measured on the device during backward: no pass over the host copies
+    (which reading them here would be)."""
+    torchao_on_cpu(monkeypatch)
+    model = tiny_model()
+    opt = CPUOffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", minimal_size=MINIMAL_SIZE, lr=1e-2,
+                              offload_gradients=offload_gradients)
+    assert opt.d_opt is not None and opt.param_d2h_map  # both step paths
+    for window in range(2):
+        for x, y in batches(num=grad_accum, seed=window):
+            ((model(x) - y) ** 2).sum().backward()
+        host = total_norm(opt._grads_to_step(), device="cpu")
+        with monkeypatch.context() as patch:
+            patch.setattr(type(opt), "_grads_to_step", lambda self: pytest.fail("read the host copies"))
+            assert torch.equal(opt.grad_norm(), host)
+        opt.step()
+        opt.zero_grad()
 
 
 def test_close_removes_hooks():

@@ -13,7 +13,7 @@ import torchao.optim
 
 from torchtune_offload.optim.base_options import check_base_options
 from torchtune_offload.optim.capabilities import OFFLOAD_STEPS_AFTER_BACKWARD, OptimizerCapabilities
-from torchtune_offload.optim.grad_norm import total_norm
+from torchtune_offload.optim.grad_norm import combine_norms, tensor_norm, total_norm
 from torchtune_offload.optim.host_arena import ALLOCATOR, NONE
 from torchtune_offload.optim.host_memory import HostMemoryPlan, offloaded_buffers_plan
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
@@ -106,6 +106,16 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
             )
         self.base_class = base_class
         self.offload_gradients = offload_gradients
+        # Each gradient's 2-norm, measured on the device as backward completes it: the recipe logs
+        # the norm every step, and measuring it over torchao's host copies was a pass over every
+        # gradient on the host, after waiting for all of their copies, before each step (torchtune's
+        # recipe measures none without clipping). Registered before torchao's own hooks, which run
+        # after these and free the device gradient with offload_gradients.
+        self._device_norms: Dict[torch.Tensor, torch.Tensor] = {}
+        for group in groups:
+            for param in group["params"]:
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(self._measure)
         super().__init__(
             params,
             base_class,
@@ -157,9 +167,22 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         return grads
 
     @torch.no_grad()
+    def _measure(self, param: torch.Tensor) -> None:
+        """Backward hook: ``param``'s gradient (summed over the micro-batches so far) is complete."""
+        if param.grad is not None:
+            self._device_norms[param] = tensor_norm(param.grad)
+
+    @torch.no_grad()
     def grad_norm(self, norm_type: Union[float, str] = 2.0) -> torch.Tensor:
-        """The total norm of the gradients the next step() will use, on the device."""
-        return total_norm(self._grads_to_step(), norm_type=norm_type, device=self.device)
+        """The total norm of the gradients the next step() will use, on the device: the 2-norm from
+        the norms measured on the device during backward (no pass over the host copies), another
+        order from the host copies."""
+        if float(norm_type) != 2.0:
+            return total_norm(self._grads_to_step(), norm_type=norm_type, device=self.device)
+        # The gradients _grads_to_step() gives, in its order (the norm of the norms is summed in it).
+        stepped = [p_dev for p_dev in self.param_d2h_map if p_dev in self.queue]
+        stepped += [p for group in self.d_param_groups for p in group["params"] if p.grad is not None]
+        return combine_norms([self._device_norms[p] for p in stepped], device=self.device)
 
     def memory_report(self) -> OffloadMemoryReport:
         """Counts the bytes torchao keeps on the host (pinned copies, gradients, state)."""

@@ -59,11 +59,15 @@ _GAP_TORCHAO = Gap("torchao",
     "1B against a host step of 0.22 s, 0.88-0.91 s at 3B against 0.57 s). Not its stepping one optimizer per "
     "tensor: torch's fused bf16 AdamW stepped so ran at 0.86-0.94x of one optimizer over the same tensors "
     "(scripts/bench_host_step.py, 2-core Zen 4, 2026-11-27), and the engine's serial path, which steps per "
-    "parameter too, runs at the model's figure. Not profiled on the GPU's host", applies=lambda work: work.update == "torchao")
+    "parameter too, runs at the model's figure. Nor, but for a fifth of a host step at most, the norm the "
+    "recipe logs, which the wrapper measured over the host copies before each step (measured on the device "
+    "during backward since): that pass ran at 4.7-5.0x the host step's rate in the same script. Not profiled "
+    "on the GPU's host", applies=lambda work: work.update == "torchao")
 _GAP_S1_GRADS = Gap("first offload_gradients path",
     "the first session's offload_gradients path (commit db96fea) cost 0.3-0.9 s a step more than offload, "
     "growing with the parameters (gpu_results.md: 'not profiled'); the overlap variants that replaced it "
-    "run at the model's figure (offload_grads_overlap, second session)")
+    "run at the model's figure (offload_grads_overlap, second session). It measured the logged norm over the "
+    "host gradients before each step, as torchao's wrapper did: at most a fifth of a host step (see torchao)")
 _GAP_MICRO = Gap("per-micro-batch host cost",
     "with offload_gradients and accumulation through the host's staging ring every micro-batch cost about "
     "a host step (2.0 s per micro-batch at 8B, 0.40-0.45 s at 1B batch 2). Measured on the 8B at batch 1 "
