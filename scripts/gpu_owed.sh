@@ -13,7 +13,9 @@
 #                offload_grads_overlap, 11 steps each, the 9th profiled and summarised (the calibration's gaps
 #                "torchao", "first offload_gradients path" and "optimizer in backward"), as many of them, in
 #                this order, as have about a minute each
-#   hoststep     torchao's host step (one fused AdamW per tensor) beside torch's one-optimizer step, all cores
+#   hoststep     torchao's host step (one fused AdamW per tensor), and the 2-norm over the host gradients that
+#                torchao's wrapper and the first offload_gradients path measured before each step, each beside
+#                torch's one-optimizer step, all cores
 # Without STEP arguments every step runs, in the order above.
 #
 # Each step gets its cap (below) or the time left of BUDGET_S (counted from this script's start, default 540: a
@@ -44,7 +46,7 @@ log=$out/owed.log
 #: table (docs/gpu_results.md), and the trace's summary some seconds after it.
 #: A 1B variant loads, runs its 11 steps and saves in about a minute (1b-profiles runs as many as fit).
 declare -A CAPS=([sanitizer]="150 40" [8b-b1]="360 300" [8b-b2]="330 280" [1b-profiles]="280 70"
-                 [hoststep]="90 45")
+                 [hoststep]="120 60")
 for step in "${steps[@]}"; do
   [ -n "${CAPS[$step]:-}" ] || { echo "unknown step $step (steps: ${!CAPS[*]})" >&2; exit 2; }
 done
@@ -99,8 +101,10 @@ command_of() {
       cmd=("${sweep[@]}" BATCH_SIZE=4 TAG=1b VARIANTS="$chosen" VARIANT_TIMEOUT_S=$(((seconds - 10) / n))
            bash scripts/gpu_results.sh "$work/1b-profiles" sweep:1B:24) ;;
     hoststep)
-      cmd=("$PY" scripts/bench_host_step.py --params 1.2e9 --steps 10 --baseline "torch fused AdamW, bf16"
-           --rows "one optimizer per tensor") ;;
+      # Two rows, each beside the same baseline: a run of the script per row.
+      cmd=(bash -c 'for row in "one optimizer per tensor" "not a step"; do
+                      "$0" scripts/bench_host_step.py --params 1.2e9 --steps 10 --baseline "torch fused AdamW, bf16" \
+                        --rows "$row" || exit; done' "$PY") ;;
   esac
 }
 
