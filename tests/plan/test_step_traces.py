@@ -49,24 +49,29 @@ def test_workers_trace_each_distinct_step_once_as_one_process_would(tiny_assets,
     assert trace_steps(requests, traces, jobs=2) == 0  # the rest in the cache already, and one left
 
 
+def _log_workers(monkeypatch, path):
+    """Has each forked worker write its step's key to ``path`` first; returns a reader of them."""
+    worker = step_traces._trace_in_worker
+
+    def logging_worker(request, conn):
+        with open(path, "a") as f:
+            f.write(repr(request.key) + "\n")
+        worker(request, conn)
+
+    monkeypatch.setattr(step_traces, "_trace_in_worker", logging_worker)
+    return lambda: path.read_text().splitlines()
+
+
 def test_the_step_without_an_optimizer_comes_with_the_step_with_it(tiny_assets, tmp_path, monkeypatch):
     """Gradients kept with torch's AdamW stepping, and kept without a traced optimizer (the
     offload variant): one worker traces the first and gives both."""
     requests = [r for r in _requests(tiny_assets, tmp_path) if not r.cfg.model.get("quantize_base")]
     with_adamw = next(r for r in requests if r.key_without_optimizer is not None)
     without = next(r for r in requests if r.key == with_adamw.key_without_optimizer)
-    sent = tmp_path / "sent"
-    worker = step_traces._trace_in_worker
-
-    def logging_worker(request, conn):
-        with open(sent, "a") as f:
-            f.write(repr(request.key) + "\n")
-        worker(request, conn)
-
-    monkeypatch.setattr(step_traces, "_trace_in_worker", logging_worker)
+    sent = _log_workers(monkeypatch, tmp_path / "sent")
     traces = {}
     assert trace_steps(requests, traces, jobs=2) == len({r.key for r in requests}) == 4
-    assert repr(without.key) not in sent.read_text().splitlines()
+    assert repr(without.key) not in sent()
     assert _figures(traces[without.key]) == _figures(without.trace())
 
 
@@ -82,19 +87,11 @@ def test_a_step_two_failed_steps_were_to_give_is_traced_once(tiny_assets, tmp_pa
 
     fields = {f.name: getattr(with_adamw, f.name) for f in dataclasses.fields(StepRequest)}
     broken = [Broken(**{**fields, "key": with_adamw.key + (n,)}) for n in range(2)]
-    sent = tmp_path / "sent"
-    worker = step_traces._trace_in_worker
-
-    def logging_worker(request, conn):
-        with open(sent, "a") as f:
-            f.write(repr(request.key) + "\n")
-        worker(request, conn)
-
-    monkeypatch.setattr(step_traces, "_trace_in_worker", logging_worker)
+    sent = _log_workers(monkeypatch, tmp_path / "sent")
     others = [r for r in requests if r.key != with_adamw.key]
     traces = {}
     assert trace_steps([*broken, *others], traces, jobs=2) == len({r.key for r in others})
-    assert sent.read_text().splitlines().count(repr(with_adamw.key_without_optimizer)) == 1
+    assert sent().count(repr(with_adamw.key_without_optimizer)) == 1
 
 
 def test_one_job_traces_nothing_ahead_and_a_failed_step_is_left_to_the_plan(tiny_assets, tmp_path):
