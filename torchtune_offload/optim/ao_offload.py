@@ -6,7 +6,7 @@ accumulation with ``offload_gradients``, clipping, or machines without CUDA/XPU,
 :class:`torchtune_offload.OffloadOptimizer`.
 """
 
-from typing import Any, Dict, List, Union
+from typing import Any, Dict, List, Tuple, Union
 
 import torch
 import torchao.optim
@@ -157,14 +157,18 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
             # run lacked initial_lr and its schedule no longer reached the on-device step.
             self.d_param_groups = self.d_opt.param_groups
 
+    def _stepped(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(parameter, the gradient the next step uses)``, in one fixed order: the offloaded
+        parameters' host copies, then the on-device parameters' own gradients."""
+        pairs = [(p_dev, p_host.grad) for p_dev, p_host in self.param_d2h_map.items() if p_dev in self.queue]
+        pairs += [(p, p.grad) for group in self.d_param_groups for p in group["params"] if p.grad is not None]
+        return pairs
+
     def _grads_to_step(self) -> List[torch.Tensor]:
         # torchao copies gradients to its host parameters during backward; wait for those copies.
         for event in self.queue.values():
             event.synchronize()
-        grads = [p_host.grad for p_dev, p_host in self.param_d2h_map.items() if p_dev in self.queue]
-        for group in self.d_param_groups:
-            grads.extend(p.grad for p in group["params"] if p.grad is not None)
-        return grads
+        return [grad for _, grad in self._stepped()]
 
     @torch.no_grad()
     def _measure(self, param: torch.Tensor) -> None:
@@ -179,10 +183,8 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         order from the host copies."""
         if float(norm_type) != 2.0:
             return total_norm(self._grads_to_step(), norm_type=norm_type, device=self.device)
-        # The gradients _grads_to_step() gives, in its order (the norm of the norms is summed in it).
-        stepped = [p_dev for p_dev in self.param_d2h_map if p_dev in self.queue]
-        stepped += [p for group in self.d_param_groups for p in group["params"] if p.grad is not None]
-        return combine_norms([self._device_norms[p] for p in stepped], device=self.device)
+        # In _stepped()'s order, as the host copies' norms were combined.
+        return combine_norms([self._device_norms[p] for p, _ in self._stepped()], device=self.device)
 
     def memory_report(self) -> OffloadMemoryReport:
         """Counts the bytes torchao keeps on the host (pinned copies, gradients, state)."""

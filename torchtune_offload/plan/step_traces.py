@@ -241,7 +241,8 @@ def trace_steps(requests: Sequence[StepRequest], traces: Dict[tuple, StepTrace],
     # Steps another one gives as well, by the key of that one: traced on their own only where it
     # does not give them (it failed, or its optimizer's state changed before its step).
     later = {r.key: todo[r.key_without_optimizer] for r in todo.values() if r.key_without_optimizer in todo}
-    first = [r for r in todo.values() if r.key not in {d.key for d in later.values()}]
+    given = {step.key for step in later.values()}
+    first = [r for r in todo.values() if r.key not in given]
     if jobs < 2 or len(first) < 2 or not parallel_tracing_available():
         return 0
     context = multiprocessing.get_context("fork")
