@@ -4,8 +4,11 @@
 # brings back. Run it on the lent machine after the wheels' install line of ../shared/gpu/README.md.
 #
 # Usage (from the repository root): BUDGET_S=540 bash scripts/gpu_owed.sh OUT_DIR [STEP...]
-#   sanitizer    under TORCH_CUDA_SANITIZER=1, the GPU tests not yet seen under it: the sets of
-#                test_sums_added_on_the_device_equal_the_host_rings_bit_for_bit and the bitsandbytes recipe tests
+#   tests        pytest -m gpu, all of it but the overlap stress test (about 100 s before; it checks the
+#                engine as it is now, changed since its last GPU run)
+#   sanitizer    under TORCH_CUDA_SANITIZER=1, the GPU tests not yet seen under it, in this order: torchao's
+#                wrapper (its device-side norms are new) and torchao in the recipe, the bitsandbytes recipe
+#                tests, then the sets of test_sums_added_on_the_device_equal_the_host_rings_bit_for_bit
 #   8b-b1        llama3_1 8B at 24 GiB, batch 1 x 2048, accumulation 4, clip 1.0, the sums added on the device
 #                (offload_grads_overlap_device_sums): 11 steps, the 9th profiled and summarised
 #   8b-b2        the same at batch 2 (the f6cc131 run's batch): whether the per-pass cost grows with the batch
@@ -16,7 +19,7 @@
 #   hoststep     torchao's host step (one fused AdamW per tensor), and the 2-norm over the host gradients that
 #                torchao's wrapper and the first offload_gradients path measured before each step, each beside
 #                torch's one-optimizer step, all cores
-# Without STEP arguments every step runs, in the order 8b-b1, sanitizer, 8b-b2, 1b-profiles, hoststep.
+# Without STEP arguments every step runs, in the order tests, 8b-b1, sanitizer, 8b-b2, 1b-profiles, hoststep.
 #
 # Each step gets its cap (below) or the time left of BUDGET_S (counted from this script's start, default 540: a
 # call of 600 s less the wheels' install and a margin), whichever is less, and is skipped, saying so, when less
@@ -38,8 +41,9 @@ mkdir -p "$work/sweeps"
 start=$SECONDS
 PY=${PYTHON:-python3}
 export PYTHON=$PY
-# The 8B profile first: the gap it is for is the largest, and the sanitizer sets were partly run before.
-steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(8b-b1 sanitizer 8b-b2 1b-profiles hoststep)
+# The GPU tests first (the engine changed since they last ran on a GPU), then the 8B profile: the gap it is
+# for is the largest, and the sanitizer sets were partly run before.
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(tests 8b-b1 sanitizer 8b-b2 1b-profiles hoststep)
 log=$out/owed.log
 
 #: step -> "cap minimum" in seconds. An 8B step writes its random-init checkpoint first (about 65 s, once per
@@ -47,7 +51,7 @@ log=$out/owed.log
 #: table (docs/gpu_results.md), and the trace's summary some seconds after it. The profiled step's trace is
 #: written when that step ends, so a run stopped during its final save keeps it (and its log rows).
 #: A 1B variant loads, runs its 11 steps and saves in about a minute (1b-profiles runs as many as fit).
-declare -A CAPS=([sanitizer]="150 40" [8b-b1]="390 300" [8b-b2]="330 280" [1b-profiles]="280 70"
+declare -A CAPS=([tests]="170 60" [sanitizer]="150 40" [8b-b1]="390 300" [8b-b2]="330 280" [1b-profiles]="280 70"
                  [hoststep]="120 60")
 for step in "${steps[@]}"; do
   [ -n "${CAPS[$step]:-}" ] || { echo "unknown step $step (steps: ${!CAPS[*]})" >&2; exit 2; }
@@ -84,12 +88,17 @@ command_of() {
   local device_sums=(VARIANTS=offload_grads_overlap_device_sums ACCUMULATION=4 OVERRIDES=clip_grad_norm=1.0
                      VARIANT_TIMEOUT_S=$((seconds - 45)))
   case $1 in
+    tests)
+      cmd=("$PY" -m pytest -v -m gpu -p no:cacheprovider -rs --durations=10 tests -k "not stress") ;;
     sanitizer)
-      # The bitsandbytes tests first (about 60 s); the device-sum sets then run about a minute each
-      # under the sanitizer, so the cap reaches only some of them.
+      # pytest runs the tests in the order given. torchao's first (its wrapper's norms are measured on
+      # the device since its last sanitizer run), the bitsandbytes tests next (about 60 s); the
+      # device-sum sets then run about a minute each under the sanitizer, so the cap reaches only some.
       cmd=(env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -m gpu -p no:cacheprovider -rs
-           tests/recipe/test_recipes_gpu.py tests/optim/test_gpu_offload.py
-           -k "sums_added_on_the_device_equal_the_host_rings or bitsandbytes") ;;
+           tests/optim/test_gpu_offload.py::test_torchao_wrapper_matches_plain_adamw_where_defined
+           tests/recipe/test_recipes_gpu.py::test_torchao_in_the_recipe_matches_plain_adamw_on_gpu
+           tests/recipe/test_recipes_gpu.py::test_bitsandbytes_paged_optimizers_learn_on_gpu
+           tests/optim/test_gpu_offload.py::test_sums_added_on_the_device_equal_the_host_rings_bit_for_bit) ;;
     8b-b1) cmd=("${sweep[@]}" BATCH_SIZE=1 TAG=b1 "${device_sums[@]}"
                 bash scripts/gpu_results.sh "$work/8b-b1" sweep:8B:24) ;;
     8b-b2) cmd=("${sweep[@]}" BATCH_SIZE=2 TAG=b2 "${device_sums[@]}"

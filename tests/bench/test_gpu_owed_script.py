@@ -45,15 +45,19 @@ def _run(tmp_path: Path, *steps: str, budget: int = 1000, **env) -> subprocess.C
 
 
 def test_the_steps_run_in_order_and_come_back_in_four_files(tmp_path):
-    r = _run(tmp_path, "sanitizer", "8b-b1", "1b-profiles", "hoststep")
+    r = _run(tmp_path, "tests", "sanitizer", "8b-b1", "1b-profiles", "hoststep")
     assert r.returncode == 0, r.stdout + r.stderr
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == ["owed.log", "owed.tgz", "profiles.md", "trace-8b-b1.json.gz"]
     log = (out / "owed.log").read_text()
-    order = [log.index(f"=== {step} ") for step in ("sanitizer", "8b-b1", "1b-profiles", "hoststep")]
+    order = [log.index(f"=== {step} ") for step in ("tests", "sanitizer", "8b-b1", "1b-profiles", "hoststep")]
     assert order == sorted(order)
-    assert "2 passed" in log and log.count("| host step | Mparam/s |") == 2
+    assert log.count("2 passed") == 2 and log.count("| host step | Mparam/s |") == 2
     calls = (tmp_path / "calls").read_text().splitlines()
+    tests, sanitized = [c for c in calls if " -m pytest " in f" {c} "]
+    # All the GPU tests but the stress test; under the sanitizer, torchao's tests before the others.
+    assert tests.endswith("-m gpu -p no:cacheprovider -rs --durations=10 tests -k not stress")
+    assert sanitized.index("test_torchao_wrapper") < sanitized.index("bitsandbytes") < sanitized.index("sums_added")
     sweeps = [c for c in calls if "benchmark_sweep.py" in c]
     assert len(sweeps) == 2
     # The 8B run: batch 1, accumulation 4, clipping, the sums on the device, the 9th of 11 steps profiled,
