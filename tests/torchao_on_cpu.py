@@ -7,6 +7,11 @@ streams are always done and whose ``empty_like`` does not pin, and the wrapper's
 whose accelerator is the CPU. On the CPU every copy is synchronous, so a stream with nothing pending
 is exact: the arithmetic is torchao's own. Nothing outside the two modules changes, except
 ``Tensor.record_stream`` (which ``offload_gradients=True`` calls on the freed gradient), made a no-op.
+
+Given the virtual device of ``stream_check.checked_streams()``, the streams, events and
+``record_stream`` calls are the checker's instead, and the pinned buffers are host memory to it:
+every access torchao's hooks and step make, and the recipe's around them, is checked against CUDA's
+ordering rules (a missing wait raises ``StreamOrderError``), which the always-done streams cannot show.
 """
 
 import contextlib
@@ -22,6 +27,7 @@ import torchao.optim.cpu_offload
 
 import torchtune_offload.optim.ao_offload
 from torchtune_offload import CPUOffloadOptimizer
+from torchtune_offload.optim import stream_check
 
 
 class _DoneEvent:
@@ -35,6 +41,9 @@ class _DoneStream:
     def wait_stream(self, other: Any) -> None:
         pass
 
+    def wait_event(self, event: Any) -> None:
+        pass
+
     def record_event(self) -> _DoneEvent:
         return _DoneEvent()
 
@@ -46,16 +55,19 @@ _STREAMS = SimpleNamespace(Stream=_DoneStream, current_stream=_DoneStream, strea
 
 
 class _HostTorch:
-    """``torch`` as torchao's and the wrapper's modules see it here; every other name is torch's."""
+    """``torch`` as torchao's and the wrapper's modules see it here; every other name is torch's.
+    ``streams``: the device module (always-done streams, or the checker's virtual device)."""
 
-    cuda = _STREAMS
-    cpu = _STREAMS
     accelerator = SimpleNamespace(is_available=lambda: True, current_accelerator=lambda: torch.device("cpu"))
+
+    def __init__(self, streams: Any) -> None:
+        self.cuda = self.cpu = streams
 
     @staticmethod
     def empty_like(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
-        del pin_memory  # no pinned memory without an accelerator
-        return torch.empty_like(*args, **kwargs)
+        # No pinned memory without an accelerator; what would be pinned is host memory to the checker.
+        tensor = torch.empty_like(*args, **kwargs)
+        return stream_check.host_tensor(tensor) if pin_memory else tensor
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -71,10 +83,11 @@ def _init_then_host_device(init):
     return wrapped
 
 
-def torchao_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def torchao_on_cpu(monkeypatch: pytest.MonkeyPatch, *, streams: Any = None) -> None:
     """Lets ``torchtune_offload.CPUOffloadOptimizer`` (torchao's step) build and train on the CPU
-    until ``monkeypatch`` is undone; the config check then accepts ``device=cpu`` for it."""
-    host_torch = _HostTorch()
+    until ``monkeypatch`` is undone; the config check then accepts ``device=cpu`` for it.
+    ``streams``: the virtual device ``checked_streams()`` yields, for torchao's streams and events."""
+    host_torch = _HostTorch(_STREAMS if streams is None else streams)
     monkeypatch.setattr(torchao.optim.cpu_offload, "torch", host_torch)
     monkeypatch.setattr(torchao.optim.cpu_offload, "get_available_devices", lambda: ["cuda"])
     monkeypatch.setattr(torchao.optim.CPUOffloadOptimizer, "__init__",
@@ -83,4 +96,7 @@ def torchao_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     caps = CPUOffloadOptimizer.capabilities
     monkeypatch.setattr(CPUOffloadOptimizer, "capabilities",
                         dataclasses.replace(caps, device_types=(*caps.device_types, "cpu")))
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    if streams is None:
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    else:
+        monkeypatch.setattr(torch.Tensor, "record_stream", stream_check.record_stream)

@@ -8,8 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.optim.side_by_side import batches, tiny_model, twin
+from tests.optim.side_by_side import assert_same_params, batches, tiny_model, train, twin
 from tests.optim.test_overlap import train_windows
+from tests.torchao_on_cpu import torchao_on_cpu
+from torchtune_offload import CPUOffloadOptimizer
 from torchtune_offload.optim import stream_check
 from torchtune_offload.optim.offload_optimizer import OffloadOptimizer
 from torchtune_offload.optim.staging import DeviceSumRing
@@ -356,3 +358,41 @@ def test_the_later_pass_wait_measure_sees_a_wait_added_to_the_device_ring(wait, 
 
     monkeypatch.setattr(DeviceSumRing, "_add_into", add_then_wait)
     assert _waits_in_later_passes(grad_sum_on="device", overlap=True) == [True, True]
+
+
+# ------------------------------------------------------------ torchao's optimizer on virtual streams
+
+def _torchao_against_plain_adamw(monkeypatch, *, offload_gradients: bool, grad_accum: int, drop=()) -> None:
+    """torchao's own hooks and step (its side stream, events, record_stream), inside the wrapper,
+    on virtual streams, trained beside plain AdamW (tests/torchao_on_cpu.py)."""
+    reference = tiny_model()
+    model = twin(reference)
+    data = batches(num=3 * grad_accum)
+    noop = lambda f: None  # noqa: E731 -- torchao cannot scale; the targets are scaled instead
+    scaled = [(x, y / grad_accum**0.5) for x, y in data]
+    train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True), scaled, grad_accum=grad_accum,
+          clip=None, scale_grads=noop, clip_grads=None)
+    with checked_streams(drop_waits=drop) as dev:
+        with monkeypatch.context() as patch:
+            torchao_on_cpu(patch, streams=dev)
+            opt = CPUOffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", minimal_size=MINIMAL_SIZE,
+                                      offload_gradients=offload_gradients, lr=1e-2)
+            assert opt.d_opt is not None and opt.param_d2h_map  # both step paths
+            train(model, opt, scaled, grad_accum=grad_accum, clip=None, scale_grads=noop, clip_grads=None)
+    assert_same_params(reference, model, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("offload_gradients, grad_accum", [(False, 1), (False, 3), (True, 1)])
+def test_torchao_on_virtual_streams_orders_every_access_and_follows_plain_adamw(monkeypatch, offload_gradients,
+                                                                                 grad_accum):
+    _torchao_against_plain_adamw(monkeypatch, offload_gradients=offload_gradients, grad_accum=grad_accum)
+
+
+def test_the_torchao_accumulation_race_the_h100_showed_is_caught_with_its_fix_undone(monkeypatch):
+    """torchao copies each gradient down on its side stream after every micro-batch; the next
+    micro-batch's backward adds into the same device gradient on the compute stream. The wrapper
+    makes that addition wait for the copy; without the wait the checker names the pair, as
+    TORCH_CUDA_SANITIZER did on the H100 (docs/gpu_results.md)."""
+    with pytest.raises(StreamOrderError, match=r"(?s)copy_.*add_"):
+        _torchao_against_plain_adamw(monkeypatch, offload_gradients=False, grad_accum=3,
+                                     drop=[("ao_offload.py", "current_stream().wait_event(event)")])

@@ -4,6 +4,7 @@ recipe's plumbing around it (the adapter ``build_optimizer`` picks, the norm it 
 report, checkpoints and resume) runs on any machine; against plain AdamW in the same recipe.
 The GPU run is ``tests/recipe/test_recipes_gpu.py``."""
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from tests.recipe.test_recipes import FP32, RESUME, _assert_same_tensors, _grad_norms, run_recipe
 from tests.torchao_on_cpu import torchao_on_cpu
 from torchtune_offload import CPUOffloadOptimizer
+from torchtune_offload.optim.stream_check import checked_streams
 from torchtune_offload.recipe import OptimizerKind, OwnGradientsOptimizer
 
 AO = ["optimizer._component_=torchtune_offload.CPUOffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW",
@@ -35,12 +37,19 @@ def _two_threads():
 
 # torchao cannot accumulate with offload_gradients=True (the config check refuses it).
 @pytest.mark.parametrize("offload_gradients, grad_accum", [(False, 2), (True, 1)])
+@pytest.mark.parametrize("streams", ["done", "checked"])
 def test_torchao_in_the_recipe_matches_plain_adamw(ao_on_cpu, tiny_assets, tmp_path: Path, offload_gradients,
-                                                   grad_accum):
+                                                   grad_accum, streams, monkeypatch):
+    """``checked``: torchao's streams and events are the stream checker's (tests/torchao_on_cpu.py), so
+    every access of the recipe, torchao's hooks and its step is checked against CUDA's ordering rules."""
     settings = [*EQUIV, f"gradient_accumulation_steps={grad_accum}"]
     plain = run_recipe("full", tiny_assets, tmp_path / "plain", *settings)
-    ao = run_recipe("full", tiny_assets, tmp_path / "ao", *settings, *AO,
-                    f"optimizer.offload_gradients={offload_gradients}")
+    with contextlib.ExitStack() as stack:
+        if streams == "checked":
+            torchao_on_cpu(stack.enter_context(monkeypatch.context()),
+                           streams=stack.enter_context(checked_streams()))
+        ao = run_recipe("full", tiny_assets, tmp_path / "ao", *settings, *AO,
+                        f"optimizer.offload_gradients={offload_gradients}")
 
     run = ao.recipe._optimizer
     assert isinstance(run.optimizer, CPUOffloadOptimizer) and run.optimizer.offload_gradients is offload_gradients

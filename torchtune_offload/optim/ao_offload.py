@@ -6,6 +6,7 @@ accumulation with ``offload_gradients``, clipping, or machines without CUDA/XPU,
 :class:`torchtune_offload.OffloadOptimizer`.
 """
 
+import functools
 from typing import Any, Dict, List, Tuple, Union
 
 import torch
@@ -123,6 +124,13 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
             minimal_size=minimal_size,
             **kwargs,
         )
+        if not offload_gradients:
+            # torchao copies each device gradient down on its side stream after every micro-batch,
+            # and the next micro-batch's backward adds into that same gradient on the compute
+            # stream, which nothing made wait for the copy (TORCH_CUDA_SANITIZER caught the race on
+            # an H100). Before each addition the compute stream waits for that gradient's copy.
+            for param in self.param_d2h_map:
+                param.register_hook(functools.partial(self._await_copy, param))
 
     @classmethod
     def plan_host_memory(
@@ -169,6 +177,14 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         for event in self.queue.values():
             event.synchronize()
         return [grad for _, grad in self._stepped()]
+
+    def _await_copy(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Backward hook, before ``grad`` is added into ``param.grad``: the adding stream waits
+        for torchao's copy of ``param.grad`` from the micro-batch before (none since a step)."""
+        del grad  # unchanged
+        event = self.queue.get(param)
+        if event is not None and param.grad is not None:
+            getattr(torch, self.device).current_stream().wait_event(event)
 
     @torch.no_grad()
     def _measure(self, param: torch.Tensor) -> None:
