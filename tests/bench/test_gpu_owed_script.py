@@ -69,7 +69,7 @@ def test_the_steps_run_in_order_and_come_back_in_four_files(tmp_path):
     assert "gradient_accumulation_steps=1 " in sweeps[1] and "dataset.num_samples=52 " in sweeps[1]
     assert "--steps 11" in sweeps[0] and "profiler.all_threads=False" not in sweeps[0]
     assert "--variants torchao,offload_grads,paged_adamw8bit_in_bwd,offload_grads_overlap" in sweeps[1]
-    assert "--timeout-s 67 " in sweeps[1]  # (280 s - 10) / 4 each
+    assert "--timeout-s 100 " in sweeps[1]  # (430 s - 30) / 4 each
     assert "TORCH_CUDA_SANITIZER" not in " ".join(calls)  # an environment variable, not an argument
     profiles = (out / "profiles.md").read_text()
     assert "## sweep-8B-24-b1\n" in profiles and "## sweep-1B-24-1b\n" in profiles
@@ -123,10 +123,10 @@ def test_a_stopped_call_still_packs_what_is_done(tmp_path, stop):
 
 
 def test_the_1b_profiles_take_the_largest_gaps_first_as_time_allows(tmp_path):
-    r = _run(tmp_path, "1b-profiles", budget=140)
+    r = _run(tmp_path, "1b-profiles", budget=240)
     assert r.returncode == 0, r.stdout + r.stderr
     sweep = next(c for c in (tmp_path / "calls").read_text().splitlines() if "benchmark_sweep.py" in c)
-    assert "--variants torchao,offload_grads " in sweep and "--timeout-s 65 " in sweep
+    assert "--variants torchao,offload_grads " in sweep and "--timeout-s 105 " in sweep
 
 
 def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
