@@ -62,12 +62,14 @@ class _HostTorch:
 
     def __init__(self, streams: Any) -> None:
         self.cuda = self.cpu = streams
+        # With the always-done streams nothing orders a copy: were a test run inside checked_streams()
+        # (--also-checked-streams), its host memory would be read unordered. So it is all device memory.
+        self._host_memory = streams is not _STREAMS
 
-    @staticmethod
-    def empty_like(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
-        # No pinned memory without an accelerator; what would be pinned is host memory to the checker.
+    def empty_like(self, *args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        # No pinned memory without an accelerator; on virtual streams what would be pinned is host memory.
         tensor = torch.empty_like(*args, **kwargs)
-        return stream_check.host_tensor(tensor) if pin_memory else tensor
+        return stream_check.host_tensor(tensor) if pin_memory and self._host_memory else tensor
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)

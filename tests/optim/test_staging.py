@@ -1,5 +1,6 @@
 """The bounded staging ring: exact sums in micro-batch order, and memory that does not grow with the model."""
 
+import contextlib
 import threading
 import time
 
@@ -11,7 +12,7 @@ from tests.optim.side_by_side import assert_same_params, batches, plain_hooks, t
 from tests.optim.test_overlap import cosine, offload, train_windows
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim.host_arena import aligned_bytes
-from torchtune_offload.optim import staging, stream_check
+from torchtune_offload.optim import host_grads, staging, stream_check
 from torchtune_offload.optim.staging import DeviceSumRing, StagingRing
 from torchtune_offload.optim.stream_check import checked_streams
 from torchtune_offload.optim.transfer import TransferEngine
@@ -236,6 +237,66 @@ def test_device_ring_sums_equal_in_order_adds_bit_for_bit(dtype, sum_dtype, chun
         ring.add_into(torch.zeros(3), torch.zeros(4))
     with pytest.raises(ValueError, match="num_chunks"):
         DeviceSumRing(TransferEngine(torch.device("cpu")), device=torch.device("cpu"), num_chunks=0)
+
+
+@pytest.mark.streams_as_is
+@pytest.mark.parametrize("sum_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("checked", [False, True], ids=["emulated", "checked streams"])
+def test_device_ring_measures_each_sum_it_leaves(sum_dtype, checked):
+    """add_and_measure: the 2-norm of the sum the addition leaves, from the chunks. A sum within one
+    chunk gives tensor_norm's bits; a longer one its pieces' float32 norms combined, rounded once.
+    On streams the norm is read only after drain_until(token), as the engine's clipping reads it."""
+    g = torch.Generator().manual_seed(0)
+    with checked_streams() if checked else contextlib.nullcontext():
+        ring = DeviceSumRing(TransferEngine(torch.device("cpu")), device=torch.device("cpu"), chunk_bytes=256,
+                             num_chunks=3)
+        per_chunk = 256 // sum_dtype.itemsize
+        for numel in (1, per_chunk, per_chunk + 1, 5 * per_chunk - 3):
+            total = stream_check.host_tensor(torch.randn(numel, generator=g).to(sum_dtype))
+            grad = torch.randn(numel, generator=g).to(sum_dtype)
+            expected = total + grad
+            token, norm = ring.add_and_measure(total, grad)
+            ring.drain_until(token)
+            assert torch.equal(total, expected) and norm.dtype == sum_dtype and norm.dim() == 0
+            if numel <= per_chunk:
+                assert torch.equal(norm, torch.linalg.vector_norm(expected))
+            else:
+                pieces = [torch.linalg.vector_norm(p, dtype=torch.float32) for p in expected.split(per_chunk)]
+                assert torch.equal(norm, torch.linalg.vector_norm(torch.stack(pieces)).to(sum_dtype))
+                torch.testing.assert_close(norm.float(), torch.linalg.vector_norm(expected.float()),
+                                           rtol=1e-2 if sum_dtype == torch.bfloat16 else 1e-6, atol=0)
+        ring.close()
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sums_added_on_the_device_land_without_a_host_pass_for_their_norms(where, overlap, monkeypatch):
+    """With grad_sum_on=device the norm clipping needs of a later micro-batch's sum comes from the
+    device ring; the host's 2-norm of a whole host sum (one core at torch's rate: 2.4 s a step for
+    the 8B on the H100 host) is never taken. The host ring (where="host") still takes it, which shows
+    the check sees such a pass."""
+    measured_on_host = []
+    original = host_grads.tensor_norm
+
+    def spy(grad, **kwargs):
+        measured_on_host.append(grad.data_ptr())
+        return original(grad, **kwargs)
+
+    monkeypatch.setattr(host_grads, "tensor_norm", spy)
+    model = tiny_model()
+    ref = twin(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = offload(model, overlap=overlap, offload_gradients=True, grad_sum_on=where)
+    data = batches(num=9)
+    norms = train_windows(model, opt, data, grad_accum=3, clip=0.5)
+    ref_norms = train_windows(ref, ref_opt, data, grad_accum=3, clip=0.5)
+    sums = {slot.host_grad.data_ptr() for slot in opt._table.slots if slot.offloaded}
+    opt.close()
+    assert bool(sums & set(measured_on_host)) is (where == "host")
+    # Each weight's sum fits one chunk here: the device ring's norms are the host's bits, and
+    # the clipped run is plain AdamW's, as with the host ring.
+    assert norms == ref_norms and max(norms) > 0.5
+    assert_same_params(ref, model, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("grad_accum", [2, 3])

@@ -101,12 +101,18 @@ class HostGradients:
         if in_window or self.summed_on_host(slot):
             # Measured on the device before it leaves, serial offload_gradients too, so that serial
             # and overlapped clip alike to the bit (a device and the host reduce in different orders).
+            # A later micro-batch's sum is measured where it is added: on the host once it lands, or
+            # by the device ring below.
             summed = self.summed_on_host(slot) and record.state is not GradState.EMPTY
             record.norm = None if summed else tensor_norm(grad)
         if self.summed_on_host(slot):
             record.staged = None
             if record.state is GradState.EMPTY:
                 record.event = self._transfer.to_host(slot.host_grad, grad, release_source=True)
+            elif self.staging.on_device:
+                # A later micro-batch, added into the sum on the device, which measures the new sum
+                # as it goes: no pass over the host sum when it lands.
+                record.staged, record.norm = self.staging.add_and_measure(slot.host_grad, grad, after=record.event)
             else:
                 # A later micro-batch: through the bounded staging ring into the sum.
                 record.staged = self.staging.add_into(slot.host_grad, grad, after=record.event)
@@ -137,8 +143,9 @@ class HostGradients:
         if self.summed_on_host(slot):
             if record.state is GradState.EMPTY:
                 return False
-            # record.norm: measured on the device by the hook if one micro-batch made the sum,
-            # else None (measured on the host when landed), as in a serial window.
+            # record.norm: measured on the device by the hook if one micro-batch made the sum, or
+            # by the device ring as it added the last one that did; else None (the host ring's sums
+            # are measured on the host when they land), as in a serial window.
             record.staged = self.staging.issued
             return True
         if slot.param.grad is None:

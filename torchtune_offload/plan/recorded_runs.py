@@ -49,6 +49,8 @@ S4_8B = "gpu_results.md, second session of 2026-11-26 (904b5ab): llama3_1 8B at 
 S5_8B = "gpu_results.md, first session of 2026-11-27 (32128f9): llama3_1 8B at 24 GiB, batch 1, accumulation 4, clipping"
 S6_8B = ("gpu_results.md, third session of 2026-11-27 (ed2357a): llama3_1 8B at 24 GiB, batch 1, accumulation 4, "
          "clipping, the staging ring timed")
+S7_8B = ("gpu_results.md, sixth session of 2026-11-27 (2fdd865): llama3_1 8B, accumulation 4 with the sums added "
+         "on the device, one step profiled")
 
 _GAP_IN_BWD = Gap("optimizer in backward",
     "bitsandbytes steps each parameter inside backward (optimizer_in_bwd); the model counts the GPU's "
@@ -78,20 +80,21 @@ _GAP_MICRO = Gap("per-micro-batch host cost",
     "work; the model "
     "counts those bytes and hides what the GPU's work covers (1.18 s a step left over, against 1.43 s "
     "measured). grad_sum_on=device removes the wait (883 against 747 tok/s). The rest is the passes' own "
-    "cost ('accumulation with the sums on the device'); the 1B runs and the f6cc131 8B run added on the "
-    "training thread (moved to a thread of its own since)",
+    "cost and the host 2-norms of the sums at the window's end, on one core, which the host ring still "
+    "takes (both profiled under 'accumulation with the sums on the device'); the 1B runs and the f6cc131 8B "
+    "run added on the training thread (moved to a thread of its own since)",
     applies=_accumulates_through_the_host_ring)
 _GAP_PASSES = Gap("accumulation with the sums on the device",
-    "with grad_sum_on=device the backward hooks never waited (3 ms a step) and the host's cores added "
-    "nothing, yet on the 8B at batch 1 the four forward-backward passes took 1.27 s each against 0.42 s of "
-    "matmuls, and the training thread's wait at the window's end 4.19 s against a host step of 2.73 s and "
-    "weight copies of 0.35 s. A later pass's copies (its 16 GB sum up and back down at once, 0.30 s each "
-    "way at 54 GB/s) do not account for it, nor does an ordering: on the CPU emulation's virtual streams no "
-    "later pass but the last waits, on the compute stream or the training thread, for any of the ring's "
-    "copies or additions (tests/optim/test_stream_check.py; the checker sees the engine's own waits, not the "
-    "caching allocator's or the driver's implicit ones). Measured what it is not; not profiled. A batch-2 pass of the same "
-    "settings at f6cc131 (2043 tok/s) cost only 0.1-0.35 s beyond its matmuls: the next GPU runs (owed in "
-    "gpu_results.md) tell a cost added since from one that does not grow with the batch",
+    "with grad_sum_on=device the backward hooks never waited (3-8 ms a step) and the host's cores added "
+    "nothing, yet the 8B at batch 1 ran 8.4-9.3 s a step against the model's 3.5. Profiled (sixth session of "
+    "2026-11-27, 974 tok/s): the passes are bound by the thread that launches their kernels, not by the GPU "
+    "(kernels start 1-2 microseconds after launch): a forward took 0.41-0.54 s for 0.067 s of GPU work, a "
+    "backward 0.64-0.95 s for 0.20 s, 0.12-0.33 s of it the engine's gradient hooks; the model counts the "
+    "GPU's 0.42 s a pass, about 3.5 s a step less than the four passes took. And the window's end waited "
+    "1.93 s for the landing thread's host 2-norms of the sums (torch's bf16 2-norm runs on one core: 16 GB at "
+    "6.8 GB/s), which the model does not count; measured on the device by the ring since, not yet rerun. "
+    "The allocator is ruled out (no "
+    "retries or driver allocations after step 1), and so is an ordering (tests/optim/test_stream_check.py)",
     applies=_accumulates_on_the_device)
 _GAP_MASTER = Gap("fp32 master pass",
     "fp32 master weights: the model scales the host step by its bytes (28 per parameter against 14), but "
@@ -190,6 +193,9 @@ def recorded_runs() -> List[RecordedRun]:
         _run("offload_grads_overlap, accumulation 4, clip 1.0", 747, S6_8B, n8, 1, micro_batches=4, overlap=True,
              clipping=True, offload_gradients=True, gap=_GAP_MICRO, **_HOST),
         _run("offload_grads_overlap, accumulation 4, clip 1.0, grad_sum_on=device", 883, S6_8B, n8, 1, micro_batches=4,
+             overlap=True, clipping=True, offload_gradients=True, sums_on_device=True, gap=_GAP_PASSES, **_HOST),
+        # The median over steps 2-11 counts the profiled 9th step (944 tok/s) and the two after it (the trace's export).
+        _run("offload_grads_overlap, accumulation 4, clip 1.0, grad_sum_on=device", 974, S7_8B, n8, 1, micro_batches=4,
              overlap=True, clipping=True, offload_gradients=True, sums_on_device=True, gap=_GAP_PASSES, **_HOST),
     ]
     return runs
