@@ -91,9 +91,12 @@ class OffloadOptions:
             host's cores (``optim/staging.py``, ``StagingRing``). ``"device"``: the sum's chunk is
             copied up, added on the device and copied back (``DeviceSumRing``): no host core work,
             half the host memory traffic with bf16 sums, the sum both ways over PCIe, at most 128 MiB
-            of device memory. The same bits either way. On an H100 it ran llama3_1 8B at batch 1 with
-            4 micro-batches 18% faster (docs/accumulation.md). Refused without ``offload_gradients``
-            (the device accumulates as plain training does).
+            of device memory, and the device measures each sum's norm (no host pass over the sums
+            for clipping). The same sums either way; on a GPU a clipped run's norms, and so its
+            weights, agree to rounding (the device reduces in another order). On an H100 it ran
+            llama3_1 8B at batch 1 with 4 micro-batches 18% faster, before the norms moved to the
+            device (docs/accumulation.md). Refused without ``offload_gradients`` (the device
+            accumulates as plain training does).
     """
 
     offload_gradients: bool
