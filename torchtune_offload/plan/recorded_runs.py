@@ -58,18 +58,22 @@ _GAP_IN_BWD = Gap("optimizer in backward",
 _GAP_TORCHAO = Gap("torchao",
     "torchao's CPUOffloadOptimizer: the model counts copies, its host step at torch's fused rate and the "
     "GPU one after the other; the run was slower still, by about one more host step (0.21-0.33 s a step at "
-    "1B against a host step of 0.22 s, 0.88-0.91 s at 3B against 0.57 s). Not its stepping one optimizer per "
-    "tensor: torch's fused bf16 AdamW stepped so ran at 0.86-0.94x of one optimizer over the same tensors "
-    "(scripts/bench_host_step.py, 2-core Zen 4, 2026-11-27), and the engine's serial path, which steps per "
-    "parameter too, runs at the model's figure. Nor, but for a fifth of a host step at most, the norm the "
-    "recipe logs, which the wrapper measured over the host copies before each step (measured on the device "
-    "during backward since): that pass ran at 4.7-5.0x the host step's rate in the same script. Not profiled "
-    "on the GPU's host", applies=lambda work: work.update == "torchao")
+    "1B against a host step of 0.22 s, 0.88-0.91 s at 3B against 0.57 s). The cause, from a rate measured on "
+    "that host: the wrapper measured the norm the recipe logs over torchao's host copies before each step, "
+    "and torch's 2-norm of a bf16 tensor runs on one core, 6.8 GB/s on the H100's host (the 8B profile of the "
+    "sixth session of 2026-11-27): 2 bytes a parameter, 0.36 s at 1B and 0.95 s at 3B, the size of the gaps "
+    "(on a 2-core machine the same pass ran at 4.7-5.0x the host step's rate, which hid that it does not "
+    "spread over cores). The wrapper measures the norm on the device during backward since (fifth session "
+    "of 2026-11-27); not rerun on a GPU. Not its stepping one optimizer per tensor: torch's fused bf16 AdamW "
+    "stepped so ran at 0.86-0.94x of one optimizer over the same tensors (scripts/bench_host_step.py, 2-core "
+    "Zen 4), and the engine's serial path, which steps per parameter too, runs at the model's figure",
+    applies=lambda work: work.update == "torchao")
 _GAP_S1_GRADS = Gap("first offload_gradients path",
     "the first session's offload_gradients path (commit db96fea) cost 0.3-0.9 s a step more than offload, "
     "growing with the parameters (gpu_results.md: 'not profiled'); the overlap variants that replaced it "
     "run at the model's figure (offload_grads_overlap, second session). It measured the logged norm over the "
-    "host gradients before each step, as torchao's wrapper did: at most a fifth of a host step (see torchao)")
+    "host gradients before each step, as torchao's wrapper did: torch's one-core bf16 2-norm, 0.36 s at 1B "
+    "and 0.95 s at 3B at the 6.8 GB/s measured on that host (see torchao), the size of the gap")
 _GAP_MICRO = Gap("per-micro-batch host cost",
     "with offload_gradients and accumulation through the host's staging ring every micro-batch cost about "
     "a host step (2.0 s per micro-batch at 8B, 0.40-0.45 s at 1B batch 2). Measured on the 8B at batch 1 "
