@@ -38,7 +38,7 @@ from torchtune_offload.plan.planner import (
     step_requests,
 )
 from torchtune_offload.plan.speed import load_machine, preset_names
-from torchtune_offload.plan.step_traces import default_jobs, parallel_tracing_available, sequence_length, trace_steps
+from torchtune_offload.plan.step_traces import default_jobs, sequence_length, trace_steps
 from torchtune_offload.plan.trace import UntraceableModelError
 
 RECIPE_OF = {"full_finetune_single_device": "full", "lora_finetune_single_device": "lora",
@@ -102,15 +102,7 @@ def main(argv=None) -> int:
         with_fine_tunes = args.fine_tunes and recipe in ("full", "lora")
         requests = step_requests(str(args.config), args.overrides, args.variants.split(","), recipe=recipe,
                                  seq_len=args.seq_len, with_fine_tunes=with_fine_tunes)
-        distinct = len({r.key for r in requests})
-        # A step without its optimizer comes with the trace of the same step with it.
-        needed = len({r.key for r in requests} - {r.key_without_optimizer for r in requests})
-        if args.jobs > 1 and needed > 1 and parallel_tracing_available():
-            print(f"tracing {distinct} distinct training steps ({needed} traces), {min(args.jobs, needed)} worker "
-                  "processes at a time ...", file=sys.stderr, flush=True)
-            traced = trace_steps(requests, traces, jobs=args.jobs)
-            print(f"traced {traced} of {distinct} in workers" + ("" if traced == distinct else
-                  "; the plan traces the rest, and says why it cannot where it cannot"), file=sys.stderr, flush=True)
+        trace_steps(requests, traces, jobs=args.jobs)
         for name in args.variants.split(","):
             print(f"planning {name} ...", file=sys.stderr, flush=True)
             plan = plan_variant(str(args.config), args.overrides, name, recipe=recipe, seq_len=args.seq_len,

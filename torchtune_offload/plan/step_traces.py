@@ -220,7 +220,8 @@ def trace_steps(requests: Sequence[StepRequest], traces: Dict[tuple, StepTrace],
     process where it needs them, reporting any error there as it always has: a step whose trace
     raises, a worker that dies (seen at once, by its pipe closing) or takes more than ``timeout_s``
     (stopped, and named on stderr), or processes that cannot be started. With one job, fewer than
-    two steps to trace, or off Linux (:func:`parallel_tracing_available`), nothing is traced here.
+    two steps to trace, or off Linux (:func:`parallel_tracing_available`), nothing is traced here;
+    otherwise it says on stderr how many steps it traces, and how many it traced.
 
     Args:
         requests: the plan's steps (see :func:`step_request`).
@@ -245,6 +246,8 @@ def trace_steps(requests: Sequence[StepRequest], traces: Dict[tuple, StepTrace],
     first = [r for r in todo.values() if r.key not in given]
     if jobs < 2 or len(first) < 2 or not parallel_tracing_available():
         return 0
+    print(f"tracing {len(wanted)} distinct training steps ({len(first)} traces), {min(jobs, len(first))} worker "
+          "processes at a time ...", file=sys.stderr, flush=True)
     context = multiprocessing.get_context("fork")
     # The slowest first, so that the last worker to finish started early: a QLoRA step builds its
     # model whole, quantising every weight.
@@ -292,4 +295,6 @@ def trace_steps(requests: Sequence[StepRequest], traces: Dict[tuple, StepTrace],
         for worker, _, _ in running.values():
             worker.kill()
             worker.join()
+    print(f"traced {traced} of {len(wanted)} in workers" + ("" if traced == len(wanted) else
+          "; the plan traces the rest, and says why it cannot where it cannot"), file=sys.stderr, flush=True)
     return traced
