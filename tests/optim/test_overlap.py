@@ -17,6 +17,7 @@ from torch import nn
 
 from tests.optim.side_by_side import assert_same_params, batches, through_a_file, tiny_model, twin
 from torchtune_offload import OffloadOptimizer
+from torchtune_offload.optim import host_grads
 from torchtune_offload.optim.transfer import TransferEngine
 from torchtune_offload.optim.slot_step import SlotStepper
 
@@ -121,6 +122,40 @@ def test_serial_and_overlapped_clip_measure_the_same_norms(grad_accum):
     assert runs[False][1] == runs[True][1]
     assert max(runs[False][1]) > 0.5
     assert_same_params(runs[False][0], runs[True][0], rtol=0, atol=0)  # bit-identical
+
+
+def test_the_window_sums_land_and_are_measured_side_by_side(monkeypatch):
+    """The host ring's sums are measured on the host as they land (torch's CPU norm uses one core:
+    2.4 s a step for the 8B's sums on the H100's host, one after another). Several landing threads
+    measure them at once: the first norm waits for a second to start beside it, which one landing
+    thread would never do; and the clipped run is still plain AdamW's, bit for bit."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # how many land at once
+    second_started, side_by_side, lock = threading.Event(), [], threading.Lock()
+    original = host_grads.tensor_norm
+
+    def spy(grad, **kwargs):
+        if threading.current_thread().name.startswith("offload-landing"):  # not the hooks' device norms
+            with lock:
+                first = not side_by_side
+                side_by_side.append(None)
+            if first:
+                side_by_side[0] = second_started.wait(timeout=10)
+            else:
+                second_started.set()
+        return original(grad, **kwargs)
+
+    monkeypatch.setattr(host_grads, "tensor_norm", spy)
+    ref = tiny_model()
+    model = twin(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = offload(model, overlap=True, offload_gradients=True)
+    data = batches(num=6)
+    norms = train_windows(model, opt, data, grad_accum=3, clip=0.5)
+    opt.close()
+    ref_norms = train_windows(ref, ref_opt, data, grad_accum=3, clip=0.5)
+    assert side_by_side[0] is True
+    assert norms == ref_norms and max(norms) > 0.5
+    assert_same_params(ref, model, rtol=0, atol=0)
 
 
 class _Branchy(nn.Module):

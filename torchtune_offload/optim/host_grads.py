@@ -3,8 +3,9 @@
 The only writer of a slot's gradient record (:class:`HostGrad`): its life as one explicit state,
 the copy and staging handles of the micro-batches on their way, and the gradient's norm where it
 was measured before it left the device. The record is written from the training thread (backward
-hooks, clipping, ``zero_grad``), the overlap landing thread (:meth:`HostGradients.land`) and the
-step thread (:meth:`HostGradients.consumed`); futures order those writes, so no two overlap.
+hooks, clipping, ``zero_grad``), an overlap landing thread (:meth:`HostGradients.land`; several
+land at once, each a slot of its own) and the step thread (:meth:`HostGradients.consumed`);
+futures order the writes to one record, so no two overlap.
 
 With ``offload_gradients`` the first micro-batch of a window is copied into the host buffer (the
 device copy is freed as the copy completes) and later ones are added into it through the bounded
@@ -17,7 +18,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from torchtune_offload.optim.grad_norm import tensor_norm
+from torchtune_offload.optim.grad_norm import host_norms, tensor_norm
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.staging import DeviceSumRing, StagingRing
 from torchtune_offload.optim.step_timings import StepTimings, profiled
@@ -183,8 +184,13 @@ class HostGradients:
     def norms(self, grads: List[Tuple[Slot, torch.Tensor]], norm_type: Union[float, str]) -> List[torch.Tensor]:
         """Each gradient's ``norm_type`` norm, reusing a 2-norm measured before it left the device."""
         reuse = float(norm_type) == 2.0
-        return [self.norm(slot) if reuse and self.norm(slot) is not None else tensor_norm(grad, norm_type=norm_type)
-                for slot, grad in grads]
+        norms = [self.norm(slot) if reuse else None for slot, _ in grads]
+        # Host sums not measured yet (the host ring's, in a serial window), on several cores at once.
+        host = [i for i, (slot, grad) in enumerate(grads) if norms[i] is None and grad is slot.host_grad]
+        for i, norm in zip(host, host_norms([grads[i][1] for i in host], norm_type=norm_type)):
+            norms[i] = norm
+        return [norm if norm is not None else tensor_norm(grad, norm_type=norm_type)
+                for norm, (_, grad) in zip(norms, grads)]
 
     def forget_norms(self) -> None:
         """Drops measured norms once the gradients they describe have been changed."""

@@ -2,11 +2,12 @@
 
 A caller announces the backward that ends an accumulation window
 (``OffloadOptimizer.expect_final_backward``). During that backward each offloaded parameter's
-final gradient is sent to the host as soon as autograd has produced it, and two host worker
+final gradient is sent to the host as soon as autograd has produced it, and host worker
 threads take over from there:
 
-- the *landing* thread waits for the copy, folds staged micro-batches into the host sum, and
-  measures the gradient's norm where it was not measured on the device;
+- the *landing* threads (as many as torch's intra-op threads) each wait for one gradient's copy,
+  fold its staged micro-batches into the host sum, and measure its norm where it was not measured
+  on the device; several land at once because torch measures a host tensor's norm on one core;
 - the *step* thread runs the base optimizer on the host copy and sends the new weights back.
 
 Without clipping a parameter's step is queued as soon as it has landed, while backward goes on.
@@ -30,15 +31,22 @@ import torchtune_offload.optim.stream_check as stream_check
 
 
 class HostWorkers:
-    """The two host worker threads: one lands gradients, one steps. Each runs its queue in order
-    (while streams are checked, each is a host agent of the checker, ordered by its futures)."""
+    """The host worker threads: a few land gradients, each its own, and one steps, in the order it
+    was given (while streams are checked, each task is a host agent of the checker, ordered by its
+    future).
 
-    def __init__(self) -> None:
-        self._landing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-landing")
+    Args:
+        landing_threads: how many gradients may land at once (default: torch's intra-op threads,
+            the host's cores). Their norms are the work: one core each, memory-bound together.
+    """
+
+    def __init__(self, *, landing_threads: Optional[int] = None) -> None:
+        threads = torch.get_num_threads() if landing_threads is None else landing_threads
+        self._landing = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="offload-landing")
         self._stepping = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-host-step")
 
     def land(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Queues ``fn(*args)`` on the landing thread."""
+        """Queues ``fn(*args)`` for the next free landing thread."""
         return stream_check.submit(self._landing, fn, *args)
 
     def step(self, fn: Callable[..., Any], *args: Any) -> Future:

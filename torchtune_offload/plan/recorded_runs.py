@@ -84,8 +84,10 @@ _GAP_MICRO = Gap("per-micro-batch host cost",
     "work; the model "
     "counts those bytes and hides what the GPU's work covers (1.18 s a step left over, against 1.43 s "
     "measured). grad_sum_on=device removes the wait (883 against 747 tok/s). The rest is the passes' own "
-    "cost and the host 2-norms of the sums at the window's end, on one core, which the host ring still "
-    "takes (both profiled under 'accumulation with the sums on the device'); the 1B runs and the f6cc131 8B "
+    "cost and the host 2-norms of the sums at the window's end, one after another on one core (both "
+    "profiled under 'accumulation with the sums on the device'; the host ring's sums are measured side by "
+    "side on every core since, with the same bits: 0.61-0.73 of the time on 2 cores, "
+    "scripts/bench_host_norms.py; not rerun on a GPU); the 1B runs and the f6cc131 8B "
     "run added on the training thread (moved to a thread of its own since)",
     applies=_accumulates_through_the_host_ring)
 _GAP_PASSES = Gap("accumulation with the sums on the device",

@@ -1,0 +1,76 @@
+"""``grad_norm.host_norms``: host gradients measured on several threads, with the serial loop's bits."""
+
+import threading
+
+import pytest
+import torch
+
+from torchtune_offload.optim import grad_norm
+from torchtune_offload.optim.grad_norm import host_norms
+
+
+def _grads():
+    gen = torch.Generator().manual_seed(0)
+    sizes = [7, 4096, 1, 100_003, 33, 65_536]
+    dtypes = [torch.bfloat16, torch.float32]
+    return [(torch.randn(n, generator=gen) * (i + 1)).to(dtypes[i % 2]) for i, n in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_norms_measured_side_by_side_are_the_serial_loops_bits_in_order(norm_type, monkeypatch):
+    monkeypatch.setattr(grad_norm, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(grad_norm.torch, "get_num_threads", lambda: 3)
+    grads = _grads()
+    threads, first_waits, second_started, lock = set(), [], threading.Event(), threading.Lock()
+    original = grad_norm.tensor_norm
+
+    def spy(grad, **kwargs):
+        # The first norm waits for a second to start beside it, which one thread would never do.
+        with lock:
+            threads.add(threading.current_thread().name)
+            first = not first_waits
+            first_waits.append(None)
+        if first:
+            first_waits[0] = second_started.wait(timeout=10)
+        else:
+            second_started.set()
+        return original(grad, **kwargs)
+
+    monkeypatch.setattr(grad_norm, "tensor_norm", spy)
+    norms = host_norms(grads, norm_type=norm_type)
+    assert len(norms) == len(grads)
+    for norm, grad in zip(norms, grads):
+        assert torch.equal(norm, original(grad, norm_type=norm_type))
+    assert first_waits[0] is True and all(name.startswith("offload-norm") for name in threads)
+
+
+def test_few_bytes_or_one_thread_measure_on_the_calling_thread(monkeypatch):
+    threads = set()
+    original = grad_norm.tensor_norm
+
+    def spy(grad, **kwargs):
+        threads.add(threading.current_thread().name)
+        return original(grad, **kwargs)
+
+    monkeypatch.setattr(grad_norm, "tensor_norm", spy)
+    host_norms(_grads())  # far below PARALLEL_MIN_BYTES
+    monkeypatch.setattr(grad_norm, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(grad_norm.torch, "get_num_threads", lambda: 1)
+    host_norms(_grads())
+    assert threads == {threading.current_thread().name}
+
+
+def test_no_gradients_no_norms():
+    assert host_norms([]) == []
+
+
+def test_an_error_in_a_norm_thread_reaches_the_caller(monkeypatch):
+    monkeypatch.setattr(grad_norm, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(grad_norm.torch, "get_num_threads", lambda: 2)
+
+    def broken(grad, **kwargs):
+        raise RuntimeError("norm failed")
+
+    monkeypatch.setattr(grad_norm, "tensor_norm", broken)
+    with pytest.raises(RuntimeError, match="norm failed"):
+        host_norms(_grads())
