@@ -18,7 +18,8 @@
 #                this order, as have 100 s each after 30 s of set-up (the checkpoint's writing)
 #   hoststep     torchao's host step (one fused AdamW per tensor), and the 2-norm over the host gradients that
 #                torchao's wrapper and the first offload_gradients path measured before each step, each beside
-#                torch's one-optimizer step, all cores
+#                torch's one-optimizer step, all cores; then the host sums' 2-norms one after another against
+#                side by side (scripts/bench_host_norms.py)
 # Without STEP arguments every step runs, in the order tests, 8b-b1, sanitizer, 8b-b2, 1b-profiles, hoststep.
 #
 # Each step gets its cap (below) or the time left of BUDGET_S (counted from this script's start, default 540: a
@@ -53,7 +54,7 @@ log=$out/owed.log
 #: A 1B variant loads, runs its 11 steps and saves in more than 96 s (the sixth session of 2026-11-27 gave torchao's
 #: 96 s after the 1B checkpoint's 14 s of writing, and it had not finished): 1b-profiles gives each 100 s.
 declare -A CAPS=([tests]="170 60" [sanitizer]="150 40" [8b-b1]="390 300" [8b-b2]="330 280" [1b-profiles]="430 130"
-                 [hoststep]="120 60")
+                 [hoststep]="150 60")
 for step in "${steps[@]}"; do
   [ -n "${CAPS[$step]:-}" ] || { echo "unknown step $step (steps: ${!CAPS[*]})" >&2; exit 2; }
 done
@@ -114,9 +115,10 @@ command_of() {
            bash scripts/gpu_results.sh "$work/1b-profiles" sweep:1B:24) ;;
     hoststep)
       # Two rows, each beside the same baseline: a run of the script per row.
+      # Then the host sums' norms one after another against side by side (the host ring's window end).
       cmd=(bash -c 'for row in "one optimizer per tensor" "not a step"; do
                       "$0" scripts/bench_host_step.py --params 1.2e9 --steps 10 --baseline "torch fused AdamW, bf16" \
-                        --rows "$row" || exit; done' "$PY") ;;
+                        --rows "$row" || exit; done; "$0" scripts/bench_host_norms.py --params 1.2e9 --repeats 5' "$PY") ;;
   esac
 }
 

@@ -28,6 +28,7 @@ case " $* " in
     [ -n "${FAKE_HANG:-}" ] && { touch "$FAKE_HANG"; sleep 60; } ;;
   *profile_summary.py*) echo "summary of $2" ;;
   *bench_host_step.py*) echo "| host step | Mparam/s |" ;;
+  *bench_host_norms.py*) echo "| sums | way | s |" ;;
   *" -m pytest "*) echo "2 passed" ;;
   *) exit 0 ;;
 esac
@@ -91,7 +92,7 @@ def test_a_step_the_deadline_cannot_fit_is_skipped_and_said(tmp_path):
     log = (tmp_path / "out" / "owed.log").read_text()
     assert "=== 8b-b1: skipped" in log and "(it needs 300 s)" in log
     assert (tmp_path / "out" / "profiles.md").exists()  # packed all the same
-    assert "=== hoststep " in log and "| host step | Mparam/s |" in log
+    assert "=== hoststep " in log and "| host step | Mparam/s |" in log and "| sums | way | s |" in log
     assert "benchmark_sweep.py" not in (tmp_path / "calls").read_text()
 
 
