@@ -53,8 +53,16 @@ S7_8B = ("gpu_results.md, sixth session of 2026-11-27 (2fdd865): llama3_1 8B, ac
          "on the device, one step profiled")
 
 _GAP_IN_BWD = Gap("optimizer in backward",
-    "bitsandbytes steps each parameter inside backward (optimizer_in_bwd); the model counts the GPU's "
-    "matmuls only, not the per-parameter optimizer kernels between backward's (not profiled in the run)")
+    "bitsandbytes synchronizes the device after each parameter's update and once more per step() of a paged "
+    "optimizer; with optimizer_in_bwd every parameter has an optimizer of its own, stepped from its gradient "
+    "hook, so at 1B that is 292 synchronizations inside backward against paged_adamw8bit's 147 after it "
+    "(counted on the CPU, scripts/bench_in_bwd_syncs.py; 508 against 255 at 3B). Each empties the GPU's queue "
+    "until the launching thread's next kernel, and the host's work of one in-backward step outside its update "
+    "took 104-135 microseconds on the 2-core Zen 4 (the same script). The in-backward runs were slower than the "
+    "same sessions' paged_adamw8bit, whose updates are the same, by 15 ms a step on the whole GPU, 38-40 ms at "
+    "24 GiB and 41 ms at 3B: 0.10-0.28 ms per extra synchronization. The model counts neither the "
+    "synchronizations nor the updates' kernels. Not measured: why the 1B runs under the 24 GiB ballast, the two "
+    "beyond 20%, lost 2.5-2.7 times as much per synchronization as the whole-GPU run (no profile of them)")
 _GAP_TORCHAO = Gap("torchao",
     "torchao's CPUOffloadOptimizer: the model counts copies, its host step at torch's fused rate and the "
     "GPU one after the other; the run was slower still, by about one more host step (0.21-0.33 s a step at "

@@ -1,0 +1,34 @@
+"""scripts/bench_in_bwd_syncs.py counts bitsandbytes' device synchronizations: the cause the speed
+model's gap "optimizer in backward" names (plan/recorded_runs.py). If bitsandbytes stops
+synchronizing after each parameter, this fails and the gap's cause must be looked at again."""
+
+import re
+import sys
+from pathlib import Path
+
+from tests import zygote
+from tests.recipe_harness import working_tree_env
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_in_backward_steps_synchronize_twice_a_parameter_inside_backward():
+    cmd = [sys.executable, "scripts/bench_in_bwd_syncs.py", "--models", "1B,8B", "--steps", "2"]
+    out = zygote.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"^.+, torch .+, bitsandbytes [0-9.]+; PagedAdamW8bit", out.stdout, flags=re.M)
+    rows = re.findall(r"^\| (llama[0-9_]+ [0-9]+B) \| ([0-9]+) \| ([0-9]+) \| ([0-9]+) \| ([0-9]+) \|$", out.stdout,
+                      flags=re.M)
+    # 1B: 16 layers of 9 tensors, the tied embedding and the final norm; 8B: 32 layers, and an output.
+    assert [(r[0], int(r[1])) for r in rows] == [("llama3_2 1B", 146), ("llama3_1 8B", 291)]
+    for _, tensors, in_backward, after, host_us in rows:
+        # One per parameter's update, and one more per step() of a paged optimizer: every parameter's own.
+        assert int(in_backward) == 2 * int(tensors)
+        assert int(after) == int(tensors) + 1
+        assert int(host_us) > 0
+
+
+def test_an_unknown_model_is_refused_naming_the_choices():
+    cmd = [sys.executable, "scripts/bench_in_bwd_syncs.py", "--models", "70B"]
+    out = zygote.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "--models: unknown 70B; use some of 1B, 3B, 8B" in out.stderr
