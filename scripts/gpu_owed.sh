@@ -85,8 +85,10 @@ trap 'echo "stopped (TERM) after $((SECONDS - start)) s" >> "$log"; [ -n "$child
 # The command of a step, into the array cmd; $1: the step, $2: its seconds.
 command_of() {
   local seconds=$2
-  # gpu_results.sh's sweep, 11 steps, the 9th profiled.
-  local sweep=(env STEPS=11 PROFILE_STEP=9 PYTHON="$PY" SWEEP_ROOT="$work/sweeps")
+  # gpu_results.sh's sweep, 11 steps, the 9th profiled with Python's calls: the sixth session of
+  # 2026-11-27's 8B trace showed the passes bound by the threads launching their kernels, but not which
+  # Python those threads ran between their ops.
+  local sweep=(env STEPS=11 PROFILE_STEP=9 PROFILE_STACK=1 PYTHON="$PY" SWEEP_ROOT="$work/sweeps")
   local device_sums=(VARIANTS=offload_grads_overlap_device_sums ACCUMULATION=4 OVERRIDES=clip_grad_norm=1.0
                      VARIANT_TIMEOUT_S=$((seconds - 45)))
   case $1 in

@@ -24,7 +24,8 @@
 #   TAG (appended to the sweep's output names, so that two sweeps of one model and limit keep both tables),
 #   PROFILE_STEP (a sweep profiles this step of each variant, counted from 1, with every thread recorded
 #   (docs/benchmarks.md, "Profiling a step"), and summarises it: OUT_DIR/sweep-MODEL-GIB-VARIANT-profile.md;
-#   PROFILE_THREADS=main records the training thread only),
+#   PROFILE_THREADS=main records the training thread only; PROFILE_STACK=1 records Python's calls too
+#   (profiler.with_stack), so that the summary names the Python function a thread was in between ops),
 #   TESTS_TIMEOUT_S (default 1800), SANITIZER_TIMEOUT_S (default 3600),
 #   PYTHON (the interpreter with the project's dependencies; default python3).
 set -uo pipefail
@@ -71,6 +72,7 @@ if [ -n "${PROFILE_STEP:-}" ]; then
   profile=(profiler.enabled=True profiler.record_shapes=False "profiler.wait_steps=$((PROFILE_STEP - 2))"
            profiler.warmup_steps=1 profiler.active_steps=1 profiler.num_cycles=1)
   [ "${PROFILE_THREADS:-all}" = main ] && profile+=(profiler.all_threads=False)
+  [ "${PROFILE_STACK:-0}" = 1 ] && profile+=(profiler.with_stack=True)
 fi
 
 copy_logs() {  # each variant's log of sweep $1 beside the tarball: a failure's traceback comes back even where

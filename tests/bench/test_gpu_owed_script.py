@@ -65,7 +65,8 @@ def test_the_steps_run_in_order_and_come_back_in_four_files(tmp_path):
     # with samples for all 11 steps of 4 micro-batches (and a few to spare).
     assert "--variants offload_grads_overlap_device_sums" in sweeps[0] and "batch_size=1 " in sweeps[0]
     for key in ("gradient_accumulation_steps=4 ", "dataset.num_samples=52 ", "clip_grad_norm=1.0",
-                "profiler.enabled=True", "profiler.wait_steps=7", "profiler.warmup_steps=1", "profiler.active_steps=1"):
+                "profiler.enabled=True", "profiler.wait_steps=7", "profiler.warmup_steps=1", "profiler.active_steps=1",
+                "profiler.with_stack=True"):
         assert key in sweeps[0], key
     assert "gradient_accumulation_steps=1 " in sweeps[1] and "dataset.num_samples=52 " in sweeps[1]
     assert "--steps 11" in sweeps[0] and "profiler.all_threads=False" not in sweeps[0]
