@@ -5,6 +5,7 @@ import threading
 import pytest
 import torch
 
+from tests.concurrency import FirstWaitsForASecond
 from torchtune_offload.optim import grad_norm
 from torchtune_offload.optim.grad_norm import host_norms
 
@@ -21,19 +22,10 @@ def test_norms_measured_side_by_side_are_the_serial_loops_bits_in_order(norm_typ
     monkeypatch.setattr(grad_norm, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(grad_norm.torch, "get_num_threads", lambda: 3)
     grads = _grads()
-    threads, first_waits, second_started, lock = set(), [], threading.Event(), threading.Lock()
-    original = grad_norm.tensor_norm
+    probe, original = FirstWaitsForASecond(), grad_norm.tensor_norm
 
     def spy(grad, **kwargs):
-        # The first norm waits for a second to start beside it, which one thread would never do.
-        with lock:
-            threads.add(threading.current_thread().name)
-            first = not first_waits
-            first_waits.append(None)
-        if first:
-            first_waits[0] = second_started.wait(timeout=10)
-        else:
-            second_started.set()
+        probe()
         return original(grad, **kwargs)
 
     monkeypatch.setattr(grad_norm, "tensor_norm", spy)
@@ -41,7 +33,7 @@ def test_norms_measured_side_by_side_are_the_serial_loops_bits_in_order(norm_typ
     assert len(norms) == len(grads)
     for norm, grad in zip(norms, grads):
         assert torch.equal(norm, original(grad, norm_type=norm_type))
-    assert first_waits[0] is True and all(name.startswith("offload-norm") for name in threads)
+    assert probe.saw_a_second is True and all(name.startswith("offload-norm") for name in probe.threads)
 
 
 def test_few_bytes_or_one_thread_measure_on_the_calling_thread(monkeypatch):

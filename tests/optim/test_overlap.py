@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.concurrency import FirstWaitsForASecond
 from tests.optim.side_by_side import assert_same_params, batches, through_a_file, tiny_model, twin
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim import host_grads
@@ -130,18 +131,11 @@ def test_the_window_sums_land_and_are_measured_side_by_side(monkeypatch):
     measure them at once: the first norm waits for a second to start beside it, which one landing
     thread would never do; and the clipped run is still plain AdamW's, bit for bit."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # how many land at once
-    second_started, side_by_side, lock = threading.Event(), [], threading.Lock()
-    original = host_grads.tensor_norm
+    probe, original = FirstWaitsForASecond(), host_grads.tensor_norm
 
     def spy(grad, **kwargs):
         if threading.current_thread().name.startswith("offload-landing"):  # not the hooks' device norms
-            with lock:
-                first = not side_by_side
-                side_by_side.append(None)
-            if first:
-                side_by_side[0] = second_started.wait(timeout=10)
-            else:
-                second_started.set()
+            probe()
         return original(grad, **kwargs)
 
     monkeypatch.setattr(host_grads, "tensor_norm", spy)
@@ -153,7 +147,7 @@ def test_the_window_sums_land_and_are_measured_side_by_side(monkeypatch):
     norms = train_windows(model, opt, data, grad_accum=3, clip=0.5)
     opt.close()
     ref_norms = train_windows(ref, ref_opt, data, grad_accum=3, clip=0.5)
-    assert side_by_side[0] is True
+    assert probe.saw_a_second is True
     assert norms == ref_norms and max(norms) > 0.5
     assert_same_params(ref, model, rtol=0, atol=0)
 
