@@ -15,7 +15,9 @@ backward with a ``PagedAdamW8bit`` per parameter stepping in backward, and one w
 ``PagedAdamW8bit`` stepped after backward. It also times the host's work of one in-backward step
 outside the update's own call (``bitsandbytes.functional.optimizer_update_8bit_blockwise``, one
 kernel launch on a GPU, the update itself on this CPU): what the GPU waits for after each
-synchronization. Prints a markdown table naming the CPU.
+synchronization. The norms' weights (under bitsandbytes' 4096 elements for 8-bit states) step in
+32 bits and are timed whole, their update included; the median is over every parameter's steps.
+Prints a markdown table naming the CPU.
 """
 
 import argparse
@@ -65,12 +67,12 @@ class Counted:
                 self.update_seconds += time.perf_counter() - start
 
         bnb_optimizer.sync_gpu = sync
-        bnb_optimizer.F.optimizer_update_8bit_blockwise = update
+        bnb_functional.optimizer_update_8bit_blockwise = update
         return self
 
     def __exit__(self, *exc) -> None:
         bnb_optimizer.sync_gpu = self._sync
-        bnb_optimizer.F.optimizer_update_8bit_blockwise = self._update
+        bnb_functional.optimizer_update_8bit_blockwise = self._update
 
 
 def _loss(model: torch.nn.Module) -> torch.Tensor:
@@ -78,7 +80,7 @@ def _loss(model: torch.nn.Module) -> torch.Tensor:
     return model(tokens).float().mean()
 
 
-def measure(name: str, steps: int) -> Dict[str, float]:
+def measure(name: str, *, steps: int) -> Dict[str, float]:
     """Tensors, synchronizations per step each way, and the median host microseconds of one
     in-backward step (``step()`` and ``zero_grad()``) outside its update call."""
     torch.manual_seed(0)
@@ -136,7 +138,7 @@ def main() -> None:
           "| synchronizations a step, one optimizer (after backward) | host us an in-backward step, outside its update |")
     print("|---|---:|---:|---:|---:|")
     for name in models:
-        m = measure(name, args.steps)
+        m = measure(name, steps=args.steps)
         print(f"| {NAMES[name]} | {m['tensors']} | {m['in_backward']} | {m['after']} | {m['host_us']:.0f} |")
 
 
