@@ -376,3 +376,10 @@ def run(cmd: Sequence[str], *, cwd=None, env=None, capture_output: bool = False,
     if check:
         result.check_returncode()
     return result
+
+
+def run_script(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python scripts/<script> <args>`` from the repository root, the working tree's package
+    first (:func:`~tests.recipe_harness.working_tree_env`), its output captured as text (:func:`run`)."""
+    return run([sys.executable, f"scripts/{script}", *args], cwd=REPO, env=working_tree_env(), capture_output=True,
+               text=True, timeout=timeout)

@@ -1,15 +1,11 @@
 """scripts/bench_accumulation.py runs on a small model and prints both paths and the host step side by side."""
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests import zygote
-from tests.recipe_harness import working_tree_env
 
-REPO = Path(__file__).resolve().parents[2]
 ROWS = ["before: micro-batch on a CPU-only machine", "before: the copies, training thread (DMA on an accelerator)",
         "before: host work, the additions (ring thread)", "before: the additions alone (as on an accelerator)",
         "after: micro-batch on a CPU-only machine", "after: the copies, training thread (DMA on an accelerator)",
@@ -20,9 +16,7 @@ ROWS = ["before: micro-batch on a CPU-only machine", "before: the copies, traini
 @pytest.mark.parametrize("options,sum_bytes,step_bytes", [([], 2, 14), (["--grad-sum-dtype", "fp32"], 4, 20),
                                                           (["--master-dtype", "fp32"], 2, 28)])
 def test_bench_accumulation_prints_the_table(options, sum_bytes, step_bytes):
-    cmd = [sys.executable, "scripts/bench_accumulation.py", "--params", "300000", "--repeats", "2", "--warmup", "1",
-           *options]
-    out = zygote.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
+    out = zygote.run_script("bench_accumulation.py", "--params", "300000", "--repeats", "2", "--warmup", "1", *options)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^CPU: .+; torch threads: [0-9]+;", out.stdout, flags=re.M)
     rows = re.findall(r"^\| ([a-zA-Z:(), -]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9]+) \| ([0-9.]+|inf) \| ([0-9.]*) \|$",
@@ -39,6 +33,5 @@ def test_bench_accumulation_prints_the_table(options, sum_bytes, step_bytes):
 
 
 def test_bench_accumulation_refuses_an_unknown_precision():
-    cmd = [sys.executable, "scripts/bench_accumulation.py", "--grad-sum-dtype", "fp16"]
-    out = zygote.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
+    out = zygote.run_script("bench_accumulation.py", "--grad-sum-dtype", "fp16")
     assert out.returncode == 2 and "--grad-sum-dtype=fp16: use fp32" in out.stderr

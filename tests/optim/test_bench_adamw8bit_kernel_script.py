@@ -52,8 +52,7 @@ def test_without_the_avx512_path_the_script_stops_by_name_and_points_to_builds(t
 
 @needs_cc
 def test_script_prints_the_pass_its_ablations_and_torch_in_one_table(avx512_path):
-    cmd = [sys.executable, "scripts/bench_adamw8bit_kernel.py", "--params", "65536", "--rounds", "10"]
-    out = zygote.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
+    out = zygote.run_script("bench_adamw8bit_kernel.py", "--params", "65536", "--rounds", "10")
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^.+, 1 thread, torch .+; 0\.1M bf16 parameters in one tensor; median of 10 rounds$",
                      out.stdout, flags=re.M)

@@ -1,18 +1,12 @@
 """scripts/bench_host_norms.py times the host sums' norms one after another and side by side."""
 
 import re
-import sys
-from pathlib import Path
 
 from tests import zygote
-from tests.recipe_harness import working_tree_env
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bench_host_norms_prints_both_ways_for_both_dtypes():
-    cmd = [sys.executable, "scripts/bench_host_norms.py", "--params", "300000", "--repeats", "3", "--threads", "2"]
-    out = zygote.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
+    out = zygote.run_script("bench_host_norms.py", "--params", "300000", "--repeats", "3", "--threads", "2")
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^.+, 2 threads, torch .+; [0-9.]+M parameters in [0-9]+ Llama-shaped tensors", out.stdout,
                      flags=re.M)

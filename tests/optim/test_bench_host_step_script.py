@@ -1,13 +1,9 @@
 """scripts/bench_host_step.py prints each chosen row beside its baseline, the clipped rows included."""
 
 import re
-import sys
-from pathlib import Path
 
 from tests import zygote
-from tests.recipe_harness import working_tree_env
 
-REPO = Path(__file__).resolve().parents[2]
 CLIPPED = ["engine, bf16 (default policy), clipped (scaled, then stepped)",
            "engine, fp32 master / bf16 device, fused pass, clipped: scaled, then stepped",
            "engine, fp32 master / bf16 device, fused pass, clipped: factor in the pass",
@@ -16,9 +12,8 @@ CLIPPED = ["engine, bf16 (default policy), clipped (scaled, then stepped)",
 
 
 def test_bench_host_step_prints_the_clipped_rows():
-    cmd = [sys.executable, "scripts/bench_host_step.py", "--params", "200000", "--steps", "10", "--threads", "1",
-           "--rows", "clipped", "--baseline", "torch fused AdamW, bf16"]
-    out = zygote.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
+    out = zygote.run_script("bench_host_step.py", "--params", "200000", "--steps", "10", "--threads", "1", "--rows",
+                            "clipped", "--baseline", "torch fused AdamW, bf16")
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^.+, 1 threads, torch .+; [0-9.]+M parameters in [0-9]+ Llama-shaped tensors", out.stdout,
                      flags=re.M)

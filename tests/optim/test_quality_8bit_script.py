@@ -2,23 +2,18 @@
 
 import math
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests import zygote
-from tests.recipe_harness import working_tree_env
 
-REPO = Path(__file__).resolve().parents[2]
 COLUMNS = ["torch AdamW (fp32 states)", "bitsandbytes AdamW8bit", "torchtune_offload AdamW8bit"]
 
 
 def test_quality_script_prints_three_curves_from_one_start():
     pytest.importorskip("bitsandbytes")
-    cmd = [sys.executable, "scripts/quality_8bit.py", "--steps", "3", "--every", "2", "--batch-size", "2",
-           "--seq-len", "8", "--vocab", "64", "--samples", "4"]
-    out = zygote.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
+    out = zygote.run_script("quality_8bit.py", "--steps", "3", "--every", "2", "--batch-size", "2", "--seq-len", "8",
+                            "--vocab", "64", "--samples", "4")
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^.+, \d+ threads, torch .+; llama3_2_mid \(77\.\dM parameters", out.stdout, flags=re.M)
     assert "| step | " + " | ".join(COLUMNS) + " |" in out.stdout

@@ -2,20 +2,15 @@
 
 import math
 import re
-import sys
-from pathlib import Path
 
 from tests import zygote
-from tests.recipe_harness import working_tree_env
 
-REPO = Path(__file__).resolve().parents[2]
 COLUMNS = ["bf16 device weights", "fp8, per-row scales", "fp8, per-tensor scales"]
 
 
 def test_quality_script_prints_three_curves_from_one_start():
-    cmd = [sys.executable, "scripts/quality_fp8.py", "--steps", "2", "--every", "2", "--batch-size", "2",
-           "--seq-len", "8", "--vocab", "64", "--samples", "4"]
-    out = zygote.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=600)
+    out = zygote.run_script("quality_fp8.py", "--steps", "2", "--every", "2", "--batch-size", "2", "--seq-len", "8",
+                            "--vocab", "64", "--samples", "4", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^.+, \d+ threads, torch .+; llama3_2_mid \(77\.\dM parameters, bf16", out.stdout, flags=re.M)
     assert "| step | " + " | ".join(COLUMNS) + " |" in out.stdout

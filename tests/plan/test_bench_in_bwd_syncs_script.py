@@ -3,18 +3,12 @@ model's gap "optimizer in backward" names (plan/recorded_runs.py). If bitsandbyt
 synchronizing after each parameter, this fails and the gap's cause must be looked at again."""
 
 import re
-import sys
-from pathlib import Path
 
 from tests import zygote
-from tests.recipe_harness import working_tree_env
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_in_backward_steps_synchronize_twice_a_parameter_inside_backward():
-    cmd = [sys.executable, "scripts/bench_in_bwd_syncs.py", "--models", "1B,8B", "--steps", "2"]
-    out = zygote.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
+    out = zygote.run_script("bench_in_bwd_syncs.py", "--models", "1B,8B", "--steps", "2")
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^.+, torch .+, bitsandbytes [0-9.]+; PagedAdamW8bit", out.stdout, flags=re.M)
     rows = re.findall(r"^\| (llama[0-9_]+ [0-9]+B) \| ([0-9]+) \| ([0-9]+) \| ([0-9]+) \| ([0-9]+) \|$", out.stdout,
@@ -29,6 +23,5 @@ def test_in_backward_steps_synchronize_twice_a_parameter_inside_backward():
 
 
 def test_an_unknown_model_is_refused_naming_the_choices():
-    cmd = [sys.executable, "scripts/bench_in_bwd_syncs.py", "--models", "70B"]
-    out = zygote.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
+    out = zygote.run_script("bench_in_bwd_syncs.py", "--models", "70B")
     assert out.returncode == 2 and "--models: unknown 70B; use some of 1B, 3B, 8B" in out.stderr
