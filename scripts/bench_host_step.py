@@ -103,7 +103,7 @@ def torch_fused_per_tensor(dims, dtype):
     return step
 
 
-def host_norms(dims, dtype):
+def serial_host_norm(dims, dtype):
     """Not a step: the total 2-norm of the gradients over their host copies, one tensor after the
     other, as torchao's wrapper and the first offload_gradients path measured the norm the recipe
     logs, before each step (both now measure it on the device during backward)."""
@@ -172,7 +172,7 @@ ROWS = {
     "torch fused AdamW, bf16, one optimizer per tensor (torchao CPUOffloadOptimizer's host step)":
         lambda d: torch_fused_per_tensor(d, torch.bfloat16),
     "not a step: the 2-norm of the bf16 gradients on the host (the logged norm, as torchao's wrapper measured it)":
-        lambda d: host_norms(d, torch.bfloat16),
+        lambda d: serial_host_norm(d, torch.bfloat16),
     "engine, fp32 (default policy)": lambda d: engine(d, torch.float32),
     "engine, bf16 (default policy)": lambda d: engine(d, torch.bfloat16),
     "engine, fp32 master / bf16 device, fused pass": lambda d: engine(d, torch.bfloat16, master_dtype="fp32"),
