@@ -24,26 +24,19 @@ import argparse
 import statistics
 import time
 import warnings
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnb_functional
 import bitsandbytes.optim.optimizer as bnb_optimizer
 import torch
 from torchtune import training
-from torchtune.models.llama3_1 import llama3_1
-from torchtune.models.llama3_2 import llama3_2
 
 from torchtune_offload.bench.machine import cpu_name
+from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, chosen_models, narrow_llama
 
-#: Each model's layers and tied embeddings as torchtune's builders give them, at a width of 256.
-NARROW = dict(vocab_size=1024, num_heads=4, num_kv_heads=2, embed_dim=256, max_seq_len=64, intermediate_dim=512)
-MODELS: Dict[str, Callable[[], torch.nn.Module]] = {
-    "1B": lambda: llama3_2(num_layers=16, tie_word_embeddings=True, **NARROW),
-    "3B": lambda: llama3_2(num_layers=28, tie_word_embeddings=True, **NARROW),
-    "8B": lambda: llama3_1(num_layers=32, **NARROW),
-}
-NAMES = {"1B": "llama3_2 1B", "3B": "llama3_2 3B", "8B": "llama3_1 8B"}
+#: The narrowed models' width, and the tokens of a step.
+WIDTH, TOKENS = 256, 64
 
 
 class Counted:
@@ -76,7 +69,7 @@ class Counted:
 
 
 def _loss(model: torch.nn.Module) -> torch.Tensor:
-    tokens = torch.randint(0, NARROW["vocab_size"], (1, NARROW["max_seq_len"]), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, VOCAB_SIZE, (1, TOKENS), generator=torch.Generator().manual_seed(0))
     return model(tokens).float().mean()
 
 
@@ -84,7 +77,7 @@ def measure(name: str, *, steps: int) -> Dict[str, float]:
     """Tensors, synchronizations per step each way, and the median host microseconds of one
     in-backward step (``step()`` and ``zero_grad()``) outside its update call."""
     torch.manual_seed(0)
-    model = MODELS[name]()
+    model = narrow_llama(name, width=WIDTH, max_seq_len=TOKENS)
     params = list(model.parameters())
     single = bnb.optim.PagedAdamW8bit(params, lr=1e-5)
     with Counted() as counted:
@@ -122,13 +115,13 @@ def measure(name: str, *, steps: int) -> Dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="1B,3B,8B", help="comma-separated, of " + ", ".join(MODELS))
+    parser.add_argument("--models", default="1B,3B,8B", help="comma-separated, of " + ", ".join(NARROW_MODELS))
     parser.add_argument("--steps", type=int, default=20, help="timed in-backward steps of every parameter (default 20)")
     args = parser.parse_args()
-    models = args.models.split(",")
-    unknown = [m for m in models if m not in MODELS]
-    if unknown:
-        parser.error(f"--models: unknown {', '.join(unknown)}; use some of {', '.join(MODELS)}")
+    try:
+        models = chosen_models(args.models)
+    except ValueError as err:
+        parser.error(str(err))
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
@@ -139,7 +132,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for name in models:
         m = measure(name, steps=args.steps)
-        print(f"| {NAMES[name]} | {m['tensors']} | {m['in_backward']} | {m['after']} | {m['host_us']:.0f} |")
+        print(f"| {NARROW_MODELS[name][0]} | {m['tensors']} | {m['in_backward']} | {m['after']} | {m['host_us']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+"""The host's own cost of a forward and a backward of a real architecture, with its arithmetic made
+negligible: the floor a thread that launches every op eagerly cannot go under.
+
+Usage: python scripts/bench_eager_dispatch.py [--models 1B,8B] [--steps 8]
+
+Each model is built as torchtune builds it (its layers and tied embeddings) but narrowed to a
+width of 64 (``torchtune_offload.models.narrow``), in bf16, with activation checkpointing on every layer as the
+recipes set it, and trained on one sequence of 16 tokens: what is left of a pass is the dispatch of
+its ops (and, for the backward, the checkpointed forward again). On a GPU the launches add to it.
+Prints a markdown table naming the CPU: median seconds of a forward and of a backward, after 2
+warm-up steps.
+"""
+
+import argparse
+import statistics
+import time
+from typing import Dict
+
+import torch
+from torchtune import training
+from torchtune.modules import TransformerSelfAttentionLayer
+
+from torchtune_offload.bench.machine import cpu_name
+from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, chosen_models, narrow_llama
+
+#: The narrowed models' width, the tokens of a step, and the steps left out of the medians.
+WIDTH, TOKENS, WARMUP = 64, 16, 2
+
+
+def measure(name: str, *, steps: int) -> Dict[str, float]:
+    """Median seconds of a forward and of a backward of ``name``'s narrowed architecture."""
+    torch.manual_seed(0)
+    model = narrow_llama(name, width=WIDTH, max_seq_len=TOKENS).to(torch.bfloat16)
+    training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    tokens = torch.randint(0, VOCAB_SIZE, (1, TOKENS), generator=torch.Generator().manual_seed(0))
+    forward, backward = [], []
+    for _ in range(steps + WARMUP):
+        start = time.perf_counter()
+        loss = model(tokens).float().mean()
+        middle = time.perf_counter()
+        loss.backward()
+        forward.append(middle - start)
+        backward.append(time.perf_counter() - middle)
+    return {"forward": statistics.median(forward[WARMUP:]), "backward": statistics.median(backward[WARMUP:])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="1B,8B", help="comma-separated, of " + ", ".join(NARROW_MODELS))
+    parser.add_argument("--steps", type=int, default=8, help=f"timed steps after {WARMUP} warm-up (default 8)")
+    args = parser.parse_args()
+    try:
+        models = chosen_models(args.models)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; width 64, bf16, activation "
+          f"checkpointing, 1 x {TOKENS} tokens; medians of {args.steps} steps\n")
+    print("| model | forward, s | backward, s |")
+    print("|---|---:|---:|")
+    for name in models:
+        m = measure(name, steps=args.steps)
+        print(f"| {NARROW_MODELS[name][0]} | {m['forward']:.4f} | {m['backward']:.4f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""``models/narrow.py``: real Llama architectures at a small width, with their parameter tensors."""
+
+import pytest
+
+from torchtune_offload.models.narrow import NARROW_MODELS, chosen_models, narrow_llama
+
+
+@pytest.mark.parametrize("name, layers, tensors", [("1B", 16, 146), ("3B", 28, 254), ("8B", 32, 291)])
+def test_a_narrowed_model_keeps_its_layers_and_parameter_tensors(name, layers, tensors):
+    """9 tensors a layer, the embedding and the final norm, and the 8B's untied output."""
+    model = narrow_llama(name, width=64)
+    assert len(model.layers) == layers
+    assert len(list(model.parameters())) == tensors
+    assert model.tok_embeddings.embedding_dim == 64
+
+
+def test_model_names_are_checked_naming_the_choices():
+    assert chosen_models("8B,1B") == ["8B", "1B"]
+    with pytest.raises(ValueError, match="--models: unknown 70B, 2B; use some of 1B, 3B, 8B"):
+        chosen_models("1B,70B,2B")
+    with pytest.raises(ValueError, match="unknown 70B"):
+        narrow_llama("70B", width=64)
+    assert set(NARROW_MODELS) == {"1B", "3B", "8B"}

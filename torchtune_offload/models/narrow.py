@@ -1,0 +1,48 @@
+"""Real Llama architectures at a small width: each model's layers, parameter tensors and ops as
+torchtune builds them (depth, tied embedding, grouped-query attention), with the arithmetic of each
+op made small. For benchmarks of what grows with the layers and tensors rather than with the width:
+the host's cost of dispatching a pass, or of a hook per parameter.
+"""
+
+from typing import List
+
+from torchtune.models.llama3_1 import llama3_1
+from torchtune.models.llama3_2 import llama3_2
+from torchtune.modules import TransformerDecoder
+
+__all__ = ["NARROW_MODELS", "chosen_models", "narrow_llama"]
+
+#: Short name -> (the model's name, torchtune's component builder, its depth and embedding tying).
+NARROW_MODELS = {
+    "1B": ("llama3_2 1B", llama3_2, dict(num_layers=16, tie_word_embeddings=True)),
+    "3B": ("llama3_2 3B", llama3_2, dict(num_layers=28, tie_word_embeddings=True)),
+    "8B": ("llama3_1 8B", llama3_1, dict(num_layers=32)),
+}
+#: The vocabulary of every narrowed model.
+VOCAB_SIZE = 1024
+
+
+def narrow_llama(name: str, *, width: int, max_seq_len: int = 64) -> TransformerDecoder:
+    """The architecture of ``name`` (a key of :data:`NARROW_MODELS`) at embedding width ``width``
+    (4 heads, 2 of keys and values, an MLP twice as wide), a vocabulary of :data:`VOCAB_SIZE`.
+
+    Raises:
+        ValueError: for a name not in :data:`NARROW_MODELS`.
+    """
+    chosen_models(name)
+    _, build, depth = NARROW_MODELS[name]
+    return build(vocab_size=VOCAB_SIZE, num_heads=4, num_kv_heads=2, embed_dim=width, max_seq_len=max_seq_len,
+                 intermediate_dim=2 * width, **depth)
+
+
+def chosen_models(names: str) -> List[str]:
+    """``names`` (comma-separated keys of :data:`NARROW_MODELS`) as a list.
+
+    Raises:
+        ValueError: naming the unknown ones and the choices.
+    """
+    models = names.split(",")
+    unknown = [m for m in models if m not in NARROW_MODELS]
+    if unknown:
+        raise ValueError(f"--models: unknown {', '.join(unknown)}; use some of {', '.join(NARROW_MODELS)}")
+    return models
