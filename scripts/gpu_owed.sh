@@ -6,6 +6,8 @@
 # Usage (from the repository root): BUDGET_S=540 bash scripts/gpu_owed.sh OUT_DIR [STEP...]
 #   tests        pytest -m gpu, all of it but the overlap stress test (about 100 s before; it checks the
 #                engine as it is now, changed since its last GPU run)
+#   probe        tune-offload probe: the speed model's machine keys on this machine, device_sync_us among them
+#                (fitted, not measured, in the h100_recorded preset)
 #   sanitizer    under TORCH_CUDA_SANITIZER=1, the GPU tests not yet seen under it, in this order: torchao's
 #                wrapper (its device-side norms are new) and torchao in the recipe, the bitsandbytes recipe
 #                tests, then the sets of test_sums_added_on_the_device_equal_the_host_rings_bit_for_bit
@@ -20,7 +22,7 @@
 #                torchao's wrapper and the first offload_gradients path measured before each step, each beside
 #                torch's one-optimizer step, all cores; then the host sums' 2-norms one after another against
 #                side by side (scripts/bench_host_norms.py)
-# Without STEP arguments every step runs, in the order tests, 8b-b1, sanitizer, 8b-b2, 1b-profiles, hoststep.
+# Without STEP arguments every step runs, in the order tests, probe, 8b-b1, sanitizer, 8b-b2, 1b-profiles, hoststep.
 #
 # Each step gets its cap (below) or the time left of BUDGET_S (counted from this script's start, default 540: a
 # call of 600 s less the wheels' install and a margin), whichever is less, and is skipped, saying so, when less
@@ -42,9 +44,9 @@ mkdir -p "$work/sweeps"
 start=$SECONDS
 PY=${PYTHON:-python3}
 export PYTHON=$PY
-# The GPU tests first (the engine changed since they last ran on a GPU), then the 8B profile: the gap it is
-# for is the largest, and the sanitizer sets were partly run before.
-steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(tests 8b-b1 sanitizer 8b-b2 1b-profiles hoststep)
+# The GPU tests first (the engine changed since they last ran on a GPU), the probe (half a minute), then the 8B
+# profile: the gap it is for is the largest, and the sanitizer sets were partly run before.
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(tests probe 8b-b1 sanitizer 8b-b2 1b-profiles hoststep)
 log=$out/owed.log
 
 #: step -> "cap minimum" in seconds. An 8B step writes its random-init checkpoint first (about 65 s, once per
@@ -53,7 +55,7 @@ log=$out/owed.log
 #: written when that step ends, so a run stopped during its final save keeps it (and its log rows).
 #: A 1B variant loads, runs its 11 steps and saves in more than 96 s (the sixth session of 2026-11-27 gave torchao's
 #: 96 s after the 1B checkpoint's 14 s of writing, and it had not finished): 1b-profiles gives each 100 s.
-declare -A CAPS=([tests]="170 60" [sanitizer]="150 40" [8b-b1]="390 300" [8b-b2]="330 280" [1b-profiles]="430 130"
+declare -A CAPS=([tests]="170 60" [probe]="60 40" [sanitizer]="150 40" [8b-b1]="390 300" [8b-b2]="330 280" [1b-profiles]="430 130"
                  [hoststep]="150 60")
 for step in "${steps[@]}"; do
   [ -n "${CAPS[$step]:-}" ] || { echo "unknown step $step (steps: ${!CAPS[*]})" >&2; exit 2; }
@@ -94,6 +96,9 @@ command_of() {
   case $1 in
     tests)
       cmd=("$PY" -m pytest -v -m gpu -p no:cacheprovider -rs --durations=10 tests -k "not stress") ;;
+    probe)
+      # Its figures go to the log: OUT_DIR keeps its four files.
+      cmd=("$PY" -m torchtune_offload.cli probe) ;;
     sanitizer)
       # pytest runs the tests in the order given. torchao's first (its wrapper's norms are measured on
       # the device since its last sanitizer run), the bitsandbytes tests next (about 60 s); the

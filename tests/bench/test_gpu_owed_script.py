@@ -29,6 +29,7 @@ case " $* " in
   *profile_summary.py*) echo "summary of $2" ;;
   *bench_host_step.py*) echo "| host step | Mparam/s |" ;;
   *bench_host_norms.py*) echo "| sums | way | s |" ;;
+  *"-m torchtune_offload.cli probe"*) echo "device_sync_us = 104.0" ;;
   *" -m pytest "*) echo "2 passed" ;;
   *) exit 0 ;;
 esac
@@ -46,13 +47,14 @@ def _run(tmp_path: Path, *steps: str, budget: int = 1000, **env) -> subprocess.C
 
 
 def test_the_steps_run_in_order_and_come_back_in_four_files(tmp_path):
-    r = _run(tmp_path, "tests", "sanitizer", "8b-b1", "1b-profiles", "hoststep")
+    r = _run(tmp_path, "tests", "probe", "sanitizer", "8b-b1", "1b-profiles", "hoststep")
     assert r.returncode == 0, r.stdout + r.stderr
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == ["owed.log", "owed.tgz", "profiles.md", "trace-8b-b1.json.gz"]
     log = (out / "owed.log").read_text()
-    order = [log.index(f"=== {step} ") for step in ("tests", "sanitizer", "8b-b1", "1b-profiles", "hoststep")]
+    order = [log.index(f"=== {step} ") for step in ("tests", "probe", "sanitizer", "8b-b1", "1b-profiles", "hoststep")]
     assert order == sorted(order)
+    assert "device_sync_us = 104.0" in log  # the probe's keys go to the log
     assert log.count("2 passed") == 2 and log.count("| host step | Mparam/s |") == 2
     calls = (tmp_path / "calls").read_text().splitlines()
     tests, sanitized = [c for c in calls if " -m pytest " in f" {c} "]

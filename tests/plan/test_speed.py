@@ -3,25 +3,32 @@ recorded H100 runs, the probe on the CPU, and the planner's --machine path."""
 
 import json
 import re
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
+import bitsandbytes as bnb
+import bitsandbytes.optim.optimizer as bnb_optimizer
 import pytest
 import torch
+from torchtune.models.llama3_1 import llama3_1_8b
+from torchtune.models.llama3_2 import llama3_2_1b, llama3_2_3b
 
 from tests.plan.test_planner import _plan_cli
 from tests.recipe_harness import tiny_asset_overrides
 from torchtune_offload.cli.main import main as tune_offload
 from torchtune_offload.plan import probe as probe_module
 from torchtune_offload.plan.__main__ import main as plan_main
-from torchtune_offload.plan.recorded_runs import TOLERANCE, calibrate, calibration_table, known_gaps, recorded_runs
-from torchtune_offload.plan.speed import (MACHINE_KEYS, OVERLAP_HIDDEN_SHARE, Machine, StepWork, load_machine,
-                                          predict, preset_about, preset_names, sums_elsewhere_block)
+from torchtune_offload.plan.recorded_runs import (LLAMA3_1_8B, LLAMA3_2_1B, LLAMA3_2_3B, TENSORS, TOLERANCE, calibrate,
+                                                  calibration_table, known_gaps, recorded_runs)
+from torchtune_offload.plan.speed import (MACHINE_KEYS, OVERLAP_HIDDEN_SHARE, Machine, StepWork,
+                                          bitsandbytes_syncs_per_step, load_machine, predict, preset_about,
+                                          preset_names, sums_elsewhere_block)
 
 REPO = Path(__file__).resolve().parents[2]
 #: Round rates, so each part of a step is a number of seconds one can work out by hand.
 ROUND = {"gpu_bf16_tflops": 1.0, "pcie_h2d_gbs": 1.0, "pcie_d2h_gbs": 1.0, "host_copy_gbs": 6.0,
-         "host_adamw_bf16_mparams": 1000.0, "host_adamw8bit_mparams": 2000.0, "host_cores": 4}
+         "host_adamw_bf16_mparams": 1000.0, "host_adamw8bit_mparams": 2000.0, "host_cores": 4, "device_sync_us": 500.0}
 
 
 def test_a_machine_names_every_missing_unknown_and_bad_key_at_once():
@@ -72,7 +79,7 @@ def test_the_arithmetic_of_a_known_step():
     # Serial host engine: the GPU, then the copies down, the steps and the copies up as one pipeline (2 s).
     host = predict(replace(work, update="host"), machine)
     assert host.step_seconds == pytest.approx(10)
-    assert host.parts == pytest.approx({"gpu": 8, "pcie": 4, "host_step": 1, "host_sums": 0})
+    assert host.parts == pytest.approx({"gpu": 8, "pcie": 4, "host_step": 1, "host_sums": 0, "syncs": 0})
     # Overlapped: the 2 s pipeline hides behind the share of the 6 s backward.
     overlap = predict(replace(work, update="host", overlap=True), machine, samples_per_micro_batch=1)
     assert overlap.step_seconds == pytest.approx(8 + max(0.0, 2 - OVERLAP_HIDDEN_SHARE * 6))
@@ -128,6 +135,12 @@ def test_the_arithmetic_of_a_known_step():
     # Paged state beyond the device: 1 GB out and back in every step.
     paged = predict(replace(work, paged_excess_bytes=10**9), machine)
     assert paged.step_seconds == pytest.approx(10)
+    # An optimizer that synchronizes the device 4000 times a step: the GPU waits 500 us at each.
+    synced = predict(replace(work, device_syncs=4000), machine)
+    assert synced.step_seconds == pytest.approx(10) and synced.parts["syncs"] == pytest.approx(2)
+    assert predict(replace(work, device_syncs=40000), machine).bound == "device synchronizations"
+    with pytest.raises(ValueError, match="device_syncs"):
+        StepWork(params=1, trainable=1, tokens=1, update="host", device_syncs=1)
     # Without checkpointing 6 FLOPs per parameter and token; LoRA's frozen weights get no weight gradient.
     assert predict(replace(work, activation_checkpointing=False), machine).step_seconds == pytest.approx(6)
     assert predict(replace(work, activation_checkpointing=False, trainable=1), machine).step_seconds == \
@@ -221,14 +234,14 @@ def test_the_probe_measures_the_host_here_and_names_the_gpu_keys_to_take_from_a_
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     small = {"copy_bytes": 1 << 20, "step_params": 1 << 16, "pcie_bytes": 1 << 20}
     measured, missing = probe_module.probe(sizes=small)
-    assert missing == ["gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs"]
+    assert missing == ["gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us"]
     assert set(measured) == set(MACHINE_KEYS) - set(missing)
     assert all(v > 0 for v in measured.values()) and measured["host_cores"] == probe_module.host_cores()
     # The verb writes what it measured; the planner then names the keys still missing.
     monkeypatch.setattr(probe_module, "FULL_SIZES", small)
     out = tmp_path / "machine.json"
     assert tune_offload(["probe", "--output", str(out)]) == 0
-    with pytest.raises(ValueError, match="missing gpu_bf16_tflops, pcie_h2d_gbs, pcie_d2h_gbs"):
+    with pytest.raises(ValueError, match="missing gpu_bf16_tflops, pcie_h2d_gbs, pcie_d2h_gbs, device_sync_us"):
         load_machine(out)
     out.write_text(json.dumps({**json.loads(out.read_text()), **{k: 1.0 for k in missing}}))
     assert load_machine(out).host_cores == measured["host_cores"]
@@ -243,7 +256,8 @@ def test_the_step_rate_probe_runs_a_small_llama_step():
 def test_the_planner_adds_speed_to_each_variant(tiny_assets, tmp_path):
     stdout, plans = _plan_cli(tmp_path, *tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "device=cuda",
                               "dtype=bf16", "--device-gib", "1", "--host-gib", "64", "--no-fine-tunes",
-                              "--variants", "adamw,offload,offload_grads_overlap,torchao", "--machine", "h100_recorded")
+                              "--variants", "adamw,offload,offload_grads_overlap,torchao,paged_adamw8bit,"
+                              "paged_adamw8bit_in_bwd", "--machine", "h100_recorded")
     assert "Speed on h100_recorded" in stdout and "| s/step | tok/s | bound | overlap hides at batch |" in stdout
     machine = load_machine("h100_recorded")
     for name, plan in plans.items():
@@ -254,17 +268,23 @@ def test_the_planner_adds_speed_to_each_variant(tiny_assets, tmp_path):
     assert plans["adamw"]["work"]["update"] == "device" and plans["torchao"]["work"]["update"] == "torchao"
     assert plans["offload_grads_overlap"]["work"]["overlap"] and plans["offload"]["work"]["update"] == "host"
     assert plans["adamw"]["speed"]["tokens_per_second"] > plans["offload"]["speed"]["tokens_per_second"]
+    # bitsandbytes synchronizes after each tensor's update, and a paged optimizer at the end of each
+    # step(): once a step after backward, once a tensor in it. torch's optimizers and ours never.
+    tensors = plans["paged_adamw8bit"]["work"]["device_syncs"] - 1
+    assert tensors > 1 and plans["paged_adamw8bit_in_bwd"]["work"]["device_syncs"] == 2 * tensors
+    assert [plans[v]["work"]["device_syncs"] for v in ("adamw", "offload", "torchao")] == [0, 0, 0]
     assert plans["offload_grads_overlap"]["speed"]["hides_at_batch"] >= 1
     # Where overlap would hide the offload variants' work; nothing to hide for the others.
     assert plans["offload"]["speed"]["hides_at_batch"] >= 1
     assert plans["adamw"]["speed"]["hides_at_batch"] is None and plans["torchao"]["speed"]["hides_at_batch"] is None
+    assert plans["paged_adamw8bit"]["speed"]["hides_at_batch"] is None
     # Beside each prediction, the known gaps of its kind of step, with what the recorded runs made of it.
     for name, plan in plans.items():
         expected = [{"label": label, "measured_over_predicted": [pytest.approx(lo, rel=1e-3), pytest.approx(hi, rel=1e-3)]}
                     for label, lo, hi in known_gaps(StepWork(**plan["work"]))]
         assert plan["speed"]["known_gaps"] == expected, name
     assert [g["label"] for g in plans["torchao"]["speed"]["known_gaps"]] == ["torchao"]
-    assert plans["adamw"]["speed"]["known_gaps"] == []
+    assert plans["adamw"]["speed"]["known_gaps"] == [] and plans["paged_adamw8bit_in_bwd"]["speed"]["known_gaps"] == []
     assert "Known gaps of the speed model" in stdout and "\n- torchao: torchao: 0." in stdout
     # Without accumulation nothing is summed: no other place to name.
     assert all(plan["speed"]["sums_elsewhere"] is None for plan in plans.values())
@@ -309,11 +329,62 @@ def test_a_gaps_kind_of_step_is_that_of_the_recorded_runs_that_show_it():
     assert known_gaps(replace(micro.work, micro_batches=1, sums_on_device=True)) == []
 
 
+@pytest.mark.parametrize("name, paged", [("AdamW8bit", False), ("PagedAdamW8bit", True), ("PagedAdamW", True)])
+def test_the_synchronizations_the_model_counts_are_bitsandbytes_own(monkeypatch, name, paged):
+    calls = []
+    monkeypatch.setattr(bnb_optimizer, "sync_gpu", calls.append)
+    # Three tensors with 8-bit states, and one under bitsandbytes' 4096 elements (32-bit states).
+    params = [torch.nn.Parameter(torch.randn(8192)) for _ in range(3)] + [torch.nn.Parameter(torch.randn(16))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer_class = getattr(bnb.optim, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # paged optimizers fall back to unpaged ones on the CPU, and say so
+        optimizer_class(params, lr=1e-3).step()
+        assert len(calls) == bitsandbytes_syncs_per_step(tensors=4, paged=paged, in_backward=False)
+        calls.clear()
+        # Stepping in backward (torchtune's optimizer_in_bwd): an optimizer of its own per parameter.
+        for p in params:
+            optimizer_class([p], lr=1e-3).step()
+    assert len(calls) == bitsandbytes_syncs_per_step(tensors=4, paged=paged, in_backward=True)
+
+
+def test_the_recorded_runs_count_their_models_parameter_tensors():
+    with torch.device("meta"):
+        for builder, params in ((llama3_2_1b, LLAMA3_2_1B), (llama3_2_3b, LLAMA3_2_3B), (llama3_1_8b, LLAMA3_1_8B)):
+            model = builder()
+            assert sum(p.numel() for p in model.parameters()) == params
+            assert len(list(model.parameters())) == TENSORS[params], builder.__name__
+
+
+def test_the_sync_probe_times_a_step_over_its_synchronizations(monkeypatch):
+    # A clock that advances one second at each synchronization, and only then: a step over two
+    # parameters synchronizes three times (after each update, and once more as a paged optimizer),
+    # so one second per synchronization; divided by the tensors instead, it would read 1.5.
+    class Clock:
+        now = 0.0
+
+        @classmethod
+        def perf_counter(cls) -> float:
+            return cls.now
+
+    def sync(tensor: torch.Tensor) -> None:
+        Clock.now += 1.0
+
+    monkeypatch.setattr(probe_module, "time", Clock)
+    monkeypatch.setattr(bnb_optimizer, "sync_gpu", sync)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        us = probe_module.sync_call_us(device=torch.device("cpu"), tensors=2, numel=4096, repeats=2)
+    assert us == pytest.approx(1e6)
+
+
 @pytest.mark.gpu
 def test_the_probe_measures_the_gpu_keys_where_cuda_is():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     measured = probe_module.probe_gpu(pcie_bytes=1 << 26, step={"num_layers": 1, "width": 256, "batch": 1,
-                                                                 "seq_len": 256, "vocab": 1024}, repeats=2)
-    assert set(measured) == {"gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs"}
+                                                                 "seq_len": 256, "vocab": 1024}, repeats=2,
+                                      sync_probe={"tensors": 8})
+    assert set(measured) == {"gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us"}
     assert all(v > 0 for v in measured.values())

@@ -40,7 +40,8 @@ from torchtune_offload.optim.state_streamer import plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
                                                unquantised_twin)
 from torchtune_offload.plan.recorded_runs import known_gaps, known_gaps_block
-from torchtune_offload.plan.speed import Machine, Speed, StepWork, predict, sums_elsewhere_block
+from torchtune_offload.plan.speed import (Machine, Speed, StepWork, bitsandbytes_syncs_per_step, predict,
+                                          sums_elsewhere_block)
 from torchtune_offload.plan.step_traces import StepRequest, mark_lora, sequence_length, step_request
 from torchtune_offload.plan.trace import StepTrace, UntraceableModelError, build_meta_model, micro_batch_loss, one_line
 from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
@@ -141,6 +142,11 @@ def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module
         update = ("device_update" if own.get("update_on") == "device" else
                   "host" if caps.overlaps_host_step else "torchao")
     n_trainable = sum(p.numel() for p in trainable)
+    syncs = 0
+    cls = settings.optimizer_class
+    if update == "device" and cls.__module__.startswith("bitsandbytes."):
+        paged = cls.__name__.startswith("Paged") or bool(cfg.optimizer.get("is_paged", False))
+        syncs = bitsandbytes_syncs_per_step(tensors=len(trainable), paged=paged, in_backward=settings.optimizer_in_bwd)
     state_bytes = 4.0
     if base is not None and n_trainable:
         state_bytes = optimizer_state_bytes(base, trainable, options)[0] / n_trainable
@@ -153,7 +159,8 @@ def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module
                     eight_bit=base is not None and base.__name__ == "AdamW8bit",
                     master_fp32=precision_option(own.get("master_dtype"), key="master_dtype") is not None,
                     grad_sum_size=_grad_sum_size(own),
-                    sums_on_device=own.get("grad_sum_on") == "device", state_bytes=state_bytes)
+                    sums_on_device=own.get("grad_sum_on") == "device", state_bytes=state_bytes,
+                    device_syncs=syncs)
 
 
 def plan_variant(config_path: str, overrides: Sequence[str], name: str, *, recipe: str, seq_len: Optional[int],

@@ -2,7 +2,7 @@
 
 Host keys everywhere (memory copy, torch's fused bf16 AdamW and this project's AdamW8bit over
 every core); GPU keys (the bf16 FLOP rate of a small Llama's training step, pinned PCIe copies both
-ways) only where CUDA is present. Elsewhere the result names the GPU keys to take from a preset
+ways, the time per synchronization of a bitsandbytes optimizer's step) only where CUDA is present. Elsewhere the result names the GPU keys to take from a preset
 (:func:`torchtune_offload.plan.speed.preset_names`).
 """
 
@@ -17,14 +17,17 @@ from torchtune import modules, training
 from torchtune.models.llama3 import llama3
 
 from torchtune_offload.optim.adamw8bit import AdamW8bit
-from torchtune_offload.plan.speed import MACHINE_KEYS, preset_names
+from torchtune_offload.plan.speed import MACHINE_KEYS, bitsandbytes_syncs_per_step, preset_names
 
-GPU_KEYS = ("gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs")
+GPU_KEYS = ("gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us")
 #: Sizes of a full probe: well past the caches, and done in well under a minute on a desktop.
 FULL_SIZES = {"copy_bytes": 1 << 30, "step_params": 1 << 26, "pcie_bytes": 1 << 30}
 #: The Llama 3 whose training step :func:`step_tflops` times: 4 layers of the 1B's width, its
 #: batch of 2 x 2048 tokens; about 0.3B matmul weights, 3 GiB of device memory.
 STEP_MODEL = {"num_layers": 4, "width": 2048, "batch": 2, "seq_len": 2048, "vocab": 32768}
+#: The parameters whose bitsandbytes step :func:`sync_call_us` times: each update a few
+#: microseconds of GPU work, and past bitsandbytes' 4096 elements, so its states are 8-bit.
+SYNC_PROBE = {"tensors": 64, "numel": 1 << 16}
 
 
 def _best_seconds(fn: Callable[[], None], *, repeats: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -89,16 +92,43 @@ def step_tflops(*, device: torch.device, num_layers: int, width: int, batch: int
     return 8 * weights * batch * seq_len / seconds / 1e12
 
 
-def probe_gpu(*, pcie_bytes: int, step: Dict[str, int], repeats: int = 3) -> Dict[str, float]:
-    """The GPU keys on CUDA device 0: :func:`step_tflops`, and pinned copies each way."""
+def sync_call_us(*, device: torch.device, tensors: int, numel: int, repeats: int = 3) -> float:
+    """The launching thread's microseconds per synchronization of a bitsandbytes optimizer.
+
+    Times a ``PagedAdamW8bit`` step over ``tensors`` bf16 parameters of ``numel`` elements on
+    ``device`` and divides it by the step's synchronizations (after each parameter's update, and
+    once more at its end: :func:`~torchtune_offload.plan.speed.bitsandbytes_syncs_per_step`). Each
+    update is a few microseconds of GPU work, so the step is the calls' Python, their launches and
+    the synchronizations' round trips: what the GPU waits for after each synchronization in a real
+    step (speed model: ``device_sync_us``).
+    """
+    # Imported here: every tune-offload verb imports this module, and bitsandbytes takes about a
+    # second to import (and warns on a machine without CUDA), for a key measured only with CUDA.
+    import bitsandbytes as bnb
+
+    params = [torch.nn.Parameter(torch.randn(numel, dtype=torch.bfloat16, device=device)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = bnb.optim.PagedAdamW8bit(params, lr=1e-4)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    seconds = _best_seconds(optimizer.step, repeats=repeats, sync=sync)  # the first step makes the states
+    return seconds / bitsandbytes_syncs_per_step(tensors=tensors, paged=True, in_backward=False) * 1e6
+
+
+def probe_gpu(*, pcie_bytes: int, step: Dict[str, int], repeats: int = 3,
+              sync_probe: Optional[Dict[str, int]] = None) -> Dict[str, float]:
+    """The GPU keys on CUDA device 0: :func:`step_tflops`, pinned copies each way, and
+    :func:`sync_call_us`."""
     device = torch.device("cuda")
     sync = torch.cuda.synchronize
     tflops = step_tflops(device=device, repeats=repeats, **step)
+    sync_us = sync_call_us(device=device, repeats=repeats, **{**SYNC_PROBE, **(sync_probe or {})})
     host = torch.empty(pcie_bytes, dtype=torch.uint8).pin_memory()
     gpu = torch.empty(pcie_bytes, dtype=torch.uint8, device=device)
     h2d = _best_seconds(lambda: gpu.copy_(host, non_blocking=True), repeats=repeats, sync=sync)
     d2h = _best_seconds(lambda: host.copy_(gpu, non_blocking=True), repeats=repeats, sync=sync)
-    return {"gpu_bf16_tflops": tflops, "pcie_h2d_gbs": pcie_bytes / h2d / 1e9, "pcie_d2h_gbs": pcie_bytes / d2h / 1e9}
+    return {"gpu_bf16_tflops": tflops, "pcie_h2d_gbs": pcie_bytes / h2d / 1e9, "pcie_d2h_gbs": pcie_bytes / d2h / 1e9,
+            "device_sync_us": sync_us}
 
 
 def probe(*, sizes: Optional[Dict[str, int]] = None,

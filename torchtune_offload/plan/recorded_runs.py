@@ -9,7 +9,7 @@ prints the calibration table of docs/planner.md.
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
-from torchtune_offload.plan.speed import Speed, StepWork, load_machine, predict
+from torchtune_offload.plan.speed import Speed, StepWork, bitsandbytes_syncs_per_step, load_machine, predict
 
 #: How far a prediction may be from the measured tok/s, as a share of the measured.
 TOLERANCE = 0.20
@@ -17,6 +17,9 @@ TOLERANCE = 0.20
 LLAMA3_2_1B = 1_235_814_400
 LLAMA3_2_3B = 3_212_749_824
 LLAMA3_1_8B = 8_030_261_248
+#: Their parameter tensors (the 1B and 3B tie the output to the embedding): what a bitsandbytes
+#: optimizer steps one at a time, synchronizing the device after each.
+TENSORS = {LLAMA3_2_1B: 146, LLAMA3_2_3B: 254, LLAMA3_1_8B: 291}
 GIB = 1024**3
 
 @dataclass(frozen=True)
@@ -52,17 +55,6 @@ S6_8B = ("gpu_results.md, third session of 2026-11-27 (ed2357a): llama3_1 8B at 
 S7_8B = ("gpu_results.md, sixth session of 2026-11-27 (2fdd865): llama3_1 8B, accumulation 4 with the sums added "
          "on the device, one step profiled")
 
-_GAP_IN_BWD = Gap("optimizer in backward",
-    "bitsandbytes synchronizes the device after each parameter's update and once more per step() of a paged "
-    "optimizer; with optimizer_in_bwd every parameter has an optimizer of its own, stepped from its gradient "
-    "hook, so at 1B that is 292 synchronizations inside backward against paged_adamw8bit's 147 after it "
-    "(counted on the CPU, scripts/bench_in_bwd_syncs.py; 508 against 255 at 3B). Each empties the GPU's queue "
-    "until the launching thread's next kernel, and the host's work of one in-backward step outside its update "
-    "took 104-135 microseconds on the 2-core Zen 4 (the same script). The in-backward runs were slower than the "
-    "same sessions' paged_adamw8bit, whose updates are the same, by 15 ms a step on the whole GPU, 38-40 ms at "
-    "24 GiB and 41 ms at 3B: 0.10-0.28 ms per extra synchronization. The model counts neither the "
-    "synchronizations nor the updates' kernels. Not measured: why the 1B runs under the 24 GiB ballast, the two "
-    "beyond 20%, lost 2.5-2.7 times as much per synchronization as the whole-GPU run (no profile of them)")
 _GAP_TORCHAO = Gap("torchao",
     "torchao's CPUOffloadOptimizer: the model counts copies, its host step at torch's fused rate and the "
     "GPU one after the other; the run was slower still, by about one more host step (0.21-0.33 s a step at "
@@ -150,6 +142,11 @@ _HOST = {"update": "host"}
 _AO = {"update": "torchao"}
 
 
+def _bnb(params: int, *, in_backward: bool = False) -> Dict[str, int]:
+    """The work of a paged bitsandbytes optimizer's step on the device: its synchronizations."""
+    return {"device_syncs": bitsandbytes_syncs_per_step(tensors=TENSORS[params], paged=True, in_backward=in_backward)}
+
+
 def recorded_runs() -> List[RecordedRun]:
     """Every recorded H100 run with a tok/s (or step seconds) in docs/gpu_results.md; bf16,
     activation checkpointing, sequences of 2048 tokens throughout."""
@@ -163,26 +160,26 @@ def recorded_runs() -> List[RecordedRun]:
         adamw, paged, paged8, in_bwd, ao, ao_grads, offload, offload_grads = figures
         runs += [
             _run("adamw", adamw, source, n1, 4),
-            _run("paged_adamw", paged, source, n1, 4),
-            _run("paged_adamw8bit", paged8, source, n1, 4),
-            _run("paged_adamw8bit_in_bwd", in_bwd, source, n1, 4, gap=_GAP_IN_BWD if source == S1_24 else None),
+            _run("paged_adamw", paged, source, n1, 4, **_bnb(n1)),
+            _run("paged_adamw8bit", paged8, source, n1, 4, **_bnb(n1)),
+            _run("paged_adamw8bit_in_bwd", in_bwd, source, n1, 4, **_bnb(n1, in_backward=True)),
             _run("torchao", ao, source, n1, 4, gap=_GAP_TORCHAO, **_AO),
             _run("torchao_grads", ao_grads, source, n1, 4, gap=_GAP_TORCHAO, **_AO),
             _run("offload", offload, source, n1, 4, **_HOST),
             _run("offload_grads", offload_grads, source, n1, 4, gap=_GAP_S1_GRADS, offload_gradients=True, **_HOST),
         ]
     runs += [
-        _run("paged_adamw", 5973, S1_3B, n3, 4, paged_excess_bytes=paged_3b),
-        _run("paged_adamw8bit", 11999, S1_3B, n3, 4),
-        _run("paged_adamw8bit_in_bwd", 11322, S1_3B, n3, 4),
+        _run("paged_adamw", 5973, S1_3B, n3, 4, paged_excess_bytes=paged_3b, **_bnb(n3)),
+        _run("paged_adamw8bit", 11999, S1_3B, n3, 4, **_bnb(n3)),
+        _run("paged_adamw8bit_in_bwd", 11322, S1_3B, n3, 4, **_bnb(n3, in_backward=True)),
         _run("torchao", 3413, S1_3B, n3, 4, gap=_GAP_TORCHAO, **_AO),
         _run("torchao_grads", 3371, S1_3B, n3, 4, gap=_GAP_TORCHAO, **_AO),
         _run("offload", 7000, S1_3B, n3, 4, **_HOST),
         _run("offload_grads", 3980, S1_3B, n3, 4, gap=_GAP_S1_GRADS, offload_gradients=True, **_HOST),
         _run("adamw", 31422, S2_24, n1, 4),
-        _run("paged_adamw", 29311, S2_24, n1, 4),
-        _run("paged_adamw8bit", 28186, S2_24, n1, 4),
-        _run("paged_adamw8bit_in_bwd", 24924, S2_24, n1, 4, gap=_GAP_IN_BWD),
+        _run("paged_adamw", 29311, S2_24, n1, 4, **_bnb(n1)),
+        _run("paged_adamw8bit", 28186, S2_24, n1, 4, **_bnb(n1)),
+        _run("paged_adamw8bit_in_bwd", 24924, S2_24, n1, 4, **_bnb(n1, in_backward=True)),
         _run("torchao", 10278, S2_24, n1, 4, gap=_GAP_TORCHAO, **_AO),
         _run("offload", 17344, S2_24, n1, 4, **_HOST),
         _run("offload_overlap", 20000, S2_24, n1, 4, overlap=True, **_HOST),
@@ -192,7 +189,7 @@ def recorded_runs() -> List[RecordedRun]:
         _run("offload_grads_overlap", 2196, S2_8B, n8, 2, overlap=True, offload_gradients=True, **_HOST),
         _run("offload_grads_overlap, accumulation 4, clip 1.0", 2043, S2_8B, n8, 2, micro_batches=4, overlap=True,
              clipping=True, offload_gradients=True, gap=_GAP_MICRO, **_HOST),
-        _run("paged_adamw8bit_in_bwd (whole GPU)", 4799, S2_8B, n8, 2),
+        _run("paged_adamw8bit_in_bwd (whole GPU)", 4799, S2_8B, n8, 2, **_bnb(n8, in_backward=True)),
         # bench_overlap gives step seconds: 2 x 2048 tokens per micro-batch.
         _run("bench_overlap, overlap off", 4096 / 0.382, S2_BENCH, n1, 2, **_HOST),
         _run("bench_overlap, overlap on", 4096 / 0.363, S2_BENCH, n1, 2, overlap=True, **_HOST),

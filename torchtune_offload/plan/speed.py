@@ -31,6 +31,9 @@ MACHINE_KEYS: Dict[str, str] = {
     "host_adamw8bit_mparams": "this project's AdamW8bit host pass, all cores (million parameters/s)",
     "host_cores": "CPU cores the host step may use (recorded with the rates, which are all-core rates; the model "
                   "does not read it)",
+    "device_sync_us": "the launching thread's time for one call of an optimizer that synchronizes the device after "
+                      "each parameter (bitsandbytes' step of one small parameter, its synchronization included), "
+                      "during which the GPU waits (microseconds)",
 }
 #: Bytes a torch AdamW step over bf16 tensors reads and writes per parameter: weight, gradient and
 #: two states read (8), weight and states written (6).
@@ -65,6 +68,7 @@ class Machine:
     host_adamw_bf16_mparams: float
     host_adamw8bit_mparams: float
     host_cores: float
+    device_sync_us: float
     name: str = "machine.json"
 
     @classmethod
@@ -168,6 +172,8 @@ class StepWork:
         state_bytes: optimizer-state bytes per trainable parameter (what ``device_update`` moves).
         paged_excess_bytes: paged optimizer state beyond the device's room: it crosses PCIe both
             ways every step.
+        device_syncs: for an optimizer on the device, the times a step synchronizes the device
+            (:func:`bitsandbytes_syncs_per_step`): the GPU waits ``device_sync_us`` for each.
     """
 
     params: int
@@ -186,6 +192,7 @@ class StepWork:
     sums_on_device: bool = False
     state_bytes: float = 4.0
     paged_excess_bytes: int = 0
+    device_syncs: int = 0
 
     @property
     def sum_size(self) -> int:
@@ -203,10 +210,30 @@ class StepWork:
             raise ValueError(f"StepWork.update={self.update!r}: one of {', '.join(UPDATES)}")
         if min(self.params, self.trainable, self.tokens, self.micro_batches) <= 0:
             raise ValueError(f"StepWork needs positive params, trainable, tokens and micro_batches: {self}")
+        if self.device_syncs < 0 or (self.device_syncs and self.update != "device"):
+            raise ValueError(f"StepWork.device_syncs={self.device_syncs}: a count, for an optimizer on the device")
+
+
+def bitsandbytes_syncs_per_step(*, tensors: int, paged: bool, in_backward: bool) -> int:
+    """How often one optimizer step of a bitsandbytes optimizer on the device synchronizes the device.
+
+    bitsandbytes' optimizers (``bitsandbytes.optim.optimizer.Optimizer8bit.step``, the base of its
+    8-bit and 32-bit ones alike) call ``sync_gpu`` after each parameter's update, and a paged one
+    once more at the end of each ``step()``. With ``in_backward`` (torchtune's ``optimizer_in_bwd``)
+    every parameter has an optimizer of its own, stepped from its gradient hook, so each ``step()``
+    updates one tensor. (torch's optimizers do not synchronize in a step.)
+
+    Args:
+        tensors: the trainable parameter tensors it steps.
+        paged: a paged optimizer (``Paged*``, or ``is_paged=True``).
+        in_backward: stepped from each parameter's gradient hook.
+    """
+    step_calls = tensors if in_backward else 1
+    return tensors + (step_calls if paged else 0)
 
 
 #: The bounds a step can have, as the plan's table names them.
-BOUNDS = ("GPU compute", "PCIe", "host step", "host gradient sums")
+BOUNDS = ("GPU compute", "PCIe", "host step", "host gradient sums", "device synchronizations")
 
 
 @dataclass(frozen=True)
@@ -215,7 +242,8 @@ class Speed:
 
     Attributes:
         parts: seconds of each resource's work in a step (``gpu``, ``pcie``, ``host_step``,
-            ``host_sums``), whether or not it is hidden behind another's.
+            ``host_sums``, and ``syncs``: the GPU's waits at the optimizer's synchronizations),
+            whether or not it is hidden behind another's.
         hides_at_batch: for this project's offload variants (host engine or ``update_on=device``),
             the smallest batch per micro-batch (samples of this sequence length) at which, with
             ``overlap``, the offloaded work hides behind GPU work; None for the others, and for the
@@ -297,10 +325,13 @@ def _predict(work: StepWork, machine: Machine, samples_per_micro_batch: Optional
         later_pcie = down
     sums = (work.micro_batches - 1) * sum_one if work.offload_gradients else 0.0
     hides = None
+    # Each synchronization empties the GPU's queue: it then waits for the launching thread's next
+    # call, stepping in backward or after it alike (docs/planner.md).
+    syncs = work.device_syncs * machine.device_sync_us * 1e-6
     if work.update == "device":
         pcie = work.paged_excess_bytes / (machine.pcie_d2h_gbs * 1e9) + work.paged_excess_bytes / (
             machine.pcie_h2d_gbs * 1e9)
-        host_step, sums, step = 0.0, 0.0, gpu + pcie
+        host_step, sums, step = 0.0, 0.0, gpu + pcie + syncs
     elif work.update == "device_update":
         state = work.trainable * work.state_bytes
         state_up, state_down = state / (machine.pcie_h2d_gbs * 1e9), state / (machine.pcie_d2h_gbs * 1e9)
@@ -331,7 +362,7 @@ def _predict(work: StepWork, machine: Machine, samples_per_micro_batch: Optional
             step = gpu + exposed_sums + max(0.0, phase - hidden)
         else:
             step = gpu + sums + phase
-    parts = {"gpu": gpu, "pcie": pcie, "host_step": host_step, "host_sums": sums}
+    parts = {"gpu": gpu, "pcie": pcie, "host_step": host_step, "host_sums": sums, "syncs": syncs}
     bound = max(zip(parts.values(), BOUNDS))[1]
     tokens = work.tokens * work.micro_batches
     return Speed(step_seconds=step, tokens_per_second=tokens / step, bound=bound, parts=parts, hides_at_batch=hides)
