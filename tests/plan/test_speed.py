@@ -28,7 +28,8 @@ from torchtune_offload.plan.speed import (MACHINE_KEYS, OVERLAP_HIDDEN_SHARE, Ma
 REPO = Path(__file__).resolve().parents[2]
 #: Round rates, so each part of a step is a number of seconds one can work out by hand.
 ROUND = {"gpu_bf16_tflops": 1.0, "pcie_h2d_gbs": 1.0, "pcie_d2h_gbs": 1.0, "host_copy_gbs": 6.0,
-         "host_adamw_bf16_mparams": 1000.0, "host_adamw8bit_mparams": 2000.0, "host_cores": 4, "device_sync_us": 500.0}
+         "host_adamw_bf16_mparams": 1000.0, "host_adamw8bit_mparams": 2000.0, "host_adamw_master_mparams": 400.0,
+         "host_cores": 4, "device_sync_us": 500.0}
 
 
 def test_a_machine_names_every_missing_unknown_and_bad_key_at_once():
@@ -106,9 +107,9 @@ def test_the_arithmetic_of_a_known_step():
     assert predict(replace(work, update="device_update"), machine).step_seconds == pytest.approx(16)
     # torchao: the GPU, the copy down, the step, the copy up, one after the other.
     assert predict(replace(work, update="torchao"), machine).step_seconds == pytest.approx(13)
-    # The 8-bit host step at 2000 Mparam/s; fp32 masters at twice the bf16 step's bytes.
+    # The 8-bit host step at 2000 Mparam/s; the fused fp32-master pass at its own 400.
     assert predict(replace(work, update="host", eight_bit=True), machine).parts["host_step"] == pytest.approx(0.5)
-    assert predict(replace(work, update="host", master_fp32=True), machine).parts["host_step"] == pytest.approx(2)
+    assert predict(replace(work, update="host", master_fp32=True), machine).parts["host_step"] == pytest.approx(2.5)
     # Clipping host gradients in a pass of its own reads and writes 2 bytes a parameter (4 GB at 6 GB/s)
     # where the step cannot take the factor: torch's AdamW, and the serial path (which scales in place);
     # the overlapped AdamW8bit and fp32-master passes multiply as they read. Gradients clipped on the
@@ -119,17 +120,19 @@ def test_the_arithmetic_of_a_known_step():
     assert host_step(overlap=True, offload_gradients=True) == pytest.approx(1 + 4 / 6)
     assert host_step(overlap=True) == pytest.approx(1 + 4 / 6)  # the window's gradients go to the host
     assert host_step(overlap=True, offload_gradients=True, eight_bit=True) == pytest.approx(0.5)
-    assert host_step(overlap=True, master_fp32=True) == pytest.approx(2)
+    assert host_step(overlap=True, master_fp32=True) == pytest.approx(2.5)
     assert host_step(offload_gradients=True, eight_bit=True) == pytest.approx(0.5 + 4 / 6)
     # fp32 gradient sums (4 bytes): narrowed to the bf16 parameter before a step without masters (6
     # bytes), scaled for clipping in their own dtype (8); the master pass reads them as they are (30
-    # bytes against 28), and AdamW8bit takes the factor only on a sum of its parameter's dtype.
+    # bytes against the 28 its rate is measured on), and AdamW8bit takes the factor only on a sum of
+    # its parameter's dtype.
     assert host_step(overlap=True, grad_sum_size=4) == pytest.approx(1 + (6 + 8) / 6)
-    assert host_step(overlap=True, master_fp32=True, grad_sum_size=4) == pytest.approx(30 / 14)
+    assert host_step(overlap=True, master_fp32=True, grad_sum_size=4) == pytest.approx(2.5 * 30 / 28)
     assert host_step(overlap=True, eight_bit=True, grad_sum_size=4) == pytest.approx(0.5 + (6 + 8) / 6)
     sums = predict(replace(work, update="host", offload_gradients=True, micro_batches=3, grad_sum_size=4), machine)
     assert sums.parts["host_sums"] == pytest.approx(2 * 12 / 6)  # staged 2 + 2, sum read and written 4 + 4
-    # AdamW8bit over fp32 masters: the widened gradient is scaled (in its own dtype) first.
+    # AdamW8bit over fp32 masters, at its rate over their bytes against the bf16 step's (28 / 14);
+    # the widened gradient is scaled (in its own dtype) first.
     assert host_step(overlap=True, eight_bit=True, master_fp32=True) == pytest.approx(1 + 4 / 6)
     assert host_step() == pytest.approx(1)
     # Paged state beyond the device: 1 GB out and back in every step.

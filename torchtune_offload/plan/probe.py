@@ -1,7 +1,7 @@
 """``tune-offload probe [--output machine.json]``: measures the speed model's machine keys here.
 
-Host keys everywhere (memory copy, torch's fused bf16 AdamW and this project's AdamW8bit over
-every core); GPU keys (the bf16 FLOP rate of a small Llama's training step, pinned PCIe copies both
+Host keys everywhere (memory copy, torch's fused bf16 AdamW, this project's AdamW8bit and its
+fused fp32-master pass over every core); GPU keys (the bf16 FLOP rate of a small Llama's training step, pinned PCIe copies both
 ways, the time per synchronization of a bitsandbytes optimizer's step) only where CUDA is present. Elsewhere the result names the GPU keys to take from a preset
 (:func:`torchtune_offload.plan.speed.preset_names`).
 """
@@ -16,6 +16,7 @@ import torch
 from torchtune import modules, training
 from torchtune.models.llama3 import llama3
 
+from torchtune_offload.optim import fused_step
 from torchtune_offload.optim.adamw8bit import AdamW8bit
 from torchtune_offload.plan.speed import MACHINE_KEYS, bitsandbytes_syncs_per_step, preset_names
 
@@ -51,8 +52,27 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
+def master_step(params: int) -> Callable[[], None]:
+    """One step of the engine's fp32-master AdamW over ``params`` elements, as its host step runs it
+    (``slot_step.SlotStepper.step_slot``): the fused pass (fp32 master and moments, a bf16 gradient,
+    the bf16 weight written), or where the pass cannot be built here, torch's fused fp32 AdamW on
+    the widened gradient and the weight rounded after it."""
+    master = torch.randn(params, dtype=torch.float32)
+    optimizer = torch.optim.AdamW([master], lr=1e-4, weight_decay=0.01, fused=True)
+    grad = torch.randn(params, dtype=torch.bfloat16)
+    out = torch.empty(params, dtype=torch.bfloat16)
+
+    def step() -> None:
+        if not fused_step.fused_adamw_step(optimizer, grad, out):
+            master.grad = grad.float()
+            optimizer.step()
+            out.copy_(master)
+
+    return step
+
+
 def probe_host(*, copy_bytes: int, step_params: int, repeats: int = 3) -> Dict[str, float]:
-    """The host keys: copy bandwidth (read plus written), the two AdamW steps' rates, the cores."""
+    """The host keys: copy bandwidth (read plus written), the three AdamW steps' rates, the cores."""
     src = torch.ones(copy_bytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
     copy = _best_seconds(lambda: dst.copy_(src), repeats=repeats)
@@ -65,6 +85,7 @@ def probe_host(*, copy_bytes: int, step_params: int, repeats: int = 3) -> Dict[s
         optimizer = make([p])
         rates[key] = step_params / _best_seconds(optimizer.step, repeats=repeats) / 1e6
         del optimizer, p
+    rates["host_adamw_master_mparams"] = step_params / _best_seconds(master_step(step_params), repeats=repeats) / 1e6
     return {"host_copy_gbs": 2 * copy_bytes / copy / 1e9, **rates, "host_cores": float(host_cores())}
 
 

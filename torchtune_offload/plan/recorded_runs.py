@@ -106,14 +106,6 @@ _GAP_PASSES = Gap("accumulation with the sums on the device",
     "The allocator is ruled out (no "
     "retries or driver allocations after step 1), and so is an ordering (tests/optim/test_stream_check.py)",
     applies=_accumulates_on_the_device)
-_GAP_MASTER = Gap("fp32 master pass",
-    "fp32 master weights: the model scales the host step by its bytes (28 per parameter against 14), but "
-    "the run was only 7% slower than offload_grads_overlap. Measured on the CPU (scripts/bench_host_step.py, "
-    "2-core Zen 4, two runs side by side, 2026-11-26): the fused master pass (optim/fused_step.py) steps "
-    "0.90-1.08x as many parameters a second as torch's fused bf16 AdamW though it moves twice the bytes, "
-    "because torch's bf16 step does not run at the memory's speed; the bytes ratio overstates the master "
-    "pass there, and no machine key measures its rate",
-    applies=lambda work: work.update == "host" and work.master_fp32)
 _GAP_MACHINE = Gap("machine variation",
     "that session's machine ran plain AdamW at 26092 tok/s, 17% below the 31422-31680 of the other "
     "sessions' H100s on the same settings: machine-to-machine variation the preset (fitted to the first "
@@ -185,7 +177,7 @@ def recorded_runs() -> List[RecordedRun]:
         _run("offload_overlap", 20000, S2_24, n1, 4, overlap=True, **_HOST),
         _run("offload_grads_overlap", 20590, S2_24, n1, 4, overlap=True, offload_gradients=True, **_HOST),
         _run("offload_master_overlap", 19191, S2_24, n1, 4, overlap=True, offload_gradients=True,
-             master_fp32=True, gap=_GAP_MASTER, **_HOST),
+             master_fp32=True, **_HOST),
         _run("offload_grads_overlap", 2196, S2_8B, n8, 2, overlap=True, offload_gradients=True, **_HOST),
         _run("offload_grads_overlap, accumulation 4, clip 1.0", 2043, S2_8B, n8, 2, micro_batches=4, overlap=True,
              clipping=True, offload_gradients=True, gap=_GAP_MICRO, **_HOST),

@@ -29,6 +29,8 @@ MACHINE_KEYS: Dict[str, str] = {
     "host_copy_gbs": "host memory bandwidth, bytes read plus bytes written per second by a large copy (GB/s)",
     "host_adamw_bf16_mparams": "torch's fused AdamW on bf16 CPU tensors, all cores (million parameters/s)",
     "host_adamw8bit_mparams": "this project's AdamW8bit host pass, all cores (million parameters/s)",
+    "host_adamw_master_mparams": "this project's fused fp32-master AdamW pass (fp32 master and states, bf16 gradient "
+                                 "and weight), all cores (million parameters/s)",
     "host_cores": "CPU cores the host step may use (recorded with the rates, which are all-core rates; the model "
                   "does not read it)",
     "device_sync_us": "the launching thread's time for one call of an optimizer that synchronizes the device after "
@@ -67,6 +69,7 @@ class Machine:
     host_copy_gbs: float
     host_adamw_bf16_mparams: float
     host_adamw8bit_mparams: float
+    host_adamw_master_mparams: float
     host_cores: float
     device_sync_us: float
     name: str = "machine.json"
@@ -392,14 +395,19 @@ def sums_elsewhere_block(speeds: Mapping[str, Speed]) -> List[str]:
 
 
 def _host_step_seconds(work: StepWork, machine: Machine) -> float:
-    """The host's work of one step: the optimizer's pass at its measured rate (fp32 masters at
-    their bytes against the bf16 step's), and the passes of their own at ``host_copy_gbs``: a
-    wider gradient sum narrowed to the parameter's dtype, and clipping's scaling."""
-    rate = (machine.host_adamw8bit_mparams if work.eight_bit else machine.host_adamw_bf16_mparams) * 1e6
+    """The host's work of one step: the optimizer's pass at its measured rate (the fused fp32-master
+    pass at its own; AdamW8bit over fp32 masters at its rate scaled by their bytes against the bf16
+    step's), and the passes of their own at ``host_copy_gbs``: a wider gradient sum narrowed to the
+    parameter's dtype, and clipping's scaling."""
     sum_size = work.sum_size if work.update == "host" else work.element_size
     # The master pass reads the gradient sum as it is (28 bytes a parameter with bf16 sums, 30 with fp32).
     master_bytes = ADAMW_MASTER_BYTES - work.element_size + sum_size
-    seconds = work.trainable / rate * (master_bytes / ADAMW_BF16_BYTES if work.master_fp32 else 1)
+    if work.master_fp32 and not work.eight_bit:
+        # Its rate is measured on bf16 gradients; wider sums add their bytes.
+        seconds = work.trainable / (machine.host_adamw_master_mparams * 1e6) * (master_bytes / ADAMW_MASTER_BYTES)
+    else:
+        rate = (machine.host_adamw8bit_mparams if work.eight_bit else machine.host_adamw_bf16_mparams) * 1e6
+        seconds = work.trainable / rate * (master_bytes / ADAMW_BF16_BYTES if work.master_fp32 else 1)
     extra = 0
     if sum_size != work.element_size and not work.master_fp32:
         extra += sum_size + work.element_size  # the sum read, its narrowed copy written
