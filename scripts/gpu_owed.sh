@@ -55,8 +55,8 @@ log=$out/owed.log
 #: written when that step ends, so a run stopped during its final save keeps it (and its log rows).
 #: A 1B variant loads, runs its 11 steps and saves in more than 96 s (the sixth session of 2026-11-27 gave torchao's
 #: 96 s after the 1B checkpoint's 14 s of writing, and it had not finished): 1b-profiles gives each 100 s.
-declare -A CAPS=([tests]="170 60" [probe]="60 40" [sanitizer]="150 40" [8b-b1]="390 300" [8b-b2]="330 280" [1b-profiles]="430 130"
-                 [hoststep]="150 60")
+declare -A CAPS=([tests]="170 60" [probe]="60 40" [sanitizer]="150 40" [8b-b1]="390 300" [8b-b2]="330 280"
+                 [1b-profiles]="430 130" [hoststep]="150 60")
 for step in "${steps[@]}"; do
   [ -n "${CAPS[$step]:-}" ] || { echo "unknown step $step (steps: ${!CAPS[*]})" >&2; exit 2; }
 done

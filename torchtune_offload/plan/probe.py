@@ -1,8 +1,9 @@
 """``tune-offload probe [--output machine.json]``: measures the speed model's machine keys here.
 
 Host keys everywhere (memory copy, torch's fused bf16 AdamW, this project's AdamW8bit and its
-fused fp32-master pass over every core); GPU keys (the bf16 FLOP rate of a small Llama's training step, pinned PCIe copies both
-ways, the time per synchronization of a bitsandbytes optimizer's step) only where CUDA is present. Elsewhere the result names the GPU keys to take from a preset
+fused fp32-master pass over every core); GPU keys (the bf16 FLOP rate of a small Llama's training
+step, pinned PCIe copies both ways, the time per synchronization of a bitsandbytes optimizer's
+step) only where CUDA is present. Elsewhere the result names the GPU keys to take from a preset
 (:func:`torchtune_offload.plan.speed.preset_names`).
 """
 
@@ -18,6 +19,7 @@ from torchtune.models.llama3 import llama3
 
 from torchtune_offload.optim import fused_step
 from torchtune_offload.optim.adamw8bit import AdamW8bit
+from torchtune_offload.optim.optimizer_class import resolve_optimizer
 from torchtune_offload.plan.speed import MACHINE_KEYS, bitsandbytes_syncs_per_step, preset_names
 
 GPU_KEYS = ("gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us")
@@ -29,6 +31,9 @@ STEP_MODEL = {"num_layers": 4, "width": 2048, "batch": 2, "seq_len": 2048, "voca
 #: The parameters whose bitsandbytes step :func:`sync_call_us` times: each update a few
 #: microseconds of GPU work, and past bitsandbytes' 4096 elements, so its states are 8-bit.
 SYNC_PROBE = {"tensors": 64, "numel": 1 << 16}
+#: Resolved by name where used, as a config names it: every tune-offload verb imports this module,
+#: and bitsandbytes takes about a second to import (and warns without CUDA), for a CUDA-only key.
+SYNC_PROBE_OPTIMIZER = "bitsandbytes.optim.PagedAdamW8bit"
 
 
 def _best_seconds(fn: Callable[[], None], *, repeats: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -123,14 +128,10 @@ def sync_call_us(*, device: torch.device, tensors: int, numel: int, repeats: int
     the synchronizations' round trips: what the GPU waits for after each synchronization in a real
     step (speed model: ``device_sync_us``).
     """
-    # Imported here: every tune-offload verb imports this module, and bitsandbytes takes about a
-    # second to import (and warns on a machine without CUDA), for a key measured only with CUDA.
-    import bitsandbytes as bnb
-
     params = [torch.nn.Parameter(torch.randn(numel, dtype=torch.bfloat16, device=device)) for _ in range(tensors)]
     for p in params:
         p.grad = torch.randn_like(p)
-    optimizer = bnb.optim.PagedAdamW8bit(params, lr=1e-4)
+    optimizer = resolve_optimizer(SYNC_PROBE_OPTIMIZER, key="SYNC_PROBE_OPTIMIZER")(params, lr=1e-4)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     seconds = _best_seconds(optimizer.step, repeats=repeats, sync=sync)  # the first step makes the states
     return seconds / bitsandbytes_syncs_per_step(tensors=tensors, paged=True, in_backward=False) * 1e6
