@@ -4,12 +4,13 @@ addition, side by side in one run, against the host AdamW step on the same param
 Usage (from the repository root, on a CPU-only machine):
 
     python scripts/bench_accumulation.py [--params 100e6] [--grad-sum-dtype fp32] [--master-dtype fp32]
-                                         [--repeats 10] [--warmup 2] [--threads N]
+                                         [--optimizer adamw8bit] [--repeats 10] [--warmup 2] [--threads N]
 
 The parameters are bf16 tensors of Llama 3.2 3B layer shapes (attention 3072x3072 and 1024x3072,
 MLP 8192x3072), as many as reach --params (the last one cut to fit), trained by one
 ``OffloadOptimizer(offload_gradients=True, minimal_size=0)`` with the host step an accelerator's
-host runs (torch's fused CPU AdamW; with fp32 masters the engine's fused C pass).
+host runs (torch's fused CPU AdamW; with fp32 masters the engine's fused C pass; with
+``--optimizer adamw8bit`` this project's AdamW8bit pass, 8-bit host states, without fp32 masters).
 
 Each repetition runs a window as the engine sees it: a first micro-batch (copied into the host
 sums, not timed), then one non-final micro-batch with each staging path, in turns (each going
@@ -48,12 +49,19 @@ OPTIONS: Dict[str, tuple] = {
     "params": (float, 100e6, "parameters in all (the last tensor is cut to fit)"),
     "grad_sum_dtype": (str, None, "fp32 for fp32 gradient sums (default: the parameters' bf16)"),
     "master_dtype": (str, None, "fp32 for fp32 master weights (default: none, bf16 steps)"),
+    "optimizer": (str, "adamw", "the host step: adamw (torch's AdamW, or with fp32 masters the fused pass) or "
+                                "adamw8bit (torchtune_offload.AdamW8bit, 8-bit states; not with fp32 masters)"),
     "repeats": (int, 10, "measured repetitions after warm-up"),
     "warmup": (int, 2, "repetitions left out of the medians"),
     "threads": (int, None, "torch's intra-op threads (default: torch's choice, all cores)"),
 }
 PATHS = ("before", "after")
 BYTES = {torch.bfloat16: 2, torch.float32: 4}
+#: The host step's optimizer for each --optimizer, with its options.
+OPTIMIZERS = {"adamw": ("torch.optim.AdamW", {"fused": True}), "adamw8bit": ("torchtune_offload.AdamW8bit", {})}
+#: AdamW8bit's pass per parameter: the bf16 weight read and written (4), the bf16 gradient (2), the
+#: 8-bit moments read and written (4), their blocks' scales (0.06): docs/adamw8bit.md.
+ADAMW8BIT_BYTES = 10.06
 
 
 def parse_args() -> argparse.Namespace:
@@ -64,6 +72,11 @@ def parse_args() -> argparse.Namespace:
     for key in ("grad_sum_dtype", "master_dtype"):
         if getattr(args, key) not in (None, "fp32"):
             p.error(f"--{key.replace('_', '-')}={getattr(args, key)}: use fp32, or leave it out")
+    if args.optimizer not in OPTIMIZERS:
+        p.error(f"--optimizer={args.optimizer}: use one of {', '.join(OPTIMIZERS)}")
+    if args.optimizer == "adamw8bit" and args.master_dtype is not None:
+        p.error("--optimizer=adamw8bit with --master-dtype fp32: this script counts AdamW8bit's bytes on bf16 "
+                "weights only; leave one of them out")
     if args.repeats < 1 or args.warmup < 0 or args.params < 1:
         p.error("--repeats must be at least 1, --warmup at least 0, --params at least 1")
     return args
@@ -84,13 +97,19 @@ def median(values: List[float]) -> float:
     return statistics.median(values)
 
 
-def host_bytes(*, sum_dtype: torch.dtype, master: bool) -> Dict[str, int]:
+def host_bytes(*, sum_dtype: torch.dtype, master: bool, eight_bit: bool) -> Dict[str, float]:
     """Bytes per parameter each piece of work must move (reads and writes), gradients in bf16."""
     s, g = BYTES[sum_dtype], 2
-    # The step widens or narrows a sum of another dtype than the stepped copy first (read s, write the
-    # stepped dtype); then torch's fused AdamW reads and writes bf16 weights and moments, or the
-    # engine's C pass the fp32 master, its fp32 moments, and writes the bf16 copy.
-    step = 3 * 8 + s + 2 if master else 3 * 4 + (2 if s == 2 else s + 2 + 2)
+    # The step narrows a sum wider than the stepped bf16 copy first (read s, write 2); then torch's
+    # fused AdamW reads and writes bf16 weights and moments and reads the gradient, AdamW8bit its
+    # pass's bytes, or the engine's C pass the fp32 master and moments and writes the bf16 copy.
+    narrow = 0 if s == 2 else s + 2
+    if master:
+        step = 3 * 8 + s + 2
+    elif eight_bit:
+        step = narrow + ADAMW8BIT_BYTES
+    else:
+        step = narrow + 3 * 4 + 2
     return {"copy": 2 * g, "add": g + 2 * s, "step": step}
 
 
@@ -103,9 +122,10 @@ def main() -> None:
     params = [torch.nn.Parameter(torch.randn(d, generator=gen).to(torch.bfloat16)) for d in dims]
     grads = [(torch.randn(d, generator=gen) * 1e-3).to(torch.bfloat16) for d in dims]
     num = sum(p.numel() for p in params)
-    opt = OffloadOptimizer([(f"p{i}", p) for i, p in enumerate(params)], "torch.optim.AdamW", lr=1e-5,
+    optimizer_class, options = OPTIMIZERS[args.optimizer]
+    opt = OffloadOptimizer([(f"p{i}", p) for i, p in enumerate(params)], optimizer_class, lr=1e-5,
                            offload_gradients=True, minimal_size=0, grad_sum_dtype=args.grad_sum_dtype,
-                           master_dtype=args.master_dtype, fused=True)
+                           master_dtype=args.master_dtype, **options)
     largest = max(s.host_grad.numel() * s.host_grad.element_size() for s in opt._slots)
     # The engine builds its own ring (the fused addition); the "before" ring adds with torch's add_.
     rings = {"after": opt._grads.staging,
@@ -159,12 +179,14 @@ def main() -> None:
     opt.close()
 
     sum_dtype = opt._slots[0].host_grad.dtype
-    need = host_bytes(sum_dtype=sum_dtype, master=args.master_dtype is not None)
+    need = host_bytes(sum_dtype=sum_dtype, master=args.master_dtype is not None,
+                      eight_bit=args.optimizer == "adamw8bit")
     step_s = median(steps)
     per_100m = 1e8 / num
     print(f"CPU: {cpu_name()}; torch threads: {torch.get_num_threads()}; torch {torch.__version__}")
     print(f"{num / 1e6:.1f}M bf16 parameters in {len(dims)} tensors; gradient sums {str(sum_dtype)[6:]}; "
-          f"master weights {args.master_dtype or 'none'}; medians of {args.repeats} repetitions "
+          f"master weights {args.master_dtype or 'none'}; host step {optimizer_class}; "
+          f"medians of {args.repeats} repetitions "
           f"after {args.warmup} warm-up, paths in turns")
     print()
     print("| work | s | s per 100M params | bytes/param | GB/s | host work / host step |")
@@ -182,7 +204,7 @@ def main() -> None:
     rows.append(("host AdamW step", step_s, need["step"], 1.0))
     for name, seconds, nbytes, ratio in rows:
         rate = nbytes * num / seconds / 1e9 if seconds > 0 else float("inf")
-        print(f"| {name} | {seconds:.4f} | {seconds * per_100m:.4f} | {nbytes} | {rate:.1f} | "
+        print(f"| {name} | {seconds:.4f} | {seconds * per_100m:.4f} | {nbytes:g} | {rate:.1f} | "
               + ("" if ratio is None else f"{ratio:.2f}") + " |")
     before = median([r["add"] for r in runs["before"]])
     after = median([r["add"] for r in runs["after"]])

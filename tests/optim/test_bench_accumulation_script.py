@@ -14,15 +14,16 @@ ROWS = ["before: micro-batch on a CPU-only machine", "before: the copies, traini
 
 
 @pytest.mark.parametrize("options,sum_bytes,step_bytes", [([], 2, 14), (["--grad-sum-dtype", "fp32"], 4, 20),
-                                                          (["--master-dtype", "fp32"], 2, 28)])
+                                                          (["--master-dtype", "fp32"], 2, 28),
+                                                          (["--optimizer", "adamw8bit"], 2, 10.06)])
 def test_bench_accumulation_prints_the_table(options, sum_bytes, step_bytes):
     out = zygote.run_script("bench_accumulation.py", "--params", "300000", "--repeats", "2", "--warmup", "1", *options)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^CPU: .+; torch threads: [0-9]+;", out.stdout, flags=re.M)
-    rows = re.findall(r"^\| ([a-zA-Z:(), -]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9]+) \| ([0-9.]+|inf) \| ([0-9.]*) \|$",
+    rows = re.findall(r"^\| ([a-zA-Z:(), -]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+|inf) \| ([0-9.]*) \|$",
                       out.stdout, flags=re.M)
     assert [r[0] for r in rows] == ROWS
-    nbytes = {r[0]: int(r[3]) for r in rows}
+    nbytes = {r[0]: float(r[3]) for r in rows}
     # A bf16 gradient chunk copied (read and written), then added into the sum (read, read and write).
     assert nbytes[ROWS[1]] == 4 and nbytes[ROWS[2]] == nbytes[ROWS[3]] == 2 + 2 * sum_bytes
     assert nbytes[ROWS[0]] == 6 + 2 * sum_bytes
@@ -35,3 +36,10 @@ def test_bench_accumulation_prints_the_table(options, sum_bytes, step_bytes):
 def test_bench_accumulation_refuses_an_unknown_precision():
     out = zygote.run_script("bench_accumulation.py", "--grad-sum-dtype", "fp16")
     assert out.returncode == 2 and "--grad-sum-dtype=fp16: use fp32" in out.stderr
+
+
+def test_bench_accumulation_refuses_an_optimizer_it_does_not_count():
+    out = zygote.run_script("bench_accumulation.py", "--optimizer", "sgd")
+    assert out.returncode == 2 and "--optimizer=sgd: use one of adamw, adamw8bit" in out.stderr
+    out = zygote.run_script("bench_accumulation.py", "--optimizer", "adamw8bit", "--master-dtype", "fp32")
+    assert out.returncode == 2 and "leave one of them out" in out.stderr
