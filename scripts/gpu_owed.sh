@@ -16,7 +16,8 @@
 #   8b-b2        the same at batch 2 (the f6cc131 run's batch): whether the per-pass cost grows with the batch
 #   1b-profiles  llama3_2 1B at 24 GiB, batch 4: torchao, offload_grads, paged_adamw8bit_in_bwd and
 #                offload_grads_overlap, 11 steps each, the 9th profiled and summarised (the calibration's gaps
-#                "torchao", "first offload_gradients path" and "optimizer in backward"), as many of them, in
+#                "torchao" and "first offload_gradients path", and the in-backward runs under the ballast, within 20%
+#                since the model counts bitsandbytes' synchronizations but still +13%), as many of them, in
 #                this order, as have 100 s each after 30 s of set-up (the checkpoint's writing)
 #   hoststep     torchao's host step (one fused AdamW per tensor), and the 2-norm over the host gradients that
 #                torchao's wrapper and the first offload_gradients path measured before each step, each beside

@@ -15,7 +15,9 @@ ROWS = ["before: micro-batch on a CPU-only machine", "before: the copies, traini
 
 @pytest.mark.parametrize("options,sum_bytes,step_bytes", [([], 2, 14), (["--grad-sum-dtype", "fp32"], 4, 20),
                                                           (["--master-dtype", "fp32"], 2, 28),
-                                                          (["--optimizer", "adamw8bit"], 2, 10.06)])
+                                                          (["--optimizer", "adamw8bit"], 2, 10.06),
+                                                          (["--optimizer", "adamw8bit", "--grad-sum-dtype", "fp32"], 4,
+                                                           16.06)])
 def test_bench_accumulation_prints_the_table(options, sum_bytes, step_bytes):
     out = zygote.run_script("bench_accumulation.py", "--params", "300000", "--repeats", "2", "--warmup", "1", *options)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -19,6 +19,7 @@ from tests.recipe_harness import tiny_asset_overrides
 from torchtune_offload.cli.main import main as tune_offload
 from torchtune_offload.plan import probe as probe_module
 from torchtune_offload.plan.__main__ import main as plan_main
+from torchtune_offload.plan.planner import device_syncs
 from torchtune_offload.plan.recorded_runs import (LLAMA3_1_8B, LLAMA3_2_1B, LLAMA3_2_3B, TENSORS, TOLERANCE, calibrate,
                                                   calibration_table, known_gaps, recorded_runs)
 from torchtune_offload.plan.speed import (MACHINE_KEYS, OVERLAP_HIDDEN_SHARE, Machine, StepWork,
@@ -350,6 +351,17 @@ def test_the_synchronizations_the_model_counts_are_bitsandbytes_own(monkeypatch,
         for p in params:
             optimizer_class([p], lr=1e-3).step()
     assert len(calls) == bitsandbytes_syncs_per_step(tensors=4, paged=paged, in_backward=True)
+
+
+def test_the_planner_counts_the_synchronizations_of_bitsandbytes_optimizers_only():
+    after = {"tensors": 10, "in_backward": False}
+    assert device_syncs(bnb.optim.AdamW8bit, {"lr": 1e-3}, **after) == 10
+    assert device_syncs(bnb.optim.AdamW8bit, {"lr": 1e-3, "is_paged": True}, **after) == 11  # paged by option
+    assert device_syncs(bnb.optim.PagedAdamW, {"lr": 1e-3}, **after) == 11
+    assert device_syncs(bnb.optim.PagedAdamW8bit, {"lr": 1e-3}, tensors=10, in_backward=True) == 20
+    # bitsandbytes' plain-torch LARS does not synchronize, nor does torch's AdamW.
+    assert device_syncs(bnb.optim.PytorchLARS, {"lr": 1e-3}, **after) == 0
+    assert device_syncs(torch.optim.AdamW, {"lr": 1e-3}, **after) == 0
 
 
 def test_the_recorded_runs_count_their_models_parameter_tensors():

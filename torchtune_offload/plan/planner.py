@@ -18,7 +18,7 @@ import gc
 import os
 from argparse import Namespace
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import psutil
 import torch
@@ -96,7 +96,7 @@ def _variant_cfg(config_path: str, overrides: Sequence[str], name: str) -> DictC
 def _device_state(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module) -> Dict[str, int]:
     """Optimizer state kept on the device and not traced with the step: (label, bytes)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    options = {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
+    options = _options_of(cfg)
     caps = settings.optimizer_capabilities
     if caps.offloads:
         base = resolve_optimizer_class(options.pop("optimizer_class", "torch.optim.AdamW"))
@@ -129,13 +129,44 @@ def _grad_sum_size(own: Dict[str, object]) -> Optional[int]:
     return 4 if precision_option(own.get("grad_sum_dtype"), key="grad_sum_dtype") else None
 
 
+def _options_of(cfg: DictConfig) -> Dict[str, Any]:
+    """The optimizer's keyword options as the config gives them."""
+    return {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
+
+
+def device_syncs(optimizer_class: type, options: Dict[str, Any], *, tensors: int, in_backward: bool) -> int:
+    """How often a step of ``optimizer_class`` on the device synchronizes it.
+
+    bitsandbytes' optimizers built on its ``Optimizer8bit`` (8-bit and 32-bit alike) synchronize
+    after each parameter's update, and a paged one once more per ``step()``
+    (:func:`~torchtune_offload.plan.speed.bitsandbytes_syncs_per_step`); whether it is paged is
+    read from an instance built with ``options`` on a one-element CPU tensor (``Paged*`` classes,
+    or ``is_paged=True``). Other optimizers (torch's, and bitsandbytes' plain-torch ones such as
+    ``PytorchLARS``) do not synchronize.
+
+    Args:
+        optimizer_class: the optimizer the recipe builds on the device.
+        options: its keyword options.
+        tensors: the trainable parameter tensors it steps.
+        in_backward: stepped from each parameter's gradient hook (``optimizer_in_bwd``).
+
+    Returns:
+        The synchronizations of one optimizer step.
+    """
+    if not any(c.__module__ == "bitsandbytes.optim.optimizer" and c.__name__ == "Optimizer8bit"
+               for c in optimizer_class.__mro__):
+        return 0
+    paged = bool(optimizer_class([torch.nn.Parameter(torch.zeros(1))], **options).is_paged)
+    return bitsandbytes_syncs_per_step(tensors=tensors, paged=paged, in_backward=in_backward)
+
+
 def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module, tokens: int) -> StepWork:
     """What one optimizer step of ``cfg``'s run does, as the speed model reads it."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     update, own, base, options = "device", {}, None, {}
     caps = settings.optimizer_capabilities
     if caps.offloads:
-        options = {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
+        options = _options_of(cfg)
         base = resolve_optimizer_class(options.pop("optimizer_class", "torch.optim.AdamW"))
         own, options = split_options(settings.optimizer_class.__init__, options)
         # torchao's wrapper copies, steps and copies back one after the other; ours pipelines them.
@@ -143,10 +174,9 @@ def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module
                   "host" if caps.overlaps_host_step else "torchao")
     n_trainable = sum(p.numel() for p in trainable)
     syncs = 0
-    cls = settings.optimizer_class
-    if update == "device" and cls.__module__.startswith("bitsandbytes."):
-        paged = cls.__name__.startswith("Paged") or bool(cfg.optimizer.get("is_paged", False))
-        syncs = bitsandbytes_syncs_per_step(tensors=len(trainable), paged=paged, in_backward=settings.optimizer_in_bwd)
+    if update == "device":
+        syncs = device_syncs(settings.optimizer_class, _options_of(cfg), tensors=len(trainable),
+                             in_backward=settings.optimizer_in_bwd)
     state_bytes = 4.0
     if base is not None and n_trainable:
         state_bytes = optimizer_state_bytes(base, trainable, options)[0] / n_trainable

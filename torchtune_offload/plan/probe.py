@@ -29,8 +29,10 @@ FULL_SIZES = {"copy_bytes": 1 << 30, "step_params": 1 << 26, "pcie_bytes": 1 << 
 #: batch of 2 x 2048 tokens; about 0.3B matmul weights, 3 GiB of device memory.
 STEP_MODEL = {"num_layers": 4, "width": 2048, "batch": 2, "seq_len": 2048, "vocab": 32768}
 #: The parameters whose bitsandbytes step :func:`sync_call_us` times: each update a few
-#: microseconds of GPU work, and past bitsandbytes' 4096 elements, so its states are 8-bit.
-SYNC_PROBE = {"tensors": 64, "numel": 1 << 16}
+#: microseconds of GPU work, and past the 100,000 elements from which bitsandbytes pages a state
+#: (``Optimizer8bit.get_state_buffer``), so each call prefetches its paged states as the real
+#: models' do.
+SYNC_PROBE = {"tensors": 64, "numel": 1 << 17}
 #: Resolved by name where used, as a config names it: every tune-offload verb imports this module,
 #: and bitsandbytes takes about a second to import (and warns without CUDA), for a CUDA-only key.
 SYNC_PROBE_OPTIMIZER = "bitsandbytes.optim.PagedAdamW8bit"
@@ -61,7 +63,14 @@ def master_step(params: int) -> Callable[[], None]:
     """One step of the engine's fp32-master AdamW over ``params`` elements, as its host step runs it
     (``slot_step.SlotStepper.step_slot``): the fused pass (fp32 master and moments, a bf16 gradient,
     the bf16 weight written), or where the pass cannot be built here, torch's fused fp32 AdamW on
-    the widened gradient and the weight rounded after it."""
+    the widened gradient and the weight rounded after it.
+
+    Args:
+        params: the elements of the one parameter it steps.
+
+    Returns:
+        A function that takes one step each call.
+    """
     master = torch.randn(params, dtype=torch.float32)
     optimizer = torch.optim.AdamW([master], lr=1e-4, weight_decay=0.01, fused=True)
     grad = torch.randn(params, dtype=torch.bfloat16)
@@ -127,6 +136,15 @@ def sync_call_us(*, device: torch.device, tensors: int, numel: int, repeats: int
     update is a few microseconds of GPU work, so the step is the calls' Python, their launches and
     the synchronizations' round trips: what the GPU waits for after each synchronization in a real
     step (speed model: ``device_sync_us``).
+
+    Args:
+        device: where the parameters live (CUDA for the key; the CPU in tests).
+        tensors: how many parameters the step updates.
+        numel: the elements of each.
+        repeats: timed steps after one warm-up (which makes the states); the fastest counts.
+
+    Returns:
+        Microseconds per synchronization.
     """
     params = [torch.nn.Parameter(torch.randn(numel, dtype=torch.bfloat16, device=device)) for _ in range(tensors)]
     for p in params:

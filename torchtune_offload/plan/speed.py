@@ -230,6 +230,9 @@ def bitsandbytes_syncs_per_step(*, tensors: int, paged: bool, in_backward: bool)
         tensors: the trainable parameter tensors it steps.
         paged: a paged optimizer (``Paged*``, or ``is_paged=True``).
         in_backward: stepped from each parameter's gradient hook.
+
+    Returns:
+        The synchronizations of one optimizer step.
     """
     step_calls = tensors if in_backward else 1
     return tensors + (step_calls if paged else 0)
