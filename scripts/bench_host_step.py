@@ -116,10 +116,12 @@ def serial_host_norm(dims, dtype):
 CLIP_FACTOR = torch.tensor(1.0)
 
 
-def engine(dims, dtype, *, optimizer_class="torch.optim.AdamW", clip: Optional[str] = None, **options):
+def engine(dims, dtype, *, optimizer_class="torch.optim.AdamW", clip: Optional[str] = None,
+           narrow_fresh: bool = False, **options):
     """The engine's per-slot host step; ``clip``: None, "mul" (each gradient scaled in place, then
     stepped: the overlapped engine before the factor went into the passes, and the torch path still)
-    or "pass" (the factor handed to the step, as the overlapped engine now does)."""
+    or "pass" (the factor handed to the step, as the overlapped engine now does). ``narrow_fresh``:
+    fp32 sums rounded into a new tensor each step, as the engine did before it kept a buffer."""
     params = params_of(dims, dtype)
     grads = [p.grad for p in params]
     for p in params:
@@ -129,6 +131,8 @@ def engine(dims, dtype, *, optimizer_class="torch.optim.AdamW", clip: Optional[s
                            lr=1e-5, weight_decay=0.01, **kwargs, **options)
     for slot, g in zip(opt._slots, grads):
         slot.host_grad.copy_(g)
+    if narrow_fresh:
+        opt._stepper._narrowed.clear()
 
     def step():
         for slot in opt._slots:
@@ -196,6 +200,10 @@ ROWS = {
         d, torch.bfloat16, optimizer_class="torchtune_offload.AdamW8bit", clip="mul"),
     "engine, bf16, torchtune_offload AdamW8bit states, clipped: factor in the pass": lambda d: engine(
         d, torch.bfloat16, optimizer_class="torchtune_offload.AdamW8bit", clip="pass"),
+    "engine, bf16, fp32 gradient sums, rounded into a kept buffer": lambda d: engine(d, torch.bfloat16,
+                                                                                    grad_sum_dtype="fp32"),
+    "engine, bf16, fp32 gradient sums, rounded into a new tensor each step (before)": lambda d: engine(
+        d, torch.bfloat16, grad_sum_dtype="fp32", narrow_fresh=True),
     "bitsandbytes AdamW8bit (CPU backend), bf16": lambda d: bitsandbytes_adamw8bit(d, torch.bfloat16),
     "torchao AdamW8bit (CPU), bf16": lambda d: torchao_adamw8bit(d, torch.bfloat16),
 }

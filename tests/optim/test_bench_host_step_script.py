@@ -20,3 +20,14 @@ def test_bench_host_step_prints_the_clipped_rows():
     rows = re.findall(r"^\| ([^|]+) \| ([0-9]+) \| ([0-9.]+)x \|$", out.stdout, flags=re.M)
     assert [r[0] for r in rows] == ["torch fused AdamW, bf16", *CLIPPED]
     assert rows[0][2] == "1.00" and all(int(r[1]) > 0 and float(r[2]) > 0 for r in rows)
+
+
+def test_bench_host_step_prints_the_fp32_sum_rows_kept_and_fresh():
+    out = zygote.run_script("bench_host_step.py", "--params", "200000", "--steps", "10", "--threads", "1", "--rows",
+                            "fp32 gradient sums", "--baseline", "torch fused AdamW, bf16")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = re.findall(r"^\| ([^|]+) \| ([0-9]+) \| ([0-9.]+)x \|$", out.stdout, flags=re.M)
+    assert [r[0] for r in rows] == ["torch fused AdamW, bf16",
+                                    "engine, bf16, fp32 gradient sums, rounded into a kept buffer",
+                                    "engine, bf16, fp32 gradient sums, rounded into a new tensor each step (before)"]
+    assert all(int(r[1]) > 0 for r in rows)

@@ -323,7 +323,8 @@ class OffloadOptimizer(Optimizer):
         """The bytes this optimizer keeps on the host and spares the device (host buffers as
         allocated, as :meth:`plan_host_memory` plans)."""
         return engine_memory_report(self._table, self._grads.staging, self._streamer,
-                                    offload_gradients=self.options.offload_gradients)
+                                    offload_gradients=self.options.offload_gradients,
+                                    narrowing_bytes=self._stepper.narrowing_bytes)
 
     def close(self) -> None:
         """Finishes queued host work, stops the host worker threads and removes every hook

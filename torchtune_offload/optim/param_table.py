@@ -23,6 +23,8 @@ from torchtune_offload.optim.staging import NUM_CHUNKS, StagingRing, device_ring
 
 #: The host plan's part for ``grad_sum_on="device"`` on a machine without an accelerator.
 CPU_DEVICE_RING = "gradient sum chunks (grad_sum_on=device, in host memory: no accelerator)"
+#: The plan's part for ``slot_step.narrowing_buffers``.
+NARROWING_BUFFERS = "narrowed gradient sums (grad_sum_dtype wider than the weights, no masters)"
 #: ``(key, shape, dtypes by purpose)`` of each offloaded parameter, by ``id(param)``.
 _Owners = Dict[int, Tuple[str, torch.Size, Dict[str, torch.dtype]]]
 
@@ -297,6 +299,15 @@ def plan_table_memory(params: Any, *, base_class: type, options: Dict[str, Any],
         master_dtype=master_dtype, grad_dtype=grad_sum_dtype,
     )
     offloaded = [p for p in trainable if offloads(p, minimal_size)]
+    # slot_step.narrowing_buffers: for sums wider than the stepped copy, one buffer per stepped
+    # dtype, as large as its largest sum.
+    largest: Dict[torch.dtype, int] = {}
+    for p in offloaded:
+        stepped = master_dtype or p.dtype
+        if grad_sum_dtype is not None and grad_sum_dtype.itemsize > stepped.itemsize:
+            largest[stepped] = max(largest.get(stepped, 0), p.numel())
+    if largest:
+        plan.add(NARROWING_BUFFERS, sum(n * dtype.itemsize for dtype, n in largest.items()))
     if not (offload_gradients and gradient_accumulation_steps > 1 and offloaded):
         return plan
     if grad_sum_on == "host":

@@ -9,6 +9,8 @@ low-bit kernel) is another implementation of :meth:`SlotStepper.step_slot`, leav
 path and the scheduling as they are.
 """
 
+import threading
+from contextlib import nullcontext
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -47,6 +49,18 @@ class SlotStepper:
         self._timings = timings
         self.fused_master_step = fused_master_step
         self.device_weights = device_weights
+        # One buffer per stepped dtype for host gradient sums wider than their parameter
+        # (grad_sum_dtype fp32 without masters), kept from step to step: a tensor made anew at each
+        # step is fresh memory, whose first touch (the kernel's page faults) cost several times the
+        # rounding itself on the CPU machine (docs/accumulation.md). The lock only guards against two
+        # threads stepping at once, which neither the serial path nor the overlap step thread does.
+        self._narrowed = narrowing_buffers(table.offloaded)
+        self._narrowing = threading.Lock()
+
+    @property
+    def narrowing_bytes(self) -> int:
+        """Host bytes of the buffers that wider gradient sums are rounded into before a step."""
+        return sum(b.numel() * b.element_size() for b in self._narrowed.values())
 
     def step_slot(self, slot: Slot, grad: torch.Tensor, *, grad_scale: Optional[torch.Tensor] = None) -> None:
         """One base-optimizer step of ``slot`` on ``grad``; with a master, the result rounded into ``slot.out``.
@@ -72,10 +86,23 @@ class SlotStepper:
                 step_options["grad_scale"] = grad_scale
             else:
                 grad.mul_(grad_scale)
-        # A master is fed the gradient widened to its dtype, as plain fp32 training would be.
-        slot.step_param.grad = grad if grad.dtype == slot.step_param.dtype else grad.to(slot.step_param.dtype)
-        slot.optimizer.step(**step_options)
-        slot.step_param.grad = None
+        # A master is fed the gradient widened to its dtype, as plain fp32 training would be; a host
+        # sum wider than its parameter is rounded to the parameter's, into its kept buffer.
+        dtype = slot.step_param.dtype
+        buffer = self._narrowed.get(dtype) if grad.element_size() > slot.step_param.element_size() else None
+        if buffer is not None and (grad.device.type != "cpu" or buffer.numel() < grad.numel()):
+            buffer = None
+        with self._narrowing if buffer is not None else nullcontext():
+            if grad.dtype == dtype:
+                stepped = grad
+            elif buffer is not None:
+                stepped = buffer[:grad.numel()].view(grad.shape)
+                stepped.copy_(grad)  # the rounding of grad.to(dtype)
+            else:
+                stepped = grad.to(dtype)
+            slot.step_param.grad = stepped
+            slot.optimizer.step(**step_options)
+            slot.step_param.grad = None
         if slot.has_master:
             slot.out.copy_(slot.step_param)
 
@@ -149,3 +176,15 @@ class SlotStepper:
                 self._grads.consumed(slot)
         # The next forward must see the new parameters.
         self._transfer.compute_waits_for_copies()
+
+
+def narrowing_buffers(offloaded: List[Slot]) -> Dict[torch.dtype, torch.Tensor]:
+    """For each dtype that offloaded slots' host gradient sums are rounded to before their step (a
+    sum wider than the parameter, without a master), a host buffer as large as the largest such
+    sum: what :class:`SlotStepper` rounds them into."""
+    largest: Dict[torch.dtype, int] = {}
+    for slot in offloaded:
+        grad, stepped = slot.host_grad, slot.step_param
+        if grad is not None and grad.element_size() > stepped.element_size():
+            largest[stepped.dtype] = max(largest.get(stepped.dtype, 0), grad.numel())
+    return {dtype: torch.empty(n, dtype=dtype) for dtype, n in largest.items()}
