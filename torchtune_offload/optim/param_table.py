@@ -304,7 +304,7 @@ def plan_table_memory(params: Any, *, base_class: type, options: Dict[str, Any],
     largest: Dict[torch.dtype, int] = {}
     for p in offloaded:
         stepped = master_dtype or p.dtype
-        if grad_sum_dtype is not None and grad_sum_dtype.itemsize > stepped.itemsize:
+        if (grad_sum_dtype or p.dtype).itemsize > stepped.itemsize:
             largest[stepped] = max(largest.get(stepped, 0), p.numel())
     if largest:
         plan.add(NARROWING_BUFFERS, sum(n * dtype.itemsize for dtype, n in largest.items()))

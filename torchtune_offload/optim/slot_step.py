@@ -9,7 +9,6 @@ low-bit kernel) is another implementation of :meth:`SlotStepper.step_slot`, leav
 path and the scheduling as they are.
 """
 
-import threading
 from contextlib import nullcontext
 from typing import Any, Dict, List, Optional
 
@@ -55,7 +54,7 @@ class SlotStepper:
         # rounding itself on the CPU machine (docs/accumulation.md). The lock only guards against two
         # threads stepping at once, which neither the serial path nor the overlap step thread does.
         self._narrowed = narrowing_buffers(table.offloaded)
-        self._narrowing = threading.Lock()
+        self._narrowing = stream_check.HostLock()
 
     @property
     def narrowing_bytes(self) -> int:
@@ -187,4 +186,5 @@ def narrowing_buffers(offloaded: List[Slot]) -> Dict[torch.dtype, torch.Tensor]:
         grad, stepped = slot.host_grad, slot.step_param
         if grad is not None and grad.element_size() > stepped.element_size():
             largest[stepped.dtype] = max(largest.get(stepped.dtype, 0), grad.numel())
-    return {dtype: torch.empty(n, dtype=dtype) for dtype, n in largest.items()}
+    # Host memory, whatever the device: the stream checker must not take the buffer for the device's.
+    return {dtype: stream_check.host_tensor(torch.empty(n, dtype=dtype)) for dtype, n in largest.items()}
