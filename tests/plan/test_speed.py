@@ -19,12 +19,11 @@ from tests.recipe_harness import tiny_asset_overrides
 from torchtune_offload.cli.main import main as tune_offload
 from torchtune_offload.plan import probe as probe_module
 from torchtune_offload.plan.__main__ import main as plan_main
-from torchtune_offload.plan.planner import device_syncs
 from torchtune_offload.plan.recorded_runs import (LLAMA3_1_8B, LLAMA3_2_1B, LLAMA3_2_3B, TENSORS, TOLERANCE, calibrate,
                                                   calibration_table, known_gaps, recorded_runs)
 from torchtune_offload.plan.speed import (MACHINE_KEYS, OVERLAP_HIDDEN_SHARE, Machine, StepWork,
-                                          bitsandbytes_syncs_per_step, load_machine, predict, preset_about,
-                                          preset_names, sums_elsewhere_block)
+                                          bitsandbytes_syncs_per_step, device_syncs, load_machine, predict,
+                                          preset_about, preset_names, sums_elsewhere_block)
 
 REPO = Path(__file__).resolve().parents[2]
 #: Round rates, so each part of a step is a number of seconds one can work out by hand.

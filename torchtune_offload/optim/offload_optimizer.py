@@ -320,8 +320,7 @@ class OffloadOptimizer(Optimizer):
         self._weights.requantize_all()
 
     def memory_report(self) -> OffloadMemoryReport:
-        """The bytes this optimizer keeps on the host and spares the device (host buffers as
-        allocated, as :meth:`plan_host_memory` plans)."""
+        """Host bytes held and device bytes spared, host buffers as allocated (:meth:`plan_host_memory`'s way)."""
         return engine_memory_report(self._table, self._grads.staging, self._streamer,
                                     offload_gradients=self.options.offload_gradients,
                                     narrowing_bytes=self._stepper.narrowing_bytes)

@@ -40,8 +40,7 @@ from torchtune_offload.optim.state_streamer import plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
                                                unquantised_twin)
 from torchtune_offload.plan.recorded_runs import known_gaps, known_gaps_block
-from torchtune_offload.plan.speed import (Machine, Speed, StepWork, bitsandbytes_syncs_per_step, predict,
-                                          sums_elsewhere_block)
+from torchtune_offload.plan.speed import Machine, Speed, StepWork, device_syncs, predict, sums_elsewhere_block
 from torchtune_offload.plan.step_traces import StepRequest, mark_lora, sequence_length, step_request
 from torchtune_offload.plan.trace import StepTrace, UntraceableModelError, build_meta_model, micro_batch_loss, one_line
 from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
@@ -132,32 +131,6 @@ def _grad_sum_size(own: Dict[str, object]) -> Optional[int]:
 def _options_of(cfg: DictConfig) -> Dict[str, Any]:
     """The optimizer's keyword options as the config gives them."""
     return {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
-
-
-def device_syncs(optimizer_class: type, options: Dict[str, Any], *, tensors: int, in_backward: bool) -> int:
-    """How often a step of ``optimizer_class`` on the device synchronizes it.
-
-    bitsandbytes' optimizers built on its ``Optimizer8bit`` (8-bit and 32-bit alike) synchronize
-    after each parameter's update, and a paged one once more per ``step()``
-    (:func:`~torchtune_offload.plan.speed.bitsandbytes_syncs_per_step`); whether it is paged is
-    read from an instance built with ``options`` on a one-element CPU tensor (``Paged*`` classes,
-    or ``is_paged=True``). Other optimizers (torch's, and bitsandbytes' plain-torch ones such as
-    ``PytorchLARS``) do not synchronize.
-
-    Args:
-        optimizer_class: the optimizer the recipe builds on the device.
-        options: its keyword options.
-        tensors: the trainable parameter tensors it steps.
-        in_backward: stepped from each parameter's gradient hook (``optimizer_in_bwd``).
-
-    Returns:
-        The synchronizations of one optimizer step.
-    """
-    if not any(c.__module__ == "bitsandbytes.optim.optimizer" and c.__name__ == "Optimizer8bit"
-               for c in optimizer_class.__mro__):
-        return 0
-    paged = bool(optimizer_class([torch.nn.Parameter(torch.zeros(1))], **options).is_paged)
-    return bitsandbytes_syncs_per_step(tensors=tensors, paged=paged, in_backward=in_backward)
 
 
 def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module, tokens: int) -> StepWork:

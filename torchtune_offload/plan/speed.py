@@ -16,7 +16,9 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+import torch
 
 from torchtune_offload.optim.staging import CHUNK_BYTES, NUM_CHUNKS
 
@@ -236,6 +238,32 @@ def bitsandbytes_syncs_per_step(*, tensors: int, paged: bool, in_backward: bool)
     """
     step_calls = tensors if in_backward else 1
     return tensors + (step_calls if paged else 0)
+
+
+def device_syncs(optimizer_class: type, options: Dict[str, Any], *, tensors: int, in_backward: bool) -> int:
+    """How often a step of ``optimizer_class`` on the device synchronizes it.
+
+    bitsandbytes' optimizers built on its ``Optimizer8bit`` (8-bit and 32-bit alike) synchronize
+    after each parameter's update, and a paged one once more per ``step()``
+    (:func:`bitsandbytes_syncs_per_step`); whether it is paged is
+    read from an instance built with ``options`` on a one-element CPU tensor (``Paged*`` classes,
+    or ``is_paged=True``). Other optimizers (torch's, and bitsandbytes' plain-torch ones such as
+    ``PytorchLARS``) do not synchronize.
+
+    Args:
+        optimizer_class: the optimizer the recipe builds on the device.
+        options: its keyword options.
+        tensors: the trainable parameter tensors it steps.
+        in_backward: stepped from each parameter's gradient hook (``optimizer_in_bwd``).
+
+    Returns:
+        The synchronizations of one optimizer step.
+    """
+    if not any(c.__module__ == "bitsandbytes.optim.optimizer" and c.__name__ == "Optimizer8bit"
+               for c in optimizer_class.__mro__):
+        return 0
+    paged = bool(optimizer_class([torch.nn.Parameter(torch.zeros(1))], **options).is_paged)
+    return bitsandbytes_syncs_per_step(tensors=tensors, paged=paged, in_backward=in_backward)
 
 
 #: The bounds a step can have, as the plan's table names them.
