@@ -11,7 +11,6 @@ Prints a markdown table naming the CPU: median seconds of a forward and of a bac
 warm-up steps.
 """
 
-import argparse
 import statistics
 import time
 from typing import Dict
@@ -21,7 +20,7 @@ from torchtune import training
 from torchtune.modules import TransformerSelfAttentionLayer
 
 from torchtune_offload.bench.machine import cpu_name
-from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, chosen_models, narrow_llama
+from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, models_and_steps, narrow_llama
 
 #: The narrowed models' width, the tokens of a step, and the steps left out of the medians.
 WIDTH, TOKENS, WARMUP = 64, 16, 2
@@ -45,22 +44,13 @@ def measure(name: str, *, steps: int) -> Dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="1B,8B", help="comma-separated, of " + ", ".join(NARROW_MODELS))
-    parser.add_argument("--steps", type=int, default=8, help=f"timed steps after {WARMUP} warm-up (default 8)")
-    args = parser.parse_args()
-    try:
-        models = chosen_models(args.models)
-    except ValueError as err:
-        parser.error(str(err))
-    if args.steps < 1:
-        parser.error("--steps must be at least 1")
+    models, steps = models_and_steps(__doc__, models="1B,8B", steps=8, steps_help=f"timed steps after {WARMUP} warm-up")
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; width 64, bf16, activation "
-          f"checkpointing, 1 x {TOKENS} tokens; medians of {args.steps} steps\n")
+          f"checkpointing, 1 x {TOKENS} tokens; medians of {steps} steps\n")
     print("| model | forward, s | backward, s |")
     print("|---|---:|---:|")
     for name in models:
-        m = measure(name, steps=args.steps)
+        m = measure(name, steps=steps)
         print(f"| {NARROW_MODELS[name][0]} | {m['forward']:.4f} | {m['backward']:.4f} |")
 
 

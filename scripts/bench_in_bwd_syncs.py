@@ -20,7 +20,6 @@ synchronization. The norms' weights (under bitsandbytes' 4096 elements for 8-bit
 Prints a markdown table naming the CPU.
 """
 
-import argparse
 import statistics
 import time
 import warnings
@@ -33,7 +32,7 @@ import torch
 from torchtune import training
 
 from torchtune_offload.bench.machine import cpu_name
-from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, chosen_models, narrow_llama
+from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, models_and_steps, narrow_llama
 
 #: The narrowed models' width, and the tokens of a step.
 WIDTH, TOKENS = 256, 64
@@ -114,24 +113,16 @@ def measure(name: str, *, steps: int) -> Dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="1B,3B,8B", help="comma-separated, of " + ", ".join(NARROW_MODELS))
-    parser.add_argument("--steps", type=int, default=20, help="timed in-backward steps of every parameter (default 20)")
-    args = parser.parse_args()
-    try:
-        models = chosen_models(args.models)
-    except ValueError as err:
-        parser.error(str(err))
-    if args.steps < 1:
-        parser.error("--steps must be at least 1")
+    models, steps = models_and_steps(__doc__, models="1B,3B,8B", steps=20,
+                                     steps_help="timed in-backward steps of every parameter")
     warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
     print(f"{cpu_name()}, torch {torch.__version__}, bitsandbytes {bnb.__version__}; PagedAdamW8bit; host time: "
-          f"median of {args.steps} in-backward steps of every parameter\n")
+          f"median of {steps} in-backward steps of every parameter\n")
     print("| model | parameter tensors | synchronizations a step, optimizer_in_bwd (inside backward) "
           "| synchronizations a step, one optimizer (after backward) | host us an in-backward step, outside its update |")
     print("|---|---:|---:|---:|---:|")
     for name in models:
-        m = measure(name, steps=args.steps)
+        m = measure(name, steps=steps)
         print(f"| {NARROW_MODELS[name][0]} | {m['tensors']} | {m['in_backward']} | {m['after']} | {m['host_us']:.0f} |")
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from torchtune_offload.models.narrow import NARROW_MODELS, chosen_models, narrow_llama
+from torchtune_offload.models.narrow import NARROW_MODELS, chosen_models, models_and_steps, narrow_llama
 
 
 @pytest.mark.parametrize("name, layers, tensors", [("1B", 16, 146), ("3B", 28, 254), ("8B", 32, 291)])
@@ -21,3 +21,17 @@ def test_model_names_are_checked_naming_the_choices():
     with pytest.raises(ValueError, match="unknown 70B"):
         narrow_llama("70B", width=64)
     assert set(NARROW_MODELS) == {"1B", "3B", "8B"}
+
+
+def test_a_benchmark_command_line_gives_models_and_steps_or_exits_naming_the_problem(monkeypatch, capsys):
+    def parse(*argv):
+        monkeypatch.setattr("sys.argv", ["bench.py", *argv])
+        return models_and_steps("a benchmark", models="1B,8B", steps=8, steps_help="timed steps")
+
+    assert parse() == (["1B", "8B"], 8)
+    assert parse("--models", "3B", "--steps", "2") == (["3B"], 2)
+    for argv, message in ((("--models", "70B"), "--models: unknown 70B; use some of 1B, 3B, 8B"),
+                          (("--steps", "0"), "--steps must be at least 1")):
+        with pytest.raises(SystemExit) as exit_:
+            parse(*argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

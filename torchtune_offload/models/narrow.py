@@ -4,13 +4,14 @@ op made small. For benchmarks of what grows with the layers and tensors rather t
 the host's cost of dispatching a pass, or of a hook per parameter.
 """
 
-from typing import List
+import argparse
+from typing import List, Tuple
 
 from torchtune.models.llama3_1 import llama3_1
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules import TransformerDecoder
 
-__all__ = ["NARROW_MODELS", "chosen_models", "narrow_llama"]
+__all__ = ["NARROW_MODELS", "chosen_models", "models_and_steps", "narrow_llama"]
 
 #: Short name -> (the model's name, torchtune's component builder, its depth and embedding tying).
 NARROW_MODELS = {
@@ -46,3 +47,29 @@ def chosen_models(names: str) -> List[str]:
     if unknown:
         raise ValueError(f"--models: unknown {', '.join(unknown)}; use some of {', '.join(NARROW_MODELS)}")
     return models
+
+
+def models_and_steps(description: str, *, models: str, steps: int, steps_help: str) -> Tuple[List[str], int]:
+    """The command line of a benchmark over narrowed models: ``--models`` and ``--steps``, parsed as
+    argparse does (a bad value exits with status 2, naming it and the choices).
+
+    Args:
+        description: the script's help text.
+        models: the default ``--models``.
+        steps: the default ``--steps``.
+        steps_help: what a step is, for ``--steps``' help.
+
+    Returns:
+        ``(models, steps)``: the chosen keys of :data:`NARROW_MODELS`, and the steps (at least 1).
+    """
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=models, help="comma-separated, of " + ", ".join(NARROW_MODELS))
+    parser.add_argument("--steps", type=int, default=steps, help=f"{steps_help} (default {steps})")
+    args = parser.parse_args()
+    try:
+        chosen = chosen_models(args.models)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    return chosen, args.steps
