@@ -27,10 +27,9 @@ this setup; the offload optimizers of the single-device recipes are rejected wit
 """
 
 import os
-import sys
 import time
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
@@ -39,7 +38,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torchtune import config, training, utils
 
-from torchtune_offload.distributed import parse_shard_policy, plan_shard, set_host_threads, shard_model
+from torchtune_offload.distributed import (
+    exit_without_finalizing,
+    parse_shard_policy,
+    plan_shard,
+    set_host_threads,
+    shard_model,
+)
 from torchtune_offload.recipe import (
     DistributedCheckpoints,
     MemoryMonitor,
@@ -232,9 +237,8 @@ class FullFinetuneRecipeDistributed:
             self._metric_logger.close()
         if dist.is_initialized():
             if self._trained:
-                # Every rank leaves together: a rank that tore its group down while a peer was
-                # still closing files aborted at exit now and then (gloo, torch 2.13). After a
-                # failure a peer may never arrive, so then each rank just leaves.
+                # Every rank leaves together, once the last checkpoint is written. After a failure
+                # a peer may never arrive, so then each rank just leaves.
                 dist.barrier()
             dist.destroy_process_group()
 
@@ -252,4 +256,11 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(recipe_main())
+    try:
+        recipe_main()
+    except SystemExit as end:  # torchtune's config.parse ends every run with sys.exit
+        if end.code not in (None, 0):
+            raise
+    # Finished and cleaned up: leave before Python finalizes, while gloo's threads may still run
+    # (torchtune_offload/distributed/rank_exit.py says why).
+    exit_without_finalizing(0)

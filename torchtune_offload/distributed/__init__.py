@@ -1,4 +1,4 @@
-"""FSDP2 sharding: shard policies and ``shard_model``, the chunked loss, host threads per rank."""
+"""FSDP2 sharding: shard policies and ``shard_model``, the chunked loss, host threads per rank, a rank's exit."""
 
 from torchtune_offload.distributed.host_threads import host_threads_per_rank, set_host_threads
 from torchtune_offload.distributed.loss import RowChunkedLoss
@@ -19,6 +19,7 @@ from torchtune_offload.distributed.policies import (
     policy_problems,
     shard_model,
 )
+from torchtune_offload.distributed.rank_exit import exit_without_finalizing
 
 __all__ = [
     "BUILTIN",
@@ -32,6 +33,7 @@ __all__ = [
     "any_of",
     "describe",
     "embeddings",
+    "exit_without_finalizing",
     "host_threads_per_rank",
     "layers",
     "parse_shard_policy",
