@@ -117,11 +117,11 @@ CLIP_FACTOR = torch.tensor(1.0)
 
 
 def engine(dims, dtype, *, optimizer_class="torch.optim.AdamW", clip: Optional[str] = None,
-           narrow_fresh: bool = False, **options):
+           convert_fresh: bool = False, **options):
     """The engine's per-slot host step; ``clip``: None, "mul" (each gradient scaled in place, then
     stepped: the overlapped engine before the factor went into the passes, and the torch path still)
-    or "pass" (the factor handed to the step, as the overlapped engine now does). ``narrow_fresh``:
-    fp32 sums rounded into a new tensor each step, as the engine did before it kept a buffer."""
+    or "pass" (the factor handed to the step, as the overlapped engine now does). ``convert_fresh``:
+    gradients converted into a new tensor each step, as the engine did before it kept a buffer."""
     params = params_of(dims, dtype)
     grads = [p.grad for p in params]
     for p in params:
@@ -131,8 +131,8 @@ def engine(dims, dtype, *, optimizer_class="torch.optim.AdamW", clip: Optional[s
                            lr=1e-5, weight_decay=0.01, **kwargs, **options)
     for slot, g in zip(opt._slots, grads):
         slot.host_grad.copy_(g)
-    if narrow_fresh:
-        opt._stepper._narrowed.clear()
+    if convert_fresh:
+        opt._stepper._converted.clear()
 
     def step():
         for slot in opt._slots:
@@ -182,6 +182,13 @@ ROWS = {
     "engine, fp32 master / bf16 device, fused pass": lambda d: engine(d, torch.bfloat16, master_dtype="fp32"),
     "engine, fp32 master / bf16 device, unfused": lambda d: engine(d, torch.bfloat16, master_dtype="fp32",
                                                                   fused_master_step=False),
+    "engine, fp32 master / bf16 device, unfused, widened into a new tensor each step (before)": lambda d: engine(
+        d, torch.bfloat16, master_dtype="fp32", fused_master_step=False, convert_fresh=True),
+    "engine, fp32 master / bf16 device, torchtune_offload AdamW8bit states": lambda d: engine(
+        d, torch.bfloat16, master_dtype="fp32", optimizer_class="torchtune_offload.AdamW8bit"),
+    "engine, fp32 master / bf16 device, torchtune_offload AdamW8bit states, widened into a new tensor each step "
+    "(before)": lambda d: engine(d, torch.bfloat16, master_dtype="fp32", optimizer_class="torchtune_offload.AdamW8bit",
+                                 convert_fresh=True),
     "engine, bf16, bitsandbytes AdamW8bit states": lambda d: engine(d, torch.bfloat16,
                                                                    optimizer_class="bitsandbytes.optim.AdamW8bit"),
     "DeepSpeed CPUAdam, fp32": lambda d: deepspeed_cpu_adam(d, torch.float32),
@@ -203,7 +210,7 @@ ROWS = {
     "engine, bf16, fp32 gradient sums, rounded into a kept buffer": lambda d: engine(d, torch.bfloat16,
                                                                                     grad_sum_dtype="fp32"),
     "engine, bf16, fp32 gradient sums, rounded into a new tensor each step (before)": lambda d: engine(
-        d, torch.bfloat16, grad_sum_dtype="fp32", narrow_fresh=True),
+        d, torch.bfloat16, grad_sum_dtype="fp32", convert_fresh=True),
     "bitsandbytes AdamW8bit (CPU backend), bf16": lambda d: bitsandbytes_adamw8bit(d, torch.bfloat16),
     "torchao AdamW8bit (CPU), bf16": lambda d: torchao_adamw8bit(d, torch.bfloat16),
 }

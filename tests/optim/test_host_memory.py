@@ -12,7 +12,7 @@ from tests.recipe_harness import working_tree_env
 from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer
 from torchtune_offload.optim.host_arena import pinned_allocation_bytes
 from torchtune_offload.optim.host_memory import optimizer_state_bytes, plan_host_memory
-from torchtune_offload.optim.param_table import CPU_DEVICE_RING, NARROWING_BUFFERS
+from torchtune_offload.optim.param_table import CONVERSION_BUFFERS, CPU_DEVICE_RING
 from torchtune_offload.optim.staging import CHUNK_BYTES, NUM_CHUNKS
 
 
@@ -82,21 +82,25 @@ def test_the_device_ring_of_fp32_sums_without_an_accelerator_is_planned_as_host_
     assert "staging ring" not in plan.parts
 
 
-@pytest.mark.parametrize("master_dtype", [None, "fp32"])
-def test_the_buffer_fp32_sums_are_narrowed_into_is_planned(master_dtype):
-    # fp32 sums of bf16 weights without masters are rounded to bf16 before each step, into one
-    # buffer as large as the largest sum (slot_step.narrowing_buffers); a master steps on them as they are.
+@pytest.mark.parametrize("optimizer_class, options, element_size", [
+    ("torch.optim.AdamW", dict(grad_sum_dtype="fp32"), 2),
+    ("torch.optim.AdamW", dict(grad_sum_dtype="fp32", master_dtype="fp32"), 0),
+    ("torch.optim.AdamW", dict(master_dtype="fp32"), 0),
+    ("torch.optim.AdamW", dict(master_dtype="fp32", fused_master_step=False), 4),
+    ("torchtune_offload.AdamW8bit", dict(master_dtype="fp32"), 4),
+], ids=["fp32 sums", "fp32 sums and masters", "masters, fused pass", "masters, unfused", "masters, AdamW8bit"])
+def test_the_buffer_gradients_are_converted_into_is_planned(optimizer_class, options, element_size):
+    # Host gradients of another dtype than their stepped copy are converted into one buffer as large
+    # as the largest (slot_step.conversion_buffers): fp32 sums of bf16 weights without masters, bf16
+    # gradients of fp32 masters that the fused pass does not step; the fused pass reads them as they are.
     model = _model(dtype=torch.bfloat16, width=96)
-    options = dict(offload_gradients=True, minimal_size=1000, lr=1e-3, grad_sum_dtype="fp32", master_dtype=master_dtype)
-    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", **options)
+    options = dict(offload_gradients=True, minimal_size=1000, lr=1e-3, **options)
+    opt = OffloadOptimizer(model.named_parameters(), optimizer_class, **options)
     _train_once(model, opt)
-    plan = OffloadOptimizer.plan_host_memory(_meta_twin(model).named_parameters(), "torch.optim.AdamW", device="cpu",
+    plan = OffloadOptimizer.plan_host_memory(_meta_twin(model).named_parameters(), optimizer_class, device="cpu",
                                              gradient_accumulation_steps=1, **options)
     assert plan.total == opt.memory_report().host_bytes
-    if master_dtype is None:
-        assert plan.parts[NARROWING_BUFFERS] == opt._stepper.narrowing_bytes == 96 * 96 * 2
-    else:
-        assert NARROWING_BUFFERS not in plan.parts and opt._stepper.narrowing_bytes == 0
+    assert plan.parts.get(CONVERSION_BUFFERS, 0) == opt._stepper.conversion_bytes == 96 * 96 * element_size
     opt.close()
 
 

@@ -1,7 +1,8 @@
-"""slot_step: a host gradient sum wider than its parameter (``grad_sum_dtype: fp32`` without
-masters) is rounded to the parameter's dtype before the step into a buffer kept from step to step
-(a new tensor each step is fresh memory, whose page faults cost more than the rounding), with the
-bits ``grad.to(dtype)`` gives."""
+"""slot_step: a host gradient of another dtype than its stepped copy is converted before the step
+into a buffer kept from step to step (a new tensor each step is fresh memory, whose page faults cost
+more than the conversion), with the bits ``grad.to(dtype)`` gives: a sum wider than its parameter
+(``grad_sum_dtype: fp32`` without masters) is rounded to it; a bf16 gradient of an fp32 master that
+the fused pass does not step (AdamW8bit, or ``fused_master_step: False``) is widened to it."""
 
 import pytest
 import torch
@@ -11,10 +12,16 @@ from tests.optim.test_overlap import MINIMAL_SIZE, train_windows
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim import slot_step
 
+#: Options whose host gradients are converted before each step, and the dtype they are converted to.
+CONVERTED = {
+    "fp32 sums, no masters": (dict(grad_sum_dtype="fp32"), torch.bfloat16),
+    "fp32 masters, unfused": (dict(master_dtype="fp32", fused_master_step=False), torch.float32),
+}
 
-def _run(model, data, *, overlap, optimizer_class="torch.optim.AdamW", seen=None):
+
+def _run(model, data, *, overlap, optimizer_class="torch.optim.AdamW", seen=None, **options):
     opt = OffloadOptimizer(model.named_parameters(), optimizer_class, overlap=overlap, offload_gradients=True,
-                           grad_sum_dtype="fp32", minimal_size=MINIMAL_SIZE, lr=1e-2, weight_decay=0.1)
+                           minimal_size=MINIMAL_SIZE, lr=1e-2, weight_decay=0.1, **options)
     opt.register_forward_waits(model)
     if seen is not None:
         for slot in opt._table.offloaded:
@@ -26,36 +33,40 @@ def _run(model, data, *, overlap, optimizer_class="torch.optim.AdamW", seen=None
 
             slot.optimizer.step = recorded
     train_windows(model, opt, data, grad_accum=3, clip=0.5)
-    buffers = dict(opt._stepper._narrowed)
+    buffers = dict(opt._stepper._converted)
     opt.close()
     return buffers
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("optimizer_class", ["torch.optim.AdamW", "torchtune_offload.AdamW8bit"])
-def test_wider_sums_step_from_one_kept_buffer_with_the_bits_of_to(monkeypatch, overlap, optimizer_class):
+@pytest.mark.parametrize("converted", list(CONVERTED))
+def test_converted_gradients_step_from_one_kept_buffer_with_the_bits_of_to(monkeypatch, overlap, optimizer_class,
+                                                                           converted):
+    options, dtype = CONVERTED[converted]
     base = tiny_model().to(torch.bfloat16)
     data = [(x.to(torch.bfloat16), y.to(torch.bfloat16)) for x, y in batches(num=9)]
     kept, seen = twin(base), []
-    buffers = _run(kept, data, overlap=overlap, optimizer_class=optimizer_class, seen=seen)
+    buffers = _run(kept, data, overlap=overlap, optimizer_class=optimizer_class, seen=seen, **options)
     (buffer,) = buffers.values()
-    assert buffer.dtype == torch.bfloat16
+    assert buffer.dtype == dtype
     assert buffer.numel() == max(p.numel() for p in base.parameters() if p.numel() >= MINIMAL_SIZE)
     # Three steps of every offloaded parameter, each on a gradient inside the one buffer.
     start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
     assert len(seen) == 3 * sum(p.numel() >= MINIMAL_SIZE for p in base.parameters())
     assert all(start <= ptr < end for ptr in seen)
-    # Without the buffer each step rounds into a new tensor (what the engine did before): the same bits.
-    monkeypatch.setattr(slot_step, "narrowing_buffers", lambda offloaded: {})
+    # Without the buffer each step converts into a new tensor (what the engine did before): the same bits.
+    monkeypatch.setattr(slot_step, "conversion_buffers", lambda offloaded, **_: {})
     fresh = twin(base)
-    assert _run(fresh, data, overlap=overlap, optimizer_class=optimizer_class) == {}
+    assert _run(fresh, data, overlap=overlap, optimizer_class=optimizer_class, **options) == {}
     assert_same_params(kept, fresh, rtol=0, atol=0)
 
 
-def test_no_buffer_where_nothing_is_narrowed():
+@pytest.mark.parametrize("options", [{}, {"grad_sum_dtype": "fp32", "master_dtype": "fp32"},
+                                     {"master_dtype": "fp32"}], ids=["bf16", "fp32 sums and masters", "fused pass"])
+def test_no_buffer_where_nothing_is_converted_or_the_fused_pass_reads_the_gradient(options):
     model = tiny_model().to(torch.bfloat16)
-    for options in ({}, {"grad_sum_dtype": "fp32", "master_dtype": "fp32"}):
-        opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", offload_gradients=True,
-                               minimal_size=MINIMAL_SIZE, lr=1e-2, **options)
-        assert opt._stepper._narrowed == {} and opt._stepper.narrowing_bytes == 0
-        opt.close()
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", offload_gradients=True,
+                           minimal_size=MINIMAL_SIZE, lr=1e-2, **options)
+    assert opt._stepper._converted == {} and opt._stepper.conversion_bytes == 0
+    opt.close()

@@ -132,8 +132,9 @@ def test_the_arithmetic_of_a_known_step():
     sums = predict(replace(work, update="host", offload_gradients=True, micro_batches=3, grad_sum_size=4), machine)
     assert sums.parts["host_sums"] == pytest.approx(2 * 12 / 6)  # staged 2 + 2, sum read and written 4 + 4
     # AdamW8bit over fp32 masters, at its rate over their bytes against the bf16 step's (28 / 14);
-    # the widened gradient is scaled (in its own dtype) first.
-    assert host_step(overlap=True, eight_bit=True, master_fp32=True) == pytest.approx(1 + 4 / 6)
+    # the gradient is scaled (in its own dtype, 4 bytes) and widened into a kept fp32 buffer (2 read, 4
+    # written) first.
+    assert host_step(overlap=True, eight_bit=True, master_fp32=True) == pytest.approx(1 + (4 + 6) / 6)
     assert host_step() == pytest.approx(1)
     # Paged state beyond the device: 1 GB out and back in every step.
     paged = predict(replace(work, paged_excess_bytes=10**9), machine)

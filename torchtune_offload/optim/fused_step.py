@@ -130,16 +130,25 @@ def scale_value(grad_scale: torch.Tensor) -> float:
     return float(grad_scale)
 
 
+def fuses(optimizer_class: type, options: Dict[str, Any], *, master: torch.dtype, grad: torch.dtype,
+          out: torch.dtype) -> bool:
+    """Whether this pass reproduces an ``optimizer_class`` built with ``options`` over a ``master``
+    parameter stepped on ``grad`` gradients into an ``out`` weight: what :func:`supports` asks
+    before it looks at the tensors themselves, and all a plan without tensors can ask."""
+    return (optimizer_class in (torch.optim.AdamW, torch.optim.Adam)
+            and all(bool(options.get(k, default)) == default for k, default in _UNSUPPORTED.items())
+            and master == torch.float32 and grad in _KERNELS and out == torch.bfloat16)
+
+
 def supports(optimizer: torch.optim.Optimizer, grad: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether this pass reproduces ``optimizer`` (an Adam or AdamW over one fp32 tensor) on these buffers."""
-    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam) or len(optimizer.param_groups) != 1:
+    if len(optimizer.param_groups) != 1:
         return False
     group = optimizer.param_groups[0]
     (param,) = group["params"]
     # The moments too: a loaded state keeps the strides it was saved with.
     moments = [optimizer.state[param][k] for k in ("exp_avg", "exp_avg_sq") if k in optimizer.state[param]]
-    return (all(bool(group.get(k, default)) == default for k, default in _UNSUPPORTED.items())
-            and param.dtype == torch.float32 and grad.dtype in _KERNELS and out.dtype == torch.bfloat16
+    return (fuses(type(optimizer), group, master=param.dtype, grad=grad.dtype, out=out.dtype)
             and all(m.dtype == torch.float32 for m in moments)
             and all(t.device.type == "cpu" and t.is_contiguous() and t.numel() == param.numel()
                     for t in (param, grad, out, *moments)))

@@ -41,10 +41,10 @@ class OffloadMemoryReport:
 
 def engine_memory_report(table: ParameterTable, staging: Union[StagingRing, DeviceSumRing],
                          streamer: StateStreamer, *, offload_gradients: bool,
-                         narrowing_bytes: int = 0) -> OffloadMemoryReport:
+                         conversion_bytes: int = 0) -> OffloadMemoryReport:
     """The report of ``OffloadOptimizer``'s memory, from its parameter table, staging ring and
-    state streamer, and the bytes of the stepper's buffers for narrowed gradient sums (plain host
-    memory, ``slot_step.narrowing_buffers``).
+    state streamer, and the bytes of the stepper's buffers for gradients converted before the step (plain host
+    memory, ``slot_step.conversion_buffers``).
 
     Host buffers are counted as allocated, as ``OffloadOptimizer.plan_host_memory`` plans: on CUDA
     each at its size rounded up to a page, in one page-locked block; on other accelerators each at
@@ -78,7 +78,7 @@ def engine_memory_report(table: ParameterTable, staging: Union[StagingRing, Devi
         num_offloaded=num_offloaded,
         num_on_device=len(table.slots) - num_offloaded,
         device_bytes_saved=saved,
-        host_bytes=host + staging_bytes + narrowing_bytes,
+        host_bytes=host + staging_bytes + conversion_bytes,
         pinned_bytes=pinned_total + staging_bytes if pinned else 0,
         device_staging_bytes=streamer.device_staging_bytes + (staging.nbytes if staging.on_device else 0),
     )

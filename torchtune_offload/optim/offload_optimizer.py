@@ -323,7 +323,7 @@ class OffloadOptimizer(Optimizer):
         """Host bytes held and device bytes spared, host buffers as allocated (:meth:`plan_host_memory`'s way)."""
         return engine_memory_report(self._table, self._grads.staging, self._streamer,
                                     offload_gradients=self.options.offload_gradients,
-                                    narrowing_bytes=self._stepper.narrowing_bytes)
+                                    conversion_bytes=self._stepper.conversion_bytes)
 
     def close(self) -> None:
         """Finishes queued host work, stops the host worker threads and removes every hook
@@ -352,7 +352,7 @@ def _plan_host_memory(groups: Any, base_class: type, own: Dict[str, Any], kwargs
         master_dtype=precision_option(own["master_dtype"], key="master_dtype"),
         grad_sum_dtype=precision_option(own["grad_sum_dtype"], key="grad_sum_dtype"),
         offload_gradients=own["offload_gradients"], gradient_accumulation_steps=gradient_accumulation_steps,
-        grad_sum_on=own["grad_sum_on"],
+        grad_sum_on=own["grad_sum_on"], fused_master_step=own["fused_master_step"],
     )
     plan.add("FP8 scales (pinned)" if pinning != NONE else "FP8 scales",
              plan_scale_bytes(groups, mode=own["device_weights"], minimal_size=own["minimal_size"],

@@ -17,14 +17,16 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.optim import Optimizer
 
+import torchtune_offload.optim.fused_step as fused_step
 from torchtune_offload.optim.host_arena import ALLOCATOR, NONE, PageLockError, host_buffers, pinned_allocation_bytes
 from torchtune_offload.optim.host_memory import HostMemoryPlan, host_buffer_dtypes, offloaded_buffers_plan, offloads
 from torchtune_offload.optim.staging import NUM_CHUNKS, StagingRing, device_ring_bytes
 
 #: The host plan's part for ``grad_sum_on="device"`` on a machine without an accelerator.
 CPU_DEVICE_RING = "gradient sum chunks (grad_sum_on=device, in host memory: no accelerator)"
-#: The plan's part for ``slot_step.narrowing_buffers``.
-NARROWING_BUFFERS = "narrowed gradient sums (grad_sum_dtype wider than the weights, no masters)"
+#: The plan's part for ``slot_step.conversion_buffers``.
+CONVERSION_BUFFERS = ("gradients converted before the step (sums wider than the weights without masters, "
+                      "gradients narrower than masters the fused pass does not step)")
 #: ``(key, shape, dtypes by purpose)`` of each offloaded parameter, by ``id(param)``.
 _Owners = Dict[int, Tuple[str, torch.Size, Dict[str, torch.dtype]]]
 
@@ -288,7 +290,7 @@ class ParameterTable:
 def plan_table_memory(params: Any, *, base_class: type, options: Dict[str, Any], minimal_size: int, pinning: str,
                       master_dtype: Optional[torch.dtype], grad_sum_dtype: Optional[torch.dtype],
                       offload_gradients: bool, gradient_accumulation_steps: int,
-                      grad_sum_on: str = "host") -> HostMemoryPlan:
+                      grad_sum_on: str = "host", fused_master_step: bool = True) -> HostMemoryPlan:
     """The host memory a :class:`ParameterTable` (and the ring later micro-batches' gradients are
     added through: the host's staging ring, or with ``grad_sum_on="device"`` and no accelerator the
     device ring, whose device is then this host) would hold for ``params`` (meta tensors work),
@@ -299,15 +301,19 @@ def plan_table_memory(params: Any, *, base_class: type, options: Dict[str, Any],
         master_dtype=master_dtype, grad_dtype=grad_sum_dtype,
     )
     offloaded = [p for p in trainable if offloads(p, minimal_size)]
-    # slot_step.narrowing_buffers: for sums wider than the stepped copy, one buffer per stepped
-    # dtype, as large as its largest sum.
+    # slot_step.conversion_buffers: for host gradients of another dtype than the stepped copy that
+    # the fused pass does not read as they are, one buffer per stepped dtype, as large as its largest.
     largest: Dict[torch.dtype, int] = {}
     for p in offloaded:
-        stepped = master_dtype or p.dtype
-        if (grad_sum_dtype or p.dtype).itemsize > stepped.itemsize:
-            largest[stepped] = max(largest.get(stepped, 0), p.numel())
+        stepped, grad = master_dtype or p.dtype, grad_sum_dtype or p.dtype
+        if grad == stepped:
+            continue
+        if (stepped != p.dtype and fused_master_step
+                and fused_step.fuses(base_class, options, master=stepped, grad=grad, out=p.dtype)):
+            continue
+        largest[stepped] = max(largest.get(stepped, 0), p.numel())
     if largest:
-        plan.add(NARROWING_BUFFERS, sum(n * dtype.itemsize for dtype, n in largest.items()))
+        plan.add(CONVERSION_BUFFERS, sum(n * dtype.itemsize for dtype, n in largest.items()))
     if not (offload_gradients and gradient_accumulation_steps > 1 and offloaded):
         return plan
     if grad_sum_on == "host":

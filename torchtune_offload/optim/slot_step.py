@@ -48,18 +48,19 @@ class SlotStepper:
         self._timings = timings
         self.fused_master_step = fused_master_step
         self.device_weights = device_weights
-        # One buffer per stepped dtype for host gradient sums wider than their parameter
-        # (grad_sum_dtype fp32 without masters), kept from step to step: a tensor made anew at each
-        # step is fresh memory, whose first touch (the kernel's page faults) cost several times the
-        # rounding itself on the CPU machine (docs/accumulation.md). The lock only guards against two
-        # threads stepping at once, which neither the serial path nor the overlap step thread does.
-        self._narrowed = narrowing_buffers(table.offloaded)
-        self._narrowing = stream_check.HostLock()
+        # One buffer per stepped dtype for host gradients of another dtype than their stepped copy
+        # (fp32 sums of bf16 weights without masters; bf16 gradients of fp32 masters that the fused
+        # pass does not step), kept from step to step: a tensor made anew at each step is fresh
+        # memory, whose first touch (the kernel's page faults) cost several times the conversion
+        # itself on the CPU machine (docs/accumulation.md). The lock only guards against two threads
+        # stepping at once, which neither the serial path nor the overlap step thread does.
+        self._converted = conversion_buffers(table.offloaded, fused_master_step=fused_master_step)
+        self._converting = stream_check.HostLock()
 
     @property
-    def narrowing_bytes(self) -> int:
-        """Host bytes of the buffers that wider gradient sums are rounded into before a step."""
-        return sum(b.numel() * b.element_size() for b in self._narrowed.values())
+    def conversion_bytes(self) -> int:
+        """Host bytes of the buffers that host gradients are converted into before a step."""
+        return sum(b.numel() * b.element_size() for b in self._converted.values())
 
     def step_slot(self, slot: Slot, grad: torch.Tensor, *, grad_scale: Optional[torch.Tensor] = None) -> None:
         """One base-optimizer step of ``slot`` on ``grad``; with a master, the result rounded into ``slot.out``.
@@ -86,17 +87,19 @@ class SlotStepper:
             else:
                 grad.mul_(grad_scale)
         # A master is fed the gradient widened to its dtype, as plain fp32 training would be; a host
-        # sum wider than its parameter is rounded to the parameter's, into its kept buffer.
+        # sum wider than its parameter is rounded to the parameter's. An offloaded slot's host
+        # gradient is converted into its kept buffer (none on the device, nor where the fused pass
+        # was expected but could not be built here: a new tensor then, as before the buffers).
         dtype = slot.step_param.dtype
-        buffer = self._narrowed.get(dtype) if grad.element_size() > slot.step_param.element_size() else None
+        buffer = self._converted.get(dtype) if slot.offloaded and grad.dtype != dtype else None
         if buffer is not None and (grad.device.type != "cpu" or buffer.numel() < grad.numel()):
             buffer = None
-        with self._narrowing if buffer is not None else nullcontext():
+        with self._converting if buffer is not None else nullcontext():
             if grad.dtype == dtype:
                 stepped = grad
             elif buffer is not None:
                 stepped = buffer[:grad.numel()].view(grad.shape)
-                stepped.copy_(grad)  # the rounding of grad.to(dtype)
+                stepped.copy_(grad)  # the bits of grad.to(dtype)
             else:
                 stepped = grad.to(dtype)
             slot.step_param.grad = stepped
@@ -177,14 +180,18 @@ class SlotStepper:
         self._transfer.compute_waits_for_copies()
 
 
-def narrowing_buffers(offloaded: List[Slot]) -> Dict[torch.dtype, torch.Tensor]:
-    """For each dtype that offloaded slots' host gradient sums are rounded to before their step (a
-    sum wider than the parameter, without a master), a host buffer as large as the largest such
-    sum: what :class:`SlotStepper` rounds them into."""
+def conversion_buffers(offloaded: List[Slot], *, fused_master_step: bool) -> Dict[torch.dtype, torch.Tensor]:
+    """For each dtype that offloaded slots' host gradients are converted to before their step (a sum
+    wider than its parameter without a master; a gradient narrower than its master where the fused
+    pass will not step it), a host buffer as large as the largest such gradient: what
+    :class:`SlotStepper` converts them into."""
     largest: Dict[torch.dtype, int] = {}
     for slot in offloaded:
         grad, stepped = slot.host_grad, slot.step_param
-        if grad is not None and grad.element_size() > stepped.element_size():
-            largest[stepped.dtype] = max(largest.get(stepped.dtype, 0), grad.numel())
+        if grad is None or grad.dtype == stepped.dtype:
+            continue
+        if slot.has_master and fused_master_step and fused_step.supports(slot.optimizer, grad, slot.out):
+            continue  # the fused pass reads the gradient as it is
+        largest[stepped.dtype] = max(largest.get(stepped.dtype, 0), grad.numel())
     # Host memory, whatever the device: the stream checker must not take the buffer for the device's.
     return {dtype: stream_check.host_tensor(torch.empty(n, dtype=dtype)) for dtype, n in largest.items()}

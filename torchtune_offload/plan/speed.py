@@ -429,7 +429,7 @@ def _host_step_seconds(work: StepWork, machine: Machine) -> float:
     """The host's work of one step: the optimizer's pass at its measured rate (the fused fp32-master
     pass at its own; AdamW8bit over fp32 masters at its rate scaled by their bytes against the bf16
     step's), and the passes of their own at ``host_copy_gbs``: a wider gradient sum narrowed to the
-    parameter's dtype, and clipping's scaling."""
+    parameter's dtype, a narrower one widened to AdamW8bit's fp32 master, and clipping's scaling."""
     sum_size = work.sum_size if work.update == "host" else work.element_size
     # The master pass reads the gradient sum as it is (28 bytes a parameter with bf16 sums, 30 with fp32).
     master_bytes = ADAMW_MASTER_BYTES - work.element_size + sum_size
@@ -442,6 +442,8 @@ def _host_step_seconds(work: StepWork, machine: Machine) -> float:
     extra = 0
     if sum_size != work.element_size and not work.master_fp32:
         extra += sum_size + work.element_size  # the sum read, its narrowed copy written
+    if work.master_fp32 and work.eight_bit and sum_size != 4:
+        extra += sum_size + 4  # AdamW8bit steps the fp32 master on the sum widened into a kept buffer
     if _clips_in_a_pass_of_its_own(work):
         extra += sum_size * CLIP_PASS_BYTES_PER_ELEMENT_SIZE
     return seconds + work.trainable * extra / (machine.host_copy_gbs * 1e9)
