@@ -43,8 +43,8 @@ def engine_memory_report(table: ParameterTable, staging: Union[StagingRing, Devi
                          streamer: StateStreamer, *, offload_gradients: bool,
                          conversion_bytes: int = 0) -> OffloadMemoryReport:
     """The report of ``OffloadOptimizer``'s memory, from its parameter table, staging ring and
-    state streamer, and the bytes of the stepper's buffers for gradients converted before the step (plain host
-    memory, ``slot_step.conversion_buffers``).
+    state streamer, and the bytes of the stepper's buffers for gradients converted before the step
+    (plain host memory, ``slot_step.conversion_buffers``).
 
     Host buffers are counted as allocated, as ``OffloadOptimizer.plan_host_memory`` plans: on CUDA
     each at its size rounded up to a page, in one page-locked block; on other accelerators each at
