@@ -9,9 +9,12 @@ in bf16 with activation checkpointing on every layer, stepped by ``OffloadOptimi
 its host), 4 micro-batches of 1 x 64 tokens and clipping a step: the host's work of a step of the
 8B configuration whose passes ran slow on the H100 (docs/gpu_results.md), with the arithmetic made
 small. Each mode runs 2 warm-up steps, then ``--steps`` steps timed, one mode after the other in one
-process (the frozen mode unfreezes when it ends). ``gc.callbacks`` time every collection. Prints a
+process (the frozen mode unfreezes when it ends). The frozen mode freezes after its warm-up, so the
+optimizer's states are frozen too; the recipes freeze before their first step, and leave the
+states the first step makes to the collector. ``gc.callbacks`` time every collection. Prints a
 markdown table naming the CPU: per mode the median step, the collections of each generation and
-the seconds inside them per step, the longest collection, and the objects the collector tracks.
+the seconds inside them per step, the longest collection, and the objects the collector tracks
+(frozen ones are not).
 """
 
 import gc
@@ -30,7 +33,7 @@ from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, models_an
 #: The narrowed models' width, the tokens of a micro-batch, micro-batches a step, warm-up steps.
 WIDTH, TOKENS, MICRO_BATCHES, WARMUP = 64, 64, 4, 2
 #: The modes, in the order they run.
-MODES = ("as it is", "setup frozen (the recipes)", "switched off")
+MODES = ("as it is", "frozen after warm-up", "switched off")
 
 
 class CollectionTimer:
@@ -105,7 +108,7 @@ def main() -> None:
           f"activation checkpointing, {MICRO_BATCHES} micro-batches of 1 x {TOKENS} tokens a step, clipped; "
           f"{steps} steps a mode\n")
     print("| model | collector | median step, s | collections a step (gen 0 / 1 / 2) | "
-          "s in collections a step (gen 0 / 1 / 2) | longest collection, s | objects the collector walks |")
+          "s in collections a step (gen 0 / 1 / 2) | longest collection, s | objects tracked, not frozen |")
     print("|---|---|---:|---|---|---:|---:|")
     for name in models:
         for r in measure(name, steps=steps):

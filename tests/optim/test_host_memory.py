@@ -104,6 +104,24 @@ def test_the_buffer_gradients_are_converted_into_is_planned(optimizer_class, opt
     opt.close()
 
 
+def test_a_groups_own_options_decide_whether_its_gradients_are_converted():
+    # amsgrad in one group only: the fused pass does not step that group's masters, so their bf16
+    # gradients are widened into the buffer; the other group's are read as they are.
+    def groups(model):
+        named = list(model.named_parameters())
+        return [{"params": named[:2]}, {"params": named[2:], "amsgrad": True}]
+
+    model = _model(dtype=torch.bfloat16, width=96)
+    options = dict(offload_gradients=True, minimal_size=1000, lr=1e-3, master_dtype="fp32")
+    opt = OffloadOptimizer(groups(model), "torch.optim.AdamW", **options)
+    _train_once(model, opt)
+    plan = OffloadOptimizer.plan_host_memory(groups(_meta_twin(model)), "torch.optim.AdamW", device="cpu",
+                                             gradient_accumulation_steps=1, **options)
+    assert plan.parts[CONVERSION_BUFFERS] == opt._stepper.conversion_bytes == 96 * 96 * 4
+    assert plan.total == opt.memory_report().host_bytes
+    opt.close()
+
+
 def test_state_size_is_measured_not_assumed():
     params = [torch.empty(100, 10, device="meta"), torch.empty(7, device="meta")]
     adamw, notes = optimizer_state_bytes(torch.optim.AdamW, params, {"lr": 1.0, "fused": True})

@@ -14,9 +14,12 @@ destructor. Not reproduced here (30 runs under load, none aborted).
 
 So after a finished run, with every file written and closed, a rank flushes what it printed and
 leaves with :func:`os._exit`: no finalization, no thread asks for the GIL, and the exit status is
-the run's. A run that fails still raises as before.
+the run's. A run that fails still raises as before. Where ``tune run`` runs the recipe in its own
+process (no ``--nproc_per_node``), that process is the one that leaves: the launcher has nothing
+left to do after the recipe either.
 """
 
+import ctypes
 import logging
 import os
 import sys
@@ -37,4 +40,8 @@ def exit_without_finalizing(code: int = 0) -> None:
             stream.flush()
         except (OSError, ValueError):  # closed, or a pipe whose reader is gone: nothing to keep
             pass
+    try:
+        ctypes.CDLL(None).fflush(None)  # what C and C++ libraries printed through stdio
+    except (OSError, AttributeError):  # no C library to load here: nothing buffered by it either
+        pass
     os._exit(code)

@@ -295,23 +295,33 @@ def plan_table_memory(params: Any, *, base_class: type, options: Dict[str, Any],
     added through: the host's staging ring, or with ``grad_sum_on="device"`` and no accelerator the
     device ring, whose device is then this host) would hold for ``params`` (meta tensors work),
     allocating nothing; see ``OffloadOptimizer.plan_host_memory``."""
-    trainable = [p for g in named_groups(params) for _, p in g["params"] if p.requires_grad]
-    plan = offloaded_buffers_plan(
-        trainable, optimizer_class=base_class, options=options, minimal_size=minimal_size, pinning=pinning,
-        master_dtype=master_dtype, grad_dtype=grad_sum_dtype,
-    )
-    offloaded = [p for p in trainable if offloads(p, minimal_size)]
+    # Each group's parameters with its own options over the optimizer's, as the table builds their
+    # base optimizers (amsgrad in one group, say, adds state and keeps the fused pass from it).
+    plan = HostMemoryPlan()
+    trainable: List[torch.Tensor] = []
     # slot_step.conversion_buffers: for host gradients of another dtype than the stepped copy that
     # the fused pass does not read as they are, one buffer per stepped dtype, as large as its largest.
     largest: Dict[torch.dtype, int] = {}
-    for p in offloaded:
-        stepped, grad = master_dtype or p.dtype, grad_sum_dtype or p.dtype
-        if grad == stepped:
-            continue
-        if (stepped != p.dtype and fused_master_step
-                and fused_step.fuses(base_class, options, master=stepped, grad=grad, out=p.dtype)):
-            continue
-        largest[stepped] = max(largest.get(stepped, 0), p.numel())
+    for group in named_groups(params):
+        group_options = {**options, **{k: v for k, v in group.items() if k != "params"}}
+        own = [p for _, p in group["params"] if p.requires_grad]
+        trainable += own
+        part = offloaded_buffers_plan(
+            own, optimizer_class=base_class, options=group_options, minimal_size=minimal_size, pinning=pinning,
+            master_dtype=master_dtype, grad_dtype=grad_sum_dtype,
+        )
+        for purpose, nbytes in part.parts.items():
+            plan.add(purpose, nbytes)
+        plan.notes = (*plan.notes, *(note for note in part.notes if note not in plan.notes))
+        for p in own:
+            stepped, grad = master_dtype or p.dtype, grad_sum_dtype or p.dtype
+            if not offloads(p, minimal_size) or grad == stepped:
+                continue
+            if (stepped != p.dtype and fused_master_step
+                    and fused_step.fuses(base_class, group_options, master=stepped, grad=grad, out=p.dtype)):
+                continue
+            largest[stepped] = max(largest.get(stepped, 0), p.numel())
+    offloaded = [p for p in trainable if offloads(p, minimal_size)]
     if largest:
         plan.add(CONVERSION_BUFFERS, sum(n * dtype.itemsize for dtype, n in largest.items()))
     if not (offload_gradients and gradient_accumulation_steps > 1 and offloaded):
