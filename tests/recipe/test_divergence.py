@@ -8,7 +8,6 @@ newest on disk.
 """
 
 import math
-import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -19,6 +18,7 @@ from safetensors.torch import load_file
 
 from tests import zygote
 from tests.optim.test_fp8_weights import build, layered
+from tests.recipe.cpu_setup import cpu_recipe_setup
 from tests.recipe_harness import REPO, TUNE, load_recipe_module, tiny_asset_overrides, working_tree_env
 from torchtune_offload.recipe import Progress, TrainingDivergedError, read_disk_log
 from torchtune_offload.recipe.divergence import DivergenceGuard, nonfinite_parameters
@@ -32,14 +32,7 @@ DIVERGE = ["max_steps_per_epoch=4", "batch_size=4", "save_every_n_steps=1", "lr_
 OFFLOAD = ["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _cpu_setup():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TIKTOKEN_CACHE_DIR", "")  # tiktoken caches ranks by path string
-        yield
-    torch.set_num_threads(threads)
+_cpu_setup = pytest.fixture(autouse=True, scope="module")(cpu_recipe_setup)
 
 
 def _diverging_run(kind: str, assets: Path, out: Path, *overrides: str,

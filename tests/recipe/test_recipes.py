@@ -8,7 +8,6 @@ same config, and every reference run is also checked to learn (loss falls).
 
 import gzip
 import json
-import os
 import subprocess
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -20,6 +19,7 @@ from safetensors.torch import load_file
 from torchtune.modules.peft import get_adapter_state_dict
 
 from tests import zygote
+from tests.recipe.cpu_setup import cpu_recipe_setup
 from tests.recipe_harness import TUNE, load_recipe_module, tiny_asset_overrides, working_tree_env
 from torchtune_offload.bench.trace_summary import summarize
 from torchtune_offload.recipe import read_disk_log
@@ -110,15 +110,7 @@ def run_recipe(
     return Run(recipe, output_dir, log_file)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _cpu_setup():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    with pytest.MonkeyPatch.context() as mp:
-        # tiktoken caches ranks by path string; read the files this session built.
-        mp.setenv("TIKTOKEN_CACHE_DIR", "")
-        yield
-    torch.set_num_threads(threads)
+_cpu_setup = pytest.fixture(autouse=True, scope="module")(cpu_recipe_setup)
 
 
 @pytest.fixture(scope="module")

@@ -2,25 +2,16 @@
 leave it alone) and hands it back to the collector however it ends."""
 
 import gc
-import os
 from pathlib import Path
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
+from tests.recipe.cpu_setup import cpu_recipe_setup
 from tests.recipe_harness import REPO, load_recipe_module, tiny_asset_overrides
 from torchtune_offload.recipe import TrainingDivergedError, train_loop
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _cpu_setup():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TIKTOKEN_CACHE_DIR", "")  # tiktoken caches ranks by path string
-        yield
-    torch.set_num_threads(threads)
+_cpu_setup = pytest.fixture(autouse=True, scope="module")(cpu_recipe_setup)
 
 
 def _run(assets: Path, out: Path, *overrides: str) -> None:
