@@ -63,6 +63,18 @@ def host_buffer_dtypes(
     return buffers
 
 
+def converted_before_step(param_dtype: torch.dtype, *, stepped: torch.dtype, grad: torch.dtype,
+                          fused: bool) -> Optional[torch.dtype]:
+    """The dtype an offloaded parameter's host gradient is converted to before its step, or None
+    where the step reads it as it is: a gradient of another dtype than the stepped copy is
+    converted to the copy's, unless the copy is a master (not of the parameter's dtype) that the
+    fused pass steps (``fused``), which reads the gradient as it is. The engine's buffers
+    (``slot_step.conversion_buffers``) and the plan's part for them both follow this rule."""
+    if grad == stepped or (stepped != param_dtype and fused):
+        return None
+    return stepped
+
+
 def probe_state(optimizer_class: type, shape: torch.Size, dtype: torch.dtype,
                 options: Dict[str, Any]) -> Dict[str, Any]:
     """The state ``optimizer_class`` keeps for one parameter of ``shape`` and ``dtype`` after a

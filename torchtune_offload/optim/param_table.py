@@ -19,7 +19,13 @@ from torch.optim import Optimizer
 
 import torchtune_offload.optim.fused_step as fused_step
 from torchtune_offload.optim.host_arena import ALLOCATOR, NONE, PageLockError, host_buffers, pinned_allocation_bytes
-from torchtune_offload.optim.host_memory import HostMemoryPlan, host_buffer_dtypes, offloaded_buffers_plan, offloads
+from torchtune_offload.optim.host_memory import (
+    HostMemoryPlan,
+    converted_before_step,
+    host_buffer_dtypes,
+    offloaded_buffers_plan,
+    offloads,
+)
 from torchtune_offload.optim.staging import NUM_CHUNKS, StagingRing, device_ring_bytes
 
 #: The host plan's part for ``grad_sum_on="device"`` on a machine without an accelerator.
@@ -313,14 +319,13 @@ def plan_table_memory(params: Any, *, base_class: type, options: Dict[str, Any],
         for purpose, nbytes in part.parts.items():
             plan.add(purpose, nbytes)
         plan.notes = (*plan.notes, *(note for note in part.notes if note not in plan.notes))
-        for p in own:
+        for p in filter(lambda p: offloads(p, minimal_size), own):
             stepped, grad = master_dtype or p.dtype, grad_sum_dtype or p.dtype
-            if not offloads(p, minimal_size) or grad == stepped:
-                continue
-            if (stepped != p.dtype and fused_master_step
-                    and fused_step.fuses(base_class, group_options, master=stepped, grad=grad, out=p.dtype)):
-                continue
-            largest[stepped] = max(largest.get(stepped, 0), p.numel())
+            fused = fused_master_step and fused_step.fuses(base_class, group_options, master=stepped, grad=grad,
+                                                           out=p.dtype)
+            converted = converted_before_step(p.dtype, stepped=stepped, grad=grad, fused=fused)
+            if converted is not None:
+                largest[converted] = max(largest.get(converted, 0), p.numel())
     offloaded = [p for p in trainable if offloads(p, minimal_size)]
     if largest:
         plan.add(CONVERSION_BUFFERS, sum(n * dtype.itemsize for dtype, n in largest.items()))

@@ -19,6 +19,7 @@ import torchtune_offload.optim.stream_check as stream_check
 from torchtune_offload.optim.capabilities import capabilities_of
 from torchtune_offload.optim.fp8_weights import DeviceWeights
 from torchtune_offload.optim.host_grads import HostGradients
+from torchtune_offload.optim.host_memory import converted_before_step
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.state_streamer import StateStreamer
 from torchtune_offload.optim.step_timings import StepTimings
@@ -186,12 +187,11 @@ def conversion_buffers(offloaded: List[Slot], *, fused_master_step: bool) -> Dic
     pass will not step it), a host buffer as large as the largest such gradient: what
     :class:`SlotStepper` converts them into."""
     largest: Dict[torch.dtype, int] = {}
-    for slot in offloaded:
-        grad, stepped = slot.host_grad, slot.step_param
-        if grad is None or grad.dtype == stepped.dtype:
-            continue
-        if slot.has_master and fused_master_step and fused_step.supports(slot.optimizer, grad, slot.out):
-            continue  # the fused pass reads the gradient as it is
-        largest[stepped.dtype] = max(largest.get(stepped.dtype, 0), grad.numel())
+    for slot in filter(lambda slot: slot.host_grad is not None, offloaded):
+        grad = slot.host_grad
+        fused = slot.has_master and fused_master_step and fused_step.supports(slot.optimizer, grad, slot.out)
+        converted = converted_before_step(slot.param.dtype, stepped=slot.step_param.dtype, grad=grad.dtype, fused=fused)
+        if converted is not None:
+            largest[converted] = max(largest.get(converted, 0), grad.numel())
     # Host memory, whatever the device: the stream checker must not take the buffer for the device's.
     return {dtype: stream_check.host_tensor(torch.empty(n, dtype=dtype)) for dtype, n in largest.items()}
