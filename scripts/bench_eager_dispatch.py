@@ -16,11 +16,9 @@ import time
 from typing import Dict
 
 import torch
-from torchtune import training
-from torchtune.modules import TransformerSelfAttentionLayer
 
 from torchtune_offload.bench.machine import cpu_name
-from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, models_and_steps, narrow_llama
+from torchtune_offload.models.narrow import NARROW_MODELS, checkpointed_llama, models_and_steps, one_sequence
 
 #: The narrowed models' width, the tokens of a step, and the steps left out of the medians.
 WIDTH, TOKENS, WARMUP = 64, 16, 2
@@ -28,10 +26,8 @@ WIDTH, TOKENS, WARMUP = 64, 16, 2
 
 def measure(name: str, *, steps: int) -> Dict[str, float]:
     """Median seconds of a forward and of a backward of ``name``'s narrowed architecture."""
-    torch.manual_seed(0)
-    model = narrow_llama(name, width=WIDTH, max_seq_len=TOKENS).to(torch.bfloat16)
-    training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
-    tokens = torch.randint(0, VOCAB_SIZE, (1, TOKENS), generator=torch.Generator().manual_seed(0))
+    model = checkpointed_llama(name, width=WIDTH, max_seq_len=TOKENS)
+    tokens = one_sequence(TOKENS)
     forward, backward = [], []
     for _ in range(steps + WARMUP):
         start = time.perf_counter()

@@ -23,12 +23,10 @@ import time
 from typing import Dict, List
 
 import torch
-from torchtune import training
-from torchtune.modules import TransformerSelfAttentionLayer
 
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.bench.machine import cpu_name
-from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, models_and_steps, narrow_llama
+from torchtune_offload.models.narrow import NARROW_MODELS, checkpointed_llama, models_and_steps, one_sequence
 
 #: The narrowed models' width, the tokens of a micro-batch, micro-batches a step, warm-up steps.
 WIDTH, TOKENS, MICRO_BATCHES, WARMUP = 64, 64, 4, 2
@@ -57,13 +55,11 @@ class CollectionTimer:
 
 def measure(name: str, *, steps: int) -> List[Dict[str, float]]:
     """One row per mode of :data:`MODES` for ``name``'s narrowed architecture."""
-    torch.manual_seed(0)
-    model = narrow_llama(name, width=WIDTH, max_seq_len=TOKENS).to(torch.bfloat16)
-    training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    model = checkpointed_llama(name, width=WIDTH, max_seq_len=TOKENS)
     opt = OffloadOptimizer(list(model.named_parameters()), torch.optim.AdamW, lr=1e-5, offload_gradients=True,
                            minimal_size=0, overlap=True, grad_sum_on="device")
     opt.register_forward_waits(model)
-    tokens = torch.randint(0, VOCAB_SIZE, (1, TOKENS), generator=torch.Generator().manual_seed(0))
+    tokens = one_sequence(TOKENS)
 
     def step() -> float:
         start = time.perf_counter()

@@ -32,7 +32,7 @@ import torch
 from torchtune import training
 
 from torchtune_offload.bench.machine import cpu_name
-from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, models_and_steps, narrow_llama
+from torchtune_offload.models.narrow import NARROW_MODELS, models_and_steps, narrow_llama, one_sequence
 
 #: The narrowed models' width, and the tokens of a step.
 WIDTH, TOKENS = 256, 64
@@ -68,7 +68,7 @@ class Counted:
 
 
 def _loss(model: torch.nn.Module) -> torch.Tensor:
-    tokens = torch.randint(0, VOCAB_SIZE, (1, TOKENS), generator=torch.Generator().manual_seed(0))
+    tokens = one_sequence(TOKENS)
     return model(tokens).float().mean()
 
 

@@ -1,8 +1,18 @@
 """``models/narrow.py``: real Llama architectures at a small width, with their parameter tensors."""
 
 import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from torchtune_offload.models.narrow import NARROW_MODELS, chosen_models, models_and_steps, narrow_llama
+from torchtune_offload.models.narrow import (
+    NARROW_MODELS,
+    VOCAB_SIZE,
+    checkpointed_llama,
+    chosen_models,
+    models_and_steps,
+    narrow_llama,
+    one_sequence,
+)
 
 
 @pytest.mark.parametrize("name, layers, tensors", [("1B", 16, 146), ("3B", 28, 254), ("8B", 32, 291)])
@@ -35,3 +45,13 @@ def test_a_benchmark_command_line_gives_models_and_steps_or_exits_naming_the_pro
         with pytest.raises(SystemExit) as exit_:
             parse(*argv)
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_checkpointed_model_is_bf16_with_every_layer_checkpointed_and_the_same_each_time():
+    model = checkpointed_llama("1B", width=64, max_seq_len=16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert len(model.layers) == 16 and all(isinstance(layer, CheckpointWrapper) for layer in model.layers)
+    again = checkpointed_llama("1B", width=64, max_seq_len=16)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    tokens = one_sequence(16)
+    assert tokens.shape == (1, 16) and int(tokens.max()) < VOCAB_SIZE and torch.equal(tokens, one_sequence(16))

@@ -7,11 +7,13 @@ the host's cost of dispatching a pass, or of a hook per parameter.
 import argparse
 from typing import List, Tuple
 
+import torch
+from torchtune import training
 from torchtune.models.llama3_1 import llama3_1
 from torchtune.models.llama3_2 import llama3_2
-from torchtune.modules import TransformerDecoder
+from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
 
-__all__ = ["NARROW_MODELS", "chosen_models", "models_and_steps", "narrow_llama"]
+__all__ = ["NARROW_MODELS", "checkpointed_llama", "chosen_models", "models_and_steps", "narrow_llama", "one_sequence"]
 
 #: Short name -> (the model's name, torchtune's component builder, its depth and embedding tying).
 NARROW_MODELS = {
@@ -34,6 +36,20 @@ def narrow_llama(name: str, *, width: int, max_seq_len: int = 64) -> Transformer
     _, build, depth = NARROW_MODELS[name]
     return build(vocab_size=VOCAB_SIZE, num_heads=4, num_kv_heads=2, embed_dim=width, max_seq_len=max_seq_len,
                  intermediate_dim=2 * width, **depth)
+
+
+def checkpointed_llama(name: str, *, width: int, max_seq_len: int) -> TransformerDecoder:
+    """:func:`narrow_llama` in bf16 with activation checkpointing on every layer, as the recipes set
+    it, its weights drawn after ``torch.manual_seed(0)``."""
+    torch.manual_seed(0)
+    model = narrow_llama(name, width=width, max_seq_len=max_seq_len).to(torch.bfloat16)
+    training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    return model
+
+
+def one_sequence(tokens: int) -> torch.Tensor:
+    """A batch of one sequence of ``tokens`` token ids below :data:`VOCAB_SIZE`, the same every call."""
+    return torch.randint(0, VOCAB_SIZE, (1, tokens), generator=torch.Generator().manual_seed(0))
 
 
 def chosen_models(names: str) -> List[str]:
