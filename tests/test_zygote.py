@@ -81,3 +81,20 @@ def test_popen_reports_returncode_and_takes_devnull(forked, monkeypatch):
                         env=working_tree_env(TIKTOKEN_CACHE_DIR=""), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert proc.wait(timeout=60) == 5 and proc.returncode == 5
     assert (proc._fallback is None) == forked
+
+
+def test_a_zygote_that_initialized_cuda_does_not_serve_and_its_callers_get_subprocess(monkeypatch):
+    # On a GPU machine the preload initializes CUDA; a fork could not use it (under the CUDA sanitizer not
+    # even for a CPU op), so the zygote answers why instead of "ready" and every call gets a fresh interpreter.
+    own = zygote._ZYGOTE
+    refusing = zygote._Zygote(preload=(*zygote.PRELOAD, "tests.zygote_cuda_initialized"))
+    try:
+        assert refusing.ensure() is False
+        assert "CUDA was initialized" in refusing.refusal
+        monkeypatch.setattr(zygote, "_ZYGOTE", refusing)
+        env = working_tree_env(TIKTOKEN_CACHE_DIR="")
+        proc = zygote.Popen([sys.executable, "-c", "print('fresh')"], env=env, stdout=subprocess.PIPE, text=True)
+        assert proc._fallback is not None and proc.communicate(timeout=120)[0] == "fresh\n"
+    finally:
+        refusing.stop()
+    assert own.ensure() is True and own.refusal == ""  # this CPU machine's own zygote serves

@@ -13,7 +13,8 @@ module, script or code as ``__main__`` the way ``python`` would, then exits as P
 Where a fork cannot stand for a fresh interpreter, the call falls back to ``subprocess``: another
 program or interpreter, interpreter options (``-P``, ``-X``, ``-u``...), or an environment that
 differs from the zygote's in what Python, torch, OpenMP or the C libraries read when they load
-(``PYTHON*``, ``OMP_*``, ``ATEN_CPU_CAPABILITY``, ``LD_*``...). Tests that measure a process's
+(``PYTHON*``, ``OMP_*``, ``ATEN_CPU_CAPABILITY``, ``LD_*``...), and everywhere on a machine where the
+zygote's imports initialized CUDA (a fork could not use it). Tests that measure a process's
 memory (its RSS includes the zygote's pages) or that test the start of a program itself keep
 ``subprocess``. ``TEST_ZYGOTE=0`` turns the zygote off (every call is ``subprocess``).
 
@@ -59,8 +60,28 @@ path, modules = sys.argv[1], sys.argv[2].split(",")
 for name in modules:
     importlib.import_module(name)
 import tests.zygote as zygote
-zygote._serve(path)
+refusal = zygote._unforkable()
+if refusal:
+    print(refusal, flush=True)
+else:
+    zygote._serve(path)
 """
+
+
+def _unforkable() -> str:
+    """Why this process's forks cannot stand for fresh interpreters, or ``""`` where they can.
+
+    On a CUDA machine, importing torchtune initializes CUDA (``torchtune.utils._import_guard`` asks
+    for the device's capability), and a child forked after that cannot use CUDA at all ("Cannot
+    re-initialize CUDA in forked subprocess"). Under ``TORCH_CUDA_SANITIZER`` every op, a CPU one
+    too, asks for the current CUDA stream, so such a child failed at its first op: the recipe GPU
+    tests' assets were built by one, and their tests reported ERROR under the sanitizer.
+    """
+    import torch  # imported already by the preload: a lookup
+
+    if torch.cuda.is_initialized():
+        return "CUDA was initialized while the zygote imported its modules: its forks could not use CUDA"
+    return ""
 
 
 def _serve(path: str) -> None:
@@ -181,11 +202,14 @@ def _child(request: dict, fds: List[int]) -> None:
 class _Zygote:
     """The zygote of this pytest process: started on first use, stopped at exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, preload: Sequence[str] = PRELOAD) -> None:
+        self._preload = tuple(preload)
         self._lock = threading.Lock()
         self._proc: Optional[subprocess.Popen] = None
         self._dir = ""
         self.env: Dict[str, str] = {}
+        #: Why the zygote does not serve (its answer instead of "ready"), once :meth:`ensure` knows.
+        self.refusal = ""
 
     @property
     def path(self) -> str:
@@ -195,16 +219,19 @@ class _Zygote:
         """Starts the zygote if needed; False where it cannot serve (then callers use subprocess)."""
         with self._lock:
             if self._proc is not None:
-                return self._proc.poll() is None
+                return not self.refusal and self._proc.poll() is None
             self._dir = tempfile.mkdtemp(prefix="zygote-")
             self.env = working_tree_env(TIKTOKEN_CACHE_DIR="")
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", _SERVER, self.path, ",".join(PRELOAD)], cwd=REPO, env=self.env,
+                [sys.executable, "-c", _SERVER, self.path, ",".join(self._preload)], cwd=REPO, env=self.env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             )
-            ready = self._proc.stdout.readline().strip() == "ready"
+            answer = self._proc.stdout.readline().strip()
+            ready = answer == "ready"
             if not ready:
+                self.refusal = answer or "the zygote ended before it was ready"
                 self._proc.kill()
+                self._proc.wait()
             atexit.register(self.stop)
             return ready
 
