@@ -237,8 +237,8 @@ def test_the_calibration_covers_the_recorded_runs_and_the_docs_show_it():
 def test_the_probe_measures_the_host_here_and_names_the_gpu_keys_to_take_from_a_preset(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     small = {"copy_bytes": 1 << 20, "step_params": 1 << 16, "pcie_bytes": 1 << 20}
-    measured, missing = probe_module.probe(sizes=small)
-    assert missing == ["gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us"]
+    measured, missing, notes = probe_module.probe(sizes=small)
+    assert notes == [] and missing == ["gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us"]
     assert set(measured) == set(MACHINE_KEYS) - set(missing)
     assert all(v > 0 for v in measured.values()) and measured["host_cores"] == probe_module.host_cores()
     # The verb writes what it measured; the planner then names the keys still missing.
@@ -252,9 +252,37 @@ def test_the_probe_measures_the_host_here_and_names_the_gpu_keys_to_take_from_a_
 
 
 def test_the_step_rate_probe_runs_a_small_llama_step():
-    rate = probe_module.step_tflops(device=torch.device("cpu"), num_layers=1, width=64, batch=1, seq_len=16,
+    rate = probe_module.step_tflops(device=torch.device("cpu"), num_layers=1, width=64, batches=(1, 2), seq_len=16,
                                     vocab=128, repeats=1)
-    assert rate > 0
+    # On the CPU every op finishes before it returns: each batch is "launch-bound", so both were timed.
+    assert rate.tflops > 0 and rate.batch == 2 and rate.launch_bound
+    assert "a lower bound" in probe_module.step_note(rate, seq_len=16)
+
+
+def test_the_step_probe_grows_the_batch_until_the_device_bounds_the_step():
+    flops = 8e12  # a sample's FLOPs: one second a sample is 8 TFLOPS
+    # (launch_s, wall_s) per batch: the device waits for the CPU at batches 2 and 4, works beyond it at 8.
+    timings = {2: (0.20, 0.22), 4: (0.21, 0.25), 8: (0.22, 0.40), 16: (0.23, 0.80)}
+    timed = []
+
+    def time_batch(batch):
+        timed.append(batch)
+        return timings[batch]
+
+    rate = probe_module.first_device_bound(time_batch, batches=(2, 4, 8, 16), flops_per_sample=flops)
+    assert timed == [2, 4, 8] and rate.batch == 8 and not rate.launch_bound
+    assert rate.tflops == pytest.approx(8 * 8 / 0.40)
+    assert "lower bound" not in probe_module.step_note(rate, seq_len=2048)
+
+    def out_of_memory_at_8(batch):
+        if batch == 8:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return timings[batch]
+
+    rate = probe_module.first_device_bound(out_of_memory_at_8, batches=(2, 4, 8), flops_per_sample=flops)
+    assert rate.batch == 4 and rate.launch_bound and rate.tflops == pytest.approx(8 * 4 / 0.25)
+    with pytest.raises(torch.OutOfMemoryError):
+        probe_module.first_device_bound(out_of_memory_at_8, batches=(8,), flops_per_sample=flops)
 
 
 def test_the_planner_adds_speed_to_each_variant(tiny_assets, tmp_path):
@@ -398,8 +426,10 @@ def test_the_sync_probe_times_a_step_over_its_synchronizations(monkeypatch):
 def test_the_probe_measures_the_gpu_keys_where_cuda_is():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    measured = probe_module.probe_gpu(pcie_bytes=1 << 26, step={"num_layers": 1, "width": 256, "batch": 1,
-                                                                 "seq_len": 256, "vocab": 1024}, repeats=2,
-                                      sync_probe={"tensors": 8})
+    measured, notes = probe_module.probe_gpu(pcie_bytes=1 << 26, step={"num_layers": 1, "width": 256,
+                                                                        "batches": (1, 2), "seq_len": 256,
+                                                                        "vocab": 1024}, repeats=2,
+                                             sync_probe={"tensors": 8})
+    assert len(notes) == 1 and notes[0].startswith("gpu_bf16_tflops: a training step of batch ")
     assert set(measured) == {"gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us"}
     assert all(v > 0 for v in measured.values())

@@ -11,7 +11,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torchtune import modules, training
@@ -25,9 +25,12 @@ from torchtune_offload.plan.speed import MACHINE_KEYS, bitsandbytes_syncs_per_st
 GPU_KEYS = ("gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us")
 #: Sizes of a full probe: well past the caches, and done in well under a minute on a desktop.
 FULL_SIZES = {"copy_bytes": 1 << 30, "step_params": 1 << 26, "pcie_bytes": 1 << 30}
-#: The Llama 3 whose training step :func:`step_tflops` times: 4 layers of the 1B's width, its
-#: batch of 2 x 2048 tokens; about 0.3B matmul weights, 3 GiB of device memory.
-STEP_MODEL = {"num_layers": 4, "width": 2048, "batch": 2, "seq_len": 2048, "vocab": 32768}
+#: The Llama 3 whose training step :func:`step_tflops` times: 4 layers of the 1B's width, batches of
+#: 2048-token sequences; about 0.3B matmul weights, 3 GiB of device memory at batch 2, about 8 at 8.
+STEP_MODEL = {"num_layers": 4, "width": 2048, "batches": (2, 4, 8), "seq_len": 2048, "vocab": 32768}
+#: A step whose device finished within this factor of its launching thread's last launch was bound by
+#: the launching thread (the device waited for the CPU), not by the device's arithmetic.
+LAUNCH_BOUND_FACTOR = 1.25
 #: The parameters whose bitsandbytes step :func:`sync_call_us` times: each update a few
 #: microseconds of GPU work, and past the 100,000 elements from which bitsandbytes pages a state
 #: (``Optimizer8bit.get_state_buffer``), so each call prefetches its paged states as the real
@@ -103,28 +106,92 @@ def probe_host(*, copy_bytes: int, step_params: int, repeats: int = 3) -> Dict[s
     return {"host_copy_gbs": 2 * copy_bytes / copy / 1e9, **rates, "host_cores": float(host_cores())}
 
 
-def step_tflops(*, device: torch.device, num_layers: int, width: int, batch: int, seq_len: int, vocab: int,
-                repeats: int = 3) -> float:
+class StepRate(NamedTuple):
+    """What :func:`step_tflops` measured: the rate, the batch it came from, and whether even that batch
+    was bound by the launching thread (then the rate is a lower bound for the device's)."""
+
+    tflops: float
+    batch: int
+    launch_s: float
+    wall_s: float
+
+    @property
+    def launch_bound(self) -> bool:
+        """Whether the device finished within :data:`LAUNCH_BOUND_FACTOR` of the last launch."""
+        return self.wall_s < LAUNCH_BOUND_FACTOR * self.launch_s
+
+
+def first_device_bound(time_batch: Callable[[int], Tuple[float, float]], *, batches: Sequence[int],
+                       flops_per_sample: float) -> StepRate:
+    """The step's rate at the first of ``batches`` that the device, not the launching thread, bounds.
+
+    A small step on a fast GPU measures the CPU that launches its kernels; each larger batch gives
+    every kernel more work for the same launches. The batches are tried in order until one is
+    device-bound; one that runs out of device memory ends the search with the previous batch's rate.
+
+    Args:
+        time_batch: ``batch -> (launch_s, wall_s)``: the step's seconds until its last launch
+            returned, and until the device finished it.
+        batches: the batches to try, smallest first.
+        flops_per_sample: FLOPs of one sample's step as the speed model counts them.
+
+    Returns:
+        The :class:`StepRate` of the last batch measured.
+    """
+    rate: Optional[StepRate] = None
+    for batch in batches:
+        try:
+            launch_s, wall_s = time_batch(batch)
+        except torch.OutOfMemoryError:
+            if rate is None:
+                raise
+            break
+        rate = StepRate(flops_per_sample * batch / wall_s / 1e12, batch, launch_s, wall_s)
+        if not rate.launch_bound:
+            break
+    if rate is None:
+        raise ValueError("first_device_bound: batches is empty; give at least one batch to time")
+    return rate
+
+
+def step_tflops(*, device: torch.device, num_layers: int, width: int, batches: Sequence[int], seq_len: int,
+                vocab: int, repeats: int = 3) -> StepRate:
     """The bf16 FLOP rate of a training step as the speed model counts it (8 x matmul weights x
     tokens, activation checkpointing on), from a small torchtune Llama 3 on ``device``: forward,
     loss, backward. The model's attention, norms and loss cost what a real step's do, which a bare
-    matmul's rate would leave out."""
+    matmul's rate would leave out. Each of ``batches`` is timed in turn until the device bounds the
+    step (:func:`first_device_bound`): at batch 2 the H100 machine's probe read a third of the rate
+    its recorded runs reached (docs/planner.md)."""
     with training.set_default_dtype(torch.bfloat16):
         model = llama3(vocab_size=vocab, num_layers=num_layers, num_heads=max(1, width // 128),
                        num_kv_heads=max(1, width // 512), embed_dim=width, intermediate_dim=int(width * 3.5),
                        max_seq_len=seq_len).to(device)
     training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
-    tokens = torch.randint(0, vocab, (batch, seq_len), device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def train_step() -> None:
-        logits = model(tokens)
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
+    def time_batch(batch: int) -> Tuple[float, float]:
+        tokens = torch.randint(0, vocab, (batch, seq_len), device=device)
 
-    seconds = _best_seconds(train_step, repeats=repeats, sync=sync)
+        def train_step() -> float:
+            start = time.perf_counter()
+            logits = model(tokens)
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
+            return time.perf_counter() - start
+
+        train_step()  # first-use costs (kernels chosen, memory reserved) kept out
+        sync()
+        best = (float("inf"), float("inf"))
+        for _ in range(repeats):
+            start = time.perf_counter()
+            launch_s = train_step()
+            sync()
+            best = min(best, (time.perf_counter() - start, launch_s))
+        model.zero_grad(set_to_none=True)
+        return best[1], best[0]
+
     # The token embedding is a lookup, not a matmul.
     weights = sum(p.numel() for p in model.parameters()) - model.tok_embeddings.weight.numel()
-    return 8 * weights * batch * seq_len / seconds / 1e12
+    return first_device_bound(time_batch, batches=batches, flops_per_sample=8 * weights * seq_len)
 
 
 def sync_call_us(*, device: torch.device, tensors: int, numel: int, repeats: int = 3) -> float:
@@ -155,44 +222,68 @@ def sync_call_us(*, device: torch.device, tensors: int, numel: int, repeats: int
     return seconds / bitsandbytes_syncs_per_step(tensors=tensors, paged=True, in_backward=False) * 1e6
 
 
-def probe_gpu(*, pcie_bytes: int, step: Dict[str, int], repeats: int = 3,
-              sync_probe: Optional[Dict[str, int]] = None) -> Dict[str, float]:
+def step_note(rate: StepRate, *, seq_len: int) -> str:
+    """The report's line on how :func:`step_tflops` got its rate."""
+    note = (f"gpu_bf16_tflops: a training step of batch {rate.batch} x {seq_len}, its launching thread "
+            f"{rate.launch_s:.3f} s of its {rate.wall_s:.3f} s")
+    if rate.launch_bound:
+        note += (": the device waited for the CPU even at this batch, so the rate is a lower bound for the "
+                 "device's; take gpu_bf16_tflops from a measured run or a preset (docs/planner.md)")
+    return note
+
+
+def probe_gpu(*, pcie_bytes: int, step: Dict[str, Any], repeats: int = 3,
+              sync_probe: Optional[Dict[str, int]] = None) -> Tuple[Dict[str, float], List[str]]:
     """The GPU keys on CUDA device 0: :func:`step_tflops`, pinned copies each way, and
-    :func:`sync_call_us`."""
+    :func:`sync_call_us`.
+
+    Returns:
+        ``(keys, notes)``: the keys, and the lines that say how the step's rate was measured.
+    """
     device = torch.device("cuda")
     sync = torch.cuda.synchronize
-    tflops = step_tflops(device=device, repeats=repeats, **step)
+    rate = step_tflops(device=device, repeats=repeats, **step)
+    torch.cuda.empty_cache()  # the step's batches gave back before the copies reserve theirs
     sync_us = sync_call_us(device=device, repeats=repeats, **{**SYNC_PROBE, **(sync_probe or {})})
     host = torch.empty(pcie_bytes, dtype=torch.uint8).pin_memory()
     gpu = torch.empty(pcie_bytes, dtype=torch.uint8, device=device)
     h2d = _best_seconds(lambda: gpu.copy_(host, non_blocking=True), repeats=repeats, sync=sync)
     d2h = _best_seconds(lambda: host.copy_(gpu, non_blocking=True), repeats=repeats, sync=sync)
-    return {"gpu_bf16_tflops": tflops, "pcie_h2d_gbs": pcie_bytes / h2d / 1e9, "pcie_d2h_gbs": pcie_bytes / d2h / 1e9,
-            "device_sync_us": sync_us}
+    keys = {"gpu_bf16_tflops": rate.tflops, "pcie_h2d_gbs": pcie_bytes / h2d / 1e9,
+            "pcie_d2h_gbs": pcie_bytes / d2h / 1e9, "device_sync_us": sync_us}
+    return keys, [step_note(rate, seq_len=step["seq_len"])]
 
 
-def probe(*, sizes: Optional[Dict[str, int]] = None,
-          step_model: Optional[Dict[str, int]] = None) -> Tuple[Dict[str, float], List[str]]:
-    """Measures what this machine can.
+class Probed(NamedTuple):
+    """What :func:`probe` measured."""
 
-    Returns:
-        ``(keys, missing)``: the measured keys, and the GPU keys this machine cannot measure.
-    """
+    #: The machine keys measured here, rounded to a tenth.
+    keys: Dict[str, float]
+    #: The GPU keys this machine cannot measure (no CUDA).
+    missing: List[str]
+    #: Lines on how a figure was measured, for the report.
+    notes: List[str]
+
+
+def probe(*, sizes: Optional[Dict[str, int]] = None, step_model: Optional[Dict[str, Any]] = None) -> Probed:
+    """Measures what this machine can (:class:`Probed`)."""
     sizes = {**FULL_SIZES, **(sizes or {})}
     measured = probe_host(copy_bytes=sizes["copy_bytes"], step_params=sizes["step_params"])
     missing: List[str] = []
+    notes: List[str] = []
     if torch.cuda.is_available():
-        measured.update(probe_gpu(pcie_bytes=sizes["pcie_bytes"], step={**STEP_MODEL, **(step_model or {})}))
+        gpu_keys, notes = probe_gpu(pcie_bytes=sizes["pcie_bytes"], step={**STEP_MODEL, **(step_model or {})})
+        measured.update(gpu_keys)
     else:
         missing = list(GPU_KEYS)
-    return {k: round(measured[k], 1) for k in MACHINE_KEYS if k in measured}, missing
+    return Probed({k: round(measured[k], 1) for k in MACHINE_KEYS if k in measured}, missing, notes)
 
 
 def run_probe(output: Optional[Path], *, sizes: Optional[Dict[str, int]] = None) -> str:
     """Probes, writes ``output`` (when given and every key was measured, else the measured keys with
     the missing ones named) and returns the report to print."""
-    measured, missing = probe(sizes=sizes)
-    lines = [f"{k} = {v}" for k, v in measured.items()]
+    measured, missing, notes = probe(sizes=sizes)
+    lines = [f"{k} = {v}" for k, v in measured.items()] + notes
     if missing:
         lines.append(f"No CUDA device here: take {', '.join(missing)} from a preset "
                      f"({', '.join(preset_names())}; their figures: torchtune_offload/plan/machines.json) "
