@@ -76,8 +76,13 @@ if [ -n "${PROFILE_STEP:-}" ]; then
 fi
 
 copy_logs() {  # each variant's log of sweep $1 beside the tarball: a failure's traceback comes back even where
-  # the tarball cannot, or the sweep was stopped
+  # the tarball cannot, or the sweep was stopped; so do its metric rows (host_step_s, grad_copy_s...), which a
+  # stopped sweep's table never gets
+  local log
   for log in "$sweeps/$1"/*/run.log; do [ -f "$log" ] && cp "$log" "$out/$1-$(basename "$(dirname "$log")").log"; done
+  for log in "$sweeps/$1"/*/logs/log_*.txt; do
+    [ -f "$log" ] && cp "$log" "$out/$1-$(basename "$(dirname "$(dirname "$log")")")-metrics.txt"
+  done
 }
 
 summarise_profiles() {  # each profiled variant of sweep $1: the summary of its trace, beside its log

@@ -22,7 +22,8 @@ echo "$*" >> "$FAKE_CALLS"
 case " $* " in
   *benchmark_sweep.py*)
     out=$(echo "$*" | sed -E 's/.*--output-dir ([^ ]+).*/\\1/')
-    mkdir -p "$out/v1/profiling_outputs/iteration_9"
+    mkdir -p "$out/v1/profiling_outputs/iteration_9" "$out/v1/logs"
+    echo "Step 1 | host_step_s:1.0" > "$out/v1/logs/log_17.txt"
     echo "trace" | gzip > "$out/v1/profiling_outputs/iteration_9/r0.pt.trace.json.gz"
     echo "| variant | tok/s |" > "$out/results.md"
     [ -n "${FAKE_HANG:-}" ] && { touch "$FAKE_HANG"; sleep 60; } ;;
@@ -58,19 +59,24 @@ def test_the_steps_run_in_order_and_come_back_in_four_files(tmp_path):
     assert log.count("2 passed") == 2 and log.count("| host step | Mparam/s |") == 2
     calls = (tmp_path / "calls").read_text().splitlines()
     tests, sanitized = [c for c in calls if " -m pytest " in f" {c} "]
-    # All the GPU tests but the stress test; under the sanitizer, torchao's tests before the others.
-    assert tests.endswith("-m gpu -p no:cacheprovider -rs --durations=10 tests -k not stress")
-    assert sanitized.index("test_torchao_wrapper") < sanitized.index("bitsandbytes") < sanitized.index("sums_added")
+    # All the GPU tests but the stress test, the files the last lent session did not reach first; under the
+    # sanitizer the recipe tests before the clipped device-sum sets, stopping at a failure.
+    assert "-m gpu -p no:cacheprovider -rsfE --durations=10 -k not stress tests/recipe/test_recipes_gpu.py " in tests
+    assert tests.endswith("::test_device_update_matches_plain_adamw_bit_for_bit tests")
+    assert sanitized.index("test_torchao_in_the_recipe") < sanitized.index("bitsandbytes") < sanitized.index("sums_added")
+    assert " -x " in sanitized and "-k not None-dtype " in sanitized
     sweeps = [c for c in calls if "benchmark_sweep.py" in c]
     assert len(sweeps) == 2
-    # The 8B run: batch 1, accumulation 4, clipping, the sums on the device, the 9th of 11 steps profiled,
+    # The 8B run: batch 1, accumulation 4, clipping, the sums on the device, the 5th of 11 steps profiled,
     # with samples for all 11 steps of 4 micro-batches (and a few to spare).
     assert "--variants offload_grads_overlap_device_sums" in sweeps[0] and "batch_size=1 " in sweeps[0]
     for key in ("gradient_accumulation_steps=4 ", "dataset.num_samples=52 ", "clip_grad_norm=1.0",
-                "profiler.enabled=True", "profiler.wait_steps=7", "profiler.warmup_steps=1", "profiler.active_steps=1",
+                "profiler.enabled=True", "profiler.wait_steps=3", "profiler.warmup_steps=1", "profiler.active_steps=1",
                 "profiler.with_stack=True"):
         assert key in sweeps[0], key
+    # The 1B profiles: 11 steps, the 9th profiled.
     assert "gradient_accumulation_steps=1 " in sweeps[1] and "dataset.num_samples=52 " in sweeps[1]
+    assert "profiler.wait_steps=7" in sweeps[1] and "--steps 11" in sweeps[1]
     assert "--steps 11" in sweeps[0] and "profiler.all_threads=False" not in sweeps[0]
     assert "--variants torchao,offload_grads,paged_adamw8bit_in_bwd,offload_grads_overlap" in sweeps[1]
     assert "--timeout-s 100 " in sweeps[1]  # (430 s - 30) / 4 each
@@ -82,6 +88,8 @@ def test_the_steps_run_in_order_and_come_back_in_four_files(tmp_path):
     with tarfile.open(out / "owed.tgz") as tar:
         names = tar.getnames()
     assert any(n.endswith("sweep-1B-24-1b-v1-profile.md") for n in names)
+    # Each variant's metric rows come back too (a stopped sweep writes no table).
+    assert any(n.endswith("8b-b1/sweep-8B-24-b1-v1-metrics.txt") for n in names)
     assert not any(n.startswith("./sweeps") for n in names)
     # The sweeps' own tarballs leave the traces out: only the one trace file comes back.
     for name in [n for n in names if n.endswith(".tgz")]:
