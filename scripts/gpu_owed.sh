@@ -8,6 +8,9 @@
 #                did not reach first (its 64 tests passed at 2d796b6 in 178 s; 105 s for 70 in the sixth session)
 #   probe        tune-offload probe: the speed model's machine keys on this machine, and how the GPU step's rate
 #                was measured (the batch at which the device rather than the launching thread bounds it)
+#   contention   scripts/bench_launch_contention.py: the narrowed 8B's passes (the launching thread's work alone)
+#                quiet, beside pinned copies each way, and beside host-memory copies on the other cores: whether
+#                the traffic beside the 8B passes is what made each op cost its thread 2-3 times more
 #   sanitizer    under TORCH_CUDA_SANITIZER=1, the GPU tests not yet seen passing under it, in this order: torchao
 #                in the recipe and the bitsandbytes recipe tests (ERROR in two sessions, in their assets' forked
 #                child: tests/zygote.py no longer forks on a CUDA machine), then the clipped sets of
@@ -24,7 +27,8 @@
 #                torchao's wrapper and the first offload_gradients path measured before each step, each beside
 #                torch's one-optimizer step, all cores; then the host sums' 2-norms one after another against
 #                side by side (scripts/bench_host_norms.py)
-# Without STEP arguments every step runs, in the order probe, 8b-b1, sanitizer, tests, 8b-b2, 1b-profiles, hoststep.
+# Without STEP arguments every step runs, in the order probe, contention, 8b-b1, sanitizer, tests, 8b-b2, 1b-profiles,
+# hoststep.
 #
 # Each step gets its cap (below) or the time left of BUDGET_S (counted from this script's start, default 540: a
 # call of 600 s less the wheels' install and a margin), whichever is less, and is skipped, saying so, when less
@@ -46,11 +50,11 @@ mkdir -p "$work/sweeps"
 start=$SECONDS
 PY=${PYTHON:-python3}
 export PYTHON=$PY
-# The probe first (under a minute; its GPU step's measurement is new), then the 8B profile: the gap it is for is
-# the largest, and twice a cap has stopped it before its trace came back. The tests passed at 2d796b6 as far as
+# The probe first (under a minute; its GPU step's measurement is new), the contention check (half a minute), then
+# the 8B profile: the gap they are for is the largest, and twice a cap has stopped it before its trace came back. The tests passed at 2d796b6 as far as
 # they ran (tenth session of 2026-11-27) and the engine has not changed since; the sanitizer's sets are those not
 # yet seen passing under it.
-steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(probe 8b-b1 sanitizer tests 8b-b2 1b-profiles hoststep)
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(probe contention 8b-b1 sanitizer tests 8b-b2 1b-profiles hoststep)
 log=$out/owed.log
 
 #: step -> "cap minimum" in seconds. An 8B step writes its random-init checkpoint first (65-108 s, once per
@@ -61,7 +65,7 @@ log=$out/owed.log
 #: sweep runs 11 steps at least (scripts/gpu_results.sh), and a cap that stops it after the trace keeps the trace.
 #: A 1B variant loads, runs its 11 steps and saves in more than 96 s (the sixth session of 2026-11-27 gave torchao's
 #: 96 s after the 1B checkpoint's 14 s of writing, and it had not finished): 1b-profiles gives each 100 s.
-declare -A CAPS=([tests]="170 60" [probe]="70 40" [sanitizer]="150 40" [8b-b1]="430 300" [8b-b2]="330 280"
+declare -A CAPS=([tests]="170 60" [probe]="70 40" [contention]="60 30" [sanitizer]="150 40" [8b-b1]="430 300" [8b-b2]="330 280"
                  [1b-profiles]="430 130" [hoststep]="150 60")
 for step in "${steps[@]}"; do
   [ -n "${CAPS[$step]:-}" ] || { echo "unknown step $step (steps: ${!CAPS[*]})" >&2; exit 2; }
@@ -110,6 +114,8 @@ command_of() {
     probe)
       # Its figures go to the log: OUT_DIR keeps its four files.
       cmd=("$PY" -m torchtune_offload.cli probe) ;;
+    contention)
+      cmd=("$PY" scripts/bench_launch_contention.py --model 8B --steps 8 --copy-gib 1) ;;
     sanitizer)
       # pytest runs the tests in the order given: the recipe tests first (their assets are now built by a
       # fresh interpreter, which the sanitizer slows), then the clipped device-sum sets (ids "0.5-..."; the

@@ -30,6 +30,7 @@ case " $* " in
   *profile_summary.py*) echo "summary of $2" ;;
   *bench_host_step.py*) echo "| host step | Mparam/s |" ;;
   *bench_host_norms.py*) echo "| sums | way | s |" ;;
+  *bench_launch_contention.py*) echo "| quiet | 0.1 |" ;;
   *"-m torchtune_offload.cli probe"*) echo "device_sync_us = 104.0" ;;
   *" -m pytest "*) echo "2 passed" ;;
   *) exit 0 ;;
@@ -48,16 +49,19 @@ def _run(tmp_path: Path, *steps: str, budget: int = 1000, **env) -> subprocess.C
 
 
 def test_the_steps_run_in_order_and_come_back_in_four_files(tmp_path):
-    r = _run(tmp_path, "tests", "probe", "sanitizer", "8b-b1", "1b-profiles", "hoststep")
+    r = _run(tmp_path, "tests", "probe", "contention", "sanitizer", "8b-b1", "1b-profiles", "hoststep")
     assert r.returncode == 0, r.stdout + r.stderr
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == ["owed.log", "owed.tgz", "profiles.md", "trace-8b-b1.json.gz"]
     log = (out / "owed.log").read_text()
-    order = [log.index(f"=== {step} ") for step in ("tests", "probe", "sanitizer", "8b-b1", "1b-profiles", "hoststep")]
+    order = [log.index(f"=== {step} ")
+             for step in ("tests", "probe", "contention", "sanitizer", "8b-b1", "1b-profiles", "hoststep")]
     assert order == sorted(order)
     assert "device_sync_us = 104.0" in log  # the probe's keys go to the log
+    assert "| quiet | 0.1 |" in log  # so does the contention table
     assert log.count("2 passed") == 2 and log.count("| host step | Mparam/s |") == 2
     calls = (tmp_path / "calls").read_text().splitlines()
+    assert any(c.endswith("bench_launch_contention.py --model 8B --steps 8 --copy-gib 1") for c in calls)
     tests, sanitized = [c for c in calls if " -m pytest " in f" {c} "]
     # All the GPU tests but the stress test, the files the last lent session did not reach first; under the
     # sanitizer the recipe tests before the clipped device-sum sets, stopping at a failure.
