@@ -17,6 +17,8 @@ from torchtune.models.llama3_2 import llama3_2_1b, llama3_2_3b
 from tests.plan.test_planner import _plan_cli
 from tests.recipe_harness import tiny_asset_overrides
 from torchtune_offload.cli.main import main as tune_offload
+from torchtune_offload.optim import fused_step
+from torchtune_offload.plan import planner
 from torchtune_offload.plan import probe as probe_module
 from torchtune_offload.plan.__main__ import main as plan_main
 from torchtune_offload.plan.recorded_runs import (LLAMA3_1_8B, LLAMA3_2_1B, LLAMA3_2_3B, TENSORS, TOLERANCE, calibrate,
@@ -135,6 +137,14 @@ def test_the_arithmetic_of_a_known_step():
     # the gradient is scaled (in its own dtype, 4 bytes) and widened into a kept fp32 buffer (2 read, 4
     # written) first.
     assert host_step(overlap=True, eight_bit=True, master_fp32=True) == pytest.approx(1 + (4 + 6) / 6)
+    # fp32 masters the fused pass does not step (amsgrad, fused_master_step: False, no C compiler): torch's
+    # fp32 AdamW at the bf16 step's rate over their bytes (28 / 14), on the gradient widened into a kept
+    # fp32 buffer (2 read, 4 written) and scaled in a pass of its own (4), the weight rounded after (4 + 2).
+    assert host_step(overlap=True, master_fp32=True, fused_master=False) == pytest.approx(2 + (6 + 4 + 6) / 6)
+    # With fp32 sums nothing is widened, and the scaling reads and writes 4-byte sums.
+    assert host_step(overlap=True, master_fp32=True, fused_master=False, grad_sum_size=4) == \
+        pytest.approx(2 + (8 + 6) / 6)
+    assert host_step(overlap=True, master_fp32=True, fused_master=True) == pytest.approx(2.5)
     assert host_step() == pytest.approx(1)
     # Paged state beyond the device: 1 GB out and back in every step.
     paged = predict(replace(work, paged_excess_bytes=10**9), machine)
@@ -433,3 +443,18 @@ def test_the_probe_measures_the_gpu_keys_where_cuda_is():
     assert len(notes) == 1 and notes[0].startswith("gpu_bf16_tflops: a training step of batch ")
     assert set(measured) == {"gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us"}
     assert all(v > 0 for v in measured.values())
+
+
+def test_the_plan_knows_where_the_fused_master_pass_cannot_step(monkeypatch):
+    masters = {"master_dtype": "fp32"}
+
+    def fused(own, options, base=torch.optim.AdamW):
+        return planner._fused_master(own, base, options, dtype=torch.bfloat16)
+
+    if fused_step.c_compiler() is not None:
+        assert fused(masters, {"lr": 1e-5}) and fused({**masters, "grad_sum_dtype": "fp32"}, {})
+    assert not fused(masters, {"amsgrad": True})
+    assert not fused({**masters, "fused_master_step": False}, {})
+    assert not fused(masters, {}, base=torch.optim.SGD)
+    monkeypatch.setattr(fused_step, "c_compiler", lambda: None)
+    assert not fused(masters, {})

@@ -32,6 +32,7 @@ from torchtune.models.llama3 import llama3, lora_llama3
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
 from torchtune_offload.bench.sweep import VARIANTS, overrides_for
+from torchtune_offload.optim import fused_step
 from torchtune_offload.optim.host_memory import offloads, optimizer_state_bytes
 from torchtune_offload.optim.offload_options import device_staging_bytes, precision_option
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class, split_options
@@ -128,6 +129,15 @@ def _grad_sum_size(own: Dict[str, object]) -> Optional[int]:
     return 4 if precision_option(own.get("grad_sum_dtype"), key="grad_sum_dtype") else None
 
 
+def _fused_master(own: Dict[str, Any], base: Optional[type], options: Dict[str, Any], *, dtype: torch.dtype) -> bool:
+    """Whether the engine would step ``cfg``'s fp32 masters with its fused pass: the engine's option,
+    the base optimizer and its options (``fused_step.fuses``, as the engine asks it), and a C compiler
+    to build the pass with (the engine falls back to torch's step without one)."""
+    sums = torch.float32 if _grad_sum_size(own) == 4 else dtype
+    return (base is not None and bool(own.get("fused_master_step", True)) and fused_step.c_compiler() is not None
+            and fused_step.fuses(base, options, master=torch.float32, grad=sums, out=dtype))
+
+
 def _options_of(cfg: DictConfig) -> Dict[str, Any]:
     """The optimizer's keyword options as the config gives them."""
     return {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
@@ -161,6 +171,7 @@ def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module
                     clipping=settings.clip_grad_norm is not None,
                     eight_bit=base is not None and base.__name__ == "AdamW8bit",
                     master_fp32=precision_option(own.get("master_dtype"), key="master_dtype") is not None,
+                    fused_master=_fused_master(own, base, options, dtype=settings.dtype),
                     grad_sum_size=_grad_sum_size(own),
                     sums_on_device=own.get("grad_sum_on") == "device", state_bytes=state_bytes,
                     device_syncs=syncs)

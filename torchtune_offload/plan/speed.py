@@ -45,6 +45,9 @@ ADAMW_BF16_BYTES = 14
 #: With fp32 master weights: fp32 master and states read and written (24), the bf16 gradient read
 #: and the bf16 weight written (4).
 ADAMW_MASTER_BYTES = 28
+#: torch's AdamW over fp32 tensors, which steps fp32 masters where the fused pass does not: master,
+#: states and gradient read (16), master and states written (12).
+ADAMW_FP32_BYTES = 28
 #: Bytes per parameter of clipping's own pass over the host gradients (each read and written once),
 #: as a multiple of the host gradient's element size. The host pays it where the gradients are on the
 #: host when clipped (``offload_gradients``, or any overlapped window) and the step cannot take the
@@ -168,6 +171,10 @@ class StepWork:
             backward's norms (with ``overlap``, nothing of them hides behind that backward).
         eight_bit: the host step is :class:`torchtune_offload.AdamW8bit`.
         master_fp32: fp32 master weights and states on the host.
+        fused_master: with ``master_fp32`` (and not ``eight_bit``), the fused fp32-master pass steps
+            them. False where it cannot (``fused_master_step: False``, an option it lacks such as
+            ``amsgrad``, another base optimizer, no C compiler): torch's optimizer steps the masters
+            on the gradient widened into an fp32 buffer, and the weight is rounded from them after.
         grad_sum_size: bytes per element of the host gradient buffers (``grad_sum_dtype``: 4 for
             fp32 sums); None for the gradient's own ``element_size``. A sum wider than the
             parameter is narrowed to it before a step without masters (a pass of its own).
@@ -193,6 +200,7 @@ class StepWork:
     clipping: bool = False
     eight_bit: bool = False
     master_fp32: bool = False
+    fused_master: bool = True
     grad_sum_size: Optional[int] = None
     sums_on_device: bool = False
     state_bytes: float = 4.0
@@ -428,22 +436,30 @@ def sums_elsewhere_block(speeds: Mapping[str, Speed]) -> List[str]:
 def _host_step_seconds(work: StepWork, machine: Machine) -> float:
     """The host's work of one step: the optimizer's pass at its measured rate (the fused fp32-master
     pass at its own; AdamW8bit over fp32 masters at its rate scaled by their bytes against the bf16
-    step's), and the passes of their own at ``host_copy_gbs``: a wider gradient sum narrowed to the
-    parameter's dtype, a narrower one widened to AdamW8bit's fp32 master, and clipping's scaling."""
+    step's; torch's AdamW over fp32 masters at the bf16 step's rate scaled by the bytes), and the
+    passes of their own at ``host_copy_gbs``: a wider gradient sum narrowed to the parameter's dtype,
+    a narrower one widened to an fp32 master that the fused pass does not step, the weight rounded
+    from a master after torch's step, and clipping's scaling."""
     sum_size = work.sum_size if work.update == "host" else work.element_size
     # The master pass reads the gradient sum as it is (28 bytes a parameter with bf16 sums, 30 with fp32).
     master_bytes = ADAMW_MASTER_BYTES - work.element_size + sum_size
-    if work.master_fp32 and not work.eight_bit:
+    fused_master = work.master_fp32 and not work.eight_bit and work.fused_master
+    torch_master = work.master_fp32 and not work.eight_bit and not work.fused_master
+    if fused_master:
         # Its rate is measured on bf16 gradients; wider sums add their bytes.
         seconds = work.trainable / (machine.host_adamw_master_mparams * 1e6) * (master_bytes / ADAMW_MASTER_BYTES)
+    elif torch_master:
+        seconds = work.trainable / (machine.host_adamw_bf16_mparams * 1e6) * (ADAMW_FP32_BYTES / ADAMW_BF16_BYTES)
     else:
         rate = (machine.host_adamw8bit_mparams if work.eight_bit else machine.host_adamw_bf16_mparams) * 1e6
         seconds = work.trainable / rate * (master_bytes / ADAMW_BF16_BYTES if work.master_fp32 else 1)
     extra = 0
     if sum_size != work.element_size and not work.master_fp32:
         extra += sum_size + work.element_size  # the sum read, its narrowed copy written
-    if work.master_fp32 and work.eight_bit and sum_size != 4:
-        extra += sum_size + 4  # AdamW8bit steps the fp32 master on the sum widened into a kept buffer
+    if work.master_fp32 and not fused_master and sum_size != 4:
+        extra += sum_size + 4  # the fp32 master is stepped on the sum widened into a kept buffer
+    if torch_master:
+        extra += 4 + work.element_size  # the weight rounded from the master: master read, weight written
     if _clips_in_a_pass_of_its_own(work):
         extra += sum_size * CLIP_PASS_BYTES_PER_ELEMENT_SIZE
     return seconds + work.trainable * extra / (machine.host_copy_gbs * 1e9)
@@ -456,7 +472,7 @@ def _clips_in_a_pass_of_its_own(work: StepWork) -> bool:
     on_host = work.update == "host" and (work.offload_gradients or work.overlap)
     same_dtype_sum = work.sum_size == work.element_size
     factor_in_the_pass = work.overlap and ((work.eight_bit and not work.master_fp32 and same_dtype_sum)
-                                           or (work.master_fp32 and not work.eight_bit))
+                                           or (work.master_fp32 and not work.eight_bit and work.fused_master))
     return work.clipping and on_host and not factor_in_the_pass
 
 
