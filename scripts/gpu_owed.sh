@@ -51,9 +51,9 @@ start=$SECONDS
 PY=${PYTHON:-python3}
 export PYTHON=$PY
 # The probe first (under a minute; its GPU step's measurement is new), the contention check (half a minute), then
-# the 8B profile: the gap they are for is the largest, and twice a cap has stopped it before its trace came back. The tests passed at 2d796b6 as far as
-# they ran (tenth session of 2026-11-27) and the engine has not changed since; the sanitizer's sets are those not
-# yet seen passing under it.
+# the 8B profile: the gap they are for is the largest, and in the tenth session of 2026-11-27 the cap stopped the
+# profile before its trace came back. The tests passed at 2d796b6 as far as they ran (that session) and the engine
+# has not changed since; the sanitizer's sets are those not yet seen passing under it.
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(probe contention 8b-b1 sanitizer tests 8b-b2 1b-profiles hoststep)
 log=$out/owed.log
 
@@ -65,8 +65,8 @@ log=$out/owed.log
 #: sweep runs 11 steps at least (scripts/gpu_results.sh), and a cap that stops it after the trace keeps the trace.
 #: A 1B variant loads, runs its 11 steps and saves in more than 96 s (the sixth session of 2026-11-27 gave torchao's
 #: 96 s after the 1B checkpoint's 14 s of writing, and it had not finished): 1b-profiles gives each 100 s.
-declare -A CAPS=([tests]="170 60" [probe]="70 40" [contention]="60 30" [sanitizer]="150 40" [8b-b1]="430 300" [8b-b2]="330 280"
-                 [1b-profiles]="430 130" [hoststep]="150 60")
+declare -A CAPS=([tests]="170 60" [probe]="70 40" [contention]="60 30" [sanitizer]="150 40" [8b-b1]="430 300"
+                 [8b-b2]="330 280" [1b-profiles]="430 130" [hoststep]="150 60")
 for step in "${steps[@]}"; do
   [ -n "${CAPS[$step]:-}" ] || { echo "unknown step $step (steps: ${!CAPS[*]})" >&2; exit 2; }
 done
@@ -119,8 +119,8 @@ command_of() {
     sanitizer)
       # pytest runs the tests in the order given: the recipe tests first (their assets are now built by a
       # fresh interpreter, which the sanitizer slows), then the clipped device-sum sets (ids "0.5-..."; the
-      # unclipped "None-..." ones passed under it), about 10 s each. -x: a failure's report comes back
-      # before the cap.
+      # unclipped "None-..." ones passed under it), about 10 s each in the tenth session. -x: a failure's
+      # report comes back before the cap.
       cmd=(env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -x -m gpu -p no:cacheprovider -rsfE -k "not None-dtype"
            tests/recipe/test_recipes_gpu.py::test_torchao_in_the_recipe_matches_plain_adamw_on_gpu
            tests/recipe/test_recipes_gpu.py::test_bitsandbytes_paged_optimizers_learn_on_gpu

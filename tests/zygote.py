@@ -40,6 +40,8 @@ import traceback
 import types
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import torch
+
 from tests.recipe_harness import REPO, working_tree_env
 
 #: What the zygote imports before it serves: what nearly every child imports first.
@@ -74,11 +76,10 @@ def _unforkable() -> str:
     On a CUDA machine, importing torchtune initializes CUDA (``torchtune.utils._import_guard`` asks
     for the device's capability), and a child forked after that cannot use CUDA at all ("Cannot
     re-initialize CUDA in forked subprocess"). Under ``TORCH_CUDA_SANITIZER`` every op, a CPU one
-    too, asks for the current CUDA stream, so such a child failed at its first op: the recipe GPU
-    tests' assets were built by one, and their tests reported ERROR under the sanitizer.
+    too, asks for the current CUDA stream, so such a child fails at its first op: by reading torch's
+    and torchtune's code, the likely cause of the recipe GPU tests' ERROR under the sanitizer (their
+    assets were built by such a child; not yet confirmed on a GPU).
     """
-    import torch  # imported already by the preload: a lookup
-
     if torch.cuda.is_initialized():
         return "CUDA was initialized while the zygote imported its modules: its forks could not use CUDA"
     return ""
