@@ -1,13 +1,15 @@
 """Does other traffic through host memory slow the thread that launches a step's ops?
 
-Usage: python scripts/bench_launch_contention.py [--model 8B] [--steps 8] [--copy-gib 1] [--host-cores N]
+Usage: python scripts/bench_launch_contention.py [--model 8B] [--steps 10] [--rounds 3] [--copy-gib 1]
+       [--host-cores N]
 
 The 8B profile of docs/gpu_results.md ("accumulation with the sums on the device") found its passes
 bound by the launching thread, each op costing that thread 2-3 times what the 1B runs allow, while
 the engine's copies moved about 50 GB/s each way between pinned host memory and the GPU beside
 them. This script times the launching thread's work alone, the narrowed architecture
 (``torchtune_offload.models.narrow``: width 64, bf16, activation checkpointing, one sequence of 16
-tokens, so the device's arithmetic is negligible), in modes that run one after the other in one run:
+tokens, so the device's arithmetic is negligible), in modes that take turns in one run (``--rounds``
+rounds of ``--steps`` steps each, so that the machine's drift reaches every mode alike):
 
 - ``quiet``: nothing else runs;
 - ``pcie copies`` (CUDA only): a thread keeps ``--copy-gib`` GiB copies running each way between
@@ -16,20 +18,21 @@ tokens, so the device's arithmetic is negligible), in modes that run one after t
   thread's) keeps copying a ``--copy-gib`` GiB host buffer, as the host step and the landing thread
   load the memory.
 
-The launching thread runs on one core (its affinity is set), the host copies on the others. Prints a
-markdown table naming the CPU and the device: median seconds of a forward and of a backward (each
-synchronized) per mode after 2 warm-up steps, their ratio to ``quiet``, and what the other traffic
-moved meanwhile.
+The launching thread runs on one core (its affinity is set), the copies' thread and the host-copy
+process on the others. Prints a markdown table naming the CPU and the device: median seconds of a
+forward and of a backward (each synchronized) per mode over its rounds, after 2 warm-up steps, their
+ratio to ``quiet``, and what the other traffic moved while its mode ran.
 """
 
 import argparse
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -38,10 +41,11 @@ from torchtune_offload.models.narrow import NARROW_MODELS, checkpointed_llama, c
 
 #: The narrowed model's width, the tokens of a step, and the steps left out of the medians.
 WIDTH, TOKENS, WARMUP = 64, 16, 2
-#: The host-copy process: pins itself to the given cores, reports when its buffers are ready, copies
-#: until it is terminated, then prints the bytes it moved (read plus written) per second.
+#: The host-copy process: pins itself to the given cores, reports when its buffers are ready, then
+#: copies until it is terminated (stopped with SIGSTOP between its mode's turns) and prints the bytes
+#: it moved, read plus written.
 HOST_COPIER = """
-import os, signal, sys, time
+import os, signal, sys
 import torch
 cores, nbytes = {int(c) for c in sys.argv[1].split(",")}, int(sys.argv[2])
 os.sched_setaffinity(0, cores)
@@ -52,80 +56,105 @@ dst.copy_(src)
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 print("ready", flush=True)
-start, copies = time.perf_counter(), 0
+copies = 0
 while not stop:
     dst.copy_(src)
     copies += 1
-print(2 * nbytes * copies / (time.perf_counter() - start) / 1e9, flush=True)
+print(2 * nbytes * copies, flush=True)
 """
 
 
 class BackgroundCopies:
-    """A thread that keeps copies of ``nbytes`` running each way between host and ``device`` until
-    :meth:`stop`: on CUDA from pinned host buffers, each direction on a stream of its own (the
-    thread waits on the streams, so it holds the GIL only to issue the next pair); elsewhere plain
-    host copies (for this class's own test).
+    """A thread that keeps copies of ``nbytes`` running each way between host and ``device`` from
+    :meth:`start` to :meth:`stop` (again and again, on the same buffers): on CUDA from pinned host
+    buffers, each direction on a stream of its own; elsewhere plain host copies (for this class's own
+    test). The thread runs on ``cores`` (Linux affinity), away from the thread whose launches are
+    timed; CUDA's waits may spin.
 
     Args:
         device: where the device buffers live.
         nbytes: the bytes of each copy.
+        cores: the cores the copying thread may run on; None for the process's own.
     """
 
-    def __init__(self, *, device: torch.device, nbytes: int) -> None:
+    def __init__(self, *, device: torch.device, nbytes: int, cores: Optional[List[int]] = None) -> None:
         cuda = device.type == "cuda"
         self._host_up = torch.ones(nbytes, dtype=torch.uint8, pin_memory=cuda)
         self._host_down = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
         self._dev_up = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self._dev_down = torch.ones(nbytes, dtype=torch.uint8, device=device)
         self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else None
+        if cuda:
+            torch.cuda.synchronize(device)  # the buffers are filled before the side streams read them
+        self._cores = cores
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="background-copies", daemon=True)
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        #: Bytes moved, both ways together, and the seconds the thread copied, over every start and stop.
         self.copied_bytes = 0
         self.seconds = 0.0
 
     def _run(self) -> None:
-        start = time.perf_counter()
-        while not self._stop.is_set():
-            if self._streams is None:
-                self._dev_up.copy_(self._host_up)
-                self._host_down.copy_(self._dev_down)
-            else:
-                up, down = self._streams
-                with torch.cuda.stream(up):
-                    self._dev_up.copy_(self._host_up, non_blocking=True)
-                with torch.cuda.stream(down):
-                    self._host_down.copy_(self._dev_down, non_blocking=True)
-                up.synchronize()
-                down.synchronize()
-            self.copied_bytes += 2 * self._host_up.numel()
-        self.seconds = time.perf_counter() - start
+        try:
+            if self._cores is not None:
+                os.sched_setaffinity(0, self._cores)  # 0: this thread, not the process
+            start = time.perf_counter()
+            while not self._stop.is_set():
+                if self._streams is None:
+                    self._dev_up.copy_(self._host_up)
+                    self._host_down.copy_(self._dev_down)
+                else:
+                    up, down = self._streams
+                    with torch.cuda.stream(up):
+                        self._dev_up.copy_(self._host_up, non_blocking=True)
+                    with torch.cuda.stream(down):
+                        self._host_down.copy_(self._dev_down, non_blocking=True)
+                    up.synchronize()
+                    down.synchronize()
+                self.copied_bytes += 2 * self._host_up.numel()
+            self.seconds += time.perf_counter() - start
+        except BaseException as err:  # noqa: BLE001 - handed to the caller of stop()
+            self._error = err
 
     def start(self) -> "BackgroundCopies":
         """Starts the copies; returns ``self``."""
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="background-copies", daemon=True)
         self._thread.start()
         return self
 
-    def stop(self) -> float:
-        """Stops the copies after the pair in flight; returns the GB/s they moved, both ways together."""
+    def stop(self) -> None:
+        """Stops the copies after the pair in flight.
+
+        Raises:
+            BaseException: whatever stopped the copying thread.
+        """
         self._stop.set()
         self._thread.join()
+        if self._error is not None:
+            raise RuntimeError("the background copies failed") from self._error
+
+    def gbs(self) -> float:
+        """GB/s moved while copying, both ways together."""
         return self.copied_bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
 def host_copier(cores: List[int], nbytes: int) -> subprocess.Popen:
-    """Starts the host-copy process on ``cores`` and waits until its buffers are ready."""
+    """Starts the host-copy process on ``cores``, waits until its buffers are ready and stops it
+    (SIGSTOP) until its mode's first turn."""
     proc = subprocess.Popen([sys.executable, "-c", HOST_COPIER, ",".join(map(str, cores)), str(nbytes)],
                             stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "ready":
         proc.kill()
         raise RuntimeError("the host-copy process ended before its buffers were ready")
+    proc.send_signal(signal.SIGSTOP)
     return proc
 
 
-def time_passes(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, sync) -> Dict[str, float]:
-    """Median seconds of a forward and of a backward, each synchronized, after :data:`WARMUP` steps."""
+def time_passes(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, sync) -> Tuple[List[float], List[float]]:
+    """Seconds of each forward and each backward (each synchronized) of ``steps`` steps."""
     forward, backward = [], []
-    for _ in range(steps + WARMUP):
+    for _ in range(steps):
         start = time.perf_counter()
         loss = model(tokens).float().mean()
         sync()
@@ -134,13 +163,14 @@ def time_passes(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, syn
         sync()
         forward.append(middle - start)
         backward.append(time.perf_counter() - middle)
-    return {"forward": statistics.median(forward[WARMUP:]), "backward": statistics.median(backward[WARMUP:])}
+    return forward, backward
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="8B", help="one of " + ", ".join(NARROW_MODELS) + " (default 8B)")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps a mode, after 2 warm-up (default 8)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps of a mode's turn (default 10)")
+    parser.add_argument("--rounds", type=int, default=3, help="turns of each mode, taken in rotation (default 3)")
     parser.add_argument("--copy-gib", type=float, default=1.0, help="GiB of each background copy (default 1)")
     parser.add_argument("--host-cores", type=int, default=None,
                         help="cores of the host-copy process (default: all this process may use but one)")
@@ -149,8 +179,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         chosen_models(args.model)
     except ValueError as err:
         parser.error(str(err).replace("--models", "--model"))
-    if args.steps < 1:
-        parser.error("--steps must be at least 1")
+    if args.steps < 1 or args.rounds < 1:
+        parser.error("--steps and --rounds must be at least 1")
     if args.copy_gib <= 0:
         parser.error("--copy-gib must be positive")
     cores = sorted(os.sched_getaffinity(0))
@@ -175,26 +205,47 @@ def main(argv: Optional[List[str]] = None) -> None:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU"
     print(f"{cpu_name()}; {gpu}; torch {torch.__version__}; {NARROW_MODELS[args.model][0]} narrowed to width "
           f"{WIDTH}, bf16, activation checkpointing, 1 x {TOKENS} tokens; launching thread on core {launcher}, "
-          f"host copies on {len(others)} cores; {args.copy_gib:g} GiB copies; medians of {args.steps} steps\n")
-    rows = [("quiet", time_passes(model, tokens, steps=args.steps, sync=sync), "")]
-    if device.type == "cuda":
-        copies = BackgroundCopies(device=device, nbytes=nbytes).start()
-        timed = time_passes(model, tokens, steps=args.steps, sync=sync)
-        rows.append(("pcie copies", timed, f"{copies.stop():.1f} GB/s both ways"))
+          f"copies on {len(others)} other cores; {args.copy_gib:g} GiB copies; {args.rounds} rounds of "
+          f"{args.steps} steps a mode\n")
+    time_passes(model, tokens, steps=WARMUP, sync=sync)
+    copies = BackgroundCopies(device=device, nbytes=nbytes, cores=others) if device.type == "cuda" else None
     proc = host_copier(others, nbytes)
+    modes = ["quiet", *(["pcie copies"] if copies else []), "host copies"]
+    passes = {mode: ([], []) for mode in modes}
+    host_seconds = 0.0
     try:
-        timed = time_passes(model, tokens, steps=args.steps, sync=sync)
+        for _ in range(args.rounds):
+            for mode in modes:
+                if mode == "pcie copies":
+                    copies.start()
+                elif mode == "host copies":
+                    proc.send_signal(signal.SIGCONT)
+                start = time.perf_counter()
+                try:
+                    forward, backward = time_passes(model, tokens, steps=args.steps, sync=sync)
+                finally:
+                    if mode == "pcie copies":
+                        copies.stop()
+                    elif mode == "host copies":
+                        proc.send_signal(signal.SIGSTOP)
+                        host_seconds += time.perf_counter() - start
+                passes[mode][0].extend(forward)
+                passes[mode][1].extend(backward)
     finally:
+        proc.send_signal(signal.SIGCONT)
         proc.terminate()
     out, _ = proc.communicate(timeout=60)
-    rows.append(("host copies", timed, f"{float(out.strip()):.1f} GB/s read and written"))
+    traffic = {"quiet": "", "host copies": f"{float(out.strip()) / host_seconds / 1e9:.1f} GB/s read and written"}
+    if copies:
+        traffic["pcie copies"] = f"{copies.gbs():.1f} GB/s both ways"
     print("| mode | forward, s | backward, s | forward / quiet | backward / quiet | other traffic |")
     print("|---|---:|---:|---:|---:|---|")
-    quiet = rows[0][1]
-    for mode, t, traffic in rows:
-        print(f"| {mode} | {t['forward']:.4f} | {t['backward']:.4f} | {t['forward'] / quiet['forward']:.2f} | "
-              f"{t['backward'] / quiet['backward']:.2f} | {traffic} |")
-    if device.type != "cuda":
+    quiet = [statistics.median(p) for p in passes["quiet"]]
+    for mode in modes:
+        forward, backward = (statistics.median(p) for p in passes[mode])
+        print(f"| {mode} | {forward:.4f} | {backward:.4f} | {forward / quiet[0]:.2f} | {backward / quiet[1]:.2f} | "
+              f"{traffic[mode]} |")
+    if copies is None:
         print("\npcie copies: not run, no CUDA device here")
 
 

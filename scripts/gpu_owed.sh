@@ -14,7 +14,7 @@
 #   sanitizer    under TORCH_CUDA_SANITIZER=1, the GPU tests not yet seen passing under it, in this order: torchao
 #                in the recipe and the bitsandbytes recipe tests (ERROR in two sessions, in their assets' forked
 #                child: tests/zygote.py no longer forks on a CUDA machine), then the clipped sets of
-#                test_sums_added_on_the_device_equal_the_host_rings_bit_for_bit (the unclipped ones have passed)
+#                test_sums_added_on_the_device_equal_the_host_rings_bit_for_bit and its last unclipped one
 #   8b-b1        llama3_1 8B at 24 GiB, batch 1 x 2048, accumulation 4, clip 1.0, the sums added on the device
 #                (offload_grads_overlap_device_sums): 11 steps, the 5th profiled with Python's calls and summarised
 #   8b-b2        the same at batch 2 (the f6cc131 run's batch): whether the per-pass cost grows with the batch
@@ -106,22 +106,29 @@ command_of() {
                      VARIANT_TIMEOUT_S=$((seconds - 45)))
   case $1 in
     tests)
-      # pytest runs the paths in the order given and collects a test once: the files not reached last time first.
-      cmd=("$PY" -m pytest -v -m gpu -p no:cacheprovider -rsfE --durations=10 -k "not stress"
-           tests/recipe/test_recipes_gpu.py tests/plan/test_speed.py tests/optim/test_llama_width.py
-           tests/recipe/test_divergence.py tests/optim/test_gpu_offload.py::test_device_update_matches_plain_adamw_bit_for_bit
-           tests) ;;
+      # pytest orders what it collects by folder and file, whatever the order of its arguments: the tests not
+      # reached last time run in a pytest of their own first, then the rest without them.
+      local first=(tests/recipe/test_recipes_gpu.py tests/plan/test_speed.py tests/optim/test_llama_width.py
+                   tests/recipe/test_divergence.py)
+      local device_update=tests/optim/test_gpu_offload.py::test_device_update_matches_plain_adamw_bit_for_bit
+      local rest=(--deselect "$device_update")
+      for file in "${first[@]}"; do rest+=(--ignore "$file"); done
+      cmd=(bash -c '"$0" -m pytest -v -m gpu -p no:cacheprovider -rsfE -k "not stress" "${@:1:5}"
+                    "$0" -m pytest -v -m gpu -p no:cacheprovider -rsfE --durations=10 -k "not stress" "${@:6}" tests' \
+           "$PY" "${first[@]}" "$device_update" "${rest[@]}") ;;
     probe)
       # Its figures go to the log: OUT_DIR keeps its four files.
       cmd=("$PY" -m torchtune_offload.cli probe) ;;
     contention)
-      cmd=("$PY" scripts/bench_launch_contention.py --model 8B --steps 8 --copy-gib 1) ;;
+      cmd=("$PY" scripts/bench_launch_contention.py --model 8B --steps 10 --rounds 3 --copy-gib 1) ;;
     sanitizer)
       # pytest runs the tests in the order given: the recipe tests first (their assets are now built by a
-      # fresh interpreter, which the sanitizer slows), then the clipped device-sum sets (ids "0.5-..."; the
-      # unclipped "None-..." ones passed under it), about 10 s each in the tenth session. -x: a failure's
+      # fresh interpreter, which the sanitizer slows), then the device-sum sets not yet seen passing under it:
+      # the clipped ones (ids "0.5-...") and the last unclipped one (the others passed), about 10 s each in
+      # the tenth session. -x: a failure's
       # report comes back before the cap.
-      cmd=(env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -x -m gpu -p no:cacheprovider -rsfE -k "not None-dtype"
+      cmd=(env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -x -m gpu -p no:cacheprovider -rsfE
+           -k "not None-dtype or None-dtype2-fp32-tiny-True"
            tests/recipe/test_recipes_gpu.py::test_torchao_in_the_recipe_matches_plain_adamw_on_gpu
            tests/recipe/test_recipes_gpu.py::test_bitsandbytes_paged_optimizers_learn_on_gpu
            tests/optim/test_gpu_offload.py::test_sums_added_on_the_device_equal_the_host_rings_bit_for_bit) ;;

@@ -6,6 +6,7 @@ Also ``scripts/gpu_results.sh``'s ``PROFILE_STEP``, which the profiled steps use
 import os
 import signal
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -59,16 +60,23 @@ def test_the_steps_run_in_order_and_come_back_in_four_files(tmp_path):
     assert order == sorted(order)
     assert "device_sync_us = 104.0" in log  # the probe's keys go to the log
     assert "| quiet | 0.1 |" in log  # so does the contention table
-    assert log.count("2 passed") == 2 and log.count("| host step | Mparam/s |") == 2
+    assert log.count("2 passed") == 3 and log.count("| host step | Mparam/s |") == 2
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert any(c.endswith("bench_launch_contention.py --model 8B --steps 8 --copy-gib 1") for c in calls)
-    tests, sanitized = [c for c in calls if " -m pytest " in f" {c} "]
-    # All the GPU tests but the stress test, the files the last lent session did not reach first; under the
-    # sanitizer the recipe tests before the clipped device-sum sets, stopping at a failure.
-    assert "-m gpu -p no:cacheprovider -rsfE --durations=10 -k not stress tests/recipe/test_recipes_gpu.py " in tests
-    assert tests.endswith("::test_device_update_matches_plain_adamw_bit_for_bit tests")
+    assert any(c.endswith("bench_launch_contention.py --model 8B --steps 10 --rounds 3 --copy-gib 1") for c in calls)
+    first, rest, sanitized = [c for c in calls if " -m pytest " in f" {c} "]
+    # All the GPU tests but the stress test: those the last lent session did not reach in a pytest of their
+    # own first (pytest would order them by folder), then the rest without them; under the sanitizer the
+    # recipe tests before the device-sum sets not yet seen passing under it, stopping at a failure.
+    unreached = ("tests/recipe/test_recipes_gpu.py tests/plan/test_speed.py tests/optim/test_llama_width.py "
+                 "tests/recipe/test_divergence.py tests/optim/test_gpu_offload.py::test_device_update_matches_plain_"
+                 "adamw_bit_for_bit")
+    assert first.endswith("-m gpu -p no:cacheprovider -rsfE -k not stress " + unreached)
+    assert rest.endswith("-m gpu -p no:cacheprovider -rsfE --durations=10 -k not stress --deselect "
+                         "tests/optim/test_gpu_offload.py::test_device_update_matches_plain_adamw_bit_for_bit "
+                         "--ignore tests/recipe/test_recipes_gpu.py --ignore tests/plan/test_speed.py "
+                         "--ignore tests/optim/test_llama_width.py --ignore tests/recipe/test_divergence.py tests")
     assert sanitized.index("test_torchao_in_the_recipe") < sanitized.index("bitsandbytes") < sanitized.index("sums_added")
-    assert " -x " in sanitized and "-k not None-dtype " in sanitized
+    assert " -x " in sanitized and "-k not None-dtype or None-dtype2-fp32-tiny-True " in sanitized
     sweeps = [c for c in calls if "benchmark_sweep.py" in c]
     assert len(sweeps) == 2
     # The 8B run: batch 1, accumulation 4, clipping, the sums on the device, the 5th of 11 steps profiled,
@@ -158,3 +166,26 @@ def test_gpu_results_refuses_a_profile_step_outside_the_run(tmp_path, step):
                        env=env, capture_output=True, text=True, timeout=30)
     assert r.returncode == 2
     assert f"PROFILE_STEP={step}: give a step from 2 to STEPS=11" in r.stderr
+
+
+def test_the_tests_step_runs_the_unreached_tests_first_and_every_gpu_test_once(tmp_path):
+    # The step's two pytest calls as the fake interpreter logged them, collected by the real pytest.
+    assert _run(tmp_path, "tests").returncode == 0
+    calls = [c.split() for c in (tmp_path / "calls").read_text().splitlines() if " -m pytest " in f" {c} "]
+    collected = []
+    for args in calls:
+        args = [a for a in args if a not in ("-v", "--durations=10")]
+        # The fake logged "-k not stress" as two words.
+        k = args.index("-k")
+        args[k + 1:k + 3] = [" ".join(args[k + 1:k + 3])]
+        out = subprocess.run([sys.executable, *args, "--collect-only", "-q"], cwd=REPO, capture_output=True,
+                             text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+        collected.append([line for line in out.stdout.splitlines() if "::" in line])
+    first, rest = collected
+    everything = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-k",
+                                 "not stress", "tests", "--collect-only", "-q"], cwd=REPO, capture_output=True,
+                                text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert sorted(first + rest) == sorted(line for line in everything.stdout.splitlines() if "::" in line)
+    assert first and all(t.startswith(("tests/recipe/test_recipes_gpu.py", "tests/plan/test_speed.py",
+                                       "tests/optim/test_llama_width.py", "tests/recipe/test_divergence.py",
+                                       "tests/optim/test_gpu_offload.py::test_device_update_matches")) for t in first)
