@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests import zygote
 from tests.recipe_harness import REPO, working_tree_env
@@ -80,7 +81,8 @@ def test_popen_reports_returncode_and_takes_devnull(forked, monkeypatch):
     proc = zygote.Popen([sys.executable, "-c", "print('dropped'); raise SystemExit(5)"],
                         env=working_tree_env(TIKTOKEN_CACHE_DIR=""), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert proc.wait(timeout=60) == 5 and proc.returncode == 5
-    assert (proc._fallback is None) == forked
+    # Where the zygote does not serve (its imports initialized CUDA), every call is subprocess.
+    assert (proc._fallback is None) == (forked and zygote._ZYGOTE.ensure())
 
 
 def test_a_zygote_that_initialized_cuda_does_not_serve_and_its_callers_get_subprocess(monkeypatch):
@@ -97,4 +99,5 @@ def test_a_zygote_that_initialized_cuda_does_not_serve_and_its_callers_get_subpr
         assert proc._fallback is not None and proc.communicate(timeout=120)[0] == "fresh\n"
     finally:
         refusing.stop()
-    assert own.ensure() is True and own.refusal == ""  # this CPU machine's own zygote serves
+    if not torch.cuda.is_available():  # on a CPU machine the suite's own zygote serves
+        assert own.ensure() is True and own.refusal == ""

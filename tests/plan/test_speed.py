@@ -293,6 +293,11 @@ def test_the_step_probe_grows_the_batch_until_the_device_bounds_the_step():
     assert rate.batch == 4 and rate.launch_bound and rate.tflops == pytest.approx(8 * 4 / 0.25)
     with pytest.raises(torch.OutOfMemoryError):
         probe_module.first_device_bound(out_of_memory_at_8, batches=(8,), flops_per_sample=flops)
+    # Launch-bound at every batch: the last one's rate, said to be a lower bound.
+    rate = probe_module.first_device_bound(lambda batch: timings[batch], batches=(2, 4), flops_per_sample=flops)
+    assert rate.batch == 4 and rate.launch_bound and "lower bound" in probe_module.step_note(rate, seq_len=2048)
+    with pytest.raises(ValueError, match="batches is empty"):
+        probe_module.first_device_bound(time_batch, batches=(), flops_per_sample=flops)
 
 
 def test_the_planner_adds_speed_to_each_variant(tiny_assets, tmp_path):
@@ -458,3 +463,18 @@ def test_the_plan_knows_where_the_fused_master_pass_cannot_step(monkeypatch):
     assert not fused(masters, {}, base=torch.optim.SGD)
     monkeypatch.setattr(fused_step, "c_compiler", lambda: None)
     assert not fused(masters, {})
+
+
+def test_the_plan_prices_a_master_step_that_amsgrad_keeps_out_of_the_fused_pass(tiny_assets, tmp_path):
+    def master_work(*overrides):
+        _, plans = _plan_cli(tmp_path, *tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "device=cuda",
+                             "dtype=bf16", "--device-gib", "1", "--host-gib", "64", "--no-fine-tunes", "--variants",
+                             "offload_master_overlap", "--machine", "h100_recorded", *overrides)
+        return plans["offload_master_overlap"]
+
+    fused, amsgrad = master_work(), master_work("optimizer.amsgrad=True")
+    assert fused["work"]["master_fp32"] and amsgrad["work"]["master_fp32"]
+    assert fused["work"]["fused_master"] is (fused_step.c_compiler() is not None)
+    assert amsgrad["work"]["fused_master"] is False
+    if fused["work"]["fused_master"]:
+        assert amsgrad["speed"]["step_seconds"] > fused["speed"]["step_seconds"]

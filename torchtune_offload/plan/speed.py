@@ -173,8 +173,9 @@ class StepWork:
         master_fp32: fp32 master weights and states on the host.
         fused_master: with ``master_fp32`` (and not ``eight_bit``), the fused fp32-master pass steps
             them. False where it cannot (``fused_master_step: False``, an option it lacks such as
-            ``amsgrad``, another base optimizer, no C compiler): torch's optimizer steps the masters
-            on the gradient widened into an fp32 buffer, and the weight is rounded from them after.
+            ``amsgrad``, another base optimizer, no C compiler): the base optimizer steps the masters
+            on the gradient widened into an fp32 buffer (priced as torch's fp32 AdamW), and the
+            weight is rounded from them after.
         grad_sum_size: bytes per element of the host gradient buffers (``grad_sum_dtype``: 4 for
             fp32 sums); None for the gradient's own ``element_size``. A sum wider than the
             parameter is narrowed to it before a step without masters (a pass of its own).
