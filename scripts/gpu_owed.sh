@@ -111,7 +111,7 @@ command_of() {
       local first=(tests/recipe/test_recipes_gpu.py tests/plan/test_speed.py tests/optim/test_llama_width.py
                    tests/recipe/test_divergence.py)
       local device_update=tests/optim/test_gpu_offload.py::test_device_update_matches_plain_adamw_bit_for_bit
-      local rest=(--deselect "$device_update")
+      local rest=(--deselect "$device_update") file
       for file in "${first[@]}"; do rest+=(--ignore "$file"); done
       cmd=(bash -c '"$0" -m pytest -v -m gpu -p no:cacheprovider -rsfE -k "not stress" "${@:1:5}"
                     "$0" -m pytest -v -m gpu -p no:cacheprovider -rsfE --durations=10 -k "not stress" "${@:6}" tests' \
