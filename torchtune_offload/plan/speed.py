@@ -214,6 +214,12 @@ class StepWork:
         return self.grad_sum_size or self.element_size
 
     @property
+    def master_pass(self) -> bool:
+        """The fused fp32-master pass steps the masters (it reads the gradient as it is, takes
+        clipping's factor, and writes the bf16 weight)."""
+        return self.master_fp32 and not self.eight_bit and self.fused_master
+
+    @property
     def sums_later_micro_batches(self) -> bool:
         """The host engine adds later micro-batches' offloaded gradients into their host sums
         (where ``sums_on_device`` says: the host's staging ring, or the device)."""
@@ -444,9 +450,8 @@ def _host_step_seconds(work: StepWork, machine: Machine) -> float:
     sum_size = work.sum_size if work.update == "host" else work.element_size
     # The master pass reads the gradient sum as it is (28 bytes a parameter with bf16 sums, 30 with fp32).
     master_bytes = ADAMW_MASTER_BYTES - work.element_size + sum_size
-    fused_master = work.master_fp32 and not work.eight_bit and work.fused_master
-    torch_master = work.master_fp32 and not work.eight_bit and not work.fused_master
-    if fused_master:
+    torch_master = work.master_fp32 and not work.eight_bit and not work.master_pass
+    if work.master_pass:
         # Its rate is measured on bf16 gradients; wider sums add their bytes.
         seconds = work.trainable / (machine.host_adamw_master_mparams * 1e6) * (master_bytes / ADAMW_MASTER_BYTES)
     elif torch_master:
@@ -457,7 +462,7 @@ def _host_step_seconds(work: StepWork, machine: Machine) -> float:
     extra = 0
     if sum_size != work.element_size and not work.master_fp32:
         extra += sum_size + work.element_size  # the sum read, its narrowed copy written
-    if work.master_fp32 and not fused_master and sum_size != 4:
+    if work.master_fp32 and not work.master_pass and sum_size != 4:
         extra += sum_size + 4  # the fp32 master is stepped on the sum widened into a kept buffer
     if torch_master:
         extra += 4 + work.element_size  # the weight rounded from the master: master read, weight written
@@ -473,7 +478,7 @@ def _clips_in_a_pass_of_its_own(work: StepWork) -> bool:
     on_host = work.update == "host" and (work.offload_gradients or work.overlap)
     same_dtype_sum = work.sum_size == work.element_size
     factor_in_the_pass = work.overlap and ((work.eight_bit and not work.master_fp32 and same_dtype_sum)
-                                           or (work.master_fp32 and not work.eight_bit and work.fused_master))
+                                           or work.master_pass)
     return work.clipping and on_host and not factor_in_the_pass
 
 
