@@ -12,13 +12,13 @@ warm-up steps.
 """
 
 import statistics
-import time
 from typing import Dict
 
 import torch
 
 from torchtune_offload.bench.machine import cpu_name
-from torchtune_offload.models.narrow import NARROW_MODELS, checkpointed_llama, models_and_steps, one_sequence
+from torchtune_offload.models.narrow import (NARROW_MODELS, checkpointed_llama, models_and_steps, one_sequence,
+                                             pass_seconds)
 
 #: The narrowed models' width, the tokens of a step, and the steps left out of the medians.
 WIDTH, TOKENS, WARMUP = 64, 16, 2
@@ -27,15 +27,7 @@ WIDTH, TOKENS, WARMUP = 64, 16, 2
 def measure(name: str, *, steps: int) -> Dict[str, float]:
     """Median seconds of a forward and of a backward of ``name``'s narrowed architecture."""
     model = checkpointed_llama(name, width=WIDTH, max_seq_len=TOKENS)
-    tokens = one_sequence(TOKENS)
-    forward, backward = [], []
-    for _ in range(steps + WARMUP):
-        start = time.perf_counter()
-        loss = model(tokens).float().mean()
-        middle = time.perf_counter()
-        loss.backward()
-        forward.append(middle - start)
-        backward.append(time.perf_counter() - middle)
+    forward, backward = pass_seconds(model, one_sequence(TOKENS), steps=steps + WARMUP)
     return {"forward": statistics.median(forward[WARMUP:]), "backward": statistics.median(backward[WARMUP:])}
 
 

@@ -32,12 +32,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
 from torchtune_offload.bench.machine import cpu_name
-from torchtune_offload.models.narrow import NARROW_MODELS, checkpointed_llama, chosen_models, one_sequence
+from torchtune_offload.models.narrow import (NARROW_MODELS, checkpointed_llama, chosen_models, one_sequence,
+                                             pass_seconds)
 
 #: The narrowed model's width, the tokens of a step, and the steps left out of the medians.
 WIDTH, TOKENS, WARMUP = 64, 16, 2
@@ -151,21 +152,6 @@ def host_copier(cores: List[int], nbytes: int) -> subprocess.Popen:
     return proc
 
 
-def time_passes(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, sync) -> Tuple[List[float], List[float]]:
-    """Seconds of each forward and each backward (each synchronized) of ``steps`` steps."""
-    forward, backward = [], []
-    for _ in range(steps):
-        start = time.perf_counter()
-        loss = model(tokens).float().mean()
-        sync()
-        middle = time.perf_counter()
-        loss.backward()
-        sync()
-        forward.append(middle - start)
-        backward.append(time.perf_counter() - middle)
-    return forward, backward
-
-
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="8B", help="one of " + ", ".join(NARROW_MODELS) + " (default 8B)")
@@ -207,7 +193,7 @@ def main(argv: Optional[List[str]] = None) -> None:
           f"{WIDTH}, bf16, activation checkpointing, 1 x {TOKENS} tokens; launching thread on core {launcher}, "
           f"copies on {len(others)} other cores; {args.copy_gib:g} GiB copies; {args.rounds} rounds of "
           f"{args.steps} steps a mode\n")
-    time_passes(model, tokens, steps=WARMUP, sync=sync)
+    pass_seconds(model, tokens, steps=WARMUP, sync=sync)
     copies = BackgroundCopies(device=device, nbytes=nbytes, cores=others) if device.type == "cuda" else None
     proc = host_copier(others, nbytes)
     modes = ["quiet", *(["pcie copies"] if copies else []), "host copies"]
@@ -222,7 +208,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     proc.send_signal(signal.SIGCONT)
                 start = time.perf_counter()
                 try:
-                    forward, backward = time_passes(model, tokens, steps=args.steps, sync=sync)
+                    forward, backward = pass_seconds(model, tokens, steps=args.steps, sync=sync)
                 finally:
                     if mode == "pcie copies":
                         copies.stop()

@@ -12,6 +12,7 @@ from torchtune_offload.models.narrow import (
     models_and_steps,
     narrow_llama,
     one_sequence,
+    pass_seconds,
 )
 
 
@@ -55,3 +56,12 @@ def test_the_checkpointed_model_is_bf16_with_every_layer_checkpointed_and_the_sa
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
     tokens = one_sequence(16)
     assert tokens.shape == (1, 16) and int(tokens.max()) < VOCAB_SIZE and torch.equal(tokens, one_sequence(16))
+
+
+def test_pass_seconds_times_each_pass_ends_it_with_sync_and_trains():
+    model = checkpointed_llama("1B", width=64, max_seq_len=16)
+    syncs = []
+    forward, backward = pass_seconds(model, one_sequence(16), steps=3, sync=lambda: syncs.append(1))
+    assert len(forward) == len(backward) == 3 and all(t > 0 for t in forward + backward)
+    assert len(syncs) == 6  # one after each forward and each backward
+    assert all(p.grad is not None for p in model.parameters())

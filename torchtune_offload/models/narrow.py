@@ -5,7 +5,8 @@ the host's cost of dispatching a pass, or of a hook per parameter.
 """
 
 import argparse
-from typing import List, Tuple
+import time
+from typing import Callable, List, Tuple
 
 import torch
 from torchtune import training
@@ -13,7 +14,8 @@ from torchtune.models.llama3_1 import llama3_1
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
 
-__all__ = ["NARROW_MODELS", "checkpointed_llama", "chosen_models", "models_and_steps", "narrow_llama", "one_sequence"]
+__all__ = ["NARROW_MODELS", "checkpointed_llama", "chosen_models", "models_and_steps", "narrow_llama", "one_sequence",
+           "pass_seconds"]
 
 #: Short name -> (the model's name, torchtune's component builder, its depth and embedding tying).
 NARROW_MODELS = {
@@ -50,6 +52,24 @@ def checkpointed_llama(name: str, *, width: int, max_seq_len: int) -> Transforme
 def one_sequence(tokens: int) -> torch.Tensor:
     """A batch of one sequence of ``tokens`` token ids below :data:`VOCAB_SIZE`, the same every call."""
     return torch.randint(0, VOCAB_SIZE, (1, tokens), generator=torch.Generator().manual_seed(0))
+
+
+def pass_seconds(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int,
+                 sync: Callable[[], None] = lambda: None) -> Tuple[List[float], List[float]]:
+    """Seconds of each forward (to the loss, a mean of the logits) and each backward of ``steps``
+    training steps of ``model`` on ``tokens``, each pass ending with ``sync()`` (a device's
+    synchronization; nothing on the CPU)."""
+    forward, backward = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss = model(tokens).float().mean()
+        sync()
+        middle = time.perf_counter()
+        loss.backward()
+        sync()
+        forward.append(middle - start)
+        backward.append(time.perf_counter() - middle)
+    return forward, backward
 
 
 def chosen_models(names: str) -> List[str]:
