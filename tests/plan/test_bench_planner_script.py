@@ -1,0 +1,80 @@
+"""scripts/bench_planner.py times the planner against an earlier tree, run in turns, and compares
+their memory figures (issue 43's 60 s target, docs/planner.md)."""
+
+import importlib.util
+import re
+import subprocess
+
+import pytest
+
+from tests import zygote
+from tests.recipe_harness import REPO
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_planner", REPO / "scripts/bench_planner.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _in_git_checkout() -> bool:
+    return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _in_git_checkout(), reason="the baseline tree comes from git")
+def test_the_script_times_both_trees_compares_their_figures_and_scales_to_the_reference():
+    out = zygote.run_script("bench_planner.py", "--config", "configs/tiny/full.yaml", "--baseline", "HEAD",
+                            "--rounds", "1", "--machine", "none", "--plan-args", "--no-fine-tunes --variants config",
+                            "--reference-seconds", "100", timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"^CPU: .+; \d+ cores .+; torch .+; 1 rounds, the trees in turns$", out.stdout, flags=re.M)
+    rows = re.findall(r"^\| configs/tiny/full.yaml \| (now|HEAD) \| ([0-9.]+) \| ([0-9.]+) \| (.*) \| (.*) \|$",
+                      out.stdout, flags=re.M)
+    assert [r[0] for r in rows] == ["now", "HEAD"], out.stdout
+    (_, now_wall, now_cpu, _, _), (_, old_wall, _, ratio, figure) = rows
+    assert float(now_wall) > 0 and float(now_cpu) > 0
+    assert ratio == f"{float(old_wall) / float(now_wall):.2f}x" or abs(
+        float(ratio[:-1]) - float(old_wall) / float(now_wall)) < 0.02
+    # The same tree plans the same figures, up to the process's own measured memory.
+    worst = float(figure.split("%")[0])
+    assert worst < 1.0 and "the config differs" not in figure, figure
+    # 100 s there for what took old_wall here: this tree's time times that factor.
+    scaled = re.search(r"^- configs/tiny/full.yaml: (\d+)-(\d+) s$", out.stdout, flags=re.M)
+    assert scaled, out.stdout
+    expected = float(now_wall) * 100 / float(old_wall)
+    assert int(scaled[1]) <= round(expected) + 1 and int(scaled[2]) >= round(expected) - 1
+
+
+def test_bad_options_are_refused_naming_them(capsys):
+    module = _script()
+    for argv, message in [
+        (["--rounds", "0"], "--rounds must be at least 1"),
+        (["--config", "configs/none.yaml"], "--config: not found"),
+        (["--reference-seconds", "151"], "--reference-seconds needs --baseline"),
+        (["--baseline", "HEAD", "--reference-seconds", "-1"], "--reference-seconds needs --baseline"),
+    ]:
+        with pytest.raises(SystemExit) as raised:
+            module.parse_args(argv)
+        assert raised.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_a_revision_git_cannot_export_is_named(tmp_path):
+    if not _in_git_checkout():
+        pytest.skip("needs a git checkout")
+    with pytest.raises(ValueError, match="--baseline no-such-revision-0: git archive failed"):
+        _script().export_tree("no-such-revision-0", tmp_path)
+
+
+def test_the_largest_difference_is_over_the_peaks_both_trees_planned():
+    module = _script()
+    gib = 2**30
+    old = {"config": {"device_bytes": 20 * gib, "paged_bytes": 0, "host_bytes": 60 * gib},
+           "adamw": {"device_bytes": 75 * gib, "paged_bytes": 0, "host_bytes": None},
+           "gone": {"device_bytes": gib, "paged_bytes": 0, "host_bytes": gib}}
+    new = {"config": {"device_bytes": 20 * gib, "paged_bytes": 0, "host_bytes": 61 * gib},
+           "adamw": {"device_bytes": 75 * gib, "paged_bytes": 0, "host_bytes": 3 * gib},
+           "new": {"device_bytes": 9 * gib, "paged_bytes": 0, "host_bytes": gib}}
+    worst, where = module.largest_difference(old, new)
+    assert worst == pytest.approx(1 / 60) and where == "config host 60.00 -> 61.00 GiB"
+    assert module.largest_difference(old, old) == (0.0, "identical")
