@@ -11,7 +11,9 @@ own copy of the config at the same path), the two in turns, each going first eve
 Wall time is measured around the process, CPU time from its resource usage (user and system,
 its worker processes included). The figures column compares each tree's ``--json`` plans: the
 largest relative difference of a device, paged or host peak between the trees, over the variants
-and fine-tunes both planned (the configs themselves may differ between trees; the table says where).
+and fine-tunes both planned, the host peaks less the process baseline that each run measures (it
+moves by about 1% of the tiny config's host figure from run to run). The configs themselves may
+differ between trees; the table says where.
 
 ``--reference-seconds S`` names what the baseline took for the first config on another machine (the
 issue 43's 151 s for the 8B full config, on a 2-core AVX2-only EPYC): that machine's time over the
@@ -50,6 +52,8 @@ OPTIONS: Dict[str, tuple] = {
 DEFAULT_CONFIGS = ["configs/llama3_1/8B_full_offload_engine.yaml", "configs/llama3_1/8B_qlora_offload.yaml"]
 #: The plans' peaks that the figures column compares.
 PEAKS = ("device_bytes", "paged_bytes", "host_bytes")
+#: The host part each planner run measures in its own process (``planner.plan_config``).
+PROCESS_BASELINE = "this process (Python, PyTorch, torchtune)"
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -105,10 +109,17 @@ def plan_once(tree: Path, config: str, args: List[str], json_path: Path) -> Tupl
 
 
 def peaks(json_path: Path) -> Dict[str, Dict[str, Optional[int]]]:
-    """Each planned variant's and fine-tune's peaks from a planner's ``--json`` file."""
+    """Each planned variant's and fine-tune's peaks from a planner's ``--json`` file, the host
+    peak less the process baseline the run measured."""
     data = json.loads(json_path.read_text())
     entries = [(p["name"], p) for p in data["plans"]] + [(f"fine-tune {p['name']}", p) for p in data["fine_tunes"]]
-    return {name: {key: entry.get(key) for key in PEAKS} for name, entry in entries}
+    result = {}
+    for name, entry in entries:
+        figures = {key: entry.get(key) for key in PEAKS}
+        if figures["host_bytes"] is not None:
+            figures["host_bytes"] -= entry.get("host_parts", {}).get(PROCESS_BASELINE, 0)
+        result[name] = figures
+    return result
 
 
 def largest_difference(old: Dict[str, Dict[str, Optional[int]]],
