@@ -261,6 +261,39 @@ def test_the_probe_measures_the_host_here_and_names_the_gpu_keys_to_take_from_a_
     assert load_machine(out).host_cores == measured["host_cores"]
 
 
+def test_the_probe_takes_the_gpu_keys_from_a_preset_where_asked_and_writes_a_whole_machine(monkeypatch, tmp_path,
+                                                                                            capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(probe_module, "FULL_SIZES", {"copy_bytes": 1 << 20, "step_params": 1 << 16,
+                                                     "pcie_bytes": 1 << 20})
+    out = tmp_path / "machine.json"
+    assert tune_offload(["probe", "--output", str(out), "--gpu-from", "rtx4090_ddr5"]) == 0
+    report = capsys.readouterr().out
+    machine, preset = load_machine(out).as_dict(), load_machine("rtx4090_ddr5").as_dict()
+    gpu_keys = ["gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us"]
+    for key in gpu_keys:
+        assert machine[key] == preset[key] and f"{key} = {preset[key]} (from the preset rtx4090_ddr5)" in report
+    # The host keys are this machine's own.
+    assert machine["host_cores"] == probe_module.host_cores()
+    assert all(f"{key} = {machine[key]}\n" in report for key in MACHINE_KEYS if key not in gpu_keys)
+    assert f"wrote {out}\n" in report + "\n" and "No CUDA device" not in report
+
+
+def test_the_probe_refuses_an_unknown_preset_before_measuring_and_says_when_one_is_not_needed(monkeypatch, tmp_path,
+                                                                                             capsys):
+    def measured_everything(sizes=None):
+        return probe_module.Probed(dict(load_machine("h100_recorded").as_dict()), [], [])
+
+    monkeypatch.setattr(probe_module, "probe", lambda sizes=None: pytest.fail("measured before refusing"))
+    assert tune_offload(["probe", "--gpu-from", "rtx9090"]) == 2
+    assert "--gpu-from rtx9090: not a preset; the presets are h100_recorded, " in capsys.readouterr().err
+    # Where CUDA measured every key, the preset is not used, and the report says so.
+    monkeypatch.setattr(probe_module, "probe", measured_everything)
+    report = probe_module.run_probe(tmp_path / "m.json", gpu_from="rtx4090_ddr5")
+    assert "--gpu-from rtx4090_ddr5: not used, every key was measured here." in report
+    assert load_machine(tmp_path / "m.json").as_dict() == load_machine("h100_recorded").as_dict()
+
+
 def test_the_step_rate_probe_runs_a_small_llama_step():
     rate = probe_module.step_tflops(device=torch.device("cpu"), num_layers=1, width=64, batches=(1, 2), seq_len=16,
                                     vocab=128, repeats=1)

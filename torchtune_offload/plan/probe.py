@@ -20,7 +20,7 @@ from torchtune.models.llama3 import llama3
 from torchtune_offload.optim import fused_step
 from torchtune_offload.optim.adamw8bit import AdamW8bit
 from torchtune_offload.optim.optimizer_class import resolve_optimizer
-from torchtune_offload.plan.speed import MACHINE_KEYS, bitsandbytes_syncs_per_step, preset_names
+from torchtune_offload.plan.speed import MACHINE_KEYS, Machine, bitsandbytes_syncs_per_step, load_machine, preset_names
 
 GPU_KEYS = ("gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us")
 #: Sizes of a full probe: well past the caches, and done in well under a minute on a desktop.
@@ -279,15 +279,46 @@ def probe(*, sizes: Optional[Dict[str, int]] = None, step_model: Optional[Dict[s
     return Probed({k: round(measured[k], 1) for k in MACHINE_KEYS if k in measured}, missing, notes)
 
 
-def run_probe(output: Optional[Path], *, sizes: Optional[Dict[str, int]] = None) -> str:
-    """Probes, writes ``output`` (when given and every key was measured, else the measured keys with
-    the missing ones named) and returns the report to print."""
+def check_gpu_from(gpu_from: Optional[str]) -> None:
+    """Refuses a ``--gpu-from`` that is not a preset, naming the presets.
+
+    Raises:
+        ValueError: ``gpu_from`` is given and is not a preset.
+    """
+    if gpu_from is not None and gpu_from not in preset_names():
+        raise ValueError(f"--gpu-from {gpu_from}: not a preset; the presets are {', '.join(preset_names())}")
+
+
+def run_probe(output: Optional[Path], *, sizes: Optional[Dict[str, int]] = None,
+              gpu_from: Optional[str] = None) -> str:
+    """Probes, writes ``output`` (when given) and returns the report to print.
+
+    Args:
+        output: the machine file to write: every key measured, else the measured ones with the
+            missing ones named (or taken from ``gpu_from``).
+        sizes: the probes' sizes (tests make them small), else :data:`FULL_SIZES`.
+        gpu_from: a preset whose figures stand in for the keys this machine cannot measure (no
+            CUDA device), so that the file is a whole machine for ``--machine``; the report says
+            which keys came from it, or that it was not needed.
+
+    Raises:
+        ValueError: ``gpu_from`` is not a preset (before anything is measured).
+    """
+    check_gpu_from(gpu_from)
     measured, missing, notes = probe(sizes=sizes)
     lines = [f"{k} = {v}" for k, v in measured.items()] + notes
-    if missing:
+    if missing and gpu_from is not None:
+        preset = load_machine(gpu_from).as_dict()
+        taken = {key: preset[key] for key in missing}
+        lines += [f"{k} = {v} (from the preset {gpu_from})" for k, v in taken.items()]
+        measured, missing = {**measured, **taken}, []
+        Machine.from_dict(measured, name=str(output or "the probe"))  # whole and valid before it is written
+    elif missing:
         lines.append(f"No CUDA device here: take {', '.join(missing)} from a preset "
-                     f"({', '.join(preset_names())}; their figures: torchtune_offload/plan/machines.json) "
-                     "and add them to the file before --machine reads it.")
+                     f"({', '.join(preset_names())}; their figures: torchtune_offload/plan/machines.json), with "
+                     "--gpu-from <preset> or by hand, before --machine reads the file.")
+    elif gpu_from is not None:
+        lines.append(f"--gpu-from {gpu_from}: not used, every key was measured here.")
     if output is not None:
         output.write_text(json.dumps(measured, indent=1) + "\n")
         lines.append(f"wrote {output}" + (f" (without {', '.join(missing)})" if missing else ""))
