@@ -273,9 +273,11 @@ def test_the_probe_takes_the_gpu_keys_from_a_preset_where_asked_and_writes_a_who
     gpu_keys = ["gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us"]
     for key in gpu_keys:
         assert machine[key] == preset[key] and f"{key} = {preset[key]} (from the preset rtx4090_ddr5)" in report
-    # The host keys are this machine's own.
-    assert machine["host_cores"] == probe_module.host_cores()
+    # The host keys are this machine's own, the file's keys in their order, and the preset's
+    # figures called estimates.
     assert all(f"{key} = {machine[key]}\n" in report for key in MACHINE_KEYS if key not in gpu_keys)
+    assert list(json.loads(out.read_text())) == list(MACHINE_KEYS)
+    assert "The preset rtx4090_ddr5's figures are estimates" in report
     assert f"wrote {out}\n" in report + "\n" and "No CUDA device" not in report
 
 
@@ -285,6 +287,8 @@ def test_the_probe_refuses_an_unknown_preset_before_measuring_and_says_when_one_
         return probe_module.Probed(dict(load_machine("h100_recorded").as_dict()), [], [])
 
     monkeypatch.setattr(probe_module, "probe", lambda sizes=None: pytest.fail("measured before refusing"))
+    with pytest.raises(ValueError, match="--gpu-from rtx9090: not a preset; the presets are h100_recorded, "):
+        probe_module.run_probe(None, gpu_from="rtx9090")
     assert tune_offload(["probe", "--gpu-from", "rtx9090"]) == 2
     assert "--gpu-from rtx9090: not a preset; the presets are h100_recorded, " in capsys.readouterr().err
     # Where CUDA measured every key, the preset is not used, and the report says so.

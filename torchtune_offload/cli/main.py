@@ -26,7 +26,7 @@ from torchtune.config._utils import _merge_yaml_and_cli_args
 
 from torchtune_offload.assets import missing_tiny_assets
 from torchtune_offload.cli.shipped import RECIPE_KINDS, Shipped, shipped_root
-from torchtune_offload.plan.probe import check_gpu_from, run_probe
+from torchtune_offload.plan.probe import run_probe
 from torchtune_offload.recipe import check_files, check_recipe_config
 
 PROG = "tune-offload"
@@ -45,6 +45,7 @@ EPILOG = textwrap.dedent(f"""\
         $ {PROG} validate --config tiny/full
         $ {PROG} download meta-llama/Llama-3.2-1B-Instruct --output-dir /tmp/Llama-3.2-1B-Instruct
         $ {PROG} probe --output machine.json        # this machine's rates, for the planner's --machine
+        $ {PROG} probe --output machine.json --gpu-from rtx4090_ddr5   # no GPU here: the GPU keys from a preset
     """)
 
 
@@ -172,11 +173,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _probe(args: argparse.Namespace) -> int:
     if args.output is not None and args.output.parent and not args.output.parent.is_dir():
         raise UsageError(f"--output {args.output}: no such folder {args.output.parent}")
-    try:
-        check_gpu_from(args.gpu_from)
-    except ValueError as err:
-        raise UsageError(str(err)) from err
-    print(run_probe(args.output, gpu_from=args.gpu_from))
+    print(run_probe(args.output, gpu_from=args.gpu_from))  # an unknown preset: a ValueError before measuring
     return 0
 
 
@@ -268,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(python -m torchtune_offload.plan --machine machine.json)")
     probe.add_argument("--output", type=Path, help="write them to this JSON file")
     probe.add_argument("--gpu-from", metavar="PRESET",
-                       help="without a CUDA device, take the GPU keys from this preset (a whole file for --machine)")
+                       help="fill in the keys this machine cannot measure (no CUDA device: the GPU's) from this preset, "
+                            "so that --output is a whole machine for the planner's --machine")
     probe.set_defaults(func=_probe)
     return parser
 

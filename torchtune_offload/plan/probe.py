@@ -1,10 +1,11 @@
-"""``tune-offload probe [--output machine.json]``: measures the speed model's machine keys here.
+"""``tune-offload probe [--output machine.json] [--gpu-from PRESET]``: measures the speed model's
+machine keys here.
 
 Host keys everywhere (memory copy, torch's fused bf16 AdamW, this project's AdamW8bit and its
 fused fp32-master pass over every core); GPU keys (the bf16 FLOP rate of a small Llama's training
 step, pinned PCIe copies both ways, the time per synchronization of a bitsandbytes optimizer's
 step) only where CUDA is present. Elsewhere the result names the GPU keys to take from a preset
-(:func:`torchtune_offload.plan.speed.preset_names`).
+(:func:`torchtune_offload.plan.speed.preset_names`), or takes them from the one ``--gpu-from`` names.
 """
 
 import json
@@ -20,7 +21,8 @@ from torchtune.models.llama3 import llama3
 from torchtune_offload.optim import fused_step
 from torchtune_offload.optim.adamw8bit import AdamW8bit
 from torchtune_offload.optim.optimizer_class import resolve_optimizer
-from torchtune_offload.plan.speed import MACHINE_KEYS, Machine, bitsandbytes_syncs_per_step, load_machine, preset_names
+from torchtune_offload.plan.speed import (MACHINE_KEYS, bitsandbytes_syncs_per_step, load_machine, preset_about,
+                                          preset_names)
 
 GPU_KEYS = ("gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us")
 #: Sizes of a full probe: well past the caches, and done in well under a minute on a desktop.
@@ -279,16 +281,6 @@ def probe(*, sizes: Optional[Dict[str, int]] = None, step_model: Optional[Dict[s
     return Probed({k: round(measured[k], 1) for k in MACHINE_KEYS if k in measured}, missing, notes)
 
 
-def check_gpu_from(gpu_from: Optional[str]) -> None:
-    """Refuses a ``--gpu-from`` that is not a preset, naming the presets.
-
-    Raises:
-        ValueError: ``gpu_from`` is given and is not a preset.
-    """
-    if gpu_from is not None and gpu_from not in preset_names():
-        raise ValueError(f"--gpu-from {gpu_from}: not a preset; the presets are {', '.join(preset_names())}")
-
-
 def run_probe(output: Optional[Path], *, sizes: Optional[Dict[str, int]] = None,
               gpu_from: Optional[str] = None) -> str:
     """Probes, writes ``output`` (when given) and returns the report to print.
@@ -297,22 +289,30 @@ def run_probe(output: Optional[Path], *, sizes: Optional[Dict[str, int]] = None,
         output: the machine file to write: every key measured, else the measured ones with the
             missing ones named (or taken from ``gpu_from``).
         sizes: the probes' sizes (tests make them small), else :data:`FULL_SIZES`.
-        gpu_from: a preset whose figures stand in for the keys this machine cannot measure (no
-            CUDA device), so that the file is a whole machine for ``--machine``; the report says
-            which keys came from it, or that it was not needed.
+        gpu_from: a preset whose figures fill in the keys this machine cannot measure (no CUDA
+            device), so that the file is a whole machine for ``--machine``. It never replaces a
+            measured key (to use another figure for one, edit the file); the report names each
+            key it filled in, or says that it was not needed.
+
+    Returns:
+        The report: one line a key, then the notes, what was filled in or is missing, and the file.
 
     Raises:
-        ValueError: ``gpu_from`` is not a preset (before anything is measured).
+        ValueError: ``gpu_from`` is not a preset, naming the presets (before anything is measured).
     """
-    check_gpu_from(gpu_from)
+    if gpu_from is not None and gpu_from not in preset_names():
+        raise ValueError(f"--gpu-from {gpu_from}: not a preset; the presets are {', '.join(preset_names())}")
     measured, missing, notes = probe(sizes=sizes)
     lines = [f"{k} = {v}" for k, v in measured.items()] + notes
     if missing and gpu_from is not None:
         preset = load_machine(gpu_from).as_dict()
-        taken = {key: preset[key] for key in missing}
-        lines += [f"{k} = {v} (from the preset {gpu_from})" for k, v in taken.items()]
-        measured, missing = {**measured, **taken}, []
-        Machine.from_dict(measured, name=str(output or "the probe"))  # whole and valid before it is written
+        lines += [f"{k} = {preset[k]} (from the preset {gpu_from})" for k in missing]
+        if preset_about(gpu_from).get("estimate"):
+            lines.append(f"The preset {gpu_from}'s figures are estimates from public specifications "
+                         "(docs/planner.md#presets).")
+        # In the keys' order, as a file the probe measured whole is written.
+        measured = {k: measured[k] if k in measured else preset[k] for k in MACHINE_KEYS}
+        missing = []
     elif missing:
         lines.append(f"No CUDA device here: take {', '.join(missing)} from a preset "
                      f"({', '.join(preset_names())}; their figures: torchtune_offload/plan/machines.json), with "
