@@ -265,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(python -m torchtune_offload.plan --machine machine.json)")
     probe.add_argument("--output", type=Path, help="write them to this JSON file")
     probe.add_argument("--gpu-from", metavar="PRESET",
-                       help="fill in the keys this machine cannot measure (no CUDA device: the GPU's) from this preset, "
-                            "so that --output is a whole machine for the planner's --machine")
+                       help="fill in the keys this machine cannot measure (no CUDA device: the GPU's) from this "
+                            "preset, so that --output is a whole machine for the planner's --machine")
     probe.set_defaults(func=_probe)
     return parser
 
