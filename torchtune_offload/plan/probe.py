@@ -308,8 +308,8 @@ def run_probe(output: Optional[Path], *, sizes: Optional[Dict[str, int]] = None,
         preset = load_machine(gpu_from).as_dict()
         lines += [f"{k} = {preset[k]} (from the preset {gpu_from})" for k in missing]
         if preset_about(gpu_from).get("estimate"):
-            lines.append(f"The preset {gpu_from}'s figures are estimates from public specifications "
-                         "(docs/planner.md#presets).")
+            lines.append(f"The preset {gpu_from}'s figures are estimates, not measurements (their sources: "
+                         "docs/planner.md#presets).")
         # In the keys' order, as a file the probe measured whole is written.
         measured = {k: measured[k] if k in measured else preset[k] for k in MACHINE_KEYS}
         missing = []
