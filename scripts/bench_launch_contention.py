@@ -128,7 +128,7 @@ class BackgroundCopies:
         """Stops the copies after the pair in flight.
 
         Raises:
-            BaseException: whatever stopped the copying thread.
+            RuntimeError: the copying thread failed (its error is the cause).
         """
         self._stop.set()
         self._thread.join()

@@ -51,7 +51,8 @@ OPTIONS: Dict[str, tuple] = {
                                        "8B full offload-engine and QLoRA configs)"),
     "--baseline": (str, None, "a git revision whose planner runs in turns with this one (default: none)"),
     "--rounds": (int, 2, "rounds; each plans every config once with each tree"),
-    "--machine": (str, "rtx4090_ddr5", "the --machine this tree's planner gets (speed included); 'none' to leave it out"),
+    "--machine": (str, "rtx4090_ddr5", "the --machine this tree's planner gets (speed included); 'none' to "
+                                       "leave it out"),
     "--plan-args": (str, "--device-gib 24 --host-gib 128", "arguments both trees' planners get (give them as "
                                                            "--plan-args=\"...\" where they start with a dash)"),
     "--reference-seconds": (float, None, "the baseline's seconds for the first config on another machine"),
@@ -82,8 +83,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.reference_seconds is not None and (args.baseline is None or args.reference_seconds <= 0):
         parser.error("--reference-seconds needs --baseline (the tree it was measured with) and a positive number")
     if args.baseline is not None:
-        known = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{args.baseline}^{{commit}}"],
-                               capture_output=True)
+        known = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet",
+                                f"{args.baseline}^{{commit}}"], capture_output=True)
         if known.returncode != 0:
             parser.error(f"--baseline: {args.baseline} is not a commit of the repository at {REPO}")
     return args

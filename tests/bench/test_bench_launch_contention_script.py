@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the ho
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_launch_contention", REPO / "scripts/bench_launch_contention.py")
+    spec = importlib.util.spec_from_file_location("bench_launch_contention",
+                                                  REPO / "scripts/bench_launch_contention.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
