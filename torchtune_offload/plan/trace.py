@@ -47,6 +47,7 @@ from torchtune import modules, training
 from torchtune_offload.optim.fp8_weights import fp8_candidates, hold_in_fp8, image_bytes
 from torchtune_offload.recipe import RecipeSettings, build_loss, loss_of_logits
 from torchtune_offload.recipe.host_preflight import meta_model
+from torchtune_offload.recipe.meta_nf4 import copy_meta_model
 
 
 #: Tensor subclasses the trace gives fake storage and follows exactly (QLoRA's NF4 base weights).
@@ -317,7 +318,7 @@ def _with_first_layers(model: nn.Module, num_layers: int) -> nn.Module:
     layers = model.layers
     model.layers = nn.ModuleList(layers[:num_layers])
     try:
-        return deepcopy(model)
+        return copy_meta_model(model)
     finally:
         model.layers = layers
 
