@@ -101,10 +101,10 @@ def unquantised_twin(cfg_model: DictConfig) -> Optional[Dict[str, Any]]:
     """A QLoRA model's LoRA twin: the same shapes, dtypes and adapters, its base weights left in the
     run's dtype; ``None`` for a model that is not QLoRA or has no LoRA builder.
 
-    Building an 8B QLoRA model on the meta device takes seconds (torchao quantises each weight in
-    chunks of a million elements, on meta too); its twin builds in a tenth of a second. The
-    planner's counts that read only the shapes of the model (the host pre-flight, the optimizer
-    state of the adapters) are the same on the twin.
+    The planner's counts that read only the shapes of the model (the host pre-flight, the
+    optimizer state of the adapters) are the same on the twin, which is a plain model of plain
+    tensors (torchao's quantisation, even on the meta device, made an 8B QLoRA model take seconds
+    to build before :mod:`~torchtune_offload.recipe.meta_nf4`; now about as long as its twin).
     """
     if configured_fine_tune(cfg_model) != "QLoRA":
         return None

@@ -218,7 +218,7 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     trace = traces[request.key]
     plan.device_parts = {f"step peak: {k.lower()}": v for k, v in trace.by_kind.items() if v}
     twin = unquantised_twin(cfg.model)
-    if twin is not None:  # the counts below read shapes only; a QLoRA model takes seconds to build
+    if twin is not None:  # the counts below read shapes only, the same on a model of plain tensors
         cfg = OmegaConf.merge(cfg, {})
         cfg.model = OmegaConf.create(twin)
     model = build_meta_model(cfg, settings)

@@ -18,9 +18,9 @@ A deep decoder is not traced whole: its layers are identical, so the step of its
 of its first five layers, traced event by event (after each operator: which layers run, the memory
 by kind), gives every event of the whole model's step as a linear function of the number of layers
 (``_extrapolated_peak`` says why that is exact). Llama 3.1 8B's 32 layers trace in about a third of
-the time, to the byte (QLoRA in half: the whole model is still built, and torchao quantises on the
-meta device too). Other models (no ``layers`` list, layers unlike each other, few layers) are
-traced whole.
+the time, to the byte (the whole model is still built, for the layer check and the copies: QLoRA's
+without torchao's quantisation arithmetic, :mod:`~torchtune_offload.recipe.meta_nf4`). Other
+models (no ``layers`` list, layers unlike each other, few layers) are traced whole.
 
 Fake tensors are CPU tensors here (a CPU-only torch cannot make fake CUDA ones): the trace counts
 what the step allocates, which is what a GPU run allocates too, but a GPU's kernels may pick other
