@@ -6,7 +6,7 @@ million elements at a time, each chunk a handful of operators that compute nothi
 device but still pass through the dispatcher, and quantises the block scalers twice over in a
 dozen more. For llama3_1 8B that is about 7,000 chunks and 3,000 scaler operators per build, a few
 seconds each time the planner builds the model. On the meta device only shapes and dtypes matter.
-The packed indices' follow from the weight's size alone (two indices a byte), so
+The packed indices' shape follows from the weight's size alone (two indices a byte), so
 :func:`nf4_on_meta_without_arithmetic` gives them directly; the scalers' are torchao's own, from
 the first weight of each size and dtype the process quantises on the meta device, and later
 weights of that size get new meta tensors laid out exactly so (shape, strides, offset, storage
@@ -24,7 +24,7 @@ process: another thread's meta build gets the same shapes, without torchao's ari
 import contextlib
 import threading
 from copy import deepcopy
-from typing import Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 from torch import nn
@@ -33,17 +33,18 @@ from torchao.dtypes.nf4tensor import NF4Tensor
 __all__ = ["copy_meta_model", "nf4_on_meta_without_arithmetic"]
 
 # Nesting depth of the context (any thread): the shortcuts stay installed while it is above zero;
-# what they replaced, by name (taken when the first block opened, so a later patch of torchao's is kept).
+# what they replaced, by name (taken when the first block opened, so a later patch of torchao's is kept;
+# never removed: another thread may have looked a shortcut up just before the last block closed).
 _depth = 0
 _replaced: Dict[str, object] = {}
 _lock = threading.Lock()
-# The scalers' layout by (numel, dtype, block sizes): for each of the three tensors, its shape,
+# The scalers' layout by (numel, dim, dtype, block sizes): for each of the three tensors, its shape,
 # strides, storage offset, storage size in elements and dtype, as torchao made them on the meta device.
 _Layout = Tuple[Tuple[int, ...], Tuple[int, ...], int, int, torch.dtype]
 _scaler_layouts: Dict[tuple, List[_Layout]] = {}
 
 
-def _original(name: str):
+def _original(name: str) -> Callable:
     """torchao's function (or whatever was installed before the first block opened)."""
     replaced = _replaced[name]
     return getattr(replaced, "__func__", replaced)
@@ -97,7 +98,7 @@ def nf4_on_meta_without_arithmetic() -> Iterator[None]:
             _depth -= 1
             if _depth == 0:
                 for name in _SHORTCUTS:
-                    setattr(NF4Tensor, name, _replaced.pop(name))
+                    setattr(NF4Tensor, name, _replaced[name])
 
 
 def copy_meta_model(model: nn.Module) -> nn.Module:
@@ -108,16 +109,19 @@ def copy_meta_model(model: nn.Module) -> nn.Module:
     copy's ``__dict__`` (for NF4: every inner tensor, the block sizes, ``_is_param``) with a deep
     copy of the original's. Here the new wrapper comes from ``detach`` instead (torchao's: a new
     NF4 wrapper of the same size, strides, dtype and device around the same inner tensors), and the
-    rest is as ``Tensor.__deepcopy__`` does it, so the copy holds the same tensors as a deep copy
-    would. NF4 weights elsewhere than on the meta device, and every other tensor, are deep-copied.
+    rest is as ``Tensor.__deepcopy__`` does it, so the copy holds the same tensors and attributes
+    as a deep copy would, a weight held by several modules once. (The wrapper shares the
+    original's version counter until it is given storage; nothing reads it on the meta device.)
+    Non-contiguous NF4 weights, whose ``clone`` makes them contiguous, weights with a gradient,
+    NF4 weights elsewhere than on the meta device, and every other tensor are deep-copied.
     """
     memo: dict = {}
-    for tensor in model.parameters():
+    for tensor in model.parameters():  # each tensor once, however many modules hold it
         if (type(tensor) is not NF4Tensor or tensor.device.type != "meta" or tensor.grad is not None
-                or id(tensor) in memo):
+                or not tensor.is_contiguous()):
             continue
-        copy = tensor.detach()
-        copy.requires_grad_(tensor.requires_grad)
-        copy.__dict__ = deepcopy(tensor.__dict__, memo)
-        memo[id(tensor)] = copy
+        twin = tensor.detach()
+        twin.requires_grad_(tensor.requires_grad)
+        twin.__dict__ = deepcopy(tensor.__dict__, memo)
+        memo[id(tensor)] = twin
     return deepcopy(model, memo)
