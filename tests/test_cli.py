@@ -141,6 +141,18 @@ def test_validate_checks_a_config_as_its_recipe_reads_it(cache_with_tiny_assets,
     assert code == 1 and "/nonexistent.json" in err
 
 
+@pytest.mark.parametrize("override, named", [
+    # torchtune's own validate raised a TypeError uncaught for these (their components take other objects too).
+    ("optimizer.ofload_gradients=True", "optimizer.ofload_gradients"),
+    ("lr_scheduler.num_warmup_step=3", "lr_scheduler.num_warmup_steps"),
+    ("optimizer.betas=[0.9]", "optimizer.betas"),  # an IndexError in torch's AdamW
+])
+def test_validate_names_an_option_a_component_does_not_take_without_a_traceback(cache_with_tiny_assets, capsys,
+                                                                                 override, named):
+    code, _, err = _cli(capsys, "validate", "--config", "tiny/full", override)
+    assert code == 1 and named in err and "Traceback" not in err
+
+
 def test_a_tiny_config_before_the_assets_are_built_says_what_to_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
     for argv in (["validate", "--config", "tiny/full"], ["run", "full_finetune_single_device", "--config", "tiny/full"]):

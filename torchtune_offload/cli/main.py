@@ -152,6 +152,8 @@ def _validate(args: argparse.Namespace) -> int:
         tune_config.validate(cfg)  # every _component_ accepts the arguments the config gives it
     except ConfigError as err:
         problems.append(str(err))
+    except TypeError as err:  # torchtune 0.6.1's retry for components given other objects raises its own
+        problems.append(f"a component does not take an option the config gives it: {err}")
     if recipe is not None:
         for check in (lambda: check_recipe_config(cfg, recipe=RECIPE_KINDS[recipe]),
                       lambda: check_files(cfg, step_resume=RECIPE_KINDS[recipe] != "distributed")):

@@ -21,6 +21,7 @@ from torchtune.modules.peft import LORA_ATTN_MODULES
 from torchtune_offload.distributed.policies import policy_problems
 from torchtune_offload.optim.capabilities import OptimizerCapabilities
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
+from torchtune_offload.recipe.component_options import component_option_problems
 from torchtune_offload.recipe.optimizer_rules import (
     capability_problems,
     is_int,
@@ -127,7 +128,7 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
     Raises:
         ValueError: listing every problem found, each naming its key and the fix.
     """
-    problems = _key_problems(cfg, recipe=recipe)
+    problems = _key_problems(cfg, recipe=recipe) + component_option_problems(cfg)
     if problems:
         raise ValueError(_format(problems))
     read = _Reader(cfg, problems)
