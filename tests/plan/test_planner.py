@@ -125,3 +125,32 @@ def test_the_baseline_says_when_it_cannot_count_the_device_runtime(tiny_assets, 
         assert notes == []
     else:
         assert len(notes) == 1 and "cuda runtime's own host memory is not counted" in notes[0]
+
+
+def _plan_rc(*args):
+    proc = zygote.run([sys.executable, "-m", "torchtune_offload.plan", "--config", CONFIG, *args], cwd=REPO,
+                      env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_bad_arguments_are_refused_in_one_line_before_anything_is_planned(tmp_path):
+    for args, named in ((["--device-gib", "0"], "--device-gib 0.0: must be a positive number"),
+                        (["--host-gib", "nan"], "--host-gib nan: must be a positive number"),
+                        (["--device-gib", "-1"], "--device-gib -1.0"),
+                        (["--seq-len", "0"], "--seq-len 0: must be at least 1"),
+                        (["--json", str(tmp_path / "no" / "plan.json")], "does not exist; make it first"),
+                        (["--json", str(tmp_path)], "is a folder"),
+                        (["~"], "overrides must be key=value (or ~key")):
+        code, out, err = _plan_rc(*args)
+        assert code == 2 and named in err and "Traceback" not in err and "planning" not in err, (args, err)
+
+
+def test_a_refused_config_keeps_its_table_and_exits_1_and_a_deleted_key_is_planned(tiny_assets, tmp_path):
+    common = [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "--variants", "config,offload",
+              "--no-fine-tunes"]
+    code, out, err = _plan_rc(*common, "tokenizer.max_seq_len=0")
+    assert code == 1 and "Traceback" not in err
+    assert "error: the config as given is refused: tokenizer.max_seq_len=0: the tokens per sample" in err
+    assert "| offload |" in out
+    code, out, err = _plan_rc(*common, "~clip_grad_norm")  # deleted as tune run deletes it
+    assert code == 0, err[-2000:]

@@ -6,13 +6,15 @@ whether each fits the budgets (default: this machine). Then the same for the ful
 fine-tunes of the configured model (torchtune's ``<name>``, ``lora_<name>`` and ``qlora_<name>``
 builders), each with the configured optimizer: which of them fits. Nothing is downloaded or
 loaded: the model is traced on fake tensors, so an 8B config plans on a laptop. A model the
-planner cannot build or trace ends the plan with one line naming ``model._component_`` (exit 2).
+planner cannot build or trace ends the plan with one line naming ``model._component_`` (exit 2); a
+config the recipe refuses gets the reason in its row, the other rows as planned, and exit 1.
 With ``--machine`` (a preset or a ``tune-offload probe`` file), each variant's row also gets its
 predicted seconds per step, tok/s and bound (:mod:`torchtune_offload.plan.speed`).
 """
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -80,9 +82,18 @@ def main(argv=None) -> int:
         p.error(f"--variants: unknown {unknown}; choose from config, {', '.join(VARIANTS)}")
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: must be at least 1")
-    bad = [o for o in args.overrides if "=" not in o]
+    for flag, gib in (("--device-gib", args.device_gib), ("--host-gib", args.host_gib)):
+        if gib is not None and not (math.isfinite(gib) and gib > 0):
+            p.error(f"{flag} {gib}: must be a positive number of GiB (leave it out for this machine's)")
+    if args.seq_len is not None and args.seq_len < 1:
+        p.error(f"--seq-len {args.seq_len}: must be at least 1 (leave it out for the config's)")
+    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
+        p.error(f"--json {args.json}: " + ("is a folder; give a file's path" if args.json.is_dir() else
+                                           f"its folder {args.json.parent} does not exist; make it first"))
+    # As for tune run: key=value sets, ~key deletes.
+    bad = [o for o in args.overrides if "=" not in o and not (o.startswith("~") and len(o) > 1)]
     if bad:
-        p.error(f"overrides must be key=value: {bad}")
+        p.error(f"overrides must be key=value (or ~key to delete a key): {bad}")
     machine = None
     if args.machine is not None:
         try:
@@ -93,8 +104,8 @@ def main(argv=None) -> int:
     cfg = load_config(str(args.config), args.overrides)
     device = torch.device(str(cfg.device))
     baseline, baseline_notes = process_baseline(cfg, device=device)  # before anything is traced
-    device_budget = int(args.device_gib * GIB) if args.device_gib else default_device_budget(device)
-    host_budget = int(args.host_gib * GIB) if args.host_gib else default_host_budget()
+    device_budget = int(args.device_gib * GIB) if args.device_gib is not None else default_device_budget(device)
+    host_budget = int(args.host_gib * GIB) if args.host_gib is not None else default_host_budget()
     if device.type == "cpu" and args.device_gib is None:
         device_budget = host_budget  # a CPU run's device memory is the host's
     try:
@@ -141,6 +152,11 @@ def main(argv=None) -> int:
                                                                                   **machine.as_dict()},
                                          "plans": entries,
                                          "fine_tunes": [asdict(p) for p in fine]}, indent=1))
+    refused = next((p.problem for p in plans if p.name == "config" and p.problem is not None), None)
+    if refused is not None:
+        # The table is printed for the variants; a script must still see that the config itself was refused.
+        print(f"error: the config as given is refused: {refused}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -29,6 +29,7 @@ from torchtune_offload.optim.optimizer_class import split_options
 from torchtune_offload.plan.fine_tunes import configured_fine_tune
 from torchtune_offload.plan.trace import StepTrace, trace_training_step
 from torchtune_offload.recipe import RecipeSettings
+from torchtune_offload.recipe.optimizer_rules import is_int
 
 
 def mark_lora(model: torch.nn.Module) -> None:
@@ -40,11 +41,14 @@ def sequence_length(cfg: DictConfig, override: Optional[int]) -> int:
     """Tokens per sample: ``--seq-len``, else the synthetic dataset's ``seq_len``, else ``tokenizer.max_seq_len``.
 
     Raises:
-        ValueError: when none is known.
+        ValueError: when none is known, or the one that counts is not a whole number of at least 1.
     """
-    for value in (override, OmegaConf.select(cfg, "dataset.seq_len"), OmegaConf.select(cfg, "tokenizer.max_seq_len")):
+    for key, value in (("--seq-len", override), ("dataset.seq_len", OmegaConf.select(cfg, "dataset.seq_len")),
+                       ("tokenizer.max_seq_len", OmegaConf.select(cfg, "tokenizer.max_seq_len"))):
         if value is not None:
-            return int(value)
+            if not is_int(value, low=1):
+                raise ValueError(f"{key}={value!r}: the tokens per sample must be a whole number of at least 1.")
+            return value
     raise ValueError("tokenizer.max_seq_len is null, so the sequence length is unknown: give --seq-len N.")
 
 
