@@ -87,6 +87,14 @@ def test_cp_copies_a_config_and_a_recipe(tmp_path, capsys, monkeypatch):
     (tmp_path / "my.yaml").write_text("mine\n")
     code, out, _ = _cli(capsys, "cp", "-n", "tiny/full", "my.yaml")
     assert code == 0 and "not overwriting" in out and (tmp_path / "my.yaml").read_text() == "mine\n"
+    # Without -n or --force an existing file is refused, even one the destination's suffix leads to.
+    for dest in ("my.yaml", "my.txt"):
+        code, _, err = _cli(capsys, "cp", "tiny/full", dest)
+        assert code == 2 and "already exists" in err and "--force" in err
+        assert (tmp_path / "my.yaml").read_text() == "mine\n"
+    assert "my.txt with its .yaml suffix" in err
+    assert _cli(capsys, "cp", "tiny/full", "my.yaml", "--force")[0] == 0
+    assert (tmp_path / "my.yaml").read_bytes() == (REPO / "configs" / "tiny" / "full.yaml").read_bytes()
     code, _, err = _cli(capsys, "cp", "tiny/full", "new/dir/my.yaml")
     assert code == 2 and "--make-parents" in err
     assert _cli(capsys, "cp", "tiny/full", "new/dir/my.yaml", "--make-parents")[0] == 0

@@ -515,3 +515,17 @@ def test_the_plan_prices_a_master_step_that_amsgrad_keeps_out_of_the_fused_pass(
     assert amsgrad["work"]["fused_master"] is False
     if fused["work"]["fused_master"]:
         assert amsgrad["speed"]["step_seconds"] > fused["speed"]["step_seconds"]
+
+
+def test_the_probe_refuses_an_output_it_would_lose_or_overwrite_before_measuring(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(probe_module, "probe", lambda sizes=None: pytest.fail("measured before refusing"))
+    assert tune_offload(["probe", "--output", str(tmp_path)]) == 2
+    assert "is a folder; give a file's path" in capsys.readouterr().err
+    (tmp_path / "machine.json").write_text('{"edited": "by hand"}\n')
+    assert tune_offload(["probe", "--output", str(tmp_path / "machine.json")]) == 2
+    assert "already exists: pass --force" in capsys.readouterr().err
+    assert (tmp_path / "machine.json").read_text() == '{"edited": "by hand"}\n'
+    monkeypatch.setattr(probe_module, "probe", lambda sizes=None: probe_module.Probed(
+        dict(load_machine("h100_recorded").as_dict()), [], []))
+    assert tune_offload(["probe", "--output", str(tmp_path / "machine.json"), "--force"]) == 0
+    assert load_machine(tmp_path / "machine.json").as_dict() == load_machine("h100_recorded").as_dict()

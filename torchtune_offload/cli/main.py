@@ -105,6 +105,10 @@ def _cp(args: argparse.Namespace) -> int:
     if args.no_clobber and dest.exists():
         print(f"File already exists at {dest.absolute()}, not overwriting.")
         return 0
+    if dest.exists() and not args.force:
+        # tune cp overwrites; here a user's edited config is not lost by a second cp of the same name.
+        renamed = "" if dest == Path(args.destination) else f" ({args.destination} with its {suffix} suffix)"
+        raise UsageError(f"{dest} already exists{renamed}: pass --force to overwrite it, or give another name.")
     if args.make_parents:
         dest.parent.mkdir(parents=True, exist_ok=True)
     elif not dest.parent.is_dir():
@@ -175,6 +179,12 @@ def _validate(args: argparse.Namespace) -> int:
 def _probe(args: argparse.Namespace) -> int:
     if args.output is not None and args.output.parent and not args.output.parent.is_dir():
         raise UsageError(f"--output {args.output}: no such folder {args.output.parent}")
+    if args.output is not None and args.output.is_dir():
+        raise UsageError(f"--output {args.output}: is a folder; give a file's path, "
+                         f"e.g. {args.output / 'machine.json'}")
+    if args.output is not None and args.output.exists() and not args.force:
+        # Checked before measuring; docs/planner.md invites editing this file by hand.
+        raise UsageError(f"--output {args.output} already exists: pass --force to overwrite it, or give another name.")
     print(run_probe(args.output, gpu_from=args.gpu_from))  # an unknown preset: a ValueError before measuring
     return 0
 
@@ -246,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp = verbs.add_parser("cp", help="copy a recipe or config to a local path")
     cp.add_argument("file", help="a recipe or config name (tune-offload ls lists them)")
     cp.add_argument("destination", help="a file or folder; a config keeps .yaml, a recipe .py")
-    cp.add_argument("-n", "--no-clobber", action="store_true", help="do not overwrite an existing file")
+    cp.add_argument("-n", "--no-clobber", action="store_true",
+                    help="an existing file is left as it is, and the copy skipped (exit 0)")
+    cp.add_argument("--force", action="store_true", help="overwrite an existing file (refused without it)")
     cp.add_argument("--make-parents", action="store_true", help="create the destination's missing folders")
     cp.set_defaults(func=_cp)
     cat = verbs.add_parser("cat", help="print a config (by name or path)")
@@ -265,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     verbs.add_parser("download", add_help=False, help="torchtune's tune download")
     probe = verbs.add_parser("probe", help="measure this machine's rates for the planner's speed model "
                              "(python -m torchtune_offload.plan --machine machine.json)")
-    probe.add_argument("--output", type=Path, help="write them to this JSON file")
+    probe.add_argument("--output", type=Path, help="write them to this JSON file (a new one, unless --force)")
+    probe.add_argument("--force", action="store_true", help="overwrite an existing --output file")
     probe.add_argument("--gpu-from", metavar="PRESET",
                        help="fill in the keys this machine cannot measure (no CUDA device: the GPU's) from this "
                             "preset, so that --output is a whole machine for the planner's --machine")
