@@ -154,6 +154,8 @@ def test_validate_checks_a_config_as_its_recipe_reads_it(cache_with_tiny_assets,
     ("optimizer.ofload_gradients=True", "optimizer.ofload_gradients"),
     ("lr_scheduler.num_warmup_step=3", "lr_scheduler.num_warmup_steps"),
     ("optimizer.betas=[0.9]", "optimizer.betas"),  # an IndexError in torch's AdamW
+    ("model.zzz=1", "model.zzz: not an option of torchtune_offload.models.tiny_llama"),
+    ("model._component_=torchtune.models.nope", "model._component_=torchtune.models.nope: cannot be imported"),
 ])
 def test_validate_names_an_option_a_component_does_not_take_without_a_traceback(cache_with_tiny_assets, capsys,
                                                                                  override, named):
@@ -192,3 +194,13 @@ def test_run_hands_the_recipe_file_and_config_file_to_tune_run(cache_with_tiny_a
     assert a1.recipe_args == ["--config", str(REPO / "configs" / "tiny" / "full.yaml"), "max_steps_per_epoch=2"]
     assert a2.recipe_args == ["--config", str(tmp_path / "my.yaml"), "device=cpu"]
     assert a3.recipe == str(REPO / "recipes" / "full_finetune_distributed.py") and a3.nproc_per_node == "2"
+
+
+def test_validate_checks_the_components_of_a_config_that_names_no_recipe(cache_with_tiny_assets, tmp_path, capsys):
+    lines = (REPO / "configs" / "tiny" / "full.yaml").read_text().splitlines()
+    (tmp_path / "bare.yaml").write_text("\n".join(line for line in lines if not line.startswith("#")) + "\n")
+    code, out, _ = _cli(capsys, "validate", "--config", str(tmp_path / "bare.yaml"))
+    assert code == 0 and "component arguments only" in out
+    code, _, err = _cli(capsys, "validate", "--config", str(tmp_path / "bare.yaml"), "optimizer.ofload_gradients=True")
+    assert code == 1 and "optimizer.ofload_gradients: not an option of torch.optim.AdamW" in err
+    assert "Traceback" not in err

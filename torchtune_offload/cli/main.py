@@ -17,10 +17,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from torchtune import config as tune_config
 from torchtune._cli import tune as tune_cli
 from torchtune._cli.run import Run
-from torchtune.config._errors import ConfigError
 from torchtune.config._parse import TuneRecipeArgumentParser
 from torchtune.config._utils import _merge_yaml_and_cli_args
 
@@ -28,6 +26,7 @@ from torchtune_offload.assets import missing_tiny_assets
 from torchtune_offload.cli.shipped import RECIPE_KINDS, Shipped, shipped_root
 from torchtune_offload.plan.probe import run_probe
 from torchtune_offload.recipe import check_files, check_recipe_config
+from torchtune_offload.recipe.component_options import component_option_problems
 
 PROG = "tune-offload"
 #: The config keys that name files a run reads (what the missing-assets hint looks at).
@@ -151,13 +150,9 @@ def _validate(args: argparse.Namespace) -> int:
     if missing:
         print(f"{PROG} validate: {missing}", file=sys.stderr)
         return 1
-    problems = []
-    try:
-        tune_config.validate(cfg)  # every _component_ accepts the arguments the config gives it
-    except ConfigError as err:
-        problems.append(str(err))
-    except TypeError as err:  # torchtune 0.6.1's retry for components given other objects raises its own
-        problems.append(f"a component does not take an option the config gives it: {err}")
+    # What tune validate checks (every _component_ accepts the options the config gives it), without
+    # its tracebacks; with a recipe, check_recipe_config below checks every component but the model.
+    problems = component_option_problems(cfg, skip=() if recipe is None else [n for n in cfg if n != "model"])
     if recipe is not None:
         for check in (lambda: check_recipe_config(cfg, recipe=RECIPE_KINDS[recipe]),
                       lambda: check_files(cfg, step_resume=RECIPE_KINDS[recipe] != "distributed")):

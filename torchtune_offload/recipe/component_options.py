@@ -5,41 +5,44 @@ the dataset, ...) when the recipe reaches them, and an option a component does n
 there with a ``TypeError``: for the scheduler, after the model's weights have loaded. torchtune's
 own ``config.validate`` binds the options to each component's signature, but for a component that
 also takes objects the recipe passes (a scheduler's optimizer, a dataset's tokenizer) its second
-try raises that ``TypeError`` uncaught. Here every option of a top-level component is looked up in
-its signature before anything is built, and a stranger is named with the closest option. A
-component that takes ``**kwargs`` (torchtune's datasets forward theirs to ``load_dataset``) cannot
-be checked so, and is not; nor are the model (the recipe and the planner report a builder they
-cannot build, in one line) and the optimizer (``recipe.config`` checks its options by building it).
+try raises that ``TypeError`` uncaught, and a component it cannot import is a traceback too. Here
+every option of a top-level component is looked up in its signature before anything is built, and
+a stranger is named with the closest option. A component that takes ``**kwargs`` (torchtune's
+datasets forward theirs to ``load_dataset``) cannot be checked so, and is not. The recipes' check
+(``recipe.config``) leaves out the model (the recipe and the planner report a builder they cannot
+build, in one line) and the optimizer (checked by building it); ``tune-offload validate`` checks
+the model here too.
 """
 
 import difflib
 import inspect
-from typing import List
+from typing import List, Sequence
 
 from omegaconf import DictConfig
 from torchtune.config._utils import _get_component_from_path
 
 __all__ = ["component_option_problems"]
 
-#: Components checked elsewhere (see the module's docstring).
-_CHECKED_ELSEWHERE = ("model", "optimizer")
+#: Components the recipes check elsewhere (see the module's docstring).
+CHECKED_ELSEWHERE = ("model", "optimizer")
 #: Keys of a component that this project's recipes read and remove before building it.
 _RECIPE_KEYS = {"profiler": ("all_threads",)}
 
 
-def component_option_problems(cfg: DictConfig) -> List[str]:
+def component_option_problems(cfg: DictConfig, *, skip: Sequence[str] = CHECKED_ELSEWHERE) -> List[str]:
     """Every option of a top-level component that its ``_component_`` does not take, and every
     such component that cannot be imported.
 
     Args:
         cfg: a recipe config.
+        skip: top-level keys not checked here.
 
     Returns:
         One line per problem, naming the key and the fix; empty when there is none.
     """
     problems = []
     for node, value in cfg.items():
-        if node in _CHECKED_ELSEWHERE or not isinstance(value, DictConfig) or not value.get("_component_"):
+        if node in skip or not isinstance(value, DictConfig) or not value.get("_component_"):
             continue
         path = str(value.get("_component_"))
         try:
