@@ -46,6 +46,13 @@ def test_a_machine_names_every_missing_unknown_and_bad_key_at_once():
     assert Machine.from_dict(ROUND, name="round").as_dict() == {k: float(v) for k, v in ROUND.items()}
 
 
+def test_a_machine_with_a_fraction_of_a_core_is_refused_and_a_whole_float_is_not():
+    with pytest.raises(ValueError, match=r"host_cores=2\.5 is not a whole number of cores"):
+        Machine.from_dict({**ROUND, "host_cores": 2.5}, name="mine.json")
+    # What the probe writes: a float that is a whole number.
+    assert Machine.from_dict({**ROUND, "host_cores": 16.0}, name="mine.json").host_cores == 16.0
+
+
 def test_machine_files_and_presets(tmp_path):
     for name in preset_names():
         about = preset_about(name)

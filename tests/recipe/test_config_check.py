@@ -250,3 +250,68 @@ def test_the_profiler_records_every_thread_unless_memory_is_profiled(overrides, 
 ])
 def test_profiler_all_threads_refusals_name_the_key_and_the_fix(overrides, fragment):
     assert fragment in _problems("full", *overrides)
+
+
+@pytest.mark.parametrize("recipe", sorted(TINY))
+def test_run_settings_torchtune_checks_late_are_named_by_their_keys_at_once(recipe):
+    message = _problems(recipe, "seed=-1", "cudnn_deterministic_mode=True", "loss.num_output_chunks=0",
+                        "checkpointer.model_type=LLAMA33")
+    for part in ("seed=-1: must be null (a random seed) or an integer from 0 to 4294967295",
+                 "cudnn_deterministic_mode=True: must be null", "loss.num_output_chunks=0: must be an integer >= 1",
+                 "checkpointer.model_type='LLAMA33': not a torchtune model type. Did you mean LLAMA3?"):
+        assert part in message, (part, message)
+    assert "seed='abc'" in _problems(recipe, "seed=abc")
+    assert "cudnn_deterministic_mode=1.0" in _problems(recipe, "cudnn_deterministic_mode=1.0")
+
+
+@pytest.mark.parametrize("seed, mode", [(None, None), (0, "default"), (2**32 - 1, "warn"), (7, "error"), (7, 2)])
+def test_seeds_and_debug_modes_set_seed_takes_reach_the_settings(seed, mode):
+    from torchtune_offload.recipe.config import _DEBUG_MODES
+    assert mode is None or mode in _DEBUG_MODES
+    cfg = _cfg("full")
+    cfg.seed, cfg.cudnn_deterministic_mode = seed, mode
+    s = check_recipe_config(cfg, recipe="full")
+    assert (s.seed, s.cudnn_deterministic_mode) == (seed, mode)
+
+
+def test_a_base_model_in_the_lora_recipe_is_refused_before_any_weight_loads():
+    # Before: check_host_memory passed and the recipe failed on cfg.model.lora_rank, or, with the
+    # LoRA keys left in, once the weights had loaded.
+    message = _problems("lora", "model._component_=torchtune_offload.models.tiny_llama")
+    assert ("model._component_=torchtune_offload.models.tiny_llama builds no LoRA adapters, and "
+            "lora_finetune_single_device trains adapters only") in message
+    assert "run full_finetune_single_device" in message
+
+
+@pytest.mark.parametrize("recipe", ["full", "distributed"])
+def test_a_lora_model_in_a_full_recipe_is_refused_before_any_weight_loads(recipe):
+    # Before: the base checkpoint's load_state_dict failed on the missing adapter weights.
+    message = _problems(recipe, "model._component_=torchtune_offload.models.lora_tiny_llama",
+                        "model.lora_attn_modules=[q_proj]")
+    assert "model._component_=torchtune_offload.models.lora_tiny_llama builds LoRA adapters" in message
+    assert "or run lora_finetune_single_device" in message
+
+
+def test_the_lora_recipe_requires_the_lora_keys_it_records():
+    message = _problems("lora", "model.lora_rank=null", "model.lora_alpha=null")
+    assert "model.lora_rank: required by lora_finetune_single_device" in message
+    assert "model.lora_alpha: required by lora_finetune_single_device" in message
+
+
+def test_a_config_written_for_another_recipe_is_named_as_such():
+    full_in_lora = check_problems_for_config("full", recipe="lora")
+    assert ("optimizer_in_bwd: unknown config key for lora_finetune_single_device. It is a key of "
+            "full_finetune_distributed and full_finetune_single_device: is this config meant for one of them?") in full_in_lora
+    assert "builds no LoRA adapters" in full_in_lora
+    lora_in_full = check_problems_for_config("lora", recipe="full")
+    assert ("save_adapter_weights_only: unknown config key for full_finetune_single_device. It is a key of "
+            "lora_finetune_single_device: is this config meant for that recipe?") in lora_in_full
+    assert "builds LoRA adapters" in lora_in_full
+    # A typo still gets the closest key.
+    assert "Did you mean 'batch_size'?" in _problems("full", "batch_sise=2")
+
+
+def check_problems_for_config(config: str, *, recipe: str) -> str:
+    with pytest.raises(ValueError) as err:
+        check_recipe_config(_cfg(config), recipe=recipe)
+    return str(err.value)

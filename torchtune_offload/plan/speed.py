@@ -99,6 +99,8 @@ class Machine:
             value = data[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 problems.append(f"{key}={value!r} is not a positive number")
+            elif key == "host_cores" and value != int(value):
+                problems.append(f"host_cores={value!r} is not a whole number of cores")
         if problems:
             raise ValueError(f"{name}: {'; '.join(problems)}. Measure the machine with `tune-offload probe "
                              f"--output machine.json`, or take the GPU keys from a preset "

@@ -8,6 +8,7 @@ activations, data, and each recipe's own (LoRA modules, FSDP2).
 """
 
 import difflib
+import inspect
 import typing
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -17,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import training, utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.modules.peft import LORA_ATTN_MODULES
+from torchtune.training.checkpointing._utils import ModelType
 
 from torchtune_offload.distributed.policies import policy_problems
 from torchtune_offload.optim.capabilities import OptimizerCapabilities
@@ -49,6 +51,13 @@ RECIPE_KEYS = {
         "enable_async_checkpointing", "host_memory_check", *_STEP_CHECKPOINT_KEYS,
     },
 }
+#: The name ``tune run`` and ``tune-offload run`` know each recipe by.
+_RECIPE_NAMES = {"full": "full_finetune_single_device", "lora": "lora_finetune_single_device",
+                 "distributed": "full_finetune_distributed"}
+#: The model options the LoRA recipe reads itself (it records them with the adapter it saves).
+_LORA_MODEL_KEYS = ("lora_attn_modules", "lora_rank", "lora_alpha")
+#: What ``training.set_seed`` takes as its debug mode (see ``torch.set_deterministic_debug_mode``).
+_DEBUG_MODES = ("default", "warn", "error", 0, 1, 2)
 _REQUIRED = ("model", "tokenizer", "dataset", "checkpointer", "optimizer", "loss", "metric_logger",
              "output_dir", "batch_size", "epochs", "device", "dtype")
 _DEFAULT_COLLATE = "torchtune.data.padded_collate_sft"
@@ -77,7 +86,8 @@ class RecipeSettings:
     seed: Optional[int]
     shuffle: bool
     collate_fn: str
-    cudnn_deterministic_mode: Optional[bool]
+    #: torchtune's debug mode for nondeterministic ops: None, "default", "warn", "error", 0, 1 or 2.
+    cudnn_deterministic_mode: Optional[typing.Union[str, int]]
     save_adapter_weights_only: bool
     fsdp_cpu_offload: bool
     fsdp_reshard_after_forward: bool
@@ -129,6 +139,7 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
         ValueError: listing every problem found, each naming its key and the fix.
     """
     problems = _key_problems(cfg, recipe=recipe) + component_option_problems(cfg)
+    problems += _model_kind_problems(cfg, recipe=recipe)
     if problems:
         raise ValueError(_format(problems))
     read = _Reader(cfg, problems)
@@ -140,6 +151,8 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
     device_name, dtype_name = _device_problems(cfg, problems, device_present=device_present)
     activations = _activation_settings(read, is_cuda=device_name.startswith("cuda"))
     collate_fn = _collate_fn(read)
+    seed, debug_mode = _seed_settings(read)
+    problems.extend(_component_value_problems(cfg))
     profile_all_threads = _profile_all_threads(cfg, problems)
     flags = {key: read.flag(key, default) for key, default in (
         ("compile", False), ("log_peak_memory_stats", True), ("resume_from_checkpoint", False),
@@ -166,10 +179,10 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
         compile=flags["compile"],
         log_peak_memory_stats=flags["log_peak_memory_stats"],
         resume_from_checkpoint=flags["resume_from_checkpoint"],
-        seed=cfg.get("seed"),
+        seed=seed,
         shuffle=flags["shuffle"],
         collate_fn=collate_fn,
-        cudnn_deterministic_mode=cfg.get("cudnn_deterministic_mode"),
+        cudnn_deterministic_mode=debug_mode,
         save_adapter_weights_only=flags["save_adapter_weights_only"],
         fsdp_cpu_offload=flags["fsdp_cpu_offload"],
         fsdp_reshard_after_forward=flags["fsdp_reshard_after_forward"],
@@ -184,13 +197,81 @@ def _key_problems(cfg: DictConfig, *, recipe: str) -> List[str]:
     problems = []
     for key in cfg.keys():
         if key not in known:
+            # A key of another recipe's configs: most likely the config was written for that recipe.
+            others = [_RECIPE_NAMES[r] for r in sorted(RECIPE_KEYS) if key in RECIPE_KEYS[r]]
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else " Remove it (~" + str(key) + ")."
-            problems.append(f"{key}: unknown config key for this recipe.{hint}")
+            if others:
+                which = "that recipe" if len(others) == 1 else "one of them"
+                hint = f" It is a key of {' and '.join(others)}: is this config meant for {which}? Else remove it (~{key})."
+            else:
+                hint = f" Did you mean '{close[0]}'?" if close else f" Remove it (~{key})."
+            problems.append(f"{key}: unknown config key for {_RECIPE_NAMES[recipe]}.{hint}")
     for key in _REQUIRED:
         if cfg.get(key) is None:
             problems.append(f"{key}: required; set it in the config or with {key}=... on the command line.")
     return problems
+
+
+def _model_kind_problems(cfg: DictConfig, *, recipe: str) -> List[str]:
+    """A model builder of the wrong kind for the recipe: a LoRA builder (one taking
+    ``lora_attn_modules``) in a full recipe, whose base checkpoint has no adapter weights, or a base
+    builder in the LoRA recipe, which trains adapters only. Both fail only after the weights load."""
+    model = cfg.get("model")
+    path = model.get("_component_") if isinstance(model, DictConfig) else None
+    if not path:
+        return []
+    try:
+        builds_lora = "lora_attn_modules" in inspect.signature(_get_component_from_path(str(path))).parameters
+    except Exception:  # an unimportable builder is reported, in one line, where the recipe builds it
+        return []
+    if recipe != "lora" and builds_lora:
+        return [f"model._component_={path} builds LoRA adapters, which {_RECIPE_NAMES[recipe]} does not train: "
+                "the full recipes train every weight of a base model. Use the base model's builder (the same "
+                f"name without lora_ or qlora_), or run {_RECIPE_NAMES['lora']}."]
+    if recipe == "lora" and not builds_lora:
+        return [f"model._component_={path} builds no LoRA adapters, and {_RECIPE_NAMES['lora']} trains adapters "
+                "only. Use a LoRA builder (for example torchtune.models.llama3_2.lora_llama3_2_1b), or run "
+                f"{_RECIPE_NAMES['full']}."]
+    if recipe == "lora":
+        return [f"model.{key}: required by {_RECIPE_NAMES['lora']}, which records it with the adapter it saves. "
+                f"Set it in the config or with model.{key}=... on the command line."
+                for key in _LORA_MODEL_KEYS if model.get(key) is None]
+    return []
+
+
+def _component_value_problems(cfg: DictConfig) -> List[str]:
+    """Values of component options that torchtune checks only when it uses them: the loss's chunk
+    count (at the first step) and the checkpointer's model type (a bare ``KeyError``)."""
+    problems = []
+    loss = cfg.get("loss")
+    chunks = loss.get("num_output_chunks") if isinstance(loss, DictConfig) else None
+    if chunks is not None and not is_int(chunks, low=1):
+        problems.append(f"loss.num_output_chunks={chunks!r}: must be an integer >= 1 (the output projection and "
+                        "its loss run in that many pieces; torchtune's configs use 8).")
+    checkpointer = cfg.get("checkpointer")
+    model_type = checkpointer.get("model_type") if isinstance(checkpointer, DictConfig) else None
+    if model_type is not None and str(model_type) not in ModelType.__members__:
+        names = list(ModelType.__members__)
+        close = difflib.get_close_matches(str(model_type), names, n=1)
+        hint = f"Did you mean {close[0]}? " if close else ""
+        problems.append(f"checkpointer.model_type={model_type!r}: not a torchtune model type. {hint}"
+                        f"It is one of {', '.join(names)}.")
+    return problems
+
+
+def _seed_settings(read: _Reader) -> typing.Tuple[Optional[int], Any]:
+    """The seed (null: a random one) and the debug mode for nondeterministic ops, which
+    ``training.set_seed`` takes."""
+    seed = read.get("seed", None)
+    # torchtune adds the rank to the seed and needs the sum to fit an unsigned 32-bit integer.
+    if seed is not None and not (is_int(seed, low=0) and seed <= 2**32 - 1):
+        read.problems.append(f"seed={seed!r}: must be null (a random seed) or an integer from 0 to {2**32 - 1}.")
+    mode = read.get("cudnn_deterministic_mode", None)
+    # True would pass as 1 ("warn"): a flag must not pick a level silently.
+    if mode is not None and not any(type(mode) is type(m) and mode == m for m in _DEBUG_MODES):
+        read.problems.append(f"cudnn_deterministic_mode={mode!r}: must be null (leave PyTorch's settings), "
+                             "'default' (or 0), 'warn' (or 1) or 'error' (or 2).")
+    return seed, mode
 
 
 def _numbers(read: _Reader) -> Dict[str, Any]:
