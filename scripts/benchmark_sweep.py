@@ -3,7 +3,7 @@
 Usage:
     python scripts/benchmark_sweep.py --config configs/llama3_2/1B_full_paged_adamw.yaml --steps 20 \
         [--variants adamw,paged_adamw,...] [--gpu-memory-gib 24] [--output-dir outputs/sweep] \
-        [--timeout-s 600] [--wandb PROJECT [--wandb-group NAME]] [-- key=value ...]
+        [--timeout-s 600] [--wandb PROJECT [--wandb-group NAME]] [--force] [-- key=value ...]
 
 Each variant is a real `tune run` of recipes/full_finetune_single_device.py with the optimizer swapped
 on the command line; everything after `--` goes to every run (e.g. a random-init checkpoint and
@@ -13,12 +13,14 @@ ballast process, so bitsandbytes' unified memory is limited as on a smaller card
 results.md, results.json and results.png (tok/s against peak memory, and the loss curves; needs
 matplotlib) under the output directory, and each variant's log to <variant>/run.log. With --wandb,
 each variant becomes one W&B run in one group, its steps and peaks included (WANDB_MODE=offline
-keeps them on disk).
+keeps them on disk). An output directory that holds an earlier sweep's results is refused unless
+--force, which replaces them.
 """
 
 import argparse
 import contextlib
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -34,9 +36,11 @@ OPTIONS = {
     "--output-dir": dict(default="outputs/sweep"),
     "--gpu-memory-gib": dict(type=float, default=None,
                              help="leave only this much GPU memory free (ballast in another process)"),
-    "--timeout-s": dict(type=float, default=None, help="stop a variant after this many seconds"),
+    "--timeout-s": dict(type=float, default=None, help="stop a variant after this many seconds (> 0)"),
     "--wandb": dict(default=None, metavar="PROJECT", help="log each variant as a W&B run of this project"),
     "--wandb-group": dict(default=None, help="the runs' W&B group (default: the output directory's name)"),
+    "--force": dict(action="store_true",
+                    help="replace the results of an earlier sweep in --output-dir (refused without it)"),
 }
 
 
@@ -54,6 +58,13 @@ def main() -> None:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    if not Path(args.config).is_file():
+        parser.error(f"--config {args.config}: no such file (give the path of a full fine-tune config)")
+    if args.timeout_s is not None and not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        parser.error(f"--timeout-s {args.timeout_s}: must be a positive number of seconds (or left out)")
+    problem = _output_dir_problem(Path(args.output_dir), names, force=args.force)
+    if problem:
+        parser.error(problem)
     if args.gpu_memory_gib is not None and not torch.cuda.is_available():
         parser.error("--gpu-memory-gib needs a CUDA device")
     if args.wandb and importlib.util.find_spec("wandb") is None:
@@ -88,6 +99,19 @@ def main() -> None:
                             config={"config": args.config, "steps": args.steps, "device": device,
                                     "gpu_memory_gib": args.gpu_memory_gib, "overrides": " ".join(extra)})
         print(f"[sweep] W&B project {args.wandb}, group {group}: {len(runs)} runs")
+
+
+def _output_dir_problem(output_dir: Path, names: list, *, force: bool) -> str:
+    """Why the sweep may not write to ``output_dir``, or "": an earlier sweep's results there would
+    be replaced by this one's (which may run other variants), unless ``--force``."""
+    if output_dir.exists() and not output_dir.is_dir():
+        return f"--output-dir {output_dir}: is a file; give a folder (it is made if missing)"
+    earlier = [p for p in (output_dir / "results.json", *(output_dir / n / "run.log" for n in names)) if p.exists()]
+    if earlier and not force:
+        return (f"--output-dir {output_dir}: holds an earlier sweep's results ({', '.join(map(str, earlier[:3]))}"
+                f"{', ...' if len(earlier) > 3 else ''}), which this sweep would replace. Give another --output-dir, "
+                "or --force to replace them")
+    return ""
 
 
 def _header(device: str, limit: str, args: argparse.Namespace, extra: list) -> str:

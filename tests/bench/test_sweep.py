@@ -164,3 +164,38 @@ def test_grad_probe_records_the_global_norm_per_step(tmp_path, monkeypatch):
 def test_ballast_needs_a_positive_limit():
     with pytest.raises(ValueError, match="--gpu-memory-gib"):
         GpuBallast(leave_gib=0)
+
+
+def _sweep_error(monkeypatch, capsys, *args: str) -> str:
+    script = runpy.run_path(str(REPO / "scripts" / "benchmark_sweep.py"), run_name="benchmark_sweep")
+    monkeypatch.setattr(sys, "argv", ["benchmark_sweep.py", *args])
+    with pytest.raises(SystemExit):
+        script["main"]()
+    return capsys.readouterr().err
+
+
+def test_sweep_keeps_an_earlier_sweeps_results_unless_forced(tmp_path, monkeypatch, capsys):
+    # Before: a second sweep into the same folder replaced the first one's table without a word.
+    (tmp_path / "results.json").write_text("{}")
+    err = _sweep_error(monkeypatch, capsys, "--config", CONFIG, "--output-dir", str(tmp_path), "--variants", "adamw")
+    assert "holds an earlier sweep's results" in err and "--force" in err
+    assert (tmp_path / "results.json").read_text() == "{}"
+    # A variant's log from an earlier sweep counts too.
+    (tmp_path / "results.json").unlink()
+    (tmp_path / "adamw").mkdir()
+    (tmp_path / "adamw" / "run.log").write_text("earlier")
+    err = _sweep_error(monkeypatch, capsys, "--config", CONFIG, "--output-dir", str(tmp_path), "--variants", "adamw")
+    assert "adamw/run.log" in err
+    script = runpy.run_path(str(REPO / "scripts" / "benchmark_sweep.py"), run_name="benchmark_sweep")
+    assert script["_output_dir_problem"](tmp_path, ["adamw"], force=True) == ""
+    assert script["_output_dir_problem"](tmp_path, ["offload"], force=False) == ""
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("--config", "no/such.yaml"), "--config no/such.yaml: no such file"),
+    (("--config", CONFIG, "--timeout-s", "0"), "--timeout-s 0.0: must be a positive number"),
+    (("--config", CONFIG, "--timeout-s", "nan"), "--timeout-s nan: must be a positive number"),
+    (("--config", CONFIG, "--output-dir", CONFIG), "is a file; give a folder"),
+])
+def test_sweep_refuses_bad_arguments_before_running(monkeypatch, capsys, args, expected):
+    assert expected in _sweep_error(monkeypatch, capsys, *args)
