@@ -224,12 +224,29 @@ def fused_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: Dict[str, An
     return True
 
 
-def _check_number(key: str, value: Any, low: float, high: float = math.inf, *, closed_high: bool = True) -> None:
+def _check_number(key: str, value: Any, low: float, high: float = math.inf, *, closed_high: bool = True,
+                  where: str = "") -> None:
     one_number = isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1)
     number = float(value) if one_number and not isinstance(value, bool) else None
     if number is None or not (low <= number and (number <= high if closed_high else number < high)):
         bound = f"[{low}, {high}{']' if closed_high else ')'}"
-        raise ValueError(f"optimizer.{key}={value!r} must be a number in {bound}.")
+        raise ValueError(f"optimizer.{key}={value!r}{where} must be a number in {bound}.")
+
+
+def _check_hyperparameters(options: Dict[str, Any], *, where: str = "") -> None:
+    """The hyper-parameters of the constructor or of one param group (``where`` names the group).
+
+    Raises:
+        ValueError: naming the key, its value and the range it takes.
+    """
+    _check_number("lr", options["lr"], 0.0, where=where)
+    _check_number("eps", options["eps"], 0.0, where=where)
+    _check_number("weight_decay", options["weight_decay"], 0.0, where=where)
+    betas = options["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"optimizer.betas={betas!r}{where} must be two numbers in [0, 1), e.g. [0.9, 0.999].")
+    for i, beta in enumerate(betas):
+        _check_number(f"betas[{i}]", beta, 0.0, 1.0, closed_high=False, where=where)
 
 
 class AdamW8bit(torch.optim.Optimizer):
@@ -292,13 +309,7 @@ class AdamW8bit(torch.optim.Optimizer):
             if value != _REFUSED[key]:
                 raise ValueError(f"optimizer.{key}={value!r}: AdamW8bit does not implement it; remove the key "
                                  f"(or set it to {_REFUSED[key]}), or use torch.optim.AdamW.")
-        _check_number("lr", lr, 0.0)
-        _check_number("eps", eps, 0.0)
-        _check_number("weight_decay", weight_decay, 0.0)
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"optimizer.betas={betas!r} must be two numbers in [0, 1), e.g. [0.9, 0.999].")
-        for i, beta in enumerate(betas):
-            _check_number(f"betas[{i}]", beta, 0.0, 1.0, closed_high=False)
+        _check_hyperparameters({"lr": lr, "eps": eps, "weight_decay": weight_decay, "betas": betas})
         if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
             raise ValueError(f"optimizer.min_8bit_size={min_8bit_size!r} must be a non-negative integer "
                              "(tensors with fewer elements keep fp32 moments; 4096 is bitsandbytes' default).")
@@ -316,6 +327,20 @@ class AdamW8bit(torch.optim.Optimizer):
                     raise ValueError(f"params: an FSDP2-sharded parameter (DTensor); AdamW8bit cannot step it: "
                                      f"{self.capabilities.why_not('runs_under_fsdp2')}. Use torch.optim.AdamW "
                                      "(with fsdp_cpu_offload=True to keep its state on the host).")
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """torch's ``add_param_group``, with the group's own options checked as the constructor's.
+
+        Raises:
+            ValueError: for a key AdamW8bit does not take, or a value it refuses, naming the group.
+        """
+        where = f" (param group {len(self.param_groups)})"
+        unknown = sorted(k for k in param_group if k != "params" and k not in self.defaults)
+        if unknown:
+            raise ValueError(f"optimizer{where}: AdamW8bit takes no option {', '.join(map(repr, unknown))}; "
+                             f"a group may set {', '.join(self.defaults)}.")
+        _check_hyperparameters({**self.defaults, **param_group}, where=where)
+        super().add_param_group(param_group)
 
     def _init_state(self, p: torch.Tensor) -> Dict[str, Any]:
         state = self.state[p]
@@ -417,8 +442,10 @@ class AdamW8bit(torch.optim.Optimizer):
                 if key in g_saved and g_saved[key] != default:
                     raise ValueError(f"optimizer state dict: group option {key}={g_saved[key]!r} is not AdamW's "
                                      f"({default!r}); it was written by another bitsandbytes optimizer.")
-            groups.append({**g, **{k: g_saved[k] for k in self.defaults if k in g_saved},
-                           "betas": tuple(g_saved.get("betas", g["betas"]))[:2]})
+            group = {**g, **{k: g_saved[k] for k in self.defaults if k in g_saved}}
+            group["betas"] = tuple(group["betas"])[:2]
+            _check_hyperparameters(group, where=f" (param group {len(groups)} of the state dict)")
+            groups.append(group)
         self.__setstate__({"state": new_state, "param_groups": groups})
 
     def _loaded_state(self, p: torch.Tensor, saved: Dict[str, Any], index: Any) -> Dict[str, Any]:

@@ -14,11 +14,12 @@ import torchao.optim
 
 from torchtune_offload.optim.base_options import check_base_options
 from torchtune_offload.optim.capabilities import OFFLOAD_STEPS_AFTER_BACKWARD, OptimizerCapabilities
-from torchtune_offload.optim.grad_norm import combine_norms, tensor_norm, total_norm
+from torchtune_offload.optim.grad_norm import checked_norm_type, combine_norms, tensor_norm, total_norm
 from torchtune_offload.optim.host_arena import ALLOCATOR, NONE
 from torchtune_offload.optim.host_memory import HostMemoryPlan, offloaded_buffers_plan
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
+from torchtune_offload.optim.offload_options import check_accumulation_steps, flag_option, minimal_size_option
 
 
 def _strip_names(params: Any) -> Any:
@@ -83,6 +84,8 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         base_class = resolve_optimizer_class(optimizer_class)
         # A refused option value is named with its key on any machine, before the device check.
         check_base_options(base_class, kwargs, owner=f"CPUOffloadOptimizer (base {base_class.__name__})")
+        flag_option(offload_gradients, key="offload_gradients")
+        minimal_size_option(minimal_size)
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         if accelerator is None or accelerator.type not in self.capabilities.device_types:
             raise ValueError(
@@ -113,17 +116,20 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         # recipe measures none without clipping). Registered before torchao's own hooks, which run
         # after these and free the device gradient with offload_gradients.
         self._device_norms: Dict[torch.Tensor, torch.Tensor] = {}
-        for group in groups:
-            for param in group["params"]:
-                if param.requires_grad:
-                    param.register_post_accumulate_grad_hook(self._measure)
-        super().__init__(
-            params,
-            base_class,
-            offload_gradients=offload_gradients,
-            minimal_size=minimal_size,
-            **kwargs,
-        )
+        hooks = [param.register_post_accumulate_grad_hook(self._measure)
+                 for group in groups for param in group["params"] if param.requires_grad]
+        try:
+            super().__init__(
+                params,
+                base_class,
+                offload_gradients=offload_gradients,
+                minimal_size=minimal_size,
+                **kwargs,
+            )
+        except Exception:
+            for hook in hooks:  # the parameters outlive an optimizer that failed to build
+                hook.remove()
+            raise
         if not offload_gradients:
             # torchao copies each device gradient down on its side stream after every micro-batch,
             # and the next micro-batch's backward adds into that same gradient on the compute
@@ -147,13 +153,22 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         torchao pins a host copy and a gradient buffer per parameter of at least ``minimal_size``
         elements, each its own (power-of-two rounded) allocation; the base optimizer's state is plain
         host memory. ``offload_gradients`` and accumulation add nothing.
+
+        Raises:
+            ValueError: for an option the constructor would refuse, or a
+                ``gradient_accumulation_steps`` that is not an integer >= 1.
         """
-        del gradient_accumulation_steps  # no host memory of its own
+        check_accumulation_steps(gradient_accumulation_steps)  # which adds no host memory of its own
         own, kwargs = split_options(cls.__init__, options)
+        base_class = resolve_optimizer_class(optimizer_class)
+        # What the constructor would refuse is refused here: a plan of a run that cannot start misleads.
+        check_base_options(base_class, kwargs, owner=f"CPUOffloadOptimizer (base {base_class.__name__})")
+        flag_option(own["offload_gradients"], key="offload_gradients")
+        minimal_size_option(own["minimal_size"])
         params = _strip_names(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         trainable = [p for g in groups for p in g["params"] if p.requires_grad]
-        return offloaded_buffers_plan(trainable, optimizer_class=resolve_optimizer_class(optimizer_class),
+        return offloaded_buffers_plan(trainable, optimizer_class=base_class,
                                       options=kwargs, minimal_size=own["minimal_size"],
                                       pinning=NONE if torch.device(device).type == "cpu" else ALLOCATOR)
 
@@ -196,8 +211,12 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
     def grad_norm(self, norm_type: Union[float, str] = 2.0) -> torch.Tensor:
         """The total norm of the gradients the next step() will use, on the device: the 2-norm from
         the norms measured on the device during backward (no pass over the host copies), another
-        order from the host copies."""
-        if float(norm_type) != 2.0:
+        order from the host copies.
+
+        Raises:
+            ValueError: for an order that is not positive (or ``inf``).
+        """
+        if checked_norm_type(norm_type) != 2.0:
             return total_norm(self._grads_to_step(), norm_type=norm_type, device=self.device)
         # In _stepped()'s order, as the host copies' norms were combined.
         return combine_norms([self._device_norms[p] for p, _ in self._stepped()], device=self.device)

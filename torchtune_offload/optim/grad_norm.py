@@ -5,6 +5,7 @@ norm of those norms, ``max_norm / (norm + 1e-6)`` clamped at 1), so that offload
 exactly as plain training does.
 """
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, List, Sequence, Union
 
@@ -15,6 +16,35 @@ import torchtune_offload.optim.stream_check as stream_check
 #: Host gradients of fewer bytes than this in all are measured one after the other on the calling
 #: thread: starting threads costs more than the pass over them.
 PARALLEL_MIN_BYTES = 64 * 2**20
+
+
+def checked_norm_type(norm_type: Union[float, str]) -> float:
+    """``norm_type`` as the float the norms take: a positive order, or ``inf`` (also ``"inf"``).
+
+    Raises:
+        ValueError: naming ``norm_type`` and what it takes (``"fro"`` is a matrix norm, and an order
+            of 0 or below is no norm to clip by).
+    """
+    try:
+        value = float(norm_type)
+    except (TypeError, ValueError):
+        value = math.nan
+    if isinstance(norm_type, bool) or not value > 0:
+        raise ValueError(f"norm_type={norm_type!r}: give a positive p-norm order such as 2.0, or 'inf'.")
+    return value
+
+
+def check_max_norm(max_norm: Union[float, torch.Tensor]) -> None:
+    """Refuses a ``max_norm`` that would not clip: zero, negative (it would flip the gradients'
+    signs) or nan (every weight nan). A tensor is taken as given: reading it would wait for its device.
+
+    Raises:
+        ValueError: naming ``max_norm`` and the fix.
+    """
+    if isinstance(max_norm, torch.Tensor):
+        return
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r}: give a positive number (inf measures the norm without clipping).")
 
 
 def tensor_norm(grad: torch.Tensor, *, norm_type: Union[float, str] = 2.0) -> torch.Tensor:

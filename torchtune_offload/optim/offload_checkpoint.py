@@ -61,19 +61,13 @@ def load_state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], s
             + "\nResume with the model, optimizer_class, parameter groups and minimal_size "
             "that wrote it, or start without resume_from_checkpoint."
         )
+    _load_base_states(table, sd["state"])
     for group, saved in zip(param_groups, sd["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
     for slot in table.slots:
         saved = sd["state"][slot.key]
         if slot.streamed:
             streamer.load(slot, saved["optimizer"])
-        else:
-            slot.optimizer.load_state_dict(saved["optimizer"])
-            if slot.offloaded:
-                # Loaded states of a host step live in host memory (what the stream checker must know).
-                for value in slot.optimizer.state.get(slot.step_param, {}).values():
-                    if isinstance(value, torch.Tensor):
-                        stream_check.host_tensor(value)
         if slot.has_master:
             with torch.no_grad():
                 slot.step_param.copy_(saved["master"])
@@ -81,6 +75,38 @@ def load_state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], s
                 # image is re-quantized by the caller instead).
                 if slot.index not in fp8_slots:
                     slot.param.copy_(slot.step_param)
+
+
+def _load_base_states(table: ParameterTable, saved_state: Dict[str, Any]) -> None:
+    """Loads each slot's base optimizer state (streamed slots' are the streamer's), all or none: a
+    base optimizer refusing its state (``AdamW8bit`` saved with another ``min_8bit_size``, say)
+    puts back the states and groups of those loaded before it. Loading replaces a base
+    optimizer's ``state`` and ``param_groups`` with new objects and writes into neither, so
+    holding the old ones is enough to put them back (at resume they are empty: states are made at
+    the first step, so holding them costs no memory then).
+
+    Raises:
+        ValueError: naming the parameter whose base optimizer refused its state, and why.
+    """
+    loaded = []
+    for slot in table.slots:
+        if slot.streamed:
+            continue
+        optimizer = slot.optimizer
+        before = (optimizer, optimizer.state, optimizer.param_groups)
+        try:
+            optimizer.load_state_dict(saved_state[slot.key]["optimizer"])
+        except (ValueError, KeyError, TypeError, RuntimeError) as err:
+            for base, state, groups in loaded:
+                base.__setstate__({"state": state, "param_groups": groups})
+            raise ValueError(f"optimizer checkpoint does not fit this model and optimizer: {slot.key}: {err} "
+                             "Nothing was loaded.") from err
+        loaded.append(before)
+    for slot in table.offloaded:
+        # Loaded states of a host step live in host memory (what the stream checker must know).
+        for value in slot.optimizer.state.get(slot.step_param, {}).values():
+            if isinstance(value, torch.Tensor):
+                stream_check.host_tensor(value)
 
 
 def mismatches(table: ParameterTable, sd: Any, *, base_class: type, num_groups: int) -> List[str]:

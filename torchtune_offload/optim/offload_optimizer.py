@@ -7,6 +7,7 @@ A facade over collaborators, each the only writer of its own state (docs/archite
 ``offload_checkpoint`` and ``memory_report``.
 """
 
+import math
 import time
 from typing import Any, Dict, Optional, Union
 
@@ -16,7 +17,7 @@ from torch.optim import Optimizer
 from torchtune_offload.optim.base_options import check_base_options
 from torchtune_offload.optim.capabilities import ENGINE_CAPABILITIES
 from torchtune_offload.optim.fp8_weights import DeviceWeights, plan_scale_bytes
-from torchtune_offload.optim.grad_norm import clip_, combine_norms
+from torchtune_offload.optim.grad_norm import check_max_norm, checked_norm_type, clip_, combine_norms
 from torchtune_offload.optim.host_allocator import release_freed_host_memory
 from torchtune_offload.optim.host_arena import NONE, pinning_of
 from torchtune_offload.optim.host_grads import HostGradients
@@ -24,7 +25,7 @@ from torchtune_offload.optim.host_memory import HostMemoryPlan
 from torchtune_offload.optim.memory_report import OffloadMemoryReport, engine_memory_report
 import torchtune_offload.optim.offload_checkpoint as offload_checkpoint
 from torchtune_offload.optim.offload_checkpoint import STATE_DICT_FORMAT
-from torchtune_offload.optim.offload_options import OffloadOptions, precision_option
+from torchtune_offload.optim.offload_options import OffloadOptions, check_accumulation_steps, precision_option
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
 from torchtune_offload.optim.overlap_scheduler import OverlapScheduler
 from torchtune_offload.optim.param_table import ParameterTable, named_groups, plan_table_memory, training_device
@@ -98,6 +99,11 @@ class OffloadOptimizer(Optimizer):
             device_weights=device_weights, grad_sum_on=grad_sum_on,
         )
         groups = named_groups(params)
+        for i, group in enumerate(groups):
+            group_options = {k: v for k, v in group.items() if k != "params"}
+            if group_options:  # each group's options too, before the host buffers are made
+                check_base_options(self.base_class, {**kwargs, **group_options},
+                                   owner=f"OffloadOptimizer param group {i} (base {self.base_class.__name__})")
         self.device = training_device(groups)
         # Gradients freed between our long-lived host buffers would otherwise stay resident.
         release_freed_host_memory()
@@ -146,9 +152,19 @@ class OffloadOptimizer(Optimizer):
         """The host memory this optimizer would hold for ``params`` (meta tensors work), allocating
         nothing. Takes the constructor's arguments, the training ``device`` (host buffers are pinned
         on an accelerator, ``optim/host_arena.py``) and ``gradient_accumulation_steps`` (with
-        ``offload_gradients``, more than one adds the staging ring)."""
+        ``offload_gradients``, more than one adds the staging ring).
+
+        Raises:
+            ValueError: for an option the constructor would refuse, or a
+                ``gradient_accumulation_steps`` that is not an integer >= 1.
+        """
         own, kwargs = split_options(cls.__init__, options)
-        return _plan_host_memory(named_groups(params), resolve_optimizer_class(optimizer_class), own, kwargs,
+        base_class = resolve_optimizer_class(optimizer_class)
+        # What the constructor would refuse is refused here: a plan of a run that cannot start misleads.
+        OffloadOptions.parse(**own)
+        check_base_options(base_class, kwargs, owner=f"OffloadOptimizer (base {base_class.__name__})")
+        check_accumulation_steps(gradient_accumulation_steps)
+        return _plan_host_memory(named_groups(params), base_class, own, kwargs,
                                  device=device, gradient_accumulation_steps=gradient_accumulation_steps)
 
     @torch.no_grad()
@@ -200,7 +216,13 @@ class OffloadOptimizer(Optimizer):
 
     @torch.no_grad()
     def grad_norm(self, norm_type: Union[float, str] = 2.0) -> torch.Tensor:
-        """The total norm of the gradients the next step() will use, on the model's device."""
+        """The total norm of the gradients the next step() will use, on the model's device.
+
+        Raises:
+            ValueError: for an order that is not positive (or ``inf``), or, in an overlapped window,
+                any order but 2.
+        """
+        checked_norm_type(norm_type)
         if self._scheduler.window is not None:
             if float(norm_type) != 2.0:
                 raise ValueError(f"norm_type={norm_type}: an overlapped window measures the 2-norm only.")
@@ -223,8 +245,12 @@ class OffloadOptimizer(Optimizer):
             ``torch.nn.utils.clip_grad_norm_`` returns for the same model trained without offload.
 
         Raises:
+            ValueError: for a ``max_norm`` that is not positive, or a ``norm_type`` that is no
+                positive order (or ``inf``).
             RuntimeError: in a window announced with ``clipping=False``, whose steps have started.
         """
+        check_max_norm(max_norm)
+        checked_norm_type(norm_type)
         if self._scheduler.window is not None:
             return self._scheduler.clip(max_norm, norm_type, device=self.device,
                                         error_if_nonfinite=error_if_nonfinite)
@@ -241,8 +267,13 @@ class OffloadOptimizer(Optimizer):
         ``1 / num_tokens`` after backward, when the device gradients may already be gone).
 
         Raises:
+            ValueError: for a number ``factor`` that is not finite (a tensor is taken as given:
+                reading it would wait for its device).
             RuntimeError: in an overlapped window, whose gradients are already with the host steps.
         """
+        if not isinstance(factor, torch.Tensor) and (isinstance(factor, bool) or not math.isfinite(factor)):
+            raise ValueError(f"factor={factor!r}: give a finite number (torchtune scales by 1 / the batch's "
+                             "unmasked tokens: a batch without any?).")
         if self._scheduler.window is not None:
             raise RuntimeError(
                 "scale_grads_() after expect_final_backward(): the window's gradients are already "

@@ -1,6 +1,7 @@
 """The options of :class:`~torchtune_offload.optim.OffloadOptimizer` that are its own (not the base
 optimizer's), checked once, where the optimizer is built, so every error names its config key."""
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -32,9 +33,38 @@ def precision_option(value: Any, *, key: str) -> Optional[torch.dtype]:
     return dtype
 
 
-def _flag(value: Any, *, key: str) -> bool:
+def flag_option(value: Any, *, key: str) -> bool:
+    """``value`` if it is True or False (a string such as ``"false"`` would be truthy).
+
+    Raises:
+        ValueError: naming ``optimizer.<key>``.
+    """
     if not isinstance(value, bool):
         raise ValueError(f"optimizer.{key}={value!r} must be True or False.")
+    return value
+
+
+def check_accumulation_steps(value: Any) -> None:
+    """Refuses a ``gradient_accumulation_steps`` that is not an integer >= 1.
+
+    Raises:
+        ValueError: naming ``gradient_accumulation_steps``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"gradient_accumulation_steps={value!r} must be an integer >= 1.")
+
+
+def minimal_size_option(value: Any) -> int:
+    """``value`` if it is a non-negative integer: the fewest elements an offloaded parameter has.
+
+    Raises:
+        ValueError: naming ``optimizer.minimal_size``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"optimizer.minimal_size={value!r} must be a non-negative integer "
+            "(parameters with fewer elements step on the device; 4096 is the default)."
+        )
     return value
 
 
@@ -138,22 +168,23 @@ class OffloadOptions:
         """
         master = precision_option(master_dtype, key="master_dtype")
         grad_sum = precision_option(grad_sum_dtype, key="grad_sum_dtype")
-        fused = _flag(fused_master_step, key="fused_master_step")
-        overlapped = _flag(overlap, key="overlap")
-        offload = _flag(offload_gradients, key="offload_gradients")
-        if isinstance(minimal_size, bool) or not isinstance(minimal_size, int) or minimal_size < 0:
-            raise ValueError(
-                f"optimizer.minimal_size={minimal_size!r} must be a non-negative integer "
-                "(parameters with fewer elements step on the device; 4096 is the default)."
-            )
+        fused = flag_option(fused_master_step, key="fused_master_step")
+        overlapped = flag_option(overlap, key="overlap")
+        offload = flag_option(offload_gradients, key="offload_gradients")
+        minimal_size_option(minimal_size)
         if overlap_timeout_s is not None and (
             isinstance(overlap_timeout_s, bool) or not isinstance(overlap_timeout_s, (int, float))
-            or not overlap_timeout_s > 0
+            or not 0 < overlap_timeout_s < math.inf
         ):
             raise ValueError(
                 f"optimizer.overlap_timeout_s={overlap_timeout_s!r} must be a positive number of seconds, "
                 "or null to wait for host work without a limit."
             )
+        if overlap_timeout_s is not None and not overlapped and update_on != "device":
+            # Only the overlapped windows wait for host workers; a timeout without them bounds nothing.
+            raise ValueError(f"optimizer.overlap_timeout_s={overlap_timeout_s} without optimizer.overlap=True: it "
+                             "bounds the overlapped step's waits for host work. Set optimizer.overlap=True, or "
+                             "remove it (~optimizer.overlap_timeout_s).")
         _check_update_on(update_on, device_staging_mib, offload_gradients=offload, master_dtype=master_dtype,
                          grad_sum_dtype=grad_sum_dtype, overlap_timeout_s=overlap_timeout_s)
         _check_device_weights(device_weights, update_on=update_on)
@@ -181,7 +212,7 @@ def _check_update_on(update_on: Any, device_staging_mib: Any, *, offload_gradien
                          "default) or 'device' (states in host memory, updates on the device).")
     if device_staging_mib is not None and (isinstance(device_staging_mib, bool)
                                            or not isinstance(device_staging_mib, (int, float))
-                                           or not device_staging_mib > 0):
+                                           or not 0 < device_staging_mib < math.inf):
         raise ValueError(f"optimizer.device_staging_mib={device_staging_mib!r} must be a positive number of "
                          f"MiB (the default is {DEVICE_STAGING_MIB:g}).")
     if update_on != "device":

@@ -69,6 +69,12 @@ def resolve_optimizer_class(
             f"{key}={optimizer_class!r} is itself an offload optimizer; offload optimizers do not "
             "nest. Set it to the base optimizer, e.g. 'torch.optim.AdamW'."
         )
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        # The engine steps each parameter's base optimizer without a closure (LBFGS needs one).
+        raise ValueError(f"{key}={optimizer_class!r}: its step() needs a closure that re-evaluates the loss, "
+                         "which an offloaded step cannot call. Use an optimizer that steps without one, e.g. "
+                         "'torch.optim.AdamW'.")
     return cls
 
 

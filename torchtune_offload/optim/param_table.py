@@ -176,6 +176,7 @@ class ParameterTable:
     def __init__(self, groups: List[Dict[str, Any]], *, base_class: type, options: Dict[str, Any],
                  accelerator: bool, minimal_size: int, master_dtype: Optional[torch.dtype],
                  grad_sum_dtype: Optional[torch.dtype], pinning: str, update_on: str = "host") -> None:
+        _check_each_given_once(groups)
         self.minimal_size = minimal_size
         self.update_on = update_on
         self.master_dtype = master_dtype
@@ -192,16 +193,12 @@ class ParameterTable:
         self.outer_groups: List[Dict[str, Any]] = []
         #: Per outer group, the options its base optimizers were built with (on the device).
         self.group_options: List[Dict[str, Any]] = []
-        seen = set()
         for group in groups:
             group_options = {k: v for k, v in group.items() if k != "params"}
             members = []
             for key, param in group["params"]:
                 if not param.requires_grad:
                     continue
-                if key in seen:
-                    raise ValueError(f"params: parameter {key!r} is given twice.")
-                seen.add(key)
                 slot = Slot(index=len(self.slots) + len(members), key=key, param=param,
                             group_index=len(self.outer_groups))
                 self._place(slot, buffers.get(id(param)), base_class=base_class,
@@ -242,9 +239,6 @@ class ParameterTable:
             for key, param in group["params"]:
                 if not param.requires_grad or not offloads(param, self.minimal_size):
                     continue
-                if id(param) in owners and owners[id(param)][0] != key:
-                    raise ValueError(f"params: one tensor is given as {owners[id(param)][0]!r} and as {key!r}; "
-                                     "give each parameter once.")
                 owners[id(param)] = (key, param.shape, host_buffer_dtypes(
                     param, master_dtype=self.master_dtype, grad_dtype=self.grad_sum_dtype))
         try:
@@ -291,6 +285,28 @@ class ParameterTable:
             slot.optimizer = base_class([slot.step_param], **options)
         else:
             slot.optimizer = base_class([param], **options)
+
+
+def _check_each_given_once(groups: List[Dict[str, Any]]) -> None:
+    """Every trainable parameter once, under one name, before anything is allocated: a tensor given
+    twice would be stepped twice (torch only warns), and one name twice would share a slot.
+
+    Raises:
+        ValueError: naming the parameter given twice, or the two names of one tensor.
+    """
+    names: Dict[int, str] = {}
+    seen = set()
+    for group in groups:
+        for key, param in group["params"]:
+            if not param.requires_grad:
+                continue
+            if key in seen:
+                raise ValueError(f"params: parameter {key!r} is given twice.")
+            if id(param) in names:
+                raise ValueError(f"params: one tensor is given as {names[id(param)]!r} and as {key!r}; "
+                                 "give each parameter once.")
+            seen.add(key)
+            names[id(param)] = key
 
 
 def plan_table_memory(params: Any, *, base_class: type, options: Dict[str, Any], minimal_size: int, pinning: str,
