@@ -204,3 +204,22 @@ def test_validate_checks_the_components_of_a_config_that_names_no_recipe(cache_w
     code, _, err = _cli(capsys, "validate", "--config", str(tmp_path / "bare.yaml"), "optimizer.ofload_gradients=True")
     assert code == 1 and "optimizer.ofload_gradients: not an option of torch.optim.AdamW" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("a: [1, 2\nb: 3\n", "not a YAML config (line 2): expected ',' or ']'"),
+    ("- 1\n- 2\n", "a config is a mapping of keys (model:, optimizer:, ...), and this file holds a list"),
+    ("", "and this file holds nothing"),
+])
+@pytest.mark.parametrize("verb", ["validate", "cat", "run"])
+def test_a_file_that_is_no_yaml_config_is_one_line_not_a_traceback(tmp_path, capsys, text, expected, verb):
+    path = tmp_path / "mine.yaml"
+    path.write_text(text)
+    argv = ["run", "full_finetune_single_device", "--config", str(path)] if verb == "run" else [verb, str(path)]
+    code, _, err = _cli(capsys, *argv)
+    assert code != 0 and f"{path}: " in err and expected in err and "Traceback" not in err
+
+
+def test_a_folder_given_as_a_config_is_named_as_a_folder(tmp_path, capsys):
+    code, _, err = _cli(capsys, "cat", str(tmp_path))
+    assert code != 0 and f"{tmp_path}: is a folder; name a config" in err

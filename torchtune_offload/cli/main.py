@@ -63,10 +63,36 @@ def load_config(path: Path, overrides: Sequence[str]) -> DictConfig:
     """The config a recipe would see: the YAML at ``path`` with ``key=value`` / ``~key`` overrides.
 
     Parsed by torchtune's own argument parser and merge, as ``@config.parse`` does in a recipe.
+
+    Raises:
+        UsageError: for a file that is not YAML, or whose top level is not a mapping of keys.
     """
+    _yaml_mapping(path)  # torchtune's parser would raise a YAML error or a TypeError, with a traceback
     parser = TuneRecipeArgumentParser(prog=PROG, add_help=False)
     yaml_args, cli_args = parser.parse_known_args(["--config", str(path), *overrides])
     return _merge_yaml_and_cli_args(yaml_args, cli_args)
+
+
+def _yaml_mapping(path: Path) -> dict:
+    """The YAML file at ``path``, which must hold a mapping of config keys.
+
+    Raises:
+        UsageError: naming the file, and the line of a YAML error.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        reason = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UsageError(f"{path}: not a YAML config{line}: {reason}.") from err
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{path}: not a YAML config (not UTF-8 text).") from err
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: a config is a mapping of keys (model:, optimizer:, ...), and this file holds "
+                         f"{'a ' + type(data).__name__ if data is not None else 'nothing'}.")
+    return data
 
 
 def _assets_problem(cfg: DictConfig) -> Optional[str]:
@@ -120,8 +146,7 @@ def _cat(args: argparse.Namespace) -> int:
     shipped = _shipped()
     if args.config in shipped.recipes:
         raise UsageError(f"'{args.config}' is a recipe; cat prints configs. Copy the recipe with: {PROG} cp {args.config} .")
-    with open(shipped.config(args.config), encoding="utf-8") as f:
-        data = yaml.safe_load(f)
+    data = _yaml_mapping(shipped.config(args.config))
     print(yaml.dump(data, default_flow_style=False, sort_keys=args.sort, indent=4, width=100), end="")
     return 0
 

@@ -125,6 +125,8 @@ class Shipped:
             return self.configs[name]
         if Path(name).is_file():
             return Path(name).resolve()
+        if Path(name).is_dir():
+            raise ValueError(f"{name}: is a folder; name a config (tune-offload ls lists them) or a YAML file.")
         return self._unknown_config(name)
 
     def _unknown_config(self, name: str) -> Path:
