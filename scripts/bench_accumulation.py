@@ -34,11 +34,12 @@ work needs, and the ratio of each micro-batch's host work to the host AdamW step
 import argparse
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
 from torchtune_offload import OffloadOptimizer
+from torchtune_offload.bench.arguments import positive_int, positive_number
 from torchtune_offload.bench.machine import cpu_name
 from torchtune_offload.optim.staging import StagingRing
 
@@ -46,14 +47,14 @@ from torchtune_offload.optim.staging import StagingRing
 LAYER = [(3072, 3072), (1024, 3072), (1024, 3072), (3072, 3072), (8192, 3072), (8192, 3072), (3072, 8192)]
 #: The command-line options: name -> (type, default, help).
 OPTIONS: Dict[str, tuple] = {
-    "params": (float, 100e6, "parameters in all (the last tensor is cut to fit)"),
+    "params": (positive_number, 100e6, "parameters in all (the last tensor is cut to fit)"),
     "grad_sum_dtype": (str, None, "fp32 for fp32 gradient sums (default: the parameters' bf16)"),
     "master_dtype": (str, None, "fp32 for fp32 master weights (default: none, bf16 steps)"),
     "optimizer": (str, "adamw", "the host step: adamw (torch's AdamW, or with fp32 masters the fused pass) or "
                                 "adamw8bit (torchtune_offload.AdamW8bit, 8-bit states; not with fp32 masters)"),
-    "repeats": (int, 10, "measured repetitions after warm-up"),
+    "repeats": (positive_int, 10, "measured repetitions after warm-up"),
     "warmup": (int, 2, "repetitions left out of the medians"),
-    "threads": (int, None, "torch's intra-op threads (default: torch's choice, all cores)"),
+    "threads": (positive_int, None, "torch's intra-op threads (default: torch's choice, all cores)"),
 }
 PATHS = ("before", "after")
 BYTES = {torch.bfloat16: 2, torch.float32: 4}

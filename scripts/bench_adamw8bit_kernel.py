@@ -42,6 +42,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from torchtune_offload.bench.arguments import positive_int, positive_number
 from torchtune_offload import AdamW8bit
 from torchtune_offload.bench.machine import cpu_name
 from torchtune_offload.optim import adamw8bit, fused_step
@@ -224,9 +225,9 @@ def instruction_table(directory: str) -> Optional[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", type=float, default=100e6, help="parameters in the tensor (default 100e6)")
-    parser.add_argument("--threads", type=int, default=1, help="threads of every step (default 1)")
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds, after 2 warm-up (default 10)")
+    parser.add_argument("--params", type=positive_number, default=100e6, help="parameters in the tensor (default 100e6)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="threads of every step (default 1)")
+    parser.add_argument("--rounds", type=positive_int, default=10, help="timed rounds, after 2 warm-up (default 10)")
     parser.add_argument("--no-instructions", action="store_true", help="skip the instruction table")
     parser.add_argument("--builds", action="store_true",
                         help="time the pass built for each instruction set instead of its ablations")

@@ -21,6 +21,7 @@ import time
 import torch
 
 from bench_host_step import CLIP_FACTOR, engine, threads_and_shapes
+from torchtune_offload.bench.arguments import positive_int, positive_number
 from torchtune_offload.bench.machine import cpu_name
 
 #: The passes that take the factor: (row name, engine options).
@@ -32,10 +33,10 @@ PASSES = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", type=float, default=100e6, help="parameters to step (default 100e6)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps of each kind, after 2 warm-up (default 20, "
+    parser.add_argument("--params", type=positive_number, default=100e6, help="parameters to step (default 100e6)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps of each kind, after 2 warm-up (default 20, "
                         "at least 10)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
     if args.steps < 10:
         parser.error("--steps must be at least 10")

@@ -18,6 +18,7 @@ import time
 import torch
 
 from bench_host_step import threads_and_shapes
+from torchtune_offload.bench.arguments import positive_int, positive_number
 from torchtune_offload.bench.machine import cpu_name
 from torchtune_offload.optim import grad_norm
 from torchtune_offload.optim.grad_norm import host_norms, tensor_norm
@@ -27,9 +28,9 @@ WAYS = ("one after another", "side by side")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", type=float, default=500e6, help="parameters in all (default 500e6)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed repetitions after 1 warm-up (default 10)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
+    parser.add_argument("--params", type=positive_number, default=500e6, help="parameters in all (default 500e6)")
+    parser.add_argument("--repeats", type=positive_int, default=10, help="timed repetitions after 1 warm-up (default 10)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's, all cores)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")

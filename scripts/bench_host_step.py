@@ -28,6 +28,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from torchtune_offload import AdamW8bit, OffloadOptimizer
+from torchtune_offload.bench.arguments import positive_int, positive_number
 from torchtune_offload.bench.machine import cpu_name
 from torchtune_offload.optim.grad_norm import total_norm
 
@@ -45,7 +46,7 @@ def shapes(target: float) -> List[tuple]:
 def threads_and_shapes(args: argparse.Namespace) -> Tuple[List[tuple], int]:
     """Sets torch's threads from ``--threads`` (where given); the tensor shapes for ``--params``,
     and their elements in all."""
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     dims = shapes(args.params)
     return dims, sum(torch.Size(s).numel() for s in dims)
@@ -218,15 +219,17 @@ ROWS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", type=float, default=200e6, help="parameters to step (default 200e6)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per row, after 2 warm-up (default 10)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--params", type=positive_number, default=200e6, help="parameters to step (default 200e6)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per row, after 2 warm-up (default 10)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--rows", default="", help="only the rows whose name contains this text (default: all)")
     parser.add_argument("--baseline", default="torch fused AdamW, fp32", choices=["torch fused AdamW, fp32",
                         "torch fused AdamW, bf16"], help="the row every other row alternates with (default fp32)")
     args = parser.parse_args()
     if args.steps < 10:
         parser.error("--steps must be at least 10")
+    if not any(args.rows in name for name in ROWS if name != args.baseline):
+        parser.error(f"--rows {args.rows!r}: no row's name contains it; the rows: {'; '.join(ROWS)}")
     dims, numel = threads_and_shapes(args)
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"{numel / 1e6:.1f}M parameters in {len(dims)} Llama-shaped tensors; median of {args.steps} steps\n")

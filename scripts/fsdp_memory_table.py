@@ -47,6 +47,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from torchtune_offload.bench.arguments import check_output_file, positive_int
 from torchtune_offload.bench.machine import cpu_name
 
 MIB = 2**20
@@ -71,17 +72,18 @@ _OPTIONS: Dict[str, Dict[str, Any]] = {
                      help="models to measure (default: all)"),
     "--policies": dict(nargs="+", choices=list(POLICIES), default=list(POLICIES),
                        help="shard policies (default: both)"),
-    "--world-sizes": dict(nargs="+", type=int, default=[1, 2], help="numbers of ranks (default 1 2)"),
-    "--batch-size": dict(type=int, default=2, help="sequences per rank and step (default 2)"),
-    "--seq-len": dict(type=int, default=128, help="tokens per sequence (default 128)"),
+    "--world-sizes": dict(nargs="+", type=positive_int, default=[1, 2], help="numbers of ranks (default 1 2)"),
+    "--batch-size": dict(type=positive_int, default=2, help="sequences per rank and step (default 2)"),
+    "--seq-len": dict(type=positive_int, default=128, help="tokens per sequence (default 128)"),
     "--warmup": dict(type=int, default=2, help="untimed steps first; AdamW creates its state (default 2)"),
-    "--steps": dict(type=int, default=10, help="timed steps after warm-up (default 10)"),
-    "--profiled-steps": dict(type=int, default=3,
+    "--steps": dict(type=positive_int, default=10, help="timed steps after warm-up (default 10)"),
+    "--profiled-steps": dict(type=positive_int, default=3,
                              help="steps under the memory profiler after the timed ones; peaks are "
                                   "their maximum (default 3)"),
     "--reshard-after-forward": dict(type=int, choices=[0, 1], default=1,
                                     help="fully_shard's reshard_after_forward (default 1)"),
-    "--json": dict(type=Path, default=None, help="also write the rows to this JSON file"),
+    "--json": dict(type=Path, default=None, help="also write the rows to this JSON file (a new one, unless --force)"),
+    "--force": dict(action="store_true", help="replace an existing --json file"),
 }
 
 
@@ -91,7 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     for flag, spec in _OPTIONS.items():
         parser.add_argument(flag, **spec)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.json is not None:  # before the runs, whose rows a bad path would lose
+        check_output_file(parser, args.json, flag="--json", force=args.force)
+    return args
 
 
 # --------------------------------------------------------------------------- in each rank
@@ -296,7 +301,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    opts = {k: v for k, v in vars(args).items() if k != "json"}
+    opts = {k: v for k, v in vars(args).items() if k not in ("json", "force")}
     import torch.multiprocessing as mp
 
     rows: List[Dict[str, Any]] = []

@@ -14,6 +14,7 @@ import torch
 from torchtune.models.llama3_1 import llama3_1_8b
 from torchtune.models.llama3_2 import llama3_2_1b, llama3_2_3b
 
+from torchtune_offload.bench.arguments import non_negative_number
 from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer
 from torchtune_offload.optim.host_memory import plan_host_memory
 
@@ -39,7 +40,7 @@ MACHINES_GB = (32, 64, 128)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--process-gib", type=float, default=3.5,
+    parser.add_argument("--process-gib", type=non_negative_number, default=3.5,
                         help="host memory of the process besides the optimizer (default 3.5: the RSS of a "
                              "1B run without offload on the H100, docs/gpu_results.md)")
     args = parser.parse_args()

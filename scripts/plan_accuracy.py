@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from torchtune_offload.bench.arguments import positive_int
 from torchtune_offload.plan.planner import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,9 +100,11 @@ def main() -> None:
     p.add_argument("--config", required=True)
     p.add_argument("overrides", nargs="*")
     p.add_argument("--recipe", choices=["full", "lora"], default=None)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--steps", type=positive_int, default=3)
+    p.add_argument("--seq-len", type=positive_int, default=None)
     args = p.parse_args()
+    if not Path(args.config).is_file():
+        p.error(f"--config {args.config}: no such file (give a config's path)")
     overrides = [*args.overrides, "device=cpu"]
     recipe = args.recipe or ("lora" if "lora" in Path(args.config).name else "full")
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,9 +112,11 @@ def main() -> None:
         plan_json = Path(tmp) / "plan.json"
         plan_cmd = [sys.executable, "-m", "torchtune_offload.plan", "--config", args.config, "--recipe", recipe,
                     "--variants", "config", "--no-fine-tunes", "--json", str(plan_json), *overrides,
-                    *(["--seq-len", str(args.seq_len)] if args.seq_len else [])]
+                    *(["--seq-len", str(args.seq_len)] if args.seq_len is not None else [])]
         seconds = {"planner": time.perf_counter()}
-        subprocess.run(plan_cmd, cwd=REPO, check=True, capture_output=True, text=True)
+        planned = subprocess.run(plan_cmd, cwd=REPO, capture_output=True, text=True)
+        if planned.returncode != 0 and not plan_json.exists():  # the planner's own words, not a bare exit status
+            sys.exit(f"the planner failed (exit {planned.returncode}):\n{planned.stderr.strip()[-3000:]}")
         seconds["planner"] = time.perf_counter() - seconds["planner"]
         plan = json.loads(plan_json.read_text())["plans"][0]
         if plan["problem"]:

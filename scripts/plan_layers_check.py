@@ -96,4 +96,12 @@ def main(paths) -> int:
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        sys.exit(0)
+    if any(arg.startswith("-") for arg in sys.argv[1:]):
+        sys.exit(f"plan_layers_check.py takes config paths only, no options: {sys.argv[1:]}")
+    missing = [arg for arg in sys.argv[1:] if not Path(arg).is_file()]
+    if missing:
+        sys.exit(f"plan_layers_check.py: no such config file: {', '.join(missing)}")
     sys.exit(main(sys.argv[1:] or sorted(glob.glob("configs/*/*.yaml"))))

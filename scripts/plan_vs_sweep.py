@@ -14,7 +14,7 @@ planner lists apart ("+ paged"). Host figures are compared with the run's RSS pe
 
 import argparse
 import json
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 GIB = 1024**3
 
@@ -51,15 +51,27 @@ def table(plans: Dict[str, dict], results: Dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def _read(parser: argparse.ArgumentParser, path: str, key: Optional[str]) -> Any:
+    """The JSON at ``path``: the planner's (a mapping with ``key``) or a sweep's (a list), else a usage error."""
+    what = "python -m torchtune_offload.plan --json" if key else "a sweep's results.json"
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as err:
+        parser.error(f"{path}: cannot be read as JSON ({err})")
+    if (key is not None and not (isinstance(data, dict) and key in data)) or (key is None and not isinstance(data, list)):
+        parser.error(f"{path}: not what {what} writes (are the two files swapped?)")
+    return data
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("plan_json", help="written by python -m torchtune_offload.plan --json")
     parser.add_argument("results_json", help="a sweep's results.json (scripts/benchmark_sweep.py)")
     args = parser.parse_args()
-    with open(args.plan_json) as f:
-        plans = {p["name"]: p for p in json.load(f)["plans"]}
-    with open(args.results_json) as f:
-        results = {r["name"]: r for r in json.load(f)}
+    plans, results = _read(parser, args.plan_json, "plans"), _read(parser, args.results_json, None)
+    plans = {p["name"]: p for p in plans["plans"]}
+    results = {r["name"]: r for r in results}
     print(table(plans, results))
 
 

@@ -15,15 +15,16 @@ import argparse
 import sys
 from typing import List
 
+from torchtune_offload.bench.arguments import non_negative_number, positive_int
 from torchtune_offload.bench.trace_summary import format_summary, summarize
 
 
 def main(argv: List[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", help="a trace file, or a folder holding traces (the newest is read)")
-    parser.add_argument("--gap-ms", type=float, default=1.0,
+    parser.add_argument("--gap-ms", type=non_negative_number, default=1.0,
                         help="shortest stretch without kernels listed as a gap (default 1.0 ms)")
-    parser.add_argument("--longest", type=int, default=10, help="how many of the longest gaps to list")
+    parser.add_argument("--longest", type=positive_int, default=10, help="how many of the longest gaps to list")
     args = parser.parse_args(argv)
     try:
         print(format_summary(summarize(args.path, gap_ms=args.gap_ms, num_longest=args.longest)))

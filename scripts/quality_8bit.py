@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtune_offload import AdamW8bit
+from torchtune_offload.bench.arguments import non_negative_number, positive_int, positive_number
 from torchtune_offload.assets import init_tensor
 from torchtune_offload.models import llama3_2_mid
 from torchtune_offload.bench.machine import cpu_name
@@ -68,25 +69,22 @@ def train(name: str, model: torch.nn.Module, make_optimizer: Callable[..., torch
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run (default 200)")
-    parser.add_argument("--every", type=int, default=20, help="a table row every this many steps (default 20)")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
+    parser.add_argument("--steps", type=positive_int, default=200, help="optimizer steps per run (default 200)")
+    parser.add_argument("--every", type=positive_int, default=20, help="a table row every this many steps (default 20)")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step (default 4)")
     parser.add_argument("--seq-len", type=int, default=16, help="tokens per sequence (default 16)")
-    parser.add_argument("--vocab", type=int, default=1024, help="token ids are drawn below this (default 1024)")
-    parser.add_argument("--samples", type=int, default=64, help="distinct sequences, repeated (default 64)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate, constant (default 1e-3)")
-    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's weight decay (default 0.01)")
+    parser.add_argument("--vocab", type=positive_int, default=1024, help="token ids are drawn below this (default 1024)")
+    parser.add_argument("--samples", type=positive_int, default=64, help="distinct sequences, repeated (default 64)")
+    parser.add_argument("--lr", type=positive_number, default=1e-3, help="learning rate, constant (default 1e-3)")
+    parser.add_argument("--weight-decay", type=non_negative_number, default=0.01, help="AdamW's weight decay (default 0.01)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's init and of the data (default 0)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
-    for key in ("steps", "every", "batch_size", "seq_len", "vocab", "samples"):
-        if getattr(args, key) < 1:
-            parser.error(f"--{key.replace('_', '-')} must be at least 1")
     if args.vocab > 128_256:
         parser.error("--vocab must be at most 128256, llama3_2_mid's vocabulary")
     if args.seq_len < 2:
         parser.error("--seq-len must be at least 2 (the loss predicts each next token)")
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     steps = epoch_batches(seq_len=args.seq_len, num_samples=args.samples, vocab_size=args.vocab, seed=args.seed,
                           steps=args.steps, batch_size=args.batch_size)

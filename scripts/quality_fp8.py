@@ -2,7 +2,7 @@
 
 Usage: python scripts/quality_fp8.py [--steps 300] [--every 20] [--batch-size 4] [--seq-len 16]
                                      [--vocab 1024] [--samples 64] [--lr 1e-3] [--threads N] [--plot PNG]
-                                     [--runs bf16,fp8,fp8_per_tensor] [--json CURVES]
+                                     [--runs bf16,fp8,fp8_per_tensor] [--json CURVES] [--force]
 
 Three runs of ``torchtune_offload.OffloadOptimizer`` around ``torch.optim.AdamW`` on the CPU emulation
 path, each on its own copy of the same random-init bf16 model, on the same batches in the same order
@@ -23,12 +23,14 @@ import statistics
 import sys
 import time
 import json
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from torchtune_offload import OffloadOptimizer
+from torchtune_offload.bench.arguments import check_output_file, non_negative_number, positive_int, positive_number
 from torchtune_offload.assets import init_tensor
 from torchtune_offload.bench.machine import cpu_name
 from torchtune_offload.bench.quality import epoch_batches, loss_table
@@ -81,25 +83,27 @@ def plot(curves: Dict[str, List[float]], path: str, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
-    parser.add_argument("--every", type=int, default=20, help="a table row every this many steps (default 20)")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
+    parser.add_argument("--steps", type=positive_int, default=300, help="optimizer steps per run (default 300)")
+    parser.add_argument("--every", type=positive_int, default=20, help="a table row every this many steps (default 20)")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step (default 4)")
     parser.add_argument("--seq-len", type=int, default=16, help="tokens per sequence (default 16)")
-    parser.add_argument("--vocab", type=int, default=1024, help="token ids are drawn below this (default 1024)")
-    parser.add_argument("--samples", type=int, default=64, help="distinct sequences, repeated (default 64)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate, constant (default 1e-3)")
-    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's weight decay (default 0.01)")
+    parser.add_argument("--vocab", type=positive_int, default=1024, help="token ids are drawn below this (default 1024)")
+    parser.add_argument("--samples", type=positive_int, default=64, help="distinct sequences, repeated (default 64)")
+    parser.add_argument("--lr", type=positive_number, default=1e-3, help="learning rate, constant (default 1e-3)")
+    parser.add_argument("--weight-decay", type=non_negative_number, default=0.01, help="AdamW's weight decay (default 0.01)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's init and of the data (default 0)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--plot", default=None, help="write the loss curves to this PNG (needs matplotlib)")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"which runs, of {', '.join(RUNS)} (default all; "
                         "bf16, where given, is the reference of the final comparison)")
     parser.add_argument("--json", default=None, help="write the curves here after each run (partial results "
-                        "survive a run cut short)")
+                        "survive a run cut short); a new file, unless --force")
+    parser.add_argument("--force", action="store_true", help="replace existing --json and --plot files")
     args = parser.parse_args()
-    for key in ("steps", "every", "batch_size", "seq_len", "vocab", "samples"):
-        if getattr(args, key) < 1:
-            parser.error(f"--{key.replace('_', '-')} must be at least 1")
+    # Before the runs: a bad path found after them would lose their results.
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            check_output_file(parser, Path(path), flag=flag, force=args.force)
     if args.vocab > 128_256:
         parser.error("--vocab must be at most 128256, llama3_2_mid's vocabulary")
     if args.seq_len < 2:
@@ -107,7 +111,7 @@ def main() -> None:
     runs = args.runs.split(",")
     if not runs or any(r not in RUNS for r in runs) or len(set(runs)) != len(runs):
         parser.error(f"--runs: a comma-separated list of distinct runs from {', '.join(RUNS)}")
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     steps = epoch_batches(seq_len=args.seq_len, num_samples=args.samples, vocab_size=args.vocab, seed=args.seed,
                           steps=args.steps, batch_size=args.batch_size)

@@ -12,7 +12,7 @@ This module imports nothing from the package, so the engine (a lower floor) can 
 """
 
 import inspect
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -108,3 +108,17 @@ def check_base_options(cls: type, options: Mapping[str, Any], *, owner: Optional
     problems = base_option_problems(cls, options, owner=owner)
     if problems:
         raise ValueError("\n".join(problems))
+
+
+def check_group_options(cls: type, options: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], *,
+                        owner: str) -> None:
+    """:func:`check_base_options` for each parameter group that sets options of its own, merged over
+    the constructor's ``options``, before anything is built for the groups.
+
+    Raises:
+        ValueError: naming the group, each refused key, its value and the accepted form.
+    """
+    for i, group in enumerate(groups):
+        own = {k: v for k, v in group.items() if k != "params"}
+        if own:
+            check_base_options(cls, {**options, **own}, owner=f"{owner} param group {i} (base {cls.__name__})")

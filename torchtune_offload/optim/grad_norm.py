@@ -34,17 +34,30 @@ def checked_norm_type(norm_type: Union[float, str]) -> float:
     return value
 
 
-def check_max_norm(max_norm: Union[float, torch.Tensor]) -> None:
+def check_clip_arguments(max_norm: Union[float, torch.Tensor], norm_type: Union[float, str]) -> None:
     """Refuses a ``max_norm`` that would not clip: zero, negative (it would flip the gradients'
-    signs) or nan (every weight nan). A tensor is taken as given: reading it would wait for its device.
+    signs) or nan (every weight nan), and a ``norm_type`` :func:`checked_norm_type` refuses. A
+    tensor ``max_norm`` is taken as given: reading it would wait for its device.
 
     Raises:
-        ValueError: naming ``max_norm`` and the fix.
+        ValueError: naming the argument and the fix.
     """
-    if isinstance(max_norm, torch.Tensor):
-        return
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+    if not isinstance(max_norm, torch.Tensor) and (
+            isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0):
         raise ValueError(f"max_norm={max_norm!r}: give a positive number (inf measures the norm without clipping).")
+    checked_norm_type(norm_type)
+
+
+def check_scale_factor(factor: Union[float, torch.Tensor]) -> None:
+    """Refuses a number ``factor`` that is not finite; a tensor is taken as given (reading it would
+    wait for its device).
+
+    Raises:
+        ValueError: naming ``factor`` and the likely cause.
+    """
+    if not isinstance(factor, torch.Tensor) and (isinstance(factor, bool) or not math.isfinite(factor)):
+        raise ValueError(f"factor={factor!r}: give a finite number (torchtune scales by 1 / the batch's "
+                         "unmasked tokens: a batch without any?).")
 
 
 def tensor_norm(grad: torch.Tensor, *, norm_type: Union[float, str] = 2.0) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from torchtune_offload.optim.grad_norm import host_norms, tensor_norm
+from torchtune_offload.optim.grad_norm import check_scale_factor, clip_, combine_norms, host_norms, tensor_norm
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.staging import DeviceSumRing, StagingRing
 from torchtune_offload.optim.step_timings import StepTimings, profiled
@@ -191,6 +191,27 @@ class HostGradients:
             norms[i] = norm
         return [norm if norm is not None else tensor_norm(grad, norm_type=norm_type)
                 for norm, (_, grad) in zip(norms, grads)]
+
+    def clip_(self, grads: List[Tuple[Slot, torch.Tensor]], max_norm: Union[float, torch.Tensor],
+              norm_type: Union[float, str], *, device: torch.device, error_if_nonfinite: bool) -> torch.Tensor:
+        """Clips ``grads`` (from :meth:`to_step`) as ``torch.nn.utils.clip_grad_norm_`` would, and
+        drops their measured norms; returns the total norm before clipping, on ``device``."""
+        norm = combine_norms(self.norms(grads, norm_type), norm_type=norm_type, device=device,
+                             error_if_nonfinite=error_if_nonfinite)
+        clip_([g for _, g in grads], max_norm=max_norm, norm=norm)
+        self.forget_norms()
+        return norm
+
+    def scale_(self, grads: List[Tuple[Slot, torch.Tensor]], factor: Union[float, torch.Tensor]) -> None:
+        """Multiplies ``grads`` (from :meth:`to_step`) by ``factor`` and drops their measured norms.
+
+        Raises:
+            ValueError: for a number ``factor`` that is not finite, before any gradient changes.
+        """
+        check_scale_factor(factor)
+        for _, g in grads:
+            g.mul_(factor.to(g.device) if isinstance(factor, torch.Tensor) else factor)
+        self.forget_norms()
 
     def forget_norms(self) -> None:
         """Drops measured norms once the gradients they describe have been changed."""

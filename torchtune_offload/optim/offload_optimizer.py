@@ -7,7 +7,6 @@ A facade over collaborators, each the only writer of its own state (docs/archite
 ``offload_checkpoint`` and ``memory_report``.
 """
 
-import math
 import time
 from typing import Any, Dict, Optional, Union
 
@@ -17,7 +16,7 @@ from torch.optim import Optimizer
 from torchtune_offload.optim.base_options import check_base_options
 from torchtune_offload.optim.capabilities import ENGINE_CAPABILITIES
 from torchtune_offload.optim.fp8_weights import DeviceWeights, plan_scale_bytes
-from torchtune_offload.optim.grad_norm import check_max_norm, checked_norm_type, clip_, combine_norms
+from torchtune_offload.optim.grad_norm import check_clip_arguments, checked_norm_type, combine_norms
 from torchtune_offload.optim.host_allocator import release_freed_host_memory
 from torchtune_offload.optim.host_arena import NONE, pinning_of
 from torchtune_offload.optim.host_grads import HostGradients
@@ -99,11 +98,6 @@ class OffloadOptimizer(Optimizer):
             device_weights=device_weights, grad_sum_on=grad_sum_on,
         )
         groups = named_groups(params)
-        for i, group in enumerate(groups):
-            group_options = {k: v for k, v in group.items() if k != "params"}
-            if group_options:  # each group's options too, before the host buffers are made
-                check_base_options(self.base_class, {**kwargs, **group_options},
-                                   owner=f"OffloadOptimizer param group {i} (base {self.base_class.__name__})")
         self.device = training_device(groups)
         # Gradients freed between our long-lived host buffers would otherwise stay resident.
         release_freed_host_memory()
@@ -152,19 +146,9 @@ class OffloadOptimizer(Optimizer):
         """The host memory this optimizer would hold for ``params`` (meta tensors work), allocating
         nothing. Takes the constructor's arguments, the training ``device`` (host buffers are pinned
         on an accelerator, ``optim/host_arena.py``) and ``gradient_accumulation_steps`` (with
-        ``offload_gradients``, more than one adds the staging ring).
-
-        Raises:
-            ValueError: for an option the constructor would refuse, or a
-                ``gradient_accumulation_steps`` that is not an integer >= 1.
-        """
+        ``offload_gradients``, more than one adds the staging ring). Refuses what the constructor refuses."""
         own, kwargs = split_options(cls.__init__, options)
-        base_class = resolve_optimizer_class(optimizer_class)
-        # What the constructor would refuse is refused here: a plan of a run that cannot start misleads.
-        OffloadOptions.parse(**own)
-        check_base_options(base_class, kwargs, owner=f"OffloadOptimizer (base {base_class.__name__})")
-        check_accumulation_steps(gradient_accumulation_steps)
-        return _plan_host_memory(named_groups(params), base_class, own, kwargs,
+        return _plan_host_memory(named_groups(params), resolve_optimizer_class(optimizer_class), own, kwargs,
                                  device=device, gradient_accumulation_steps=gradient_accumulation_steps)
 
     @torch.no_grad()
@@ -216,18 +200,13 @@ class OffloadOptimizer(Optimizer):
 
     @torch.no_grad()
     def grad_norm(self, norm_type: Union[float, str] = 2.0) -> torch.Tensor:
-        """The total norm of the gradients the next step() will use, on the model's device.
-
-        Raises:
-            ValueError: for an order that is not positive (or ``inf``), or, in an overlapped window,
-                any order but 2.
-        """
-        checked_norm_type(norm_type)
+        """The total norm of the gradients the next step() will use, on the model's device; a
+        ``ValueError`` for no positive ``norm_type`` (nor ``inf``), or in an overlapped window any but 2."""
         if self._scheduler.window is not None:
-            if float(norm_type) != 2.0:
+            if checked_norm_type(norm_type) != 2.0:
                 raise ValueError(f"norm_type={norm_type}: an overlapped window measures the 2-norm only.")
             return combine_norms(self._scheduler.norms(), device=self.device)
-        norms = self._grads.norms(self._grads_to_step(), norm_type)
+        norms = self._grads.norms(self._grads_to_step(), checked_norm_type(norm_type))
         return combine_norms(norms, norm_type=norm_type, device=self.device)
 
     @torch.no_grad()
@@ -245,21 +224,15 @@ class OffloadOptimizer(Optimizer):
             ``torch.nn.utils.clip_grad_norm_`` returns for the same model trained without offload.
 
         Raises:
-            ValueError: for a ``max_norm`` that is not positive, or a ``norm_type`` that is no
-                positive order (or ``inf``).
+            ValueError: for a ``max_norm`` not > 0, or no positive ``norm_type`` (nor ``inf``).
             RuntimeError: in a window announced with ``clipping=False``, whose steps have started.
         """
-        check_max_norm(max_norm)
-        checked_norm_type(norm_type)
+        check_clip_arguments(max_norm, norm_type)
         if self._scheduler.window is not None:
             return self._scheduler.clip(max_norm, norm_type, device=self.device,
                                         error_if_nonfinite=error_if_nonfinite)
-        grads = self._grads_to_step()
-        norm = combine_norms(self._grads.norms(grads, norm_type), norm_type=norm_type, device=self.device,
-                             error_if_nonfinite=error_if_nonfinite)
-        clip_([g for _, g in grads], max_norm=max_norm, norm=norm)
-        self._grads.forget_norms()
-        return norm
+        return self._grads.clip_(self._grads_to_step(), max_norm, norm_type, device=self.device,
+                                 error_if_nonfinite=error_if_nonfinite)
 
     @torch.no_grad()
     def scale_grads_(self, factor: Union[float, torch.Tensor]) -> None:
@@ -267,21 +240,15 @@ class OffloadOptimizer(Optimizer):
         ``1 / num_tokens`` after backward, when the device gradients may already be gone).
 
         Raises:
-            ValueError: for a number ``factor`` that is not finite (a tensor is taken as given:
-                reading it would wait for its device).
+            ValueError: for a number ``factor`` that is not finite (a tensor is taken as given).
             RuntimeError: in an overlapped window, whose gradients are already with the host steps.
         """
-        if not isinstance(factor, torch.Tensor) and (isinstance(factor, bool) or not math.isfinite(factor)):
-            raise ValueError(f"factor={factor!r}: give a finite number (torchtune scales by 1 / the batch's "
-                             "unmasked tokens: a batch without any?).")
         if self._scheduler.window is not None:
             raise RuntimeError(
                 "scale_grads_() after expect_final_backward(): the window's gradients are already "
                 "with the host steps. Scale the loss before backward instead."
             )
-        for _, g in self._grads_to_step():
-            g.mul_(factor.to(g.device) if isinstance(factor, torch.Tensor) else factor)
-        self._grads.forget_norms()
+        self._grads.scale_(self._grads_to_step(), factor)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -373,6 +340,10 @@ def _plan_host_memory(groups: Any, base_class: type, own: Dict[str, Any], kwargs
                       device: Union[str, torch.device], gradient_accumulation_steps: int) -> HostMemoryPlan:
     """:meth:`OffloadOptimizer.plan_host_memory` for named ``groups``, the engine's options ``own``
     and the base optimizer's ``kwargs``."""
+    # What the constructor would refuse is refused here: a plan of a run that cannot start misleads.
+    OffloadOptions.parse(**own)
+    check_base_options(base_class, kwargs, owner=f"OffloadOptimizer (base {base_class.__name__})")
+    check_accumulation_steps(gradient_accumulation_steps)
     pinning = pinning_of(device)
     if own["update_on"] == "device":
         trainable = [p for g in groups for _, p in g["params"] if p.requires_grad]

@@ -18,6 +18,7 @@ import torch
 from torch.optim import Optimizer
 
 import torchtune_offload.optim.fused_step as fused_step
+from torchtune_offload.optim.base_options import check_group_options
 from torchtune_offload.optim.host_arena import ALLOCATOR, NONE, PageLockError, host_buffers, pinned_allocation_bytes
 from torchtune_offload.optim.host_memory import (
     HostMemoryPlan,
@@ -170,13 +171,15 @@ class ParameterTable:
             elements are *streamed* instead (their states are the streamer's to keep).
 
     Raises:
-        ValueError: if a parameter is given twice, or one tensor under two names.
+        ValueError: if a parameter is given twice, one tensor under two names, or a group's option
+            is one the base optimizer refuses (all before any host buffer is made).
     """
 
     def __init__(self, groups: List[Dict[str, Any]], *, base_class: type, options: Dict[str, Any],
                  accelerator: bool, minimal_size: int, master_dtype: Optional[torch.dtype],
                  grad_sum_dtype: Optional[torch.dtype], pinning: str, update_on: str = "host") -> None:
         _check_each_given_once(groups)
+        check_group_options(base_class, options, groups, owner="OffloadOptimizer")
         self.minimal_size = minimal_size
         self.update_on = update_on
         self.master_dtype = master_dtype
