@@ -207,3 +207,54 @@ def test_the_host_memory_plan_refuses_what_the_constructor_refuses(options, expe
     with pytest.raises(ValueError, match=expected):
         OffloadOptimizer.plan_host_memory(model.named_parameters(), device="cuda", **options)
     assert OffloadOptimizer.plan_host_memory(model.named_parameters(), device="cuda").total > 0
+
+
+def test_adamw8bit_groups_may_carry_torchs_bookkeeping():
+    # A scheduler's initial_lr and named parameters' names are not options.
+    from torchtune_offload import AdamW8bit
+    model = _model()
+    opt = AdamW8bit([{"params": list(model.parameters()), "initial_lr": 0.01, "param_names": ["a", "b", "c", "d"]}])
+    assert opt.param_groups[0]["initial_lr"] == 0.01
+
+
+def test_group_checks_skip_frozen_groups_and_see_the_host_steps_options():
+    model = _model()
+    model[1].requires_grad_(False)
+    frozen = {"params": list(model[1].named_parameters()), "lr": -1.0}
+    # A group with nothing to train is skipped, as the table skips it.
+    opt = OffloadOptimizer([{"params": list(model[0].named_parameters())}, frozen], minimal_size=0)
+    assert len(opt.param_groups) == 1
+    # On an accelerator the host step adds fused=True, which torch refuses beside foreach=True.
+    groups = [{"params": list(model[0].named_parameters()), "foreach": True}]
+    param_table.check_groups(groups, base_class=torch.optim.AdamW, options={})
+    with pytest.raises(ValueError, match=r"param group 0 \(base AdamW, host step\)"):
+        param_table.check_groups(groups, base_class=torch.optim.AdamW, options={}, host_options={"fused": True})
+
+
+def test_the_host_memory_plan_refuses_a_tensor_given_twice_and_a_groups_option():
+    with torch.device("meta"):
+        model = nn.Linear(4096, 4096)
+    with pytest.raises(ValueError, match="one tensor is given as 'weight' and as 'again'"):
+        OffloadOptimizer.plan_host_memory([*model.named_parameters(), ("again", model.weight)], device="cuda")
+    with pytest.raises(ValueError, match=r"optimizer.lr=-1.0: OffloadOptimizer param group 0"):
+        OffloadOptimizer.plan_host_memory([{"params": list(model.named_parameters()), "lr": -1.0}], device="cuda")
+
+
+def test_a_failure_that_is_not_the_checkpoints_puts_back_the_states_and_is_raised_as_it_is(monkeypatch):
+    model = _model()
+    opt = OffloadOptimizer(model.named_parameters(), minimal_size=0)
+    _train(model, opt, 2)
+    saved = opt.state_dict()
+    _train(model, opt, 1)
+    slots = opt._slots
+    before = [s.optimizer.state for s in slots]
+    last = slots[-1].optimizer
+
+    def out_of_memory(state_dict):
+        raise torch.OutOfMemoryError("no room")
+
+    monkeypatch.setattr(last, "load_state_dict", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="no room"):
+        opt.load_state_dict(saved)
+    assert all(s.optimizer.state is old for s, old in zip(slots, before))
+    assert all(s.optimizer.state[s.step_param]["step"] == 3 for s in slots[:-1])

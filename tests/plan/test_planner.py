@@ -8,6 +8,7 @@ import torch
 
 from tests import zygote
 from tests.recipe_harness import tiny_asset_overrides, working_tree_env
+import torchtune_offload.plan.planner as planner
 from torchtune_offload.plan.planner import load_config, miniature_step, plan_variant, process_baseline
 from torchtune_offload.plan.trace import trace_training_step
 from torchtune_offload.recipe import check_recipe_config, host_memory_need
@@ -154,3 +155,23 @@ def test_a_refused_config_keeps_its_table_and_exits_1_and_a_deleted_key_is_plann
     assert "| offload |" in out
     code, out, err = _plan_rc(*common, "~clip_grad_norm")  # deleted as tune run deletes it
     assert code == 0, err[-2000:]
+
+
+def test_torchaos_own_options_are_refused_by_the_plan_not_raised(tiny_assets, tmp_path):
+    # Before: the config check passed optimizer.minimal_size=-3 for torchao's wrapper, and its memory
+    # plan then raised out of the planner, losing every variant's plan.
+    overrides = [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "device=cuda", "clip_grad_norm=null",
+                 "optimizer._component_=torchtune_offload.CPUOffloadOptimizer",
+                 "optimizer.optimizer_class=torch.optim.AdamW", "optimizer.minimal_size=-3"]
+    plan = plan_variant(CONFIG, overrides, "config", recipe="full", seq_len=None, baseline=0)
+    assert plan.problem.startswith("optimizer.minimal_size=-3 must be a non-negative integer")
+
+
+def test_a_memory_plan_that_refuses_the_optimizer_is_the_variants_problem(tiny_assets, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise ValueError("optimizer.something=1 refused by the memory plan\nsecond line")
+
+    monkeypatch.setattr(planner, "host_memory_need", refuse)
+    overrides = [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}"]
+    plan = plan_variant(CONFIG, overrides, "config", recipe="full", seq_len=None, baseline=0)
+    assert plan.problem == "optimizer.something=1 refused by the memory plan"

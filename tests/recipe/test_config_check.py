@@ -253,7 +253,7 @@ def test_profiler_all_threads_refusals_name_the_key_and_the_fix(overrides, fragm
 
 
 @pytest.mark.parametrize("recipe", sorted(TINY))
-def test_run_settings_torchtune_checks_late_are_named_by_their_keys_at_once(recipe):
+def test_run_settings_torchtune_checks_late_are_named_by_their_keys_at_once(recipe, monkeypatch):
     message = _problems(recipe, "seed=-1", "cudnn_deterministic_mode=True", "loss.num_output_chunks=0",
                         "checkpointer.model_type=LLAMA33")
     for part in ("seed=-1: must be null (a random seed) or an integer from 0 to 4294967295",
@@ -261,6 +261,10 @@ def test_run_settings_torchtune_checks_late_are_named_by_their_keys_at_once(reci
                  "checkpointer.model_type='LLAMA33': not a torchtune model type. Did you mean LLAMA3?"):
         assert part in message, (part, message)
     assert "seed='abc'" in _problems(recipe, "seed=abc")
+    # torchtune's set_seed adds the rank: the largest seed leaves room for every rank.
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert f"seed={2**32 - 3}: must be null (a random seed) or an integer from 0 to {2**32 - 4}" in _problems(
+        recipe, f"seed={2**32 - 3}")
     assert "cudnn_deterministic_mode=1.0" in _problems(recipe, "cudnn_deterministic_mode=1.0")
 
 
@@ -301,11 +305,13 @@ def test_the_lora_recipe_requires_the_lora_keys_it_records():
 def test_a_config_written_for_another_recipe_is_named_as_such():
     full_in_lora = check_problems_for_config("full", recipe="lora")
     assert ("optimizer_in_bwd: unknown config key for lora_finetune_single_device. It is a key of "
-            "full_finetune_distributed and full_finetune_single_device: is this config meant for one of them?") in full_in_lora
+            "full_finetune_distributed and full_finetune_single_device: remove it (~optimizer_in_bwd), or run the "
+            "config with one of those recipes.") in full_in_lora
     assert "builds no LoRA adapters" in full_in_lora
     lora_in_full = check_problems_for_config("lora", recipe="full")
     assert ("save_adapter_weights_only: unknown config key for full_finetune_single_device. It is a key of "
-            "lora_finetune_single_device: is this config meant for that recipe?") in lora_in_full
+            "lora_finetune_single_device: remove it (~save_adapter_weights_only), or run the config with that "
+            "recipe.") in lora_in_full
     assert "builds LoRA adapters" in lora_in_full
     # A typo still gets the closest key.
     assert "Did you mean 'batch_size'?" in _problems("full", "batch_sise=2")

@@ -80,8 +80,8 @@ def _yaml_mapping(path: Path) -> dict:
         UsageError: naming the file, and the line of a YAML error.
     """
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        # As torchtune reads it (OmegaConf's loader, which also refuses a key given twice).
+        data = OmegaConf.to_container(OmegaConf.load(path))
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         line = f" (line {where.line + 1})" if where is not None else ""
@@ -89,9 +89,9 @@ def _yaml_mapping(path: Path) -> dict:
         raise UsageError(f"{path}: not a YAML config{line}: {reason}.") from err
     except UnicodeDecodeError as err:
         raise UsageError(f"{path}: not a YAML config (not UTF-8 text).") from err
-    if not isinstance(data, dict):
+    if not isinstance(data, dict) or not data:
         raise UsageError(f"{path}: a config is a mapping of keys (model:, optimizer:, ...), and this file holds "
-                         f"{'a ' + type(data).__name__ if data is not None else 'nothing'}.")
+                         f"{'a ' + type(data).__name__ if data else 'nothing'}.")
     return data
 
 

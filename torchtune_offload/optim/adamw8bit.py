@@ -335,7 +335,8 @@ class AdamW8bit(torch.optim.Optimizer):
             ValueError: for a key AdamW8bit does not take, or a value it refuses, naming the group.
         """
         where = f" (param group {len(self.param_groups)})"
-        unknown = sorted(k for k in param_group if k != "params" and k not in self.defaults)
+        # torch's own bookkeeping (a scheduler's initial_lr, named parameters' names) is not an option.
+        unknown = sorted(k for k in param_group if k not in ("params", "initial_lr", "param_names", *self.defaults))
         if unknown:
             raise ValueError(f"optimizer{where}: AdamW8bit takes no option {', '.join(map(repr, unknown))}; "
                              f"a group may set {', '.join(self.defaults)}.")

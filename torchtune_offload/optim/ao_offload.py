@@ -84,8 +84,7 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         base_class = resolve_optimizer_class(optimizer_class)
         # A refused option value is named with its key on any machine, before the device check.
         check_base_options(base_class, kwargs, owner=f"CPUOffloadOptimizer (base {base_class.__name__})")
-        flag_option(offload_gradients, key="offload_gradients")
-        minimal_size_option(minimal_size)
+        self.check_own_options(offload_gradients=offload_gradients, minimal_size=minimal_size)
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         if accelerator is None or accelerator.type not in self.capabilities.device_types:
             raise ValueError(
@@ -127,7 +126,9 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
                 **kwargs,
             )
         except Exception:
-            for hook in hooks:  # the parameters outlive an optimizer that failed to build
+            # The parameters outlive an optimizer that failed to build. (Hooks torchao's own
+            # constructor registered before failing stay: it keeps no handles to remove them by.)
+            for hook in hooks:
                 hook.remove()
             raise
         if not offload_gradients:
@@ -137,6 +138,17 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
             # an H100). Before each addition the compute stream waits for that gradient's copy.
             for param in self.param_d2h_map:
                 param.register_hook(functools.partial(self._await_copy, param))
+
+    @staticmethod
+    def check_own_options(*, offload_gradients: Any = False, minimal_size: Any = 4096) -> None:
+        """This wrapper's own options, checked on any machine (torchao checks neither: the string
+        ``"false"`` would turn gradient offload on).
+
+        Raises:
+            ValueError: naming ``optimizer.<key>``.
+        """
+        flag_option(offload_gradients, key="offload_gradients")
+        minimal_size_option(minimal_size)
 
     @classmethod
     def plan_host_memory(
@@ -163,8 +175,7 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         base_class = resolve_optimizer_class(optimizer_class)
         # What the constructor would refuse is refused here: a plan of a run that cannot start misleads.
         check_base_options(base_class, kwargs, owner=f"CPUOffloadOptimizer (base {base_class.__name__})")
-        flag_option(own["offload_gradients"], key="offload_gradients")
-        minimal_size_option(own["minimal_size"])
+        cls.check_own_options(**own)
         params = _strip_names(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         trainable = [p for g in groups for p in g["params"] if p.requires_grad]

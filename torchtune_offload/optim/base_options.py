@@ -111,9 +111,10 @@ def check_base_options(cls: type, options: Mapping[str, Any], *, owner: Optional
 
 
 def check_group_options(cls: type, options: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], *,
-                        owner: str) -> None:
+                        owner: str, extra_options: Optional[Mapping[str, Any]] = None) -> None:
     """:func:`check_base_options` for each parameter group that sets options of its own, merged over
-    the constructor's ``options``, before anything is built for the groups.
+    the constructor's ``options`` (and again over ``extra_options`` too, where given: options a host
+    step adds, such as ``fused``), before anything is built for the groups.
 
     Raises:
         ValueError: naming the group, each refused key, its value and the accepted form.
@@ -122,3 +123,6 @@ def check_group_options(cls: type, options: Mapping[str, Any], groups: Sequence[
         own = {k: v for k, v in group.items() if k != "params"}
         if own:
             check_base_options(cls, {**options, **own}, owner=f"{owner} param group {i} (base {cls.__name__})")
+            if extra_options:
+                check_base_options(cls, {**options, **extra_options, **own},
+                                   owner=f"{owner} param group {i} (base {cls.__name__}, host step)")

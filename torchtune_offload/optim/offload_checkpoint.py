@@ -42,6 +42,11 @@ def state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], *, bas
     }
 
 
+#: What to do about a checkpoint that does not fit.
+_FIX = ("Resume with the model, optimizer_class, parameter groups and minimal_size that wrote it, or start "
+        "without resume_from_checkpoint.")
+
+
 def load_state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], sd: Any, *,
                     base_class: type, streamer: StateStreamer, fp8_slots: AbstractSet[int] = frozenset()) -> None:
     """Restores ``sd`` into the slots and ``param_groups`` after checking that it fits; streamed
@@ -58,8 +63,7 @@ def load_state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], s
         raise ValueError(
             "optimizer checkpoint does not fit this model and optimizer:\n  - "
             + "\n  - ".join(problems)
-            + "\nResume with the model, optimizer_class, parameter groups and minimal_size "
-            "that wrote it, or start without resume_from_checkpoint."
+            + "\n" + _FIX
         )
     _load_base_states(table, sd["state"])
     for group, saved in zip(param_groups, sd["param_groups"]):
@@ -96,11 +100,13 @@ def _load_base_states(table: ParameterTable, saved_state: Dict[str, Any]) -> Non
         before = (optimizer, optimizer.state, optimizer.param_groups)
         try:
             optimizer.load_state_dict(saved_state[slot.key]["optimizer"])
-        except (ValueError, KeyError, TypeError, RuntimeError) as err:
+        except Exception as err:
             for base, state, groups in loaded:
                 base.__setstate__({"state": state, "param_groups": groups})
-            raise ValueError(f"optimizer checkpoint does not fit this model and optimizer: {slot.key}: {err} "
-                             "Nothing was loaded.") from err
+            if not isinstance(err, (ValueError, KeyError, TypeError)):
+                raise  # not the checkpoint's fault (out of memory, say): as it is, the states put back
+            raise ValueError(f"optimizer checkpoint does not fit this model and optimizer: {slot.key}: "
+                             f"{str(err).rstrip('.')}. Nothing was loaded. {_FIX}") from err
         loaded.append(before)
     for slot in table.offloaded:
         # Loaded states of a host step live in host memory (what the stream checker must know).

@@ -27,7 +27,9 @@ from torchtune_offload.optim.offload_checkpoint import STATE_DICT_FORMAT
 from torchtune_offload.optim.offload_options import OffloadOptions, check_accumulation_steps, precision_option
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
 from torchtune_offload.optim.overlap_scheduler import OverlapScheduler
-from torchtune_offload.optim.param_table import ParameterTable, named_groups, plan_table_memory, training_device
+from torchtune_offload.optim.param_table import (
+    ParameterTable, check_groups, named_groups, plan_table_memory, training_device,
+)
 from torchtune_offload.optim.slot_step import SlotStepper
 from torchtune_offload.optim.state_streamer import StateStreamer, plan_streamed_memory
 from torchtune_offload.optim.step_timings import StepTimings, profiled
@@ -308,7 +310,8 @@ class OffloadOptimizer(Optimizer):
         Raises:
             ValueError: if the checkpoint was written by another optimizer, another base
                 optimizer, for other parameters (names, shapes, dtypes, groups), or with another
-                on-host/on-device split (``minimal_size``). Nothing is loaded in that case.
+                on-host/on-device split (``minimal_size``). Nothing is loaded in that case (the
+                states loaded before a refusal are put back, so both are held until the end).
         """
         self.synchronize()
         offload_checkpoint.load_state_dict(self._table, self.param_groups, state_dict, base_class=self.base_class,
@@ -344,6 +347,7 @@ def _plan_host_memory(groups: Any, base_class: type, own: Dict[str, Any], kwargs
     OffloadOptions.parse(**own)
     check_base_options(base_class, kwargs, owner=f"OffloadOptimizer (base {base_class.__name__})")
     check_accumulation_steps(gradient_accumulation_steps)
+    check_groups(groups, base_class=base_class, options=kwargs)
     pinning = pinning_of(device)
     if own["update_on"] == "device":
         trainable = [p for g in groups for _, p in g["params"] if p.requires_grad]

@@ -178,8 +178,6 @@ class ParameterTable:
     def __init__(self, groups: List[Dict[str, Any]], *, base_class: type, options: Dict[str, Any],
                  accelerator: bool, minimal_size: int, master_dtype: Optional[torch.dtype],
                  grad_sum_dtype: Optional[torch.dtype], pinning: str, update_on: str = "host") -> None:
-        _check_each_given_once(groups)
-        check_group_options(base_class, options, groups, owner="OffloadOptimizer")
         self.minimal_size = minimal_size
         self.update_on = update_on
         self.master_dtype = master_dtype
@@ -190,6 +188,7 @@ class ParameterTable:
             # The fused CPU kernel is several times faster than the per-tensor loop; on a CPU-only
             # machine the default is kept so the emulation matches plain AdamW bit for bit.
             host_options["fused"] = True
+        check_groups(groups, base_class=base_class, options=options, host_options=host_options)
         buffers = self._allocate_host_buffers(groups) if update_on == "host" else {}
         self.slots: List[Slot] = []
         #: The parameter groups torch's ``Optimizer`` is built with: each base optimizer's options.
@@ -290,9 +289,24 @@ class ParameterTable:
             slot.optimizer = base_class([param], **options)
 
 
+def check_groups(groups: List[Dict[str, Any]], *, base_class: type, options: Dict[str, Any],
+                 host_options: Optional[Dict[str, Any]] = None) -> None:
+    """What a :class:`ParameterTable` refuses in ``groups`` (named, :func:`named_groups`), before
+    anything is allocated: a parameter given twice, and the options of a group with a trainable
+    parameter that the base optimizer refuses, with ``options`` and, on the host, ``host_options``.
+
+    Raises:
+        ValueError: naming the parameter or the group's option.
+    """
+    _check_each_given_once(groups)
+    trained = [g for g in groups if any(p.requires_grad for _, p in g["params"])]
+    extra = {k: v for k, v in (host_options or {}).items() if options.get(k) != v}
+    check_group_options(base_class, options, trained, owner="OffloadOptimizer", extra_options=extra)
+
+
 def _check_each_given_once(groups: List[Dict[str, Any]]) -> None:
-    """Every trainable parameter once, under one name, before anything is allocated: a tensor given
-    twice would be stepped twice (torch only warns), and one name twice would share a slot.
+    """Every trainable parameter once, under one name: a tensor given twice would be stepped twice
+    (torch only warns), and one name twice would share a slot.
 
     Raises:
         ValueError: naming the parameter given twice, or the two names of one tensor.

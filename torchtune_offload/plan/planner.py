@@ -241,8 +241,12 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
         plan.notes.append(f"device_weights: the model loads in {settings.dtype} on the device before the optimizer "
                           f"makes its FP8 images: {loaded / GIB:.2f} GiB of weights at that moment, not in the step "
                           "peak above (on a card that barely holds them, the tightest moment of the run)")
-    need = host_memory_need(cfg, settings, model=model,
-                            step_bytes=trace.peak_bytes if settings.device.type == "cpu" else None)
+    try:
+        need = host_memory_need(cfg, settings, model=model,
+                                step_bytes=trace.peak_bytes if settings.device.type == "cpu" else None)
+    except ValueError as err:  # an optimizer option its memory plan refuses and the config check let by
+        plan.problem = str(err).splitlines()[0]
+        return plan
     phase = max(need.phases, key=lambda p: sum(need.phases[p].values()))
     plan.host_parts = {"this process (Python, PyTorch, torchtune)": baseline,
                        **{f"{phase}: {k}": v for k, v in need.phases[phase].items()}}

@@ -9,6 +9,7 @@ activations, data, and each recipe's own (LoRA modules, FSDP2).
 
 import difflib
 import inspect
+import os
 import typing
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -16,9 +17,9 @@ from typing import Any, Dict, List, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import training, utils
+from torchtune.training import ModelType
 from torchtune.config._utils import _get_component_from_path
 from torchtune.modules.peft import LORA_ATTN_MODULES
-from torchtune.training.checkpointing._utils import ModelType
 
 from torchtune_offload.distributed.policies import policy_problems
 from torchtune_offload.optim.capabilities import OptimizerCapabilities
@@ -201,8 +202,8 @@ def _key_problems(cfg: DictConfig, *, recipe: str) -> List[str]:
             others = [_RECIPE_NAMES[r] for r in sorted(RECIPE_KEYS) if key in RECIPE_KEYS[r]]
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
             if others:
-                which = "that recipe" if len(others) == 1 else "one of them"
-                hint = f" It is a key of {' and '.join(others)}: is this config meant for {which}? Else remove it (~{key})."
+                which = "that recipe" if len(others) == 1 else "one of those recipes"
+                hint = f" It is a key of {' and '.join(others)}: remove it (~{key}), or run the config with {which}."
             else:
                 hint = f" Did you mean '{close[0]}'?" if close else f" Remove it (~{key})."
             problems.append(f"{key}: unknown config key for {_RECIPE_NAMES[recipe]}.{hint}")
@@ -263,9 +264,11 @@ def _seed_settings(read: _Reader) -> typing.Tuple[Optional[int], Any]:
     """The seed (null: a random one) and the debug mode for nondeterministic ops, which
     ``training.set_seed`` takes."""
     seed = read.get("seed", None)
-    # torchtune adds the rank to the seed and needs the sum to fit an unsigned 32-bit integer.
-    if seed is not None and not (is_int(seed, low=0) and seed <= 2**32 - 1):
-        read.problems.append(f"seed={seed!r}: must be null (a random seed) or an integer from 0 to {2**32 - 1}.")
+    # torchtune adds the rank to the seed and needs the sum to fit an unsigned 32-bit integer
+    # (torchrun sets WORLD_SIZE before the recipe reads its config).
+    highest = 2**32 - int(os.environ.get("WORLD_SIZE", "1"))
+    if seed is not None and not (is_int(seed, low=0) and seed <= highest):
+        read.problems.append(f"seed={seed!r}: must be null (a random seed) or an integer from 0 to {highest}.")
     mode = read.get("cudnn_deterministic_mode", None)
     # True would pass as 1 ("warn"): a flag must not pick a level silently.
     if mode is not None and not any(type(mode) is type(m) and mode == m for m in _DEBUG_MODES):

@@ -91,7 +91,14 @@ def optimizer_option_problems(
         problems = base_option_problems(base, {k: v for k, v in options.items() if k not in (own or ())},
                                         owner=name)
         if problems or caps.device_types is not None:
-            # An offloader that needs an accelerator (torchao's) is not built on this probe.
+            # An offloader that needs an accelerator (torchao's) is not built on this probe; its own
+            # options are checked by its own check, where it has one.
+            check_own = getattr(component, "check_own_options", None)
+            if not problems and check_own is not None:
+                try:
+                    check_own(**{k: v for k, v in options.items() if k in inspect.signature(check_own).parameters})
+                except ValueError as err:
+                    problems.append(str(err))
             return problems
     else:
         return base_option_problems(component, options, named=caps.named_parameters)
