@@ -62,6 +62,7 @@ from torchtune_offload.recipe import (
     check_recipe_config,
     instantiate_model,
     load_checkpoint,
+    loss_ignore_index,
     load_full_optimizer_state,
     run_output_dir,
     save_atomically,
@@ -136,7 +137,13 @@ class FullFinetuneRecipeDistributed:
         # 1. Logging first (rank 0), so that the config is recorded even if a later step fails.
         if self._is_rank_zero:
             self._metric_logger = build_metric_logger(cfg)
-        # 2. The configured weights, read on rank 0 only; when resuming, rank 0 replaces them with
+        # 2. Data before any weight is read: a dataset that cannot load, or an epoch shorter than one
+        # window, fails here. Each rank reads its own part of every global batch.
+        self._dataloader = build_dataloader(
+            cfg.dataset, cfg.tokenizer, s, ignore_index=loss_ignore_index(cfg.loss),
+            world_size=self.world_size, rank=self.rank,
+        )
+        # 3. The configured weights, read on rank 0 only; when resuming, rank 0 replaces them with
         # the checkpoint's trained ones and every rank gets the position and its own part.
         ckpt: Dict[str, Any] = {}
         self._checkpointer = None
@@ -144,7 +151,7 @@ class FullFinetuneRecipeDistributed:
             self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=None)
         full = ckpt.pop(training.MODEL_KEY, {})
         self.progress = self._checkpoints.restore_progress(self.progress, full)
-        # 3. Shard the meta model, materialise it, and scatter rank 0's weights into the shards.
+        # 4. Shard the meta model, materialise it, and scatter rank 0's weights into the shards.
         t0 = time.perf_counter()
         mesh = init_device_mesh(s.device.type, (self.world_size,), mesh_dim_names=("dp",))
         plan = shard_model(
@@ -173,20 +180,16 @@ class FullFinetuneRecipeDistributed:
         training.validate_no_params_on_meta_device(self._model)
         training.validate_expected_param_dtype(self._model.named_parameters(), dtype=s.dtype)
         self._log(f"Sharded over {self.world_size} rank(s) and loaded in {time.perf_counter() - t0:.1f}s.")
-        # 4. Optimizer over the shards; when resuming, rank 0's full state is scattered into it.
+        # 5. Optimizer over the shards; when resuming, rank 0's full state is scattered into it.
         self._optimizer = build_optimizer(cfg.optimizer, self._model, s)
         if s.resume_from_checkpoint:
             load_full_optimizer_state(self._model, self._optimizer, self._checkpoints.take_optimizer_state(),
                                       is_rank_zero=self._is_rank_zero)
-        # 5. Loss and data; each rank reads its own part of every global batch, which sets how
-        # many steps an epoch has.
+        # 6. The loss (a chunked one sets the model's output chunks), and the epoch's steps in the
+        # position restored above.
         loss_fn = build_loss(cfg.loss, self._model, s, verbose=self._is_rank_zero)
-        self._dataloader = build_dataloader(
-            cfg.dataset, cfg.tokenizer, s, ignore_index=loss_fn.ignore_index,
-            world_size=self.world_size, rank=self.rank,
-        )
         self.progress.measure_epoch(self._dataloader, s)
-        # 6. Schedule, profiler and memory figures, wired into the shared loop.
+        # 7. Schedule, profiler and memory figures, wired into the shared loop.
         self._lr_scheduler = build_lr_scheduler(cfg.get("lr_scheduler"), optimizer=self._optimizer,
                                                 progress=self.progress)
         profiler = build_profiler(cfg.get("profiler"), all_threads=s.profile_all_threads)
@@ -197,7 +200,7 @@ class FullFinetuneRecipeDistributed:
             memory=self._memory, settings=s, progress=self.progress, output_dir=run_output_dir(cfg),
             is_rank_zero=self._is_rank_zero,
         )
-        # 7. Last, so nothing drawn during setup moves them: data position, schedule, RNGs.
+        # 8. Last, so nothing drawn during setup moves them: data position, schedule, RNGs.
         self._checkpoints.restore_position(progress=self.progress, dataloader=self._dataloader,
                                            lr_scheduler=self._lr_scheduler)
         dist.barrier()

@@ -37,6 +37,7 @@ from torchtune_offload.recipe import (
     check_recipe_config,
     instantiate_model,
     load_checkpoint,
+    loss_ignore_index,
     run_output_dir,
     save_atomically,
     use_expandable_segments,
@@ -74,9 +75,13 @@ class FullFinetuneRecipeSingleDevice:
         allocator_note = use_expandable_segments(s.device, offloads=s.optimizer_capabilities.offloads)
         if allocator_note:
             print(f"[torchtune_offload] {allocator_note}")
-        # 2. The configured weights from the checkpointer.
+        # 2. Data before any weight is read: a dataset that cannot load, or an epoch shorter than
+        # one window, fails here, not after the weights have loaded.
+        self._dataloader = build_dataloader(cfg.dataset, cfg.tokenizer, s, ignore_index=loss_ignore_index(cfg.loss))
+        self.progress.measure_epoch(self._dataloader, s)
+        # 3. The configured weights from the checkpointer.
         self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=None)
-        # 3. Model (with the trained weights when resuming), then the optimizer that copies them.
+        # 4. Model (with the trained weights when resuming), then the optimizer that copies them.
         self._model = instantiate_model(cfg.model, s)
         # pop: the loaded weights are freed before the optimizer allocates its host memory.
         self._model.load_state_dict(ckpt.pop(training.MODEL_KEY))
@@ -85,11 +90,9 @@ class FullFinetuneRecipeSingleDevice:
         self._optimizer = build_optimizer(
             cfg.optimizer, self._model, s, state_dict=self._checkpoints.take_optimizer_state(),
         )
-        # 4. Loss and data; the data sets how many steps an epoch has.
+        # 5. The loss (a chunked one sets the model's output chunks).
         loss_fn = build_loss(cfg.loss, self._model, s)
-        self._dataloader = build_dataloader(cfg.dataset, cfg.tokenizer, s, ignore_index=loss_fn.ignore_index)
-        self.progress.measure_epoch(self._dataloader, s)
-        # 5. Schedule, profiler and memory figures, wired into the shared loop.
+        # 6. Schedule, profiler and memory figures, wired into the shared loop.
         self._lr_scheduler = build_lr_scheduler(cfg.get("lr_scheduler"), optimizer=self._optimizer,
                                                 progress=self.progress)
         profiler = build_profiler(cfg.get("profiler"), all_threads=s.profile_all_threads)
@@ -99,7 +102,7 @@ class FullFinetuneRecipeSingleDevice:
             lr_scheduler=self._lr_scheduler, profiler=profiler, metric_logger=self._metric_logger,
             memory=self._memory, settings=s, progress=self.progress, output_dir=run_output_dir(cfg),
         )
-        # 6. Last, so nothing drawn during setup moves them: data position, schedule, RNGs.
+        # 7. Last, so nothing drawn during setup moves them: data position, schedule, RNGs.
         self._checkpoints.restore_position(dataloader=self._dataloader, lr_scheduler=self._lr_scheduler)
 
     def train(self) -> None:

@@ -44,6 +44,7 @@ from torchtune_offload.recipe import (
     check_recipe_config,
     instantiate_model,
     load_checkpoint,
+    loss_ignore_index,
     run_output_dir,
     save_atomically,
     use_expandable_segments,
@@ -89,9 +90,13 @@ class LoRAFinetuneRecipeSingleDevice:
         allocator_note = use_expandable_segments(s.device, offloads=s.optimizer_capabilities.offloads)
         if allocator_note:
             print(f"[torchtune_offload] {allocator_note}")
-        # 2. Base weights from the checkpointer.
+        # 2. Data before any weight is read: a dataset that cannot load, or an epoch shorter than
+        # one window, fails here, not after the weights have loaded.
+        self._dataloader = build_dataloader(cfg.dataset, cfg.tokenizer, s, ignore_index=loss_ignore_index(cfg.loss))
+        self.progress.measure_epoch(self._dataloader, s)
+        # 3. Base weights from the checkpointer.
         self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=None)
-        # 3. Model with only the adapters trainable, then the optimizer over them.
+        # 4. Model with only the adapters trainable, then the optimizer over them.
         self._model = instantiate_model(cfg.model, s)
         adapter_params = get_adapter_params(self._model)
         set_trainable_params(self._model, adapter_params)
@@ -109,11 +114,9 @@ class LoRAFinetuneRecipeSingleDevice:
         training.validate_expected_param_dtype(adapter_params.items(), dtype=s.dtype)
         self._optimizer = build_optimizer(cfg.optimizer, self._model, s,
                                           state_dict=self._checkpoints.take_optimizer_state())
-        # 4. Loss and data; the data sets how many steps an epoch has.
+        # 5. The loss (a chunked one sets the model's output chunks).
         loss_fn = build_loss(cfg.loss, self._model, s)
-        self._dataloader = build_dataloader(cfg.dataset, cfg.tokenizer, s, ignore_index=loss_fn.ignore_index)
-        self.progress.measure_epoch(self._dataloader, s)
-        # 5. Schedule, profiler and memory figures, wired into the shared loop.
+        # 6. Schedule, profiler and memory figures, wired into the shared loop.
         self._lr_scheduler = build_lr_scheduler(cfg.get("lr_scheduler"), optimizer=self._optimizer,
                                                 progress=self.progress)
         profiler = build_profiler(cfg.get("profiler"), all_threads=s.profile_all_threads)
@@ -123,7 +126,7 @@ class LoRAFinetuneRecipeSingleDevice:
             lr_scheduler=self._lr_scheduler, profiler=profiler, metric_logger=self._metric_logger,
             memory=self._memory, settings=s, progress=self.progress, output_dir=run_output_dir(cfg),
         )
-        # 6. Last, so nothing drawn during setup moves them: data position, schedule, RNGs.
+        # 7. Last, so nothing drawn during setup moves them: data position, schedule, RNGs.
         self._checkpoints.restore_position(dataloader=self._dataloader, lr_scheduler=self._lr_scheduler)
 
     def _save_epoch(self, epoch: int) -> None:

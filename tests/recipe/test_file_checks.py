@@ -1,6 +1,7 @@
 """Missing or damaged files are refused in the recipe's __init__, naming the key, the file and the fix."""
 
 import shutil
+import sys
 
 import pytest
 
@@ -129,3 +130,23 @@ def test_resume_without_a_checkpoint_is_a_file_problem(tiny_assets, tmp_path):
     assert any("holds no complete checkpoint to resume from" in p for p in problems), problems
     with pytest.raises(ValueError, match="holds no complete checkpoint"):
         _load_recipe_class("full")(cfg)
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_a_data_problem_fails_before_any_weight_is_read(tiny_assets, tmp_path, monkeypatch, kind):
+    # Before: the dataloader was built after the model and the optimizer, so an epoch shorter than
+    # one window (or a dataset that cannot load) failed after the weights had loaded (minutes at 8B).
+    recipe_class = _load_recipe_class(kind)
+    module = sys.modules[recipe_class.__module__]
+
+    def no_weights(*args, **kwargs):
+        pytest.fail("the checkpoint was read before the data problem was found")
+
+    monkeypatch.setattr(module, "load_checkpoint", no_weights)
+    cfg = _config(kind, tiny_assets, tmp_path / "out", ["gradient_accumulation_steps=1000"])
+    recipe = recipe_class(cfg)
+    try:
+        with pytest.raises(ValueError, match=r"gradient_accumulation_steps=1000 exceeds the \d+ batches of one epoch"):
+            recipe.setup(cfg)
+    finally:
+        recipe.cleanup()

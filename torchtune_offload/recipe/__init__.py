@@ -15,6 +15,7 @@ from torchtune_offload.recipe.builders import (
     build_profiler,
     instantiate_model,
     load_checkpoint,
+    loss_ignore_index,
 )
 from torchtune_offload.recipe.config import RecipeSettings, check_recipe_config
 from torchtune_offload.recipe.optimizer_rules import resolve_optimizer_component
@@ -67,6 +68,7 @@ __all__ = [
     "instantiate_model",
     "load_checkpoint",
     "load_full_optimizer_state",
+    "loss_ignore_index",
     "loss_of_logits",
     "loss_scale",
     "read_disk_log",

@@ -130,6 +130,12 @@ def build_loss(cfg_loss: DictConfig, model: nn.Module, settings: RecipeSettings,
     return loss_fn
 
 
+def loss_ignore_index(cfg_loss: DictConfig) -> int:
+    """The label id the configured loss ignores, which the collate function pads labels with: read
+    before the model exists, so the data can be built (and fail) before any weight is read."""
+    return config.instantiate(cfg_loss).ignore_index
+
+
 def build_dataloader(
     cfg_dataset: Any,
     cfg_tokenizer: DictConfig,
