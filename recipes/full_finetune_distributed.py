@@ -185,8 +185,7 @@ class FullFinetuneRecipeDistributed:
         if s.resume_from_checkpoint:
             load_full_optimizer_state(self._model, self._optimizer, self._checkpoints.take_optimizer_state(),
                                       is_rank_zero=self._is_rank_zero)
-        # 6. The loss (a chunked one sets the model's output chunks), and the epoch's steps in the
-        # position restored above.
+        # 6. The loss (a chunked one sets the model's output chunks), and the steps of an epoch.
         loss_fn = build_loss(cfg.loss, self._model, s, verbose=self._is_rank_zero)
         self.progress.measure_epoch(self._dataloader, s)
         # 7. Schedule, profiler and memory figures, wired into the shared loop.

@@ -207,7 +207,11 @@ def test_validate_checks_the_components_of_a_config_that_names_no_recipe(cache_w
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("a: [1, 2\nb: 3\n", "not a YAML config (line 2): did not find expected ',' or ']'"),
+    ("a: [1, 2\nb: 3\n", "not a YAML config (line 2): expected ',' or ']', but got ':'"),
+    ("42\n", "and this file holds a number"),
+    ("just some prose\n", "and this file holds text"),
+    ("{}\n", "and this file holds no keys"),
+    ("a: ${foo\n", "torchtune's OmegaConf cannot read it"),
     ("seed: 1\nseed: 2\n", "not a YAML config (line 2): found duplicate key seed"),  # torchtune refuses it too
     ("- 1\n- 2\n", "a config is a mapping of keys (model:, optimizer:, ...), and this file holds a list"),
     ("", "and this file holds nothing"),

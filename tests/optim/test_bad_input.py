@@ -224,11 +224,19 @@ def test_group_checks_skip_frozen_groups_and_see_the_host_steps_options():
     # A group with nothing to train is skipped, as the table skips it.
     opt = OffloadOptimizer([{"params": list(model[0].named_parameters())}, frozen], minimal_size=0)
     assert len(opt.param_groups) == 1
-    # On an accelerator the host step adds fused=True, which torch refuses beside foreach=True.
+    # A group after a frozen one keeps its number.
+    with pytest.raises(ValueError, match=r"OffloadOptimizer param group 1 \(base AdamW\)"):
+        OffloadOptimizer([frozen, {"params": list(model[0].named_parameters()), "lr": -2.0}], minimal_size=0)
+    # On an accelerator the host step adds fused=True, which torch refuses beside foreach=True,
+    # given for a group or for all.
     groups = [{"params": list(model[0].named_parameters()), "foreach": True}]
     param_table.check_groups(groups, base_class=torch.optim.AdamW, options={})
     with pytest.raises(ValueError, match=r"param group 0 \(base AdamW, host step\)"):
         param_table.check_groups(groups, base_class=torch.optim.AdamW, options={}, host_options={"fused": True})
+    plain = [{"params": list(model[0].named_parameters())}]
+    with pytest.raises(ValueError, match=r"OffloadOptimizer \(base AdamW, host step\)"):
+        param_table.check_groups(plain, base_class=torch.optim.AdamW, options={"foreach": True},
+                                 host_options={"foreach": True, "fused": True})
 
 
 def test_the_host_memory_plan_refuses_a_tensor_given_twice_and_a_groups_option():
@@ -258,3 +266,13 @@ def test_a_failure_that_is_not_the_checkpoints_puts_back_the_states_and_is_raise
         opt.load_state_dict(saved)
     assert all(s.optimizer.state is old for s, old in zip(slots, before))
     assert all(s.optimizer.state[s.step_param]["step"] == 3 for s in slots[:-1])
+
+
+def test_without_a_host_step_the_host_steps_options_are_not_checked():
+    # update_on="device" steps on the device: foreach=True there is torch's business, and fine.
+    model = _model()
+    groups = [{"params": list(model.named_parameters()), "lr": 0.1}]
+    table = param_table.ParameterTable(groups, base_class=torch.optim.AdamW, options={"foreach": True},
+                                       accelerator=True, minimal_size=0, master_dtype=None, grad_sum_dtype=None,
+                                       pinning="none", update_on="device")
+    assert len(table.slots) == 4

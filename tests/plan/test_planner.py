@@ -175,3 +175,5 @@ def test_a_memory_plan_that_refuses_the_optimizer_is_the_variants_problem(tiny_a
     overrides = [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}"]
     plan = plan_variant(CONFIG, overrides, "config", recipe="full", seq_len=None, baseline=0)
     assert plan.problem == "optimizer.something=1 refused by the memory plan"
+    # Nothing of the refused run is reported as if it could run.
+    assert plan.device_bytes is None and not plan.device_parts and plan.work is None and plan.host_bytes is None

@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torchtune._cli import tune as tune_cli
 from torchtune._cli.run import Run
 from torchtune.config._parse import TuneRecipeArgumentParser
@@ -80,8 +81,10 @@ def _yaml_mapping(path: Path) -> dict:
         UsageError: naming the file, and the line of a YAML error.
     """
     try:
-        # As torchtune reads it (OmegaConf's loader, which also refuses a key given twice).
-        data = OmegaConf.to_container(OmegaConf.load(path))
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+        if isinstance(data, dict) and data:
+            OmegaConf.load(path)  # as torchtune reads it: OmegaConf also refuses a key given twice
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         line = f" (line {where.line + 1})" if where is not None else ""
@@ -89,9 +92,14 @@ def _yaml_mapping(path: Path) -> dict:
         raise UsageError(f"{path}: not a YAML config{line}: {reason}.") from err
     except UnicodeDecodeError as err:
         raise UsageError(f"{path}: not a YAML config (not UTF-8 text).") from err
+    except OmegaConfBaseException as err:  # e.g. an interpolation that does not parse: ${foo
+        raise UsageError(f"{path}: torchtune's OmegaConf cannot read it: {str(err).splitlines()[0]}") from err
     if not isinstance(data, dict) or not data:
+        kinds = {"str": "text", "int": "a number", "float": "a number", "bool": "true or false"}
+        held = ("nothing" if data is None else "no keys" if isinstance(data, dict)
+                else kinds.get(type(data).__name__, "a " + type(data).__name__))
         raise UsageError(f"{path}: a config is a mapping of keys (model:, optimizer:, ...), and this file holds "
-                         f"{'a ' + type(data).__name__ if data else 'nothing'}.")
+                         f"{held}.")
     return data
 
 
@@ -146,7 +154,7 @@ def _cat(args: argparse.Namespace) -> int:
     shipped = _shipped()
     if args.config in shipped.recipes:
         raise UsageError(f"'{args.config}' is a recipe; cat prints configs. Copy the recipe with: {PROG} cp {args.config} .")
-    data = _yaml_mapping(shipped.config(args.config))
+    data = _yaml_mapping(shipped.config(args.config))  # read as tune cat reads it (5e-3 stays a string)
     print(yaml.dump(data, default_flow_style=False, sort_keys=args.sort, indent=4, width=100), end="")
     return 0
 

@@ -110,17 +110,20 @@ def check_base_options(cls: type, options: Mapping[str, Any], *, owner: Optional
         raise ValueError("\n".join(problems))
 
 
-def check_group_options(cls: type, options: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], *,
+def check_group_options(cls: type, options: Mapping[str, Any], groups: Sequence[Optional[Mapping[str, Any]]], *,
                         owner: str, extra_options: Optional[Mapping[str, Any]] = None) -> None:
     """:func:`check_base_options` for each parameter group that sets options of its own, merged over
     the constructor's ``options`` (and again over ``extra_options`` too, where given: options a host
-    step adds, such as ``fused``), before anything is built for the groups.
+    step adds, such as ``fused``), before anything is built for the groups. A ``None`` in ``groups``
+    stands for a group not to check (one with nothing to train), keeping the others' numbers.
 
     Raises:
         ValueError: naming the group, each refused key, its value and the accepted form.
     """
+    if extra_options:
+        check_base_options(cls, {**options, **extra_options}, owner=f"{owner} (base {cls.__name__}, host step)")
     for i, group in enumerate(groups):
-        own = {k: v for k, v in group.items() if k != "params"}
+        own = {k: v for k, v in (group or {}).items() if k != "params"}
         if own:
             check_base_options(cls, {**options, **own}, owner=f"{owner} param group {i} (base {cls.__name__})")
             if extra_options:

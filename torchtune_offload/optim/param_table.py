@@ -188,7 +188,9 @@ class ParameterTable:
             # The fused CPU kernel is several times faster than the per-tensor loop; on a CPU-only
             # machine the default is kept so the emulation matches plain AdamW bit for bit.
             host_options["fused"] = True
-        check_groups(groups, base_class=base_class, options=options, host_options=host_options)
+        # The host step's options only where there is one (update_on="device" steps on the device).
+        check_groups(groups, base_class=base_class, options=options,
+                     host_options=host_options if update_on == "host" else None)
         buffers = self._allocate_host_buffers(groups) if update_on == "host" else {}
         self.slots: List[Slot] = []
         #: The parameter groups torch's ``Optimizer`` is built with: each base optimizer's options.
@@ -299,7 +301,7 @@ def check_groups(groups: List[Dict[str, Any]], *, base_class: type, options: Dic
         ValueError: naming the parameter or the group's option.
     """
     _check_each_given_once(groups)
-    trained = [g for g in groups if any(p.requires_grad for _, p in g["params"])]
+    trained = [g if any(p.requires_grad for _, p in g["params"]) else None for g in groups]
     extra = {k: v for k, v in (host_options or {}).items() if options.get(k) != v}
     check_group_options(base_class, options, trained, owner="OffloadOptimizer", extra_options=extra)
 

@@ -224,6 +224,12 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     model = build_meta_model(cfg, settings)
     if mark is not None:
         mark(model)
+    try:
+        need = host_memory_need(cfg, settings, model=model,
+                                step_bytes=trace.peak_bytes if settings.device.type == "cpu" else None)
+    except ValueError as err:  # an optimizer option its memory plan refuses and the config check let by
+        plan.problem, plan.device_parts = str(err).splitlines()[0], {}
+        return plan
     if settings.device.type != "cpu":
         for label, size in _device_state(settings, cfg, model).items():
             if "paged" in label:
@@ -241,12 +247,6 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
         plan.notes.append(f"device_weights: the model loads in {settings.dtype} on the device before the optimizer "
                           f"makes its FP8 images: {loaded / GIB:.2f} GiB of weights at that moment, not in the step "
                           "peak above (on a card that barely holds them, the tightest moment of the run)")
-    try:
-        need = host_memory_need(cfg, settings, model=model,
-                                step_bytes=trace.peak_bytes if settings.device.type == "cpu" else None)
-    except ValueError as err:  # an optimizer option its memory plan refuses and the config check let by
-        plan.problem = str(err).splitlines()[0]
-        return plan
     phase = max(need.phases, key=lambda p: sum(need.phases[p].values()))
     plan.host_parts = {"this process (Python, PyTorch, torchtune)": baseline,
                        **{f"{phase}: {k}": v for k, v in need.phases[phase].items()}}

@@ -1,7 +1,7 @@
 """Building blocks the recipes share, one per step of a recipe's ``setup()``.
 
 torchtune copies these into every recipe; here each exists once and the recipes call them in the
-same order: metric logger, checkpoint, model, optimizer, loss, data, LR scheduler, profiler (the
+same order: metric logger, data, checkpoint, model, optimizer, loss, LR scheduler, profiler (the
 memory monitor is :class:`torchtune_offload.recipe.memory.MemoryMonitor`).
 """
 

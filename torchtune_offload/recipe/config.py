@@ -266,7 +266,8 @@ def _seed_settings(read: _Reader) -> typing.Tuple[Optional[int], Any]:
     seed = read.get("seed", None)
     # torchtune adds the rank to the seed and needs the sum to fit an unsigned 32-bit integer
     # (torchrun sets WORLD_SIZE before the recipe reads its config).
-    highest = 2**32 - int(os.environ.get("WORLD_SIZE", "1"))
+    ranks = os.environ.get("WORLD_SIZE", "1")
+    highest = 2**32 - (int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1)
     if seed is not None and not (is_int(seed, low=0) and seed <= highest):
         read.problems.append(f"seed={seed!r}: must be null (a random seed) or an integer from 0 to {highest}.")
     mode = read.get("cudnn_deterministic_mode", None)
