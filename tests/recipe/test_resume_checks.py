@@ -5,6 +5,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.recipe.test_recipes import FULL_OFFLOAD, RESUME, run_recipe
+from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.resume import no_checkpoint_problem
 from torchtune_offload.recipe.step_checkpoints import StepCheckpoints
 
@@ -55,3 +56,25 @@ def test_a_checkpoint_is_resumed_only_by_a_run_of_its_rank_count(tmp_path, saved
                                                weights={"w": torch.zeros(2)}, state={}, ranks=saved_ranks)
     problem = no_checkpoint_problem(OmegaConf.create({"output_dir": str(tmp_path)}), world_size=world_size)
     assert problem is None if fragment is None else fragment in problem
+
+
+@pytest.mark.parametrize("measured_first", [True, False])
+def test_a_resumed_run_takes_the_checkpoints_max_steps_per_epoch_as_it_says(measured_first, caplog):
+    # Before: restore() warned "using the checkpoint's" but the epoch was measured with the config's.
+    # The recipes now measure the data before they resume, the distributed one after: both agree.
+    class Loader:
+        def __len__(self):
+            return 12
+
+    settings = type("Settings", (), {"gradient_accumulation_steps": 2, "max_steps_per_epoch": 5})()
+    progress = Progress(seed=0, epochs_run=0, total_epochs=2, max_steps_per_epoch=5)
+    saved = Progress(seed=0, epochs_run=1, total_epochs=2, max_steps_per_epoch=3, steps_run_in_epoch=2).state()
+    if measured_first:
+        progress.measure_epoch(Loader(), settings)
+        assert progress.steps_per_epoch == 5
+    progress.restore(saved)
+    if not measured_first:
+        progress.measure_epoch(Loader(), settings)
+    assert progress.max_steps_per_epoch == 3 and progress.steps_per_epoch == 3
+    assert "config max_steps_per_epoch=5 differs from the checkpoint's 3; using the checkpoint's" in caplog.text
+
