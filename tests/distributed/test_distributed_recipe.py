@@ -276,7 +276,7 @@ if rank == 1:
     with torch.no_grad():
         model.weight[0, 0] = float("inf")
 progress = Progress(seed=0, epochs_run=0, total_epochs=1, max_steps_per_epoch=None, steps_run_in_epoch=3,
-                    steps_per_epoch=4)
+                    windows_per_epoch=4)
 try:
     DivergenceGuard(optimizer_name="AdamW", progress=progress, output_dir=".").check_weights(model)
     print("saved")

@@ -114,7 +114,7 @@ def test_update_on_device_diverging_exits_nonzero_from_tune_run(tiny_assets, tmp
 
 def _progress(*, epochs_run: int = 0, steps_run: int = 0) -> Progress:
     return Progress(seed=0, epochs_run=epochs_run, total_epochs=2, max_steps_per_epoch=None,
-                    steps_run_in_epoch=steps_run, steps_per_epoch=4)
+                    steps_run_in_epoch=steps_run, windows_per_epoch=4)
 
 
 def test_the_message_names_the_last_checkpoint_or_that_there_is_none(tmp_path):

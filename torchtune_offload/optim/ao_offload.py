@@ -84,7 +84,7 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         base_class = resolve_optimizer_class(optimizer_class)
         # A refused option value is named with its key on any machine, before the device check.
         check_base_options(base_class, kwargs, owner=f"CPUOffloadOptimizer (base {base_class.__name__})")
-        self.check_own_options(offload_gradients=offload_gradients, minimal_size=minimal_size)
+        self.check_own_options({"offload_gradients": offload_gradients, "minimal_size": minimal_size})
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         if accelerator is None or accelerator.type not in self.capabilities.device_types:
             raise ValueError(
@@ -140,15 +140,16 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
                 param.register_hook(functools.partial(self._await_copy, param))
 
     @staticmethod
-    def check_own_options(*, offload_gradients: Any = False, minimal_size: Any = 4096) -> None:
-        """This wrapper's own options, checked on any machine (torchao checks neither: the string
-        ``"false"`` would turn gradient offload on).
+    def check_own_options(own: Dict[str, Any]) -> None:
+        """This wrapper's own options (``split_options``' first part: each given or at its default),
+        checked on any machine (torchao checks neither: the string ``"false"`` would turn gradient
+        offload on).
 
         Raises:
             ValueError: naming ``optimizer.<key>``.
         """
-        flag_option(offload_gradients, key="offload_gradients")
-        minimal_size_option(minimal_size)
+        flag_option(own["offload_gradients"], key="offload_gradients")
+        minimal_size_option(own["minimal_size"])
 
     @classmethod
     def plan_host_memory(
@@ -175,7 +176,7 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         base_class = resolve_optimizer_class(optimizer_class)
         # What the constructor would refuse is refused here: a plan of a run that cannot start misleads.
         check_base_options(base_class, kwargs, owner=f"CPUOffloadOptimizer (base {base_class.__name__})")
-        cls.check_own_options(**own)
+        cls.check_own_options(own)
         params = _strip_names(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         trainable = [p for g in groups for p in g["params"] if p.requires_grad]

@@ -11,7 +11,7 @@ import torchao.optim
 from omegaconf import DictConfig, OmegaConf
 
 from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
-from torchtune_offload.optim.optimizer_class import resolve_optimizer, resolve_optimizer_class
+from torchtune_offload.optim.optimizer_class import resolve_optimizer, resolve_optimizer_class, split_options
 from torchtune_offload.optim.base_options import base_option_problems
 
 
@@ -96,7 +96,7 @@ def optimizer_option_problems(
             check_own = getattr(component, "check_own_options", None)
             if not problems and check_own is not None:
                 try:
-                    check_own(**{k: v for k, v in options.items() if k in inspect.signature(check_own).parameters})
+                    check_own(split_options(component.__init__, options)[0])
                 except ValueError as err:
                     problems.append(str(err))
             return problems

@@ -26,9 +26,7 @@ class Progress:
     max_steps_per_epoch: Optional[int]
     #: Optimizer steps already done in epoch ``epochs_run`` (a mid-epoch checkpoint).
     steps_run_in_epoch: int = 0
-    #: Optimizer steps in one epoch, once the dataloader is built (:meth:`measure_epoch`).
-    steps_per_epoch: Optional[int] = None
-    #: Whole accumulation windows in one epoch of the dataloader, before ``max_steps_per_epoch``.
+    #: Whole accumulation windows in one epoch of the dataloader, once it is built (:meth:`measure_epoch`).
     windows_per_epoch: Optional[int] = None
 
     @classmethod
@@ -49,7 +47,6 @@ class Progress:
                     log.warning(f"config {attr}={getattr(self, attr)} differs from the checkpoint's "
                                 f"{ckpt[key]}; using the checkpoint's.")
                     setattr(self, attr, ckpt[key])
-            self._cap_epoch()  # the checkpoint's max_steps_per_epoch, also where the data was measured first
         except KeyError as err:
             raise ValueError(
                 f"resume_from_checkpoint=True but the recipe state lacks {err}; it was not written by "
@@ -60,13 +57,13 @@ class Progress:
         """Counts the optimizer steps of one epoch: whole windows of ``loader``, capped by
         ``max_steps_per_epoch`` (a resumed checkpoint's, where it differs from the config's)."""
         self.windows_per_epoch = len(loader) // settings.gradient_accumulation_steps
-        self._cap_epoch()
 
-    def _cap_epoch(self) -> None:
-        # This run's max_steps_per_epoch: the config's, or a resumed checkpoint's (restore()).
-        if self.windows_per_epoch is not None:
-            cap = self.max_steps_per_epoch
-            self.steps_per_epoch = self.windows_per_epoch if cap is None else min(self.windows_per_epoch, cap)
+    @property
+    def steps_per_epoch(self) -> Optional[int]:
+        """Optimizer steps in one epoch: its windows, capped by this run's ``max_steps_per_epoch``
+        (the config's, or a resumed checkpoint's: :meth:`restore`); None before :meth:`measure_epoch`."""
+        cap, windows = self.max_steps_per_epoch, self.windows_per_epoch
+        return windows if cap is None or windows is None else min(windows, cap)
 
     @property
     def global_step(self) -> int:
