@@ -216,7 +216,6 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     if request.key not in traces:
         traces.update(request.traces())
     trace = traces[request.key]
-    plan.device_parts = {f"step peak: {k.lower()}": v for k, v in trace.by_kind.items() if v}
     twin = unquantised_twin(cfg.model)
     if twin is not None:  # the counts below read shapes only, the same on a model of plain tensors
         cfg = OmegaConf.merge(cfg, {})
@@ -228,8 +227,9 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
         need = host_memory_need(cfg, settings, model=model,
                                 step_bytes=trace.peak_bytes if settings.device.type == "cpu" else None)
     except ValueError as err:  # an optimizer option its memory plan refuses and the config check let by
-        plan.problem, plan.device_parts = str(err).splitlines()[0], {}
+        plan.problem = str(err).splitlines()[0]
         return plan
+    plan.device_parts = {f"step peak: {k.lower()}": v for k, v in trace.by_kind.items() if v}
     if settings.device.type != "cpu":
         for label, size in _device_state(settings, cfg, model).items():
             if "paged" in label:
