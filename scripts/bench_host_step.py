@@ -128,8 +128,9 @@ def engine(dims, dtype, *, optimizer_class="torch.optim.AdamW", clip: Optional[s
     for p in params:
         p.grad = None
     kwargs = {"fused": True} if optimizer_class == "torch.optim.AdamW" else {}
+    # offload_gradients: the host gradient buffers are the sums it lands (grad_sum_dtype needs it).
     opt = OffloadOptimizer([(f"p{i}", p) for i, p in enumerate(params)], optimizer_class, minimal_size=0,
-                           lr=1e-5, weight_decay=0.01, **kwargs, **options)
+                           offload_gradients=True, lr=1e-5, weight_decay=0.01, **kwargs, **options)
     for slot, g in zip(opt._slots, grads):
         slot.host_grad.copy_(g)
     if convert_fresh:

@@ -76,10 +76,11 @@ def test_engine_holds_exactly_what_it_plans_with_in_place_pinning(monkeypatch):
     for master_dtype, blocks in ((None, 2), ("fp32", 3)):  # copies, gradients (and bf16 results)
         calls.clear()
         opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", master_dtype=master_dtype,
-                               grad_sum_dtype=master_dtype, minimal_size=100, lr=1e-3)
+                               grad_sum_dtype=master_dtype, offload_gradients=True, minimal_size=100, lr=1e-3)
         report = opt.memory_report()
         plan = OffloadOptimizer.plan_host_memory(model.named_parameters(), device="cuda", master_dtype=master_dtype,
-                                                 grad_sum_dtype=master_dtype, minimal_size=100, lr=1e-3)
+                                                 grad_sum_dtype=master_dtype, offload_gradients=True, minimal_size=100,
+                                                 lr=1e-3)
         pinned = sum(v for k, v in plan.parts.items() if k.endswith("(pinned)"))
         locks = [c for c in calls if c[0] == "lock"]
         assert len(locks) == blocks and report.pinned_bytes == pinned == sum(size for _, _, size in locks)

@@ -1,6 +1,8 @@
 """fp32 master weights for a bf16 model: the masters follow plain fp32 AdamW fed the same gradients,
 the model's weights are their bf16 rounding, and checkpoints carry the masters."""
 
+import functools
+
 import pytest
 import torch
 
@@ -48,8 +50,8 @@ def _plain_fp32_adamw(initial, fed, *, steps, lr_at):
     return masters
 
 
-@pytest.mark.parametrize("grad_sum_dtype", [None, "fp32"])
-@pytest.mark.parametrize("offload_gradients", [False, True])
+# fp32 sums are host sums: without offload_gradients the device sums in bf16 (refused below).
+@pytest.mark.parametrize("offload_gradients, grad_sum_dtype", [(False, None), (True, None), (True, "fp32")])
 @pytest.mark.parametrize("grad_accum", [1, 3])
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_masters_follow_plain_fp32_adamw(monkeypatch, grad_sum_dtype, offload_gradients, grad_accum, clip):
@@ -127,12 +129,23 @@ def test_only_fp32_or_unset_is_accepted(key):
         OffloadOptimizer(_bf16_model().named_parameters(), **{key: "fp16"})
 
 
+def test_fp32_sums_without_offload_gradients_are_refused_by_name():
+    """Without offload_gradients the device sums the micro-batches in bf16 and clipping scales them
+    there: an fp32 host buffer would hold a widened copy at twice the bytes, and an overlapped
+    step scaled it in fp32 where the serial one scales in bf16 (the two runs' weights differed)."""
+    for make in (OffloadOptimizer, functools.partial(OffloadOptimizer.plan_host_memory, device="cpu")):
+        with pytest.raises(ValueError, match=r"optimizer\.grad_sum_dtype=fp32 without optimizer\.offload_gradients="
+                                             r"True: .* remove it \(~optimizer\.grad_sum_dtype\)"):
+            make(_bf16_model().named_parameters(), master_dtype="fp32", grad_sum_dtype="fp32", overlap=True)
+
+
 def test_plan_counts_fp32_masters_and_states():
     model = _bf16_model().to("meta")
     plan = OffloadOptimizer.plan_host_memory(model.named_parameters(), device="cpu", master_dtype="fp32",
-                                             grad_sum_dtype="fp32", minimal_size=MINIMAL_SIZE, lr=1.0)
+                                             grad_sum_dtype="fp32", offload_gradients=True, minimal_size=MINIMAL_SIZE,
+                                             lr=1.0)
     real = OffloadOptimizer(_bf16_model().named_parameters(), master_dtype="fp32", grad_sum_dtype="fp32",
-                            minimal_size=MINIMAL_SIZE, lr=1.0)
+                            offload_gradients=True, minimal_size=MINIMAL_SIZE, lr=1.0)
     big = [p for p in model.parameters() if p.numel() >= MINIMAL_SIZE]
     n = sum(p.numel() for p in big)
 

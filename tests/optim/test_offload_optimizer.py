@@ -1,5 +1,7 @@
 """OffloadOptimizer against plain optimizers, trained side by side on the CPU emulation path."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -278,6 +280,52 @@ def test_checkpoint_that_does_not_fit_is_refused(make_target, match):
     with pytest.raises(ValueError, match=match):
         target.load_state_dict(state)
     assert {s.key: s.optimizer.state_dict() for s in target._slots} == before, "nothing loads on error"
+
+
+def _without(state, path):
+    """A deep copy of ``state`` without the entry at ``path`` (keys; ``"*"`` is the first parameter)."""
+    state = copy.deepcopy(state)
+    entry = state
+    for key in path[:-1]:
+        entry = entry[next(iter(entry))] if key == "*" else entry[key]
+    del entry[path[-1]]
+    return state
+
+
+@pytest.mark.parametrize("path, match", [
+    (("minimal_size",), "entries missing \\(minimal_size\\)"),
+    (("state", "*", "shape"), "entries missing \\(state\\['.*'\\]\\['shape'\\]\\)"),
+    (("state", "*", "optimizer"), "\\['optimizer'\\]"),
+    (("param_groups", 0, "params"), "param_groups\\[0\\]\\['params'\\]"),
+])
+def test_damaged_checkpoint_is_refused_by_entry(path, match):
+    """A checkpoint of this format with an entry missing (edited, or cut short by hand) is named,
+    not a ``KeyError`` halfway through checking it, and nothing loads."""
+    state = _trained_state(minimal_size=MINIMAL_SIZE)
+    target = OffloadOptimizer(tiny_model().named_parameters(), minimal_size=MINIMAL_SIZE)
+    before = {s.key: s.optimizer.state_dict() for s in target._slots}
+    with pytest.raises(ValueError, match=match):
+        target.load_state_dict(_without(state, path))
+    assert {s.key: s.optimizer.state_dict() for s in target._slots} == before
+
+
+def test_checkpoint_with_master_weights_of_another_shape_is_refused_before_loading():
+    """fp32 masters are copied after the base states load: a wrong one is found first, so the
+    base states are not left loaded beside a failed copy."""
+    model = tiny_model().to(torch.bfloat16)
+    opt = OffloadOptimizer(model.named_parameters(), lr=1e-2, minimal_size=MINIMAL_SIZE, master_dtype="fp32")
+    for x, y in batches(num=1):
+        ((model(x.bfloat16()) - y) ** 2).sum().backward()
+    opt.step()
+    state = opt.state_dict()
+    key = next(k for k, v in state["state"].items() if "master" in v)
+    state["state"][key]["master"] = state["state"][key]["master"][:1]
+    target = OffloadOptimizer(tiny_model().to(torch.bfloat16).named_parameters(), minimal_size=MINIMAL_SIZE,
+                              master_dtype="fp32")
+    before = {s.key: s.optimizer.state_dict() for s in target._slots}
+    with pytest.raises(ValueError, match=f"{key}: master weights in the checkpoint are torch.float32"):
+        target.load_state_dict(state)
+    assert {s.key: s.optimizer.state_dict() for s in target._slots} == before
 
 
 def test_checkpoint_from_another_optimizer_is_refused():

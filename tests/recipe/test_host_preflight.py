@@ -74,6 +74,23 @@ def test_a_run_that_does_not_fit_fails_in_init_with_figures(tiny_assets, tmp_pat
     assert not (tmp_path / "logs").exists()  # nothing was set up
 
 
+@pytest.mark.parametrize("option, removed", [
+    ("optimizer.grad_sum_on=device", "~optimizer.grad_sum_on"),
+    ("optimizer.device_weights=fp8", "~optimizer.device_weights"),
+])
+def test_the_device_update_suggestion_drops_what_it_refuses(tiny_assets, tmp_path, monkeypatch, option, removed):
+    """update_on=device refuses grad_sum_on=device and FP8 device weights: the suggestion removes
+    them, so it is sized (not "cannot be sized") and runs as printed."""
+    monkeypatch.setattr(host_preflight, "available_host_memory", lambda: 1024)
+    cfg = _config("full", tiny_assets, tmp_path, [*OFFLOAD_ACCUM, option])
+    with pytest.raises(ValueError) as err:
+        _load_recipe_class("full")(cfg)
+    message = str(err.value)
+    assert re.search(rf"optimizer\.update_on=device optimizer\.offload_gradients=False {re.escape(removed)} "
+                     r"\(states alone on the host, [^\n]*\): ([0-9.]+) GiB", message), message
+    assert "cannot be sized" not in message, message
+
+
 def test_device_update_plan_is_its_report(tiny_assets, tmp_path):
     run = run_recipe("full", tiny_assets, tmp_path, *FULL_OFFLOAD, "optimizer.update_on=device",
                      "max_steps_per_epoch=2", "batch_size=4")

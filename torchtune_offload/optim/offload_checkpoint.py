@@ -123,6 +123,10 @@ def mismatches(table: ParameterTable, sd: Any, *, base_class: type, num_groups: 
             f"it is not an OffloadOptimizer checkpoint ({found}); it was written by another "
             f"optimizer (expected format {STATE_DICT_FORMAT!r})"
         ]
+    damaged = _missing_entries(sd)
+    if damaged:
+        return [f"it is an OffloadOptimizer checkpoint with entries missing ({', '.join(damaged[:5])}): it was "
+                "damaged or edited; resume from an earlier checkpoint"]
     problems = []
     mine = class_path(base_class)
     if sd["optimizer_class"] != mine:
@@ -149,6 +153,26 @@ def mismatches(table: ParameterTable, sd: Any, *, base_class: type, num_groups: 
     return problems
 
 
+#: What every checkpoint of this format holds, at its top and for each parameter.
+_ENTRIES = ("optimizer_class", "minimal_size", "param_groups", "state")
+_SLOT_ENTRIES = ("offloaded", "shape", "dtype", "optimizer")
+
+
+def _missing_entries(sd: Dict[str, Any]) -> List[str]:
+    """The entries a checkpoint of this format must hold and ``sd`` lacks, as ``key`` paths."""
+    missing = [key for key in _ENTRIES if key not in sd]
+    if not isinstance(sd.get("state", {}), dict) or not isinstance(sd.get("param_groups", []), list):
+        return missing + ["state (a dict) or param_groups (a list)"]
+    missing += [f"param_groups[{i}]['params']" for i, g in enumerate(sd.get("param_groups", []))
+                if not isinstance(g, dict) or "params" not in g]
+    for name, saved in sd.get("state", {}).items():
+        if not isinstance(saved, dict):
+            missing.append(f"state[{name!r}] (a dict)")
+            continue
+        missing += [f"state[{name!r}][{key!r}]" for key in _SLOT_ENTRIES if key not in saved]
+    return missing
+
+
 def _slot_mismatch(table: ParameterTable, slot: Any, saved: Optional[Dict[str, Any]], *,
                    saved_minimal_size: int) -> Optional[str]:
     if saved is None:
@@ -160,6 +184,12 @@ def _slot_mismatch(table: ParameterTable, slot: Any, saved: Optional[Dict[str, A
         return (f"{slot.key}: {'has' if 'master' in saved else 'has no'} master weights in the "
                 f"checkpoint, {'needs' if slot.has_master else 'takes none'} now "
                 f"(master_dtype={table.master_dtype})")
+    master = saved.get("master")
+    if slot.has_master and (not isinstance(master, torch.Tensor) or master.shape != slot.step_param.shape
+                            or master.dtype != slot.step_param.dtype):
+        found = f"{master.dtype}{list(master.shape)}" if isinstance(master, torch.Tensor) else type(master).__name__
+        return (f"{slot.key}: master weights in the checkpoint are {found}, "
+                f"need {slot.step_param.dtype}{list(slot.step_param.shape)}")
     if saved["offloaded"] != slot.offloaded:
         return (f"{slot.key}: stepped {'on the host' if saved['offloaded'] else 'on the device'} "
                 f"in the checkpoint (minimal_size={saved_minimal_size}), "

@@ -87,7 +87,7 @@ class OffloadOptions:
             no host gradient behind: the next backward starts a fresh sum, as after ``zero_grad()``.
         grad_sum_dtype: the dtype of host gradient buffers, in which ``offload_gradients`` sums
             micro-batches. ``None`` (default): the parameter's dtype, as plain training sums;
-            fp32: fp32 sums.
+            fp32: fp32 sums. Needs ``offload_gradients`` (without it the device sums them).
         fused_master_step: with fp32 masters, bf16 parameters and an Adam/AdamW base, step each
             offloaded master in one pass over all host cores that also writes the rounded copy (a C
             loop built at first use, ``optim/fused_step.py``); False, or no C compiler, takes the
@@ -189,6 +189,14 @@ class OffloadOptions:
                          grad_sum_dtype=grad_sum_dtype, overlap_timeout_s=overlap_timeout_s)
         _check_device_weights(device_weights, update_on=update_on)
         _check_grad_sum_on(grad_sum_on, offload_gradients=offload)
+        if grad_sum is not None and not offload:
+            # Without offload_gradients the device sums the micro-batches in the parameters' dtype and
+            # clipping scales them there; a wider host buffer would only hold a widened copy (and an
+            # overlapped step would scale it in the wider dtype, unlike the serial one).
+            raise ValueError(f"optimizer.grad_sum_dtype={grad_sum_dtype} without optimizer.offload_gradients=True: "
+                             "gradients are then summed on the device in the parameters' dtype, so it would "
+                             "change nothing but the host memory. Set optimizer.offload_gradients=True, or "
+                             "remove it (~optimizer.grad_sum_dtype).")
         return cls(
             offload_gradients=offload, minimal_size=minimal_size, master_dtype=master,
             grad_sum_dtype=grad_sum, fused_master_step=fused, overlap=overlapped,

@@ -269,9 +269,15 @@ def _suggestions(cfg: DictConfig, settings: RecipeSettings, need: HostMemoryNeed
                                dict(optimizer_options={"optimizer_class": "torchtune_offload.AdamW8bit"})))
         if OmegaConf.select(cfg, "optimizer.update_on", default="host") != "device":
             # States alone on the host; the weights and gradients must then fit the device (the planner says).
-            candidates.append(("optimizer.update_on=device optimizer.offload_gradients=False (states alone on the "
-                               "host, updates on the device, if the weights and gradients fit it)",
-                               dict(optimizer_options={"update_on": "device", "offload_gradients": False})))
+            # Options update_on=device refuses go with it, so the line is one the user can run as it is.
+            overrides = "optimizer.update_on=device optimizer.offload_gradients=False"
+            options = {"update_on": "device", "offload_gradients": False}
+            if OmegaConf.select(cfg, "optimizer.grad_sum_on", default="host") != "host":
+                overrides, options["grad_sum_on"] = overrides + " ~optimizer.grad_sum_on", "host"
+            if OmegaConf.select(cfg, "optimizer.device_weights", default=None) is not None:
+                overrides, options["device_weights"] = overrides + " ~optimizer.device_weights", None
+            candidates.append((f"{overrides} (states alone on the host, updates on the device, if the weights and "
+                               "gradients fit it)", dict(optimizer_options=options)))
     if settings.device.type == "cpu" and torch.accelerator.is_available():
         accel = torch.accelerator.current_accelerator()
         candidates.append((f"device={accel.type} (the model on the GPU)", dict(device=accel)))
