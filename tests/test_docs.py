@@ -107,3 +107,15 @@ def test_every_module_class_and_path_the_architecture_page_names_exists():
                 missing.append(name)
     assert len(classes) >= 10, "the page names the collaborators by their dotted paths"
     assert not missing, f"docs/architecture.md names what does not exist: {missing}"
+
+
+def test_the_layout_page_names_every_file_of_the_package():
+    """docs/layout.md reads as the package's file map: a module added without a line there fails here."""
+    text = (REPO / "docs" / "layout.md").read_text()
+    named = set(re.findall(r"`([\w.]+)`", text))
+    package = REPO / "torchtune_offload"
+    files = [p for p in package.rglob("*") if p.is_file() and p.suffix in (".py", ".c", ".h", ".json")
+             and p.name != "__init__.py" and "__pycache__" not in p.parts and "_shipped" not in p.parts]
+    assert files
+    missing = sorted(str(p.relative_to(package)) for p in files if p.name not in named)
+    assert not missing, f"docs/layout.md does not name: {missing}"
