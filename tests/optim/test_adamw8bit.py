@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from tests.optim.side_by_side import assert_same_params, batches, tiny_model, twin
+from tests.optim.side_by_side import assert_same_params, batches, through_a_file, tiny_model, twin
 from tests.optim.test_overlap import train_windows
 from torchtune_offload import AdamW8bit, OffloadOptimizer
 from torchtune_offload.optim import adamw8bit, fused_step
@@ -290,19 +290,26 @@ def _engine(model, **kwargs):
                             lr=1e-2, weight_decay=0.1, min_8bit_size=MIN_8BIT, **kwargs)
 
 
+#: The engine's gradient path: (offload_gradients, grad_sum_on); the device sums only offloaded gradients.
+GRADIENT_PATHS = {"on the device": (False, "host"), "host sums": (True, "host"), "device-added sums": (True, "device")}
+
+
 @needs_cc
-@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("path", list(GRADIENT_PATHS))
 @pytest.mark.parametrize("grad_accum", [1, 3])
 @pytest.mark.parametrize("clip", [None, 0.5])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_engine_matches_adamw8bit_alone(offload_gradients, grad_accum, clip, overlap):
-    ref = tiny_model()
+def test_engine_matches_adamw8bit_alone(dtype, path, grad_accum, clip, overlap):
+    """bf16 with device-added sums, accumulation, clipping and overlap is the shipped 8B 8-bit config."""
+    offload_gradients, grad_sum_on = GRADIENT_PATHS[path]
+    ref = tiny_model().to(dtype)
     model = twin(ref)
     ref_opt = AdamW8bit(ref.parameters(), lr=1e-2, weight_decay=0.1, min_8bit_size=MIN_8BIT)
-    opt = _engine(model, offload_gradients=offload_gradients, overlap=overlap)
+    opt = _engine(model, offload_gradients=offload_gradients, overlap=overlap, grad_sum_on=grad_sum_on)
     if overlap:
         opt.register_forward_waits(model)
-    data = batches(num=4 * grad_accum)
+    data = [(x.to(dtype), y.to(dtype)) for x, y in batches(num=4 * grad_accum)]
     ref_norms = train_windows(ref, ref_opt, data, grad_accum=grad_accum, clip=clip)
     norms = train_windows(model, opt, data, grad_accum=grad_accum, clip=clip)
     # With overlap the last window's host steps may still run: the weights are read after them.
@@ -318,19 +325,41 @@ def test_engine_matches_adamw8bit_alone(offload_gradients, grad_accum, clip, ove
 
 
 @needs_cc
-def test_engine_checkpoint_resumes_bit_identically():
-    data = batches(num=6)
-    ref = tiny_model()
+@pytest.mark.parametrize("dtype, options", [
+    (torch.float32, {}),
+    (torch.bfloat16, {}),
+    (torch.bfloat16, {"grad_sum_dtype": "fp32"}),
+    (torch.bfloat16, {"master_dtype": "fp32"}),
+    (torch.bfloat16, {"grad_sum_dtype": "fp32", "master_dtype": "fp32", "overlap": True}),
+    (torch.bfloat16, {"grad_sum_on": "device", "overlap": True}),
+], ids=["fp32", "bf16", "bf16, fp32 sums", "bf16, fp32 masters", "bf16, fp32 sums and masters, overlap",
+        "bf16, device-added sums, overlap"])
+@pytest.mark.parametrize("grad_accum", [1, 3])
+def test_engine_checkpoint_resumes_bit_identically(dtype, options, grad_accum):
+    """Saved through a file mid-run and resumed into a fresh engine: the straight run's bits."""
+    data = [(x.to(dtype), y.to(dtype)) for x, y in batches(num=4 * grad_accum)]
+    half = 2 * grad_accum
+
+    def make(model):
+        opt = _engine(model, offload_gradients=True, **options)
+        opt.register_forward_waits(model)
+        return opt
+
+    ref = tiny_model().to(dtype)
     model = twin(ref)
-    ref_opt, opt = _engine(ref, offload_gradients=True), _engine(model, offload_gradients=True)
-    train_windows(ref, ref_opt, data, grad_accum=1, clip=0.5)
-    train_windows(model, opt, data[:3], grad_accum=1, clip=0.5)
-    saved = opt.state_dict()
-    resumed_model = twin(model)
-    resumed = _engine(resumed_model, offload_gradients=True)
-    resumed.load_state_dict(saved)
-    train_windows(resumed_model, resumed, data[3:], grad_accum=1, clip=0.5)
+    ref_opt, opt = make(ref), make(model)
+    train_windows(ref, ref_opt, data, grad_accum=grad_accum, clip=0.5)
+    train_windows(model, opt, data[:half], grad_accum=grad_accum, clip=0.5)
+    saved = through_a_file({"model": model.state_dict(), "opt": opt.state_dict()})
+    resumed_model = tiny_model(seed=123).to(dtype)
+    resumed_model.load_state_dict(saved["model"])
+    resumed = make(resumed_model)
+    resumed.load_state_dict(saved["opt"])
+    train_windows(resumed_model, resumed, data[half:], grad_accum=grad_accum, clip=0.5)
+    for o in (ref_opt, opt, resumed):
+        o.close()
     assert_same_params(ref, resumed_model, rtol=0, atol=0)
+    assert not torch.equal(ref[0].weight, model[0].weight), "the second half must have trained"
 
 
 def test_memory_report_is_six_bytes_per_bf16_parameter_plus_absmax():

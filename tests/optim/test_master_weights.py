@@ -6,7 +6,7 @@ import functools
 import pytest
 import torch
 
-from tests.optim.side_by_side import batches, tiny_model, train
+from tests.optim.side_by_side import assert_same_params, batches, plain_hooks, tiny_model, train
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim import fused_step
 from torchtune_offload.optim.host_arena import aligned_bytes
@@ -76,6 +76,66 @@ def test_masters_follow_plain_fp32_adamw(monkeypatch, grad_sum_dtype, offload_gr
         assert not torch.equal(slot.param, initial[slot.key])  # training moved it
     if grad_sum_dtype == "fp32":
         assert all(s.host_grad.dtype == torch.float32 for s in opt._slots if s.offloaded)
+
+
+class _PlainMasterAdamW:
+    """The plain way to train a bf16 model on fp32 masters, written independently of the engine:
+    autograd sums the bf16 gradients, torch's ``clip_grad_norm_`` scales them in bf16, fp32 AdamW
+    steps on their widening, and the model takes the masters' rounding."""
+
+    def __init__(self, model, **options):
+        self.params = list(model.parameters())
+        self.masters = [p.detach().float().clone().requires_grad_() for p in self.params]
+        self.inner = torch.optim.AdamW(self.masters, **options)
+
+    @torch.no_grad()
+    def step(self):
+        for p, master in zip(self.params, self.masters):
+            master.grad = p.grad.float()
+        self.inner.step()
+        for p, master in zip(self.params, self.masters):
+            p.copy_(master)
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("grad_accum", [1, 3])
+@pytest.mark.parametrize("clip", [None, 0.5])
+@pytest.mark.parametrize("fused_master_step", [False, True], ids=["unfused", "fused pass"])
+def test_masters_follow_plain_master_training_of_the_bf16_model(offload_gradients, grad_accum, clip,
+                                                                 fused_master_step):
+    """Against an independent reference (not the gradients the engine fed itself): the same bf16
+    model trained plainly on fp32 masters, with a cosine schedule. The unfused path is the same
+    operations, so the same bits; the fused pass rounds its multiply-adds in another order."""
+    if fused_master_step and fused_step.c_compiler() is None:
+        pytest.skip("no C compiler to build the fused pass")
+    ref_model = _bf16_model()
+    model = _bf16_model()
+    ref = _PlainMasterAdamW(ref_model, lr=1e-2, weight_decay=0.1)
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", master_dtype="fp32",
+                           offload_gradients=offload_gradients, fused_master_step=fused_master_step,
+                           minimal_size=MINIMAL_SIZE, lr=1e-2, weight_decay=0.1)
+    data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(num=4 * grad_accum)]
+    ref_scale, ref_clip = plain_hooks(ref_model)
+    ref_norms = train(ref_model, ref, data, grad_accum=grad_accum, clip=clip,
+                      scheduler=torch.optim.lr_scheduler.CosineAnnealingLR(ref.inner, T_max=4),
+                      scale_grads=ref_scale, clip_grads=ref_clip)
+    norms = train(model, opt, data, grad_accum=grad_accum, clip=clip,
+                  scheduler=torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4),
+                  scale_grads=opt.scale_grads_, clip_grads=opt.clip_grad_norm_)
+    assert norms == ref_norms
+    if clip is not None:
+        assert max(norms) > clip, "the clip threshold must bite"
+    tolerance = dict(rtol=1e-6, atol=1e-7) if fused_master_step else dict(rtol=0, atol=0)
+    assert sum(s.offloaded for s in opt._slots) == 3
+    for slot, master in zip(opt._slots, ref.masters):
+        torch.testing.assert_close(slot.step_param, master.detach(), **tolerance)
+    if not fused_master_step:
+        assert_same_params(ref_model, model, rtol=0, atol=0)
+    opt.close()
 
 
 def test_small_updates_survive_in_the_master_and_are_lost_without_it():

@@ -72,13 +72,17 @@ def offload(model, *, overlap: bool, forward_waits: bool = True, **kwargs) -> Of
     return opt
 
 
-@pytest.mark.parametrize("master_dtype", [None, "fp32"])
+#: (parameter dtype, master_dtype): fp32 training, pure bf16 (the shipped 8B configs), bf16 with masters.
+PRECISIONS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "bf16, fp32 masters": (torch.bfloat16, "fp32")}
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("offload_gradients", [False, True])
 @pytest.mark.parametrize("grad_accum", [1, 3])
 @pytest.mark.parametrize("clip", [None, 0.5])
 @pytest.mark.parametrize("with_scheduler", [False, True])
-def test_overlap_gives_the_serial_results(master_dtype, offload_gradients, grad_accum, clip, with_scheduler):
-    dtype = torch.bfloat16 if master_dtype else torch.float32
+def test_overlap_gives_the_serial_results(precision, offload_gradients, grad_accum, clip, with_scheduler):
+    dtype, master_dtype = PRECISIONS[precision]
     base = tiny_model().to(dtype)
     data = [(x.to(dtype), y.to(dtype)) for x, y in batches(num=5 * grad_accum)]
     runs, timings = {}, []
@@ -97,11 +101,16 @@ def test_overlap_gives_the_serial_results(master_dtype, offload_gradients, grad_
     # steps may all finish before, or after, its own step(), so one step's figure may be 0.
     assert sum(t["host_step_s"] for t in timings) > 0
     if master_dtype is None:
+        # Plain AdamW in the same dtype: the same operations on each tensor, so in bf16 (where a
+        # differing rounding would show at once) the same bits.
         ref = twin(base)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
         ref_norms = train_windows(ref, ref_opt, data, grad_accum=grad_accum, clip=clip,
                                   scheduler=cosine(ref_opt) if with_scheduler else None)
-        assert_same_params(ref, overlapped[0])
+        if dtype == torch.bfloat16:
+            assert_same_params(ref, overlapped[0], rtol=0, atol=0)
+        else:
+            assert_same_params(ref, overlapped[0])
         assert overlapped[1] == pytest.approx(ref_norms, rel=1e-6)
         if clip is not None:
             assert max(ref_norms) > clip, "the clip threshold must bite for this test to mean anything"
@@ -187,12 +196,19 @@ def test_a_parameter_only_earlier_micro_batches_reach_clips_alike(grad_sum_dtype
     assert_same_params(runs[False][0], runs[True][0], rtol=0, atol=0)  # bit-identical
 
 
-@pytest.mark.parametrize("offload_gradients", [False, True])
-@pytest.mark.parametrize("master_dtype", [None, "fp32"])
-def test_overlapped_resume_is_bit_identical(offload_gradients, master_dtype):
-    dtype = torch.bfloat16 if master_dtype else torch.float32
+@pytest.mark.parametrize("dtype, options", [
+    (torch.float32, dict(offload_gradients=False)),
+    (torch.float32, dict(offload_gradients=True)),
+    (torch.bfloat16, dict(offload_gradients=False, master_dtype="fp32")),
+    (torch.bfloat16, dict(offload_gradients=True, master_dtype="fp32")),
+    (torch.bfloat16, dict(offload_gradients=True, grad_sum_on="device")),
+    (torch.bfloat16, dict(offload_gradients=True, grad_sum_dtype="fp32", master_dtype="fp32", grad_sum_on="device")),
+    (torch.bfloat16, dict(offload_gradients=True, grad_sum_dtype="fp32")),
+], ids=["fp32", "fp32, offload_gradients", "bf16, masters", "bf16, masters, offload_gradients",
+        "bf16, device-added sums", "bf16, fp32 sums and masters, device-added", "bf16, fp32 sums"])
+def test_overlapped_resume_is_bit_identical(dtype, options):
     data = [(x.to(dtype), y.to(dtype)) for x, y in batches(num=12)]
-    kwargs = dict(overlap=True, offload_gradients=offload_gradients, master_dtype=master_dtype)
+    kwargs = dict(overlap=True, **options)
 
     straight = tiny_model().to(dtype)
     opt = offload(straight, **kwargs)
@@ -215,6 +231,43 @@ def test_overlapped_resume_is_bit_identical(offload_gradients, master_dtype):
     sched.load_state_dict(ckpt["sched"])
     train_windows(resumed, opt, data[6:], grad_accum=2, clip=0.5, scheduler=sched)
     opt.synchronize()
+    assert_same_params(straight, resumed, rtol=0, atol=0)  # bit-identical
+
+
+@pytest.mark.parametrize("dtype, saved_with, resumed_with", [
+    (torch.bfloat16, dict(offload_gradients=True), dict(offload_gradients=True, overlap=True, grad_sum_on="device")),
+    (torch.bfloat16, dict(offload_gradients=True, overlap=True, grad_sum_on="device"), dict()),
+    (torch.bfloat16, dict(master_dtype="fp32"), dict(master_dtype="fp32", offload_gradients=True, overlap=True)),
+    (torch.bfloat16, dict(master_dtype="fp32", offload_gradients=True, grad_sum_dtype="fp32", overlap=True),
+     dict(master_dtype="fp32", offload_gradients=True, grad_sum_dtype="fp32", grad_sum_on="device")),
+], ids=["serial host sums -> overlapped device sums", "overlapped device sums -> serial on the device",
+        "masters, serial -> overlapped offload_gradients", "fp32 sums and masters, host ring -> device ring"])
+def test_resume_with_other_engine_options_is_the_straight_runs_bits(dtype, saved_with, resumed_with):
+    """The checkpoint holds states by parameter name, not how gradients travel: a run may resume
+    with overlap, offload_gradients or grad_sum_on changed (a setting that changes no arithmetic)
+    and continue as the run that never stopped."""
+    data = [(x.to(dtype), y.to(dtype)) for x, y in batches(num=12)]
+
+    def run(model, options, windows, *, resume_from=None):
+        opt = offload(model, overlap=options.get("overlap", False), **{k: v for k, v in options.items()
+                                                                       if k != "overlap"})
+        sched = cosine(opt)
+        if resume_from is not None:
+            opt.load_state_dict(resume_from["opt"])
+            sched.load_state_dict(resume_from["sched"])
+        norms = train_windows(model, opt, windows, grad_accum=2, clip=0.5, scheduler=sched)
+        opt.synchronize()
+        return opt, sched, norms
+
+    straight = tiny_model().to(dtype)
+    _, _, straight_norms = run(straight, saved_with, data)
+    first = tiny_model().to(dtype)
+    opt, sched, _ = run(first, saved_with, data[:6])
+    ckpt = through_a_file({"model": first.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
+    resumed = tiny_model(seed=123).to(dtype)
+    resumed.load_state_dict(ckpt["model"])
+    _, _, resumed_norms = run(resumed, resumed_with, data[6:], resume_from=ckpt)
+    assert resumed_norms == straight_norms[3:] and max(straight_norms) > 0.5
     assert_same_params(straight, resumed, rtol=0, atol=0)  # bit-identical
 
 

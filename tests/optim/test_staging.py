@@ -331,16 +331,27 @@ def test_sums_on_the_device_match_plain_adamw(grad_accum, clip, with_scheduler):
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_sums_on_the_device_give_the_host_rings_results_bit_for_bit(overlap, grad_sum_dtype, master_dtype, clip):
     base = tiny_model().to(torch.bfloat16)
+    data = [(x.to(torch.bfloat16), y.to(torch.bfloat16)) for x, y in batches(num=9)]
     runs = {}
     for where in ("host", "device"):
         model = twin(base)
         opt = offload(model, overlap=overlap, offload_gradients=True, grad_sum_on=where,
                       grad_sum_dtype=grad_sum_dtype, master_dtype=master_dtype)
-        data = [(x.to(torch.bfloat16), y.to(torch.bfloat16)) for x, y in batches(num=9)]
+        ring = DeviceSumRing if where == "device" else StagingRing
+        assert type(opt._staging) is ring, f"grad_sum_on={where} must add through the {ring.__name__}"
         runs[where] = (model, train_windows(model, opt, data, grad_accum=3, clip=clip))
+        assert opt._staging.nbytes > 0, "later micro-batches must have gone through the ring"
         opt.close()
     assert runs["host"][1] == runs["device"][1]
+    if clip is not None:
+        assert max(runs["host"][1]) > clip, "the clip threshold must bite"
     assert_same_params(runs["host"][0], runs["device"][0], rtol=0, atol=0)
+    if grad_sum_dtype is None and master_dtype is None:
+        # Pure bf16, as the shipped 8B configs train: plain bf16 AdamW's bits, either ring.
+        ref = twin(base)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+        assert train_windows(ref, ref_opt, data, grad_accum=3, clip=clip) == runs["device"][1]
+        assert_same_params(ref, runs["device"][0], rtol=0, atol=0)
 
 
 def test_the_memory_report_counts_the_device_ring_on_the_device():
