@@ -106,13 +106,19 @@ def assert_images_are_quantized_masters(opt, *, per_row=True):
         assert torch.equal(scale.cpu(), want_scale), slot.key
 
 
-@pytest.mark.parametrize("offload_gradients", [False, True])
+#: The engine's gradient path: (offload_gradients, grad_sum_on); the device sums only offloaded gradients.
+GRADIENT_PATHS = {"on the device": (False, "host"), "host sums": (True, "host"), "device-added sums": (True, "device")}
+
+
+@pytest.mark.parametrize("path", list(GRADIENT_PATHS))
 @pytest.mark.parametrize("grad_accum", [1, 2])
 @pytest.mark.parametrize("clip", [None, 0.5])
 @pytest.mark.parametrize("master_dtype", [None, "fp32"])
-def test_master_equals_plain_adamw_on_the_engines_gradients(offload_gradients, grad_accum, clip, master_dtype):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_master_equals_plain_adamw_on_the_engines_gradients(path, grad_accum, clip, master_dtype, overlap):
+    offload_gradients, grad_sum_on = GRADIENT_PATHS[path]
     train_beside_plain_adamw("cpu", offload_gradients=offload_gradients, grad_accum=grad_accum, clip=clip,
-                             master_dtype=master_dtype)
+                             master_dtype=master_dtype, overlap=overlap, grad_sum_on=grad_sum_on)
 
 
 @pytest.mark.gpu
@@ -125,7 +131,8 @@ def test_on_the_accelerator_the_master_follows_plain_adamw(offload_gradients, cl
                              grad_accum=2, clip=clip, master_dtype=None, overlap=overlap)
 
 
-def train_beside_plain_adamw(device, *, offload_gradients, grad_accum, clip, master_dtype, overlap=False):
+def train_beside_plain_adamw(device, *, offload_gradients, grad_accum, clip, master_dtype, overlap=False,
+                             grad_sum_on="host"):
     """Trains the layered model with FP8 device weights beside plain AdamW fed the engine's own
     gradients; after every step each parameter must equal plain AdamW's, and the device images the
     quantized masters. Plain AdamW runs where the engine steps each parameter, with the kernel it
@@ -141,7 +148,7 @@ def train_beside_plain_adamw(device, *, offload_gradients, grad_accum, clip, mas
     # The fused master pass rounds its multiply-adds differently (tests/optim/test_master_weights.py):
     # the unfused path is plain AdamW's math, so the masters must be equal.
     opt = build(model, offload_gradients=offload_gradients, master_dtype=master_dtype, fused_master_step=False,
-                overlap=overlap)
+                overlap=overlap, grad_sum_on=grad_sum_on)
     held = {s.key for s in opt._weights.held}
     assert held == {f"layers.{i}.{m}.weight" for i in range(2) for m in ("up", "down")}
     # Offloaded parameters step on host copies; those below minimal_size step where they live (on
@@ -317,15 +324,19 @@ def test_step_before_binding_is_refused():
         opt.step()
 
 
-@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("path", list(GRADIENT_PATHS))
 @pytest.mark.parametrize("clipping", [False, True])
-def test_overlap_matches_serial(offload_gradients, clipping):
-    """Overlapped host steps (two micro-batches a step) upload the same images and reach the same masters."""
+@pytest.mark.parametrize("optimizer_class", ["torch.optim.AdamW", "torchtune_offload.AdamW8bit"])
+def test_overlap_matches_serial(path, clipping, optimizer_class):
+    """Overlapped host steps (two micro-batches a step) upload the same images and reach the same
+    masters; with AdamW8bit and device-added sums, the shipped 8B FP8 config's path."""
+    offload_gradients, grad_sum_on = GRADIENT_PATHS[path]
     results = []
     batches = data(6)
     for overlap in (False, True):
         model = layered()
-        opt = build(model, offload_gradients=offload_gradients, overlap=overlap)
+        opt = build(model, optimizer_class, offload_gradients=offload_gradients, overlap=overlap,
+                    grad_sum_on=grad_sum_on)
         for first, last in zip(batches[::2], batches[1::2]):
             ((model(first[0]).float() - first[1].float()) ** 2).mean().backward()
             opt.expect_final_backward(clipping=clipping)
