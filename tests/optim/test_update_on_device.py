@@ -92,29 +92,33 @@ def test_overlap_updates_each_module_right_before_its_forward():
     assert seen == [(0, False), (2, False), (4, False)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_resume_is_bit_identical_and_loads_into_host_buffers(overlap):
-    data = batches(num=12)
+def test_resume_is_bit_identical_and_loads_into_host_buffers(overlap, dtype):
+    data = [(x.to(dtype), y.to(dtype)) for x, y in batches(num=12)]
     kwargs = dict(lr=1e-2, overlap=overlap)
 
     def run(model, opt, sched, chunk):
         train(model, opt, chunk, grad_accum=2, clip=0.5, scheduler=sched, scale_grads=opt.scale_grads_,
               clip_grads=opt.clip_grad_norm_)
 
-    straight = tiny_model()
+    def model_of(seed=0):  # in the run's dtype (bf16: the states the host holds are bf16 too)
+        return tiny_model(seed=seed).to(dtype)
+
+    straight = model_of()
     opt = device_opt(straight, **kwargs)
     opt.register_forward_waits(straight)
     run(straight, opt, cosine(opt), data)
     opt.synchronize()  # the last step's updates wait for a forward that does not come
 
-    first = tiny_model()
+    first = model_of()
     opt = device_opt(first, **kwargs)
     opt.register_forward_waits(first)
     sched = cosine(opt)
     run(first, opt, sched, data[:6])
     ckpt = through_a_file({"model": first.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
 
-    resumed = tiny_model(seed=123)
+    resumed = model_of(seed=123)
     resumed.load_state_dict(ckpt["model"])
     opt = device_opt(resumed, **{**kwargs, "lr": 5.0})
     opt.register_forward_waits(resumed)
@@ -188,12 +192,15 @@ def test_too_small_a_bound_for_whole_staged_states_is_refused_before_allocating(
     (AdamW8bit, dict(lr=1e-3, min_8bit_size=1000), 1.0),
     ("bitsandbytes.optim.AdamW8bit", dict(lr=1e-3, min_8bit_size=1000), 1.0),
 ])
-def test_other_base_optimizers_match_themselves_without_offload_and_resume(base, options, bound_mib):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_other_base_optimizers_match_themselves_without_offload_and_resume(base, options, bound_mib, overlap):
     cls = resolve_optimizer_class(base)
     ref = tiny_model().bfloat16() if cls is AdamW8bit else tiny_model()
     model = twin(ref)
     ref_opt = cls(ref.parameters(), **options)
-    opt = device_opt(model, base, device_staging_mib=bound_mib, **options)
+    opt = device_opt(model, base, device_staging_mib=bound_mib, overlap=overlap, **options)
+    if overlap:  # updates wait for the forward that reads them
+        opt.register_forward_waits(model)
     whole = not capabilities_of(cls).elementwise_update
     assert all((len(opt._streamer.slices(s)) == 1) == whole for s in opt._slots if s.streamed)
     data = [(x.to(ref[0].weight.dtype), y.to(ref[0].weight.dtype)) for x, y in batches(num=8)]
@@ -201,12 +208,15 @@ def test_other_base_optimizers_match_themselves_without_offload_and_resume(base,
     train(ref, ref_opt, data, grad_accum=2, clip=0.5, scale_grads=scale, clip_grads=clip)
     train(model, opt, data[:4], grad_accum=2, clip=0.5, scale_grads=opt.scale_grads_, clip_grads=opt.clip_grad_norm_)
     saved = through_a_file({"model": model.state_dict(), "opt": opt.state_dict()})
-    resumed = twin(model)
+    resumed = tiny_model(seed=123).to(ref[0].weight.dtype)  # not a copy of model: that holds its hooks
     resumed.load_state_dict(saved["model"])
-    opt = device_opt(resumed, base, device_staging_mib=bound_mib, **options)
+    opt = device_opt(resumed, base, device_staging_mib=bound_mib, overlap=overlap, **options)
+    if overlap:
+        opt.register_forward_waits(resumed)
     opt.load_state_dict(saved["opt"])
     train(resumed, opt, data[4:], grad_accum=2, clip=0.5, scale_grads=opt.scale_grads_,
           clip_grads=opt.clip_grad_norm_)
+    opt.synchronize()  # the last step's updates wait for a forward that does not come
     for a, b in zip(ref.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
 
