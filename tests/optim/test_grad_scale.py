@@ -138,8 +138,9 @@ def test_master_pass_with_a_factor_is_the_pass_after_mul(grad_dtype):
 
 @needs_cc
 @pytest.mark.parametrize("master_dtype", [None, "fp32"])
+@pytest.mark.parametrize("grad_sum_dtype", [None, "fp32"])
 @pytest.mark.parametrize("grad_accum", [1, 3])
-def test_overlapped_8bit_engine_clips_as_the_serial_one(master_dtype, grad_accum):
+def test_overlapped_8bit_engine_clips_as_the_serial_one(master_dtype, grad_sum_dtype, grad_accum):
     """A bf16 model under AdamW8bit with ``offload_gradients`` and clipping that bites: the serial
     path scales every gradient in place, the overlapped one hands the factor to the pass (without
     masters) or scales first (with masters, whose gradient is widened); the weights are the same bits."""
@@ -150,7 +151,7 @@ def test_overlapped_8bit_engine_clips_as_the_serial_one(master_dtype, grad_accum
         model = twin(base)
         opt = OffloadOptimizer(model.named_parameters(), "torchtune_offload.AdamW8bit", minimal_size=1000, lr=1e-2,
                                weight_decay=0.1, min_8bit_size=MIN_8BIT, offload_gradients=True, overlap=overlap,
-                               master_dtype=master_dtype)
+                               master_dtype=master_dtype, grad_sum_dtype=grad_sum_dtype)
         if overlap:
             opt.register_forward_waits(model)
         norms = train_windows(model, opt, data, grad_accum=grad_accum, clip=0.05)
