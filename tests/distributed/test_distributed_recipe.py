@@ -342,3 +342,12 @@ def test_invalid_configs_fail_before_the_process_group_starts(overrides, expecte
     for text in expected:
         assert text in str(err.value)
     assert not dist.is_initialized()
+
+
+def test_the_process_group_backend_serves_host_collectives_beside_the_accelerators():
+    """With fsdp_cpu_offload the gradient norm of host shards is all-reduced on the host, so an
+    accelerator's group also carries gloo for CPU tensors; a CPU run is gloo alone."""
+    backend = load_recipe_module("full_finetune_distributed")._backend
+    assert backend(torch.device("cpu")) == "gloo"
+    assert backend(torch.device("cuda")) == "cuda:nccl,cpu:gloo"
+    assert backend(torch.device("xpu")) == f"xpu:{dist.Backend.default_device_backend_map['xpu']},cpu:gloo"

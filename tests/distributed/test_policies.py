@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torchtune import modules, training
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
+from torchtune_offload.distributed import policies
 from torchtune_offload.distributed import (
     ModuleClass,
     NamePattern,
@@ -155,6 +156,20 @@ def test_embeddings_policy_trains_exactly_like_the_unsharded_model(one_rank, tie
         for name in grads:
             torch.testing.assert_close(grads[name], ref_grads[name], msg=name)
         model.zero_grad(), reference.zero_grad()
+
+
+@pytest.mark.parametrize("cpu_offload", [False, True])
+def test_cpu_offload_reaches_every_unit_and_the_root(monkeypatch, cpu_offload):
+    """fsdp_cpu_offload runs only with an accelerator; here the calls it makes are recorded: every
+    unit, the root last, gets FSDP2's CPUOffloadPolicy (a unit without it would keep its shards on
+    the device), and none does without it."""
+    calls = []
+    monkeypatch.setattr(policies, "fully_shard", lambda module, **kwargs: calls.append((module, kwargs)))
+    model = decoder(tied=False)
+    plan = shard_model(model, policy=[layers, embeddings], cpu_offload=cpu_offload)
+    assert len(calls) == len(plan.units) + 1 and calls[-1][0] is model
+    for _, kwargs in calls:
+        assert isinstance(kwargs.get("offload_policy"), CPUOffloadPolicy) is cpu_offload
 
 
 def test_a_separate_unit_for_a_tied_embedding_would_break_the_forward(one_rank):

@@ -123,6 +123,39 @@ def test_a_refused_page_lock_falls_back_to_torchs_pinned_allocator_with_a_warnin
     assert report.pinned_bytes == sum(pinned_allocation_bytes(t.numel() * t.element_size()) for t in buffers)
 
 
+@pytest.mark.parametrize("optimizer_class, blocks", [("torch.optim.AdamW", 1), ("torchtune_offload.AdamW8bit", 2)])
+def test_device_update_states_are_locked_in_place_as_planned(monkeypatch, optimizer_class, blocks):
+    """update_on=device keeps only the states on the host, page-locked in one block per dtype (8-bit
+    codes and their fp32 absmax in two): the locks are the report's pinned bytes and the plan's."""
+    calls = _record_page_locks(monkeypatch)
+    monkeypatch.setattr(offload_optimizer, "pinning_of", lambda device: IN_PLACE)
+    options = dict(update_on="device", minimal_size=100, lr=1e-3)
+    opt = OffloadOptimizer(_model().named_parameters(), optimizer_class, **options)
+    plan = OffloadOptimizer.plan_host_memory(_model().named_parameters(), optimizer_class, device="cuda", **options)
+    locks = [size for kind, *args in calls if kind == "lock" for size in args[1:]]
+    assert len(locks) == blocks
+    assert opt.memory_report().pinned_bytes == sum(locks) == sum(v for k, v in plan.parts.items()
+                                                                 if k.endswith("(pinned)"))
+    opt.close()
+
+
+def test_device_update_states_fall_back_to_torchs_pinned_allocator_when_locking_is_refused(monkeypatch):
+    def refuse(ptr, size):
+        raise RuntimeError("Registering memory failed with cudaError: 1.")
+
+    monkeypatch.setattr(host_arena.pin_memory_utils, "pin_memory", refuse)
+    monkeypatch.setattr(offload_optimizer, "pinning_of", lambda device: IN_PLACE)
+    made = []
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: made.append(pin_memory) or _empty(*a, **k))
+    with pytest.warns(UserWarning, match="could not be page-locked in place"):
+        opt = OffloadOptimizer(_model().named_parameters(), update_on="device", minimal_size=100, lr=1e-3)
+    states = [t for held in opt._streamer._host.values() for t in held.values()]
+    assert opt._streamer.pinning == ALLOCATOR and made.count(True) == len(states) > 0
+    assert opt.memory_report().pinned_bytes == sum(pinned_allocation_bytes(t.numel() * t.element_size())
+                                                   for t in states)
+    opt.close()
+
+
 def test_one_tensor_under_two_names_is_refused():
     weight = nn.Parameter(torch.randn(64, 64))
     with pytest.raises(ValueError, match="one tensor is given as 'a' and as 'b'"):

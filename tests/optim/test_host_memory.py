@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tests.recipe_harness import working_tree_env
+from tests.torchao_on_cpu import torchao_on_cpu
 from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer
 from torchtune_offload.optim.host_arena import pinned_allocation_bytes
 from torchtune_offload.optim.host_memory import optimizer_state_bytes, plan_host_memory
@@ -161,6 +162,25 @@ def test_accelerator_plans_count_exact_pinned_bytes_ours_and_rounded_bytes_torch
     assert theirs.parts["parameter copies (pinned)"] == theirs.parts["gradient buffers (pinned)"] == 16384
     on_xpu = OffloadOptimizer.plan_host_memory(params, device="xpu", minimal_size=1, lr=1.0)
     assert on_xpu.parts == theirs.parts
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_torchaos_memory_report_is_its_plan_on_an_accelerator(monkeypatch, offload_gradients):
+    """On a GPU torchao's buffers are pinned by torch's allocator, a power of two each: the report
+    (logged as optimizer_pinned/optimizer_host) counts what the plan counts, not the tensors' sizes."""
+    torchao_on_cpu(monkeypatch)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *args: True)  # as torchao's buffers are there
+    model = nn.Sequential(nn.Linear(24, 96), nn.Linear(96, 160), nn.Linear(160, 8))  # 2304 elements: not a power of 2
+    opt = CPUOffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", offload_gradients=offload_gradients,
+                              minimal_size=1000, lr=1e-2)
+    model(torch.randn(4, 24)).sum().backward()
+    opt.step()
+    plan = CPUOffloadOptimizer.plan_host_memory(list(model.parameters()), "torch.optim.AdamW", device="cuda",
+                                                offload_gradients=offload_gradients, minimal_size=1000, lr=1e-2)
+    report = opt.memory_report()
+    assert report.pinned_bytes == sum(v for k, v in plan.parts.items() if k.endswith("(pinned)"))
+    assert report.host_bytes == plan.total
+    assert report.pinned_bytes > sum(2 * p.numel() * 4 for p in model.parameters() if p.numel() >= 1000)
 
 
 def test_pinned_bytes_for_llama_8b_are_within_two_percent_of_its_tensors():

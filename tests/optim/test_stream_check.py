@@ -1,6 +1,8 @@
 """The stream checker (optim/stream_check.py): virtual streams on the CPU, CUDA's ordering rules,
 and a calibration that shows every wait the engine makes is one some CPU test needs."""
 
+import contextlib
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -392,6 +394,24 @@ def _torchao_against_plain_adamw(monkeypatch, *, offload_gradients: bool, grad_a
 def test_torchao_on_virtual_streams_orders_every_access_and_follows_plain_adamw(monkeypatch, offload_gradients,
                                                                                  grad_accum):
     _torchao_against_plain_adamw(monkeypatch, offload_gradients=offload_gradients, grad_accum=grad_accum)
+
+
+@pytest.mark.parametrize("drop", [(), [("ao_offload.py", "event.synchronize()")]], ids=["as built", "wait undone"])
+def test_torchaos_host_copies_are_waited_for_before_a_norm_reads_them(monkeypatch, drop):
+    """A norm other than the 2-norm (measured on the device) is taken over torchao's host copies of
+    the gradients, which its side stream is still writing after backward: the wrapper waits for
+    each copy's event first. Without that wait the checker names the read."""
+    model = tiny_model()
+    with contextlib.ExitStack() as stack:
+        dev = stack.enter_context(checked_streams(drop_waits=drop))
+        torchao_on_cpu(stack.enter_context(monkeypatch.context()), streams=dev)
+        opt = CPUOffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", minimal_size=MINIMAL_SIZE, lr=1e-2)
+        x, y = batches(num=1)[0]
+        ((model(x) - y) ** 2).sum().backward()
+        if drop:
+            stack.enter_context(pytest.raises(StreamOrderError))
+        norm = opt.grad_norm(norm_type=math.inf)
+        assert torch.equal(norm, torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], math.inf))
 
 
 def test_the_torchao_accumulation_race_the_h100_showed_is_caught_with_its_fix_undone(monkeypatch):

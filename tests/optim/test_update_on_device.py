@@ -1,6 +1,7 @@
 """``OffloadOptimizer(update_on="device")``: states in host memory, the device's own update, on
 the CPU emulation path, side by side with the same base optimizer without offload."""
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -8,11 +9,13 @@ import torch
 from torch import nn
 
 from tests.optim.side_by_side import batches, plain_hooks, through_a_file, tiny_model, train, twin
+from tests.optim.test_overlap import train_windows
 from torchtune_offload import AdamW8bit, OffloadOptimizer
 from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES, capabilities_of
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
 from torchtune_offload.optim.host_arena import aligned_bytes
 from torchtune_offload.optim.state_streamer import plan_device_staging
+from torchtune_offload.optim.stream_check import StreamOrderError, checked_streams
 
 # Every weight (24*96 = 2304 elements and up) is streamed, every bias stays on the device.
 MINIMAL_SIZE = 1000
@@ -355,3 +358,41 @@ def test_a_bitsandbytes_checkpoint_with_other_states_is_refused_before_anything_
 def test_options_of_the_other_mode_are_refused_not_ignored(options, message):
     with pytest.raises(ValueError, match=message):
         OffloadOptimizer(tiny_model().named_parameters(), **options)
+
+
+def _bitsandbytes_kernels_on_the_default_stream(monkeypatch, device) -> None:
+    """bitsandbytes' update kernels as they run on a GPU: on the device's default stream, whatever
+    torch's current stream is (the reason its updates are never moved to a side stream)."""
+    functional = pytest.importorskip("bitsandbytes.functional")
+    for name in ("optimizer_update_32bit", "optimizer_update_8bit_blockwise"):
+        original = getattr(functional, name)
+
+        def on_default_stream(*args, _original=original, **kwargs):
+            with device.stream(device.default_stream()):
+                return _original(*args, **kwargs)
+
+        monkeypatch.setattr(functional, name, on_default_stream)
+
+
+@pytest.mark.streams_as_is
+@pytest.mark.parametrize("side_stream_safe", [False, True], ids=["as built", "guard undone"])
+def test_bitsandbytes_updates_stay_off_the_side_stream(monkeypatch, side_stream_safe):
+    """With overlap, torch's optimizers update on a side stream in the next forward's order; a
+    bitsandbytes kernel would ignore that stream and race the staging copies, so its updates run
+    on the compute stream (capabilities: kernels_on_current_stream=False). Undoing the guard must be
+    caught on virtual streams, with the kernels placed as bitsandbytes places them."""
+    bnb = pytest.importorskip("bitsandbytes")
+    assert capabilities_of(bnb.optim.AdamW8bit).kernels_on_current_stream is False
+    model = tiny_model()
+    with contextlib.ExitStack() as stack:
+        device = stack.enter_context(checked_streams())
+        _bitsandbytes_kernels_on_the_default_stream(monkeypatch, device)
+        opt = device_opt(model, "bitsandbytes.optim.AdamW8bit", overlap=True, device_staging_mib=1.0, lr=1e-3,
+                         min_8bit_size=1000)
+        opt.register_forward_waits(model)
+        opt._streamer._side_stream_safe = side_stream_safe
+        if side_stream_safe:
+            stack.enter_context(pytest.raises(StreamOrderError))
+        train_windows(model, opt, batches(num=4), grad_accum=2, clip=0.5)
+        opt.synchronize()
+        opt.close()

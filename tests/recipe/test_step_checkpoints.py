@@ -115,6 +115,24 @@ def test_weights_of_another_model_are_refused(tmp_path):
         point.load_weights_into(model, names=["weight", "bias"])
 
 
+def test_device_rng_states_are_saved_and_restored_where_a_gpu_is(monkeypatch, tmp_path):
+    """The CUDA generators' states (dropout on the GPU) go into the checkpoint and back, through a
+    file, one per device; a checkpoint from a GPU machine resumes on one without (nothing to set)."""
+    devices = [torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [d.clone() for d in devices])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    torch.save(rng_states(), tmp_path / "rng.pt")
+    loaded = torch.load(tmp_path / "rng.pt", weights_only=False)
+    restore_rng_states(loaded)
+    assert len(restored) == 1 and all(torch.equal(a, b) for a, b in zip(restored[0], devices))
+    assert len(restored[0]) == len(devices)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    restore_rng_states(loaded)
+    assert len(restored) == 1
+
+
 def test_rng_states_round_trip():
     saved = rng_states()
     first = (torch.rand(3), random.random(), np.random.rand())

@@ -15,7 +15,7 @@ import torchao.optim
 from torchtune_offload.optim.base_options import check_base_options
 from torchtune_offload.optim.capabilities import OFFLOAD_STEPS_AFTER_BACKWARD, OptimizerCapabilities
 from torchtune_offload.optim.grad_norm import checked_norm_type, combine_norms, tensor_norm, total_norm
-from torchtune_offload.optim.host_arena import ALLOCATOR, NONE
+from torchtune_offload.optim.host_arena import ALLOCATOR, NONE, pinned_allocation_bytes
 from torchtune_offload.optim.host_memory import HostMemoryPlan, offloaded_buffers_plan
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
@@ -239,7 +239,11 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         def nbytes(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
 
-        pinned = sum(nbytes(h) + nbytes(h.grad) for h in self.param_d2h_map.values())
+        def held(t: torch.Tensor) -> int:
+            # torchao pins with torch's allocator, which hands out a power of two (as planned).
+            return pinned_allocation_bytes(nbytes(t), pinned=t.is_pinned())
+
+        pinned = sum(held(h) + held(h.grad) for h in self.param_d2h_map.values())
         state = sum(
             nbytes(t)
             for opt in self.optim_dict.values()
