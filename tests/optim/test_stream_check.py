@@ -2,6 +2,7 @@
 and a calibration that shows every wait the engine makes is one some CPU test needs."""
 
 import contextlib
+import inspect
 import math
 import os
 import threading
@@ -15,10 +16,11 @@ from tests.optim.side_by_side import assert_same_params, batches, tiny_model, tr
 from tests.optim.test_overlap import train_windows
 from tests.torchao_on_cpu import torchao_on_cpu
 from torchtune_offload import CPUOffloadOptimizer
-from torchtune_offload.optim import grad_norm, stream_check
+from torchtune_offload.optim import grad_norm, stream_check, virtual_device
 from torchtune_offload.optim.offload_optimizer import OffloadOptimizer
 from torchtune_offload.optim.staging import DeviceSumRing
 from torchtune_offload.optim.stream_check import StreamOrderError, checked_streams
+from torchtune_offload.optim.transfer import TransferEngine
 
 pytestmark = pytest.mark.streams_as_is
 
@@ -147,6 +149,64 @@ def test_the_context_does_not_nest_and_leaves_no_virtual_device_behind():
                 pass
     assert not stream_check.active()
     assert stream_check.device_module(torch.device("cpu")) is None
+
+
+def _parameters(function) -> list:
+    return [name for name in inspect.signature(function).parameters if name not in ("self", "cls", "checker")]
+
+
+@pytest.mark.parametrize("virtual, real", [
+    (virtual_device.VirtualDevice, torch.cuda),
+    (virtual_device.VirtualStream, torch.cuda.Stream),
+    (virtual_device.VirtualEvent, torch.cuda.Event),
+])
+def test_the_virtual_device_takes_no_call_torch_cuda_would_refuse(virtual, real):
+    """Engine code proven on the virtual device runs on CUDA: every call it offers exists in
+    torch.cuda with the same leading parameters (a keyword the virtual device took and CUDA does not
+    would fail at the first GPU step)."""
+    names = [n for n, f in vars(virtual).items() if callable(f) and not n.startswith("_")]
+    assert names
+    for name in names:
+        if name == "record_stream":  # the virtual device's stand-in for Tensor.record_stream (a builtin)
+            assert callable(torch.Tensor.record_stream)
+            continue
+        theirs = getattr(real, name, None)
+        assert theirs is not None, f"torch.cuda has no {virtual.__name__}.{name}"
+        if isinstance(theirs, type):
+            theirs = theirs.__new__
+        mine = _parameters(getattr(virtual, name))
+        assert mine == _parameters(theirs)[:len(mine)], name
+
+
+def test_a_virtual_event_times_only_with_enable_timing():
+    with checked_streams() as dev:
+        untimed, timed = dev.Event(), dev.Event(enable_timing=True)
+        for e in (untimed, timed):
+            e.record()
+        with pytest.raises(RuntimeError, match="enable_timing=True"):
+            untimed.elapsed_time(timed)
+        end = dev.Event(enable_timing=True)
+        end.record()
+        assert timed.elapsed_time(end) >= 0
+
+
+def test_copies_still_in_flight_are_timed_at_a_later_call(monkeypatch):
+    """On a GPU a copy's timing events may not have completed when a step's timings are read: its
+    seconds are counted at the next call, once, and never lost (the virtual events are done at once,
+    so one is held back here)."""
+    busy = [True]
+
+    def query(event):
+        done, busy[0] = not busy[0], False
+        return done
+
+    with checked_streams():
+        transfer = TransferEngine(torch.device("cpu"))
+        src, dst = torch.randn(1 << 16), stream_check.host_tensor(torch.empty(1 << 16))
+        transfer.to_host(dst, src).synchronize()
+        monkeypatch.setattr(virtual_device.VirtualEvent, "query", query)
+        first, second, third = (transfer.copy_seconds()["grad"] for _ in range(3))
+    assert first == 0 and second > 0 and third == 0
 
 
 # ---------------------------------------------------------------- the engine on virtual streams

@@ -66,7 +66,9 @@ class VirtualEvent:
 
     def __init__(self, checker: Any, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False) -> None:
-        del enable_timing, blocking, interprocess  # every virtual event can time; none blocks
+        del blocking, interprocess  # none blocks
+        # Kept so that timing an event made without it fails here, as CUDA refuses it.
+        self._enable_timing = enable_timing
         self._checker = checker
         self._clock: Dict[Any, int] = {}
         self._time: Optional[float] = None
@@ -86,11 +88,13 @@ class VirtualEvent:
         # Every operation has run already; a query orders nothing (as the sanitizer of torch takes it).
         return True
 
-    def elapsed_time(self, end: "VirtualEvent") -> float:
-        """Milliseconds between this event's record and ``end``'s, as CUDA's timing events give."""
-        if self._time is None or end._time is None:
+    def elapsed_time(self, end_event: "VirtualEvent") -> float:
+        """Milliseconds between this event's record and ``end_event``'s, as CUDA's timing events give."""
+        if not (self._enable_timing and end_event._enable_timing):
+            raise RuntimeError("elapsed_time(): both events must be created with enable_timing=True (as CUDA requires)")
+        if self._time is None or end_event._time is None:
             raise RuntimeError("elapsed_time() of an event that was not recorded")
-        return (end._time - self._time) * 1000
+        return (end_event._time - self._time) * 1000
 
 
 class VirtualDevice:
