@@ -9,6 +9,7 @@ import torch
 from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer
 from torchtune_offload.optim import OptimizerCapabilities, capabilities_of
 from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES
+from torchtune_offload.optim.param_table import ParameterTable
 from torchtune_offload.optim.transfer import TransferEngine
 
 
@@ -84,3 +85,35 @@ def test_a_subclass_inherits_and_may_override_the_declaration():
 def test_capabilities_are_frozen():
     with pytest.raises(AttributeError):
         PLAIN_CAPABILITIES.can_clip = False
+
+
+@pytest.mark.parametrize("base, options, accelerator, fused", [
+    (torch.optim.AdamW, {}, True, True),
+    (torch.optim.Adam, {}, True, True),
+    (torch.optim.AdamW, {"fused": False}, True, False),  # the user's choice is kept
+    (torch.optim.AdamW, {}, False, None),  # CPU-only: torch's default, as plain AdamW on the CPU
+    (torch.optim.SGD, {"lr": 0.1}, True, None),
+])
+def test_on_an_accelerator_the_host_adamw_is_torchs_fused_kernel(base, options, accelerator, fused):
+    """The host step runs torch's fused CPU AdamW where the model is on an accelerator (several
+    times the per-tensor loop's speed, docs/precision.md); it cannot be tried without one."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    groups = [{"params": list(model.named_parameters())}]
+    table = ParameterTable(groups, base_class=base, options=options, accelerator=accelerator, minimal_size=0,
+                           master_dtype=None, grad_sum_dtype=None, pinning="none")
+    assert table.slots and all(s.offloaded for s in table.slots)
+    for slot in table.slots:
+        assert slot.optimizer.param_groups[0].get("fused") == fused
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_host_copies_of_an_accelerators_tensors_are_pinned(monkeypatch, accelerator):
+    """Staging chunks and FP8 scales on the host: pinned where a device copies them asynchronously
+    (unpinned memory would make every such copy synchronous, silently)."""
+    transfer = TransferEngine(torch.device("cpu"))
+    transfer.is_accelerator = accelerator
+    made = []
+    original = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda *a, pin_memory=False, **k: made.append(pin_memory) or original(*a, **k))
+    transfer.host_empty_like(torch.ones(4))
+    assert made == [accelerator]

@@ -1,6 +1,10 @@
 """Unit tests of gradient stepping, the loss scale, memory figures and the DiskLogger reader."""
 
 
+import sys
+import time
+import types
+
 import pytest
 import torch
 from torchtune.training.metric_logging import DiskLogger
@@ -172,3 +176,37 @@ def test_offload_runs_get_expandable_segments_unless_the_user_chose(monkeypatch,
     assert (note is not None) == bool(expected)
     if note:
         assert "PYTORCH_CUDA_ALLOC_CONF" in note
+
+
+def test_nvml_peak_is_the_highest_use_the_sampler_saw_since_the_last_reset(monkeypatch):
+    """The NVML figure (another process's memory, fragmentation and the CUDA context included) is
+    polled on a thread of its own: the peak between log lines, reset to what is in use now. A
+    fake NVML stands in for the driver; the device is found by its UUID, with NVML's GPU- prefix."""
+    used, handles = [5 * GIB], []
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByUUID=lambda uuid: handles.append(uuid) or "handle",
+        nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(used=used[0]),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(uuid="1234-abcd"))
+    monitor = MemoryMonitor(torch.device("cuda"))
+    sampler = monitor._nvml
+    assert sampler is not None and handles == ["GPU-1234-abcd"]
+    deadline = time.monotonic() + 10
+    while sampler._peak < 5 * GIB and time.monotonic() < deadline:  # until the thread has polled it
+        time.sleep(0.005)
+    used[0] = 1 * GIB  # the peak has passed: the sampler saw it, the reads below do not
+    first, second = monitor.stats(reset=True), monitor.stats(reset=True)
+    monitor.close()
+    assert first["nvml_device_used_peak"] == 5.0 and second["nvml_device_used_peak"] == 1.0
+    assert not sampler._thread.is_alive()
+
+
+def test_without_nvml_the_monitor_says_so_and_logs_the_rest(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    monitor = MemoryMonitor(torch.device("cuda"))
+    assert monitor._nvml is None and "NVML device memory unavailable" in capsys.readouterr().out
+    assert "nvml_device_used_peak" not in monitor.stats()
+    monitor.close()
