@@ -77,12 +77,15 @@ def test_a_run_that_does_not_fit_fails_in_init_with_figures(tiny_assets, tmp_pat
 @pytest.mark.parametrize("option, removed", [
     ("optimizer.grad_sum_on=device", "~optimizer.grad_sum_on"),
     ("optimizer.device_weights=fp8", "~optimizer.device_weights"),
+    ("optimizer.grad_sum_dtype=fp32", "~optimizer.grad_sum_dtype"),
+    ("optimizer.overlap=True optimizer.overlap_timeout_s=60", "~optimizer.overlap_timeout_s"),
+    ("dtype=bf16 optimizer.master_dtype=fp32", "~optimizer.master_dtype"),
 ])
 def test_the_device_update_suggestion_drops_what_it_refuses(tiny_assets, tmp_path, monkeypatch, option, removed):
     """update_on=device refuses grad_sum_on=device and FP8 device weights: the suggestion removes
     them, so it is sized (not "cannot be sized") and runs as printed."""
     monkeypatch.setattr(host_preflight, "available_host_memory", lambda: 1024)
-    cfg = _config("full", tiny_assets, tmp_path, [*OFFLOAD_ACCUM, option])
+    cfg = _config("full", tiny_assets, tmp_path, [*OFFLOAD_ACCUM, *option.split()])
     with pytest.raises(ValueError) as err:
         _load_recipe_class("full")(cfg)
     message = str(err.value)

@@ -257,6 +257,11 @@ def sharded_host_memory_need(
     )
 
 
+#: The host engine's options that update_on=device refuses, with the values it takes instead.
+_HOST_ENGINE_ONLY = {"grad_sum_on": "host", "device_weights": None, "master_dtype": None, "grad_sum_dtype": None,
+                     "overlap_timeout_s": None}
+
+
 def _suggestions(cfg: DictConfig, settings: RecipeSettings, need: HostMemoryNeed,
                  mark_trainable: Optional[Callable[[nn.Module], Any]]) -> List[str]:
     """Settings that would change the figure, each with its peak and whether it fits."""
@@ -270,14 +275,14 @@ def _suggestions(cfg: DictConfig, settings: RecipeSettings, need: HostMemoryNeed
         if OmegaConf.select(cfg, "optimizer.update_on", default="host") != "device":
             # States alone on the host; the weights and gradients must then fit the device (the planner says).
             # Options update_on=device refuses go with it, so the line is one the user can run as it is.
-            overrides = "optimizer.update_on=device optimizer.offload_gradients=False"
+            overrides = ["optimizer.update_on=device", "optimizer.offload_gradients=False"]
             options = {"update_on": "device", "offload_gradients": False}
-            if OmegaConf.select(cfg, "optimizer.grad_sum_on", default="host") != "host":
-                overrides, options["grad_sum_on"] = overrides + " ~optimizer.grad_sum_on", "host"
-            if OmegaConf.select(cfg, "optimizer.device_weights", default=None) is not None:
-                overrides, options["device_weights"] = overrides + " ~optimizer.device_weights", None
-            candidates.append((f"{overrides} (states alone on the host, updates on the device, if the weights and "
-                               "gradients fit it)", dict(optimizer_options=options)))
+            for key, default in _HOST_ENGINE_ONLY.items():
+                if OmegaConf.select(cfg, f"optimizer.{key}", default=default) != default:
+                    overrides.append(f"~optimizer.{key}")
+                    options[key] = default
+            candidates.append((f"{' '.join(overrides)} (states alone on the host, updates on the device, if the "
+                               "weights and gradients fit it)", dict(optimizer_options=options)))
     if settings.device.type == "cpu" and torch.accelerator.is_available():
         accel = torch.accelerator.current_accelerator()
         candidates.append((f"device={accel.type} (the model on the GPU)", dict(device=accel)))
