@@ -73,7 +73,8 @@ def offload(model, *, overlap: bool, forward_waits: bool = True, **kwargs) -> Of
 
 
 #: (parameter dtype, master_dtype): fp32 training, pure bf16 (the shipped 8B configs), bf16 with masters.
-PRECISIONS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "bf16, fp32 masters": (torch.bfloat16, "fp32")}
+PRECISIONS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
+              "bf16, fp32 masters": (torch.bfloat16, "fp32")}
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))

@@ -114,6 +114,7 @@ def test_host_copies_of_an_accelerators_tensors_are_pinned(monkeypatch, accelera
     transfer.is_accelerator = accelerator
     made = []
     original = torch.empty_like
-    monkeypatch.setattr(torch, "empty_like", lambda *a, pin_memory=False, **k: made.append(pin_memory) or original(*a, **k))
+    monkeypatch.setattr(torch, "empty_like",
+                        lambda *a, pin_memory=False, **k: made.append(pin_memory) or original(*a, **k))
     transfer.host_empty_like(torch.ones(4))
     assert made == [accelerator]
