@@ -15,6 +15,8 @@ from tests.recipe_harness import REPO, tiny_asset_overrides
 from torchtune_offload.bench.ballast import GpuBallast
 from torchtune_offload.bench.grad_probe import ENV, GradNormProbeAdamW, read_probe
 from torchtune_offload import OffloadOptimizer
+from torchtune_offload.bench import sweep
+from torchtune_offload.recipe.memory import EXPANDABLE_SEGMENTS
 from torchtune_offload.bench.sweep import (
     OFFLOAD_ONLY_KEYS,
     diverged,
@@ -199,3 +201,23 @@ def test_sweep_keeps_an_earlier_sweeps_results_unless_forced(tmp_path, monkeypat
 ])
 def test_sweep_refuses_bad_arguments_before_running(monkeypatch, capsys, args, expected):
     assert expected in _sweep_error(monkeypatch, capsys, *args)
+
+
+@pytest.mark.parametrize("user_setting", [None, "max_split_size_mb:128"])
+def test_every_variant_runs_on_the_allocator_setting_offload_runs_get(monkeypatch, tmp_path, user_setting):
+    """The recipes give offload runs expandable segments; the sweep gives them to every variant, so
+    reserved and NVML peaks compare optimizers, not allocator settings. The user's setting wins."""
+    if user_setting is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user_setting)
+    seen = []
+
+    def fake_run(cmd, *, env, **kwargs):
+        seen.append(env.get("PYTORCH_CUDA_ALLOC_CONF"))
+        return types.SimpleNamespace(returncode=1)
+
+    monkeypatch.setattr(sweep.subprocess, "run", fake_run)
+    for name in ("adamw", "paged_adamw8bit", "offload_grads_overlap"):
+        run_variant(name=name, config=CONFIG, steps=2, output_dir=tmp_path, extra=[], timeout_s=10)
+    assert seen == [user_setting or EXPANDABLE_SEGMENTS] * 3

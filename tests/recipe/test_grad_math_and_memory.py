@@ -158,6 +158,27 @@ def test_compare_runs_puts_runs_side_by_side(tmp_path):
     assert "host_rss_peak" in text and "250" in text  # median tok/s after the first step
 
 
+def test_compare_runs_matches_steps_and_shows_a_figure_a_run_never_logged_as_a_dash(tmp_path):
+    """A run logging every step beside one logging every second step (or resumed mid-run): losses
+    are compared at the steps both logged, not row by row; optimizer memory a plain run never
+    reports is '-', not 0."""
+    losses = {1: 3.0, 2: 2.5, 3: 2.0, 4: 1.5}
+    every = DiskLogger(log_dir=str(tmp_path / "a" / "logs"), filename="log_1.txt")
+    for step, loss in losses.items():
+        every.log_dict({"loss": loss, "tokens_per_second": 100.0}, step=step)
+    every.close()
+    second = DiskLogger(log_dir=str(tmp_path / "b" / "logs"), filename="log_1.txt")
+    for step in (2, 4):
+        second.log_dict({"loss": losses[step], "tokens_per_second": 100.0, "optimizer_host": 1.5}, step=step)
+    second.close()
+    text = compare_runs({"plain": tmp_path / "a", "offload": tmp_path / "b"})
+    assert "largest loss difference from plain: 0" in text.splitlines()
+    table = text.split("Summary")[1].splitlines()
+    plain_row = next(line for line in table if line.strip().startswith("plain"))
+    offload_row = next(line for line in table if line.strip().startswith("offload"))
+    assert plain_row.split()[-1] == "-" and offload_row.split()[-1] == "1.5000"
+
+
 @pytest.mark.parametrize("device, offloads, env, expected", [
     ("cuda", True, None, ["expandable_segments:True"]),
     ("cuda", True, "max_split_size_mb:128", []),  # the user's own setting is left alone

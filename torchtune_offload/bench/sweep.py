@@ -9,6 +9,7 @@ A variant whose training diverged (the recipe stopped at a nan or inf loss or gr
 
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,7 @@ from omegaconf import OmegaConf
 
 from torchtune_offload.recipe.disk_log import read_disk_log
 from torchtune_offload.recipe.divergence import TrainingDivergedError
+from torchtune_offload.recipe.memory import EXPANDABLE_SEGMENTS
 from torchtune_offload.recipe.run_report import median_tokens_per_second, peak
 
 RECIPE = "recipes/full_finetune_single_device.py"
@@ -148,6 +150,15 @@ def diverged(rows: Sequence[Dict[str, float]]) -> bool:
     return any(not math.isfinite(r[k]) for r in rows for k in ("loss", "grad_norm") if k in r)
 
 
+def variant_environment() -> Dict[str, str]:
+    """Every variant's environment: the allocator setting the recipes give offload runs on CUDA
+    (expandable segments) for the plain and bitsandbytes variants too, so that reserved and NVML
+    peaks differ by optimizer, not by allocator; a ``PYTORCH_CUDA_ALLOC_CONF`` of the user's is kept."""
+    env = dict(os.environ)
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", EXPANDABLE_SEGMENTS)
+    return env
+
+
 def run_variant(
     *, name: str, config: str, steps: int, output_dir: Path, extra: Sequence[str], timeout_s: Optional[float]
 ) -> VariantResult:
@@ -166,7 +177,8 @@ def run_variant(
         log.write(" ".join(cmd) + "\n")
         log.flush()
         try:
-            returncode = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+            returncode = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                        env=variant_environment()).returncode
         except subprocess.TimeoutExpired:
             returncode = None
     seconds = time.perf_counter() - start

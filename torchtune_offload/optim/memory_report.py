@@ -54,10 +54,13 @@ def engine_memory_report(table: ParameterTable, staging: Union[StagingRing, Devi
     pinned = table.pinning != NONE
     saved = host = pinned_total = 0
     for slot in table.offloaded:
+        # With overlap a host step may be making these states now: list() copies each dict in one
+        # step (a generator over it could meet a dict changing size). A state not made yet is not
+        # counted: the first step's report may be short of the later ones.
         state_bytes = sum(
             t.numel() * t.element_size()
-            for st in slot.optimizer.state.values()
-            for t in st.values()
+            for st in list(slot.optimizer.state.values())
+            for t in list(st.values())
             if isinstance(t, torch.Tensor)
         )
         grad_bytes = slot.host_grad.numel() * slot.host_grad.element_size()

@@ -42,14 +42,19 @@ def compare_runs(output_dirs: Mapping[str, str]) -> str:
     if empty:
         raise ValueError(f"runs {empty} logged no step: did they train?")
     names = list(runs)
-    num = min(len(v) for v in runs.values())
-    lines = ["", "Loss per step", "step  " + "  ".join(f"{n:>14}" for n in names)]
-    for i in range(num):
-        lines.append(f"{runs[names[0]][i]['step']:>4}  " + "  ".join(f"{runs[n][i]['loss']:>14.6f}" for n in names))
+    # Rows are matched by step: runs that log at other intervals, or a resumed run, line up.
+    losses = {n: {r["step"]: r["loss"] for r in rows} for n, rows in runs.items()}
+    shared = [step for step in losses[names[0]] if all(step in losses[n] for n in names[1:])]
+    lines = ["", "Loss per step" + ("" if len(names) == 1 else " (the steps every run logged)"),
+             "step  " + "  ".join(f"{n:>14}" for n in names)]
+    for step in shared:
+        lines.append(f"{step:>4}  " + "  ".join(f"{losses[n][step]:>14.6f}" for n in names))
     lines += [f"{n:>14}: {sparkline([s['loss'] for s in runs[n]])}" for n in names]
-    if len(names) > 1:
-        diff = max(abs(runs[n][i]["loss"] - runs[names[0]][i]["loss"]) for n in names[1:] for i in range(num))
+    if len(names) > 1 and shared:
+        diff = max(abs(losses[n][step] - losses[names[0]][step]) for n in names[1:] for step in shared)
         lines.append(f"largest loss difference from {names[0]}: {diff:.3g}")
+    elif len(names) > 1:
+        lines.append("no step was logged by every run: the losses are not compared")
 
     lines += ["", "Summary (tok/s: median over steps after the first; memory in GiB, peaks over the run)"]
     present = [k for k in SUMMARY_KEYS if any(k in s for r in runs.values() for s in r)]
@@ -58,7 +63,8 @@ def compare_runs(output_dirs: Mapping[str, str]) -> str:
     )
     for n, steps in runs.items():
         tps = median_tokens_per_second(steps)
-        cells = [f"{peak(steps, k) or 0.0:>22.4f}" for k in present]
+        # "-": the run never logged it (a plain optimizer reports no optimizer memory), not zero.
+        cells = [f"{'-' if peak(steps, k) is None else format(peak(steps, k), '.4f'):>22}" for k in present]
         lines.append(
             f"{n:>14}  {tps:>9.0f}  {steps[0]['loss']:>10.4f}  {steps[-1]['loss']:>9.4f}  " + "  ".join(cells)
         )
