@@ -221,3 +221,23 @@ def test_every_variant_runs_on_the_allocator_setting_offload_runs_get(monkeypatc
     for name in ("adamw", "paged_adamw8bit", "offload_grads_overlap"):
         run_variant(name=name, config=CONFIG, steps=2, output_dir=tmp_path, extra=[], timeout_s=10)
     assert seen == [user_setting or EXPANDABLE_SEGMENTS] * 3
+
+
+@pytest.mark.parametrize("visible, expected", [
+    (None, ("index", 0)), ("2,0", ("index", 2)), ("GPU-1234-abcd", ("uuid", "GPU-1234-abcd")),
+])
+def test_the_nvml_baseline_is_read_from_the_gpu_the_variants_train_on(monkeypatch, visible, expected):
+    """The run's NVML peak less the baseline: both of one GPU, the first one CUDA_VISIBLE_DEVICES names."""
+    looked_up = []
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: looked_up.append(("index", i)) or "handle",
+        nvmlDeviceGetHandleByUUID=lambda u: looked_up.append(("uuid", u)) or "handle",
+        nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(used=3),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert sweep._nvml_used_bytes() == 3 and looked_up == [expected]

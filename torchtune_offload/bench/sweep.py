@@ -105,24 +105,31 @@ def overrides_for(config: str, name: str) -> List[str]:
 
 
 def _nvml_gpu0() -> Optional[object]:
-    """(pynvml, handle of GPU 0), or None without NVML. NVML creates no CUDA context in this process."""
+    """(pynvml, handle of the GPU the variants train on: CUDA's device 0), or None without NVML.
+    NVML creates no CUDA context in this process. NVML numbers every GPU of the machine, so under
+    ``CUDA_VISIBLE_DEVICES`` its first entry is looked up: a UUID as such, an index as NVML's
+    (the same GPU where ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, as on one-GPU and most same-model machines)."""
     try:
         import pynvml  # optional dependency (the `gpu` extra)
 
         pynvml.nvmlInit()
-        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+        if first.startswith(("GPU-", "MIG-")):
+            return pynvml, pynvml.nvmlDeviceGetHandleByUUID(first)
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(int(first or 0))
     except Exception:
         return None
 
 
 def _nvml_used_bytes() -> Optional[int]:
-    """Device-wide used memory of GPU 0 as NVML reports it, or None without NVML."""
+    """Device-wide used memory of the variants' GPU as NVML reports it, or None without NVML."""
     nvml = _nvml_gpu0()
     return None if nvml is None else nvml[0].nvmlDeviceGetMemoryInfo(nvml[1]).used
 
 
 def device_name() -> str:
-    """GPU 0's name from NVML (no CUDA context, which would hold device memory for the whole sweep), or CPU."""
+    """The variants' GPU's name from NVML (no CUDA context, which would hold device memory for the whole
+    sweep), or CPU."""
     nvml = _nvml_gpu0()
     return "CPU" if nvml is None else str(nvml[0].nvmlDeviceGetName(nvml[1]))
 
