@@ -107,7 +107,8 @@ def test_a_checkpoint_of_the_masters_holds_the_masters_and_their_state_only():
     assert masters + state + small < saved.tell() < masters + state + small + 64 * 1024  # + pickled structure
 
 
-def test_a_refused_page_lock_falls_back_to_torchs_pinned_allocator_with_a_warning(monkeypatch):
+def _refuse_page_locks(monkeypatch):
+    """CUDA refuses to page-lock in place (as some hosts' drivers do); returns each torch.empty's pin_memory."""
     def refuse(ptr, size):
         raise RuntimeError("Registering memory failed with cudaError: 1.")
 
@@ -115,6 +116,11 @@ def test_a_refused_page_lock_falls_back_to_torchs_pinned_allocator_with_a_warnin
     monkeypatch.setattr(offload_optimizer, "pinning_of", lambda device: IN_PLACE)
     made = []
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: made.append(pin_memory) or _empty(*a, **k))
+    return made
+
+
+def test_a_refused_page_lock_falls_back_to_torchs_pinned_allocator_with_a_warning(monkeypatch):
+    made = _refuse_page_locks(monkeypatch)
     with pytest.warns(UserWarning, match="could not be page-locked in place"):
         opt = OffloadOptimizer(_model().named_parameters(), minimal_size=100, lr=1e-3)
     buffers = [t for s in opt._slots if s.offloaded for t in s.host_buffers]
@@ -140,13 +146,7 @@ def test_device_update_states_are_locked_in_place_as_planned(monkeypatch, optimi
 
 
 def test_device_update_states_fall_back_to_torchs_pinned_allocator_when_locking_is_refused(monkeypatch):
-    def refuse(ptr, size):
-        raise RuntimeError("Registering memory failed with cudaError: 1.")
-
-    monkeypatch.setattr(host_arena.pin_memory_utils, "pin_memory", refuse)
-    monkeypatch.setattr(offload_optimizer, "pinning_of", lambda device: IN_PLACE)
-    made = []
-    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: made.append(pin_memory) or _empty(*a, **k))
+    made = _refuse_page_locks(monkeypatch)
     with pytest.warns(UserWarning, match="could not be page-locked in place"):
         opt = OffloadOptimizer(_model().named_parameters(), update_on="device", minimal_size=100, lr=1e-3)
     states = [t for held in opt._streamer._host.values() for t in held.values()]
