@@ -4,6 +4,7 @@ import importlib.util
 import inspect
 import json
 import math
+import os
 import runpy
 import sys
 import types
@@ -221,23 +222,25 @@ def test_every_variant_runs_on_the_allocator_setting_offload_runs_get(monkeypatc
     for name in ("adamw", "paged_adamw8bit", "offload_grads_overlap"):
         run_variant(name=name, config=CONFIG, steps=2, output_dir=tmp_path, extra=[], timeout_s=10)
     assert seen == [user_setting or EXPANDABLE_SEGMENTS] * 3
+    assert sweep.variant_environment()["CUDA_DEVICE_ORDER"] == os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
 
 @pytest.mark.parametrize("visible, expected", [
-    (None, ("index", 0)), ("2,0", ("index", 2)), ("GPU-1234-abcd", ("uuid", "GPU-1234-abcd")),
+    (None, ("index", 0)), ("2,0", ("index", 2)), ("GPU-1234-abcd", ("index", 1)), ("GPU-1234", ("index", 1)),
 ])
 def test_the_nvml_baseline_is_read_from_the_gpu_the_variants_train_on(monkeypatch, visible, expected):
     """The run's NVML peak less the baseline: both of one GPU, the first one CUDA_VISIBLE_DEVICES names."""
     looked_up = []
     fake = types.SimpleNamespace(
         nvmlInit=lambda: None,
-        nvmlDeviceGetHandleByIndex=lambda i: looked_up.append(("index", i)) or "handle",
-        nvmlDeviceGetHandleByUUID=lambda u: looked_up.append(("uuid", u)) or "handle",
-        nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(used=3),
+        nvmlDeviceGetHandleByIndex=lambda i: looked_up.append(("index", i)) or i,
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetUUID=lambda handle: ["GPU-9999-ffff", "GPU-1234-abcd"][handle],
+        nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(used=3 if handle == expected[1] else 5),
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    assert sweep._nvml_used_bytes() == 3 and looked_up == [expected]
+    assert sweep._nvml_used_bytes() == 3 and looked_up[-1] == expected

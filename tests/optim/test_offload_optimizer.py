@@ -309,6 +309,15 @@ def test_damaged_checkpoint_is_refused_by_entry(path, match):
     assert {s.key: s.optimizer.state_dict() for s in target._slots} == before
 
 
+def test_checkpoint_entries_of_the_wrong_kind_are_refused_by_name():
+    state = _trained_state(minimal_size=MINIMAL_SIZE)
+    key = next(iter(state["state"]))
+    state["state"][key]["shape"] = None
+    target = OffloadOptimizer(tiny_model().named_parameters(), minimal_size=MINIMAL_SIZE)
+    with pytest.raises(ValueError, match=r"\['shape'\] \(a list\)"):
+        target.load_state_dict(state)
+
+
 def test_checkpoint_with_master_weights_of_another_shape_is_refused_before_loading():
     """fp32 masters are copied after the base states load: a wrong one is found first, so the
     base states are not left loaded beside a failed copy."""

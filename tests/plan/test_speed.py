@@ -131,13 +131,15 @@ def test_the_arithmetic_of_a_known_step():
     assert host_step(overlap=True, offload_gradients=True, eight_bit=True) == pytest.approx(0.5)
     assert host_step(overlap=True, master_fp32=True) == pytest.approx(2.5)
     assert host_step(offload_gradients=True, eight_bit=True) == pytest.approx(0.5 + 4 / 6)
-    # fp32 gradient sums (4 bytes): narrowed to the bf16 parameter before a step without masters (6
-    # bytes), scaled for clipping in their own dtype (8); the master pass reads them as they are (30
-    # bytes against the 28 its rate is measured on), and AdamW8bit takes the factor only on a sum of
-    # its parameter's dtype.
-    assert host_step(overlap=True, grad_sum_size=4) == pytest.approx(1 + (6 + 8) / 6)
-    assert host_step(overlap=True, master_fp32=True, grad_sum_size=4) == pytest.approx(2.5 * 30 / 28)
-    assert host_step(overlap=True, eight_bit=True, grad_sum_size=4) == pytest.approx(0.5 + (6 + 8) / 6)
+    # fp32 gradient sums (4 bytes; host sums, so offload_gradients): narrowed to the bf16 parameter
+    # before a step without masters (6 bytes), scaled for clipping in their own dtype (8); the master
+    # pass reads them as they are (30 bytes against the 28 its rate is measured on), and AdamW8bit
+    # takes the factor only on a sum of its parameter's dtype.
+    assert host_step(overlap=True, offload_gradients=True, grad_sum_size=4) == pytest.approx(1 + (6 + 8) / 6)
+    assert host_step(overlap=True, offload_gradients=True, master_fp32=True, grad_sum_size=4) == \
+        pytest.approx(2.5 * 30 / 28)
+    assert host_step(overlap=True, offload_gradients=True, eight_bit=True, grad_sum_size=4) == \
+        pytest.approx(0.5 + (6 + 8) / 6)
     sums = predict(replace(work, update="host", offload_gradients=True, micro_batches=3, grad_sum_size=4), machine)
     assert sums.parts["host_sums"] == pytest.approx(2 * 12 / 6)  # staged 2 + 2, sum read and written 4 + 4
     # AdamW8bit over fp32 masters, at its rate over their bytes against the bf16 step's (28 / 14);
@@ -149,7 +151,8 @@ def test_the_arithmetic_of_a_known_step():
     # fp32 buffer (2 read, 4 written) and scaled in a pass of its own (4), the weight rounded after (4 + 2).
     assert host_step(overlap=True, master_fp32=True, fused_master=False) == pytest.approx(2 + (6 + 4 + 6) / 6)
     # With fp32 sums nothing is widened, and the scaling reads and writes 4-byte sums.
-    assert host_step(overlap=True, master_fp32=True, fused_master=False, grad_sum_size=4) == \
+    assert host_step(overlap=True, offload_gradients=True, master_fp32=True, fused_master=False,
+                     grad_sum_size=4) == \
         pytest.approx(2 + (8 + 6) / 6)
     assert host_step(overlap=True, master_fp32=True, fused_master=True) == pytest.approx(2.5)
     assert host_step() == pytest.approx(1)

@@ -179,6 +179,21 @@ def test_compare_runs_matches_steps_and_shows_a_figure_a_run_never_logged_as_a_d
     assert plain_row.split()[-1] == "-" and offload_row.split()[-1] == "1.5000"
 
 
+def test_compare_runs_of_one_run_without_shared_steps_and_of_a_diverged_run(tmp_path):
+    _log_run(tmp_path / "a" / "logs", [3.0, 2.0], filename="log_1.txt")
+    one = compare_runs({"only": tmp_path / "a"})
+    assert "largest loss difference" not in one and "(the steps every run logged)" not in one
+    later = DiskLogger(log_dir=str(tmp_path / "b" / "logs"), filename="log_1.txt")
+    later.log_dict({"loss": 1.0, "tokens_per_second_per_gpu": 80.0}, step=7)  # torchtune's own name
+    later.log_dict({"loss": float("nan"), "tokens_per_second_per_gpu": 90.0}, step=8)  # diverged
+    later.close()
+    text = compare_runs({"a": tmp_path / "a", "b": tmp_path / "b"})
+    assert "no step was logged by every run" in text
+    assert next(line for line in text.splitlines() if line.strip().startswith("b:")).endswith("!")
+    assert next(line for line in text.split("Summary")[1].splitlines() if line.strip().startswith("b ")).split()[1] \
+        == "90"
+
+
 @pytest.mark.parametrize("device, offloads, env, expected", [
     ("cuda", True, None, ["expandable_segments:True"]),
     ("cuda", True, "max_split_size_mb:128", []),  # the user's own setting is left alone

@@ -108,14 +108,16 @@ def _nvml_gpu0() -> Optional[object]:
     """(pynvml, handle of the GPU the variants train on: CUDA's device 0), or None without NVML.
     NVML creates no CUDA context in this process. NVML numbers every GPU of the machine, so under
     ``CUDA_VISIBLE_DEVICES`` its first entry is looked up: a UUID as such, an index as NVML's
-    (the same GPU where ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, as on one-GPU and most same-model machines)."""
+    (the same GPU where ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, which the variants get unless it is set)."""
     try:
         import pynvml  # optional dependency (the `gpu` extra)
 
         pynvml.nvmlInit()
         first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
         if first.startswith(("GPU-", "MIG-")):
-            return pynvml, pynvml.nvmlDeviceGetHandleByUUID(first)
+            # CUDA takes any unique prefix of a UUID; NVML's lookup wants it whole.
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            return pynvml, next(h for h in handles if str(pynvml.nvmlDeviceGetUUID(h)).startswith(first))
         return pynvml, pynvml.nvmlDeviceGetHandleByIndex(int(first or 0))
     except Exception:
         return None
@@ -160,9 +162,15 @@ def diverged(rows: Sequence[Dict[str, float]]) -> bool:
 def variant_environment() -> Dict[str, str]:
     """Every variant's environment: the allocator setting the recipes give offload runs on CUDA
     (expandable segments) for the plain and bitsandbytes variants too, so that reserved and NVML
-    peaks differ by optimizer, not by allocator; a ``PYTORCH_CUDA_ALLOC_CONF`` of the user's is kept."""
+    peaks differ by optimizer, not by allocator; a ``PYTORCH_CUDA_ALLOC_CONF`` of the user's is kept.
+
+    Returns:
+        A copy of this process's environment with the setting added.
+    """
     env = dict(os.environ)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", EXPANDABLE_SEGMENTS)
+    # An index in CUDA_VISIBLE_DEVICES then means the same GPU to the variants and to NVML's baseline.
+    env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     return env
 
 

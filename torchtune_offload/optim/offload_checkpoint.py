@@ -170,6 +170,10 @@ def _missing_entries(sd: Dict[str, Any]) -> List[str]:
             missing.append(f"state[{name!r}] (a dict)")
             continue
         missing += [f"state[{name!r}][{key!r}]" for key in _SLOT_ENTRIES if key not in saved]
+        if not isinstance(saved.get("shape", ()), (list, tuple, torch.Size)):
+            missing.append(f"state[{name!r}]['shape'] (a list)")
+        if not isinstance(saved.get("optimizer", {}), dict):
+            missing.append(f"state[{name!r}]['optimizer'] (a dict)")
     return missing
 
 

@@ -188,7 +188,7 @@ class OffloadOptions:
         _check_update_on(update_on, device_staging_mib, offload_gradients=offload, master_dtype=master_dtype,
                          grad_sum_dtype=grad_sum_dtype, overlap_timeout_s=overlap_timeout_s)
         _check_device_weights(device_weights, update_on=update_on)
-        _check_grad_sum_on(grad_sum_on, offload_gradients=offload)
+        _check_grad_sum_on(grad_sum_on, offload_gradients=offload, update_on=update_on)
         if grad_sum is not None and not offload:
             # Without offload_gradients the device sums the micro-batches in the parameters' dtype and
             # clipping scales them there; a wider host buffer would only hold a widened copy (and an
@@ -260,12 +260,15 @@ def _check_device_weights(device_weights: Any, *, update_on: Any) -> None:
                          "optimizer.update_on=host, or remove optimizer.device_weights (~optimizer.device_weights).")
 
 
-def _check_grad_sum_on(grad_sum_on: Any, *, offload_gradients: bool) -> None:
+def _check_grad_sum_on(grad_sum_on: Any, *, offload_gradients: bool, update_on: Any) -> None:
     """Refuses a ``grad_sum_on`` value, or ``"device"`` where no gradient is summed on the host."""
     if grad_sum_on not in GRAD_SUM_ON:
         raise ValueError(f"optimizer.grad_sum_on={grad_sum_on!r}: use 'host' (later micro-batches added into the "
                          "host sums by the host's cores, the default) or 'device' (added on the device).")
     if grad_sum_on == "device" and not offload_gradients:
+        # A device update refuses offload_gradients: removing the key is then the one fix.
+        fix = ("Remove it (~optimizer.grad_sum_on): a device update keeps the gradients on the device."
+               if update_on == "device" else
+               "Set optimizer.offload_gradients=True, or remove it (~optimizer.grad_sum_on).")
         raise ValueError("optimizer.grad_sum_on=device without optimizer.offload_gradients=True: gradients then "
-                         "accumulate on the device, as in plain training, and no host sum is added into. Set "
-                         "optimizer.offload_gradients=True, or remove it (~optimizer.grad_sum_on).")
+                         f"accumulate on the device, as in plain training, and no host sum is added into. {fix}")

@@ -89,7 +89,11 @@ class VirtualEvent:
         return True
 
     def elapsed_time(self, end_event: "VirtualEvent") -> float:
-        """Milliseconds between this event's record and ``end_event``'s, as CUDA's timing events give."""
+        """Milliseconds between this event's record and ``end_event``'s, as CUDA's timing events give.
+
+        Raises:
+            RuntimeError: for an event made without ``enable_timing``, or not recorded (as on CUDA).
+        """
         if not (self._enable_timing and end_event._enable_timing):
             raise RuntimeError("elapsed_time(): both events must be created with enable_timing=True (as CUDA requires)")
         if self._time is None or end_event._time is None:

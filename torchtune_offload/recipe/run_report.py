@@ -1,5 +1,6 @@
 """Side-by-side loss curves and a tok/s + memory summary of runs read from their DiskLogger files."""
 
+import math
 import statistics
 from typing import Dict, List, Mapping, Optional
 
@@ -13,8 +14,18 @@ SUMMARY_KEYS = (
 
 
 def median_tokens_per_second(rows: List[Dict[str, float]]) -> float:
-    """The run's speed: the median tok/s over its logged steps after the first (warm-up)."""
-    return statistics.median(r["tokens_per_second"] for r in rows[1:] or rows)
+    """The run's speed: the median tok/s over its logged steps after the first (warm-up).
+
+    Raises:
+        ValueError: where no step logged ``tokens_per_second`` (torchtune's own recipes log
+            ``tokens_per_second_per_gpu``, which is taken instead).
+    """
+    rows = rows[1:] or rows
+    for key in ("tokens_per_second", "tokens_per_second_per_gpu"):
+        values = [r[key] for r in rows if key in r]
+        if values:
+            return statistics.median(values)
+    raise ValueError("no logged step has tokens_per_second (nor torchtune's tokens_per_second_per_gpu)")
 
 
 def peak(rows: List[Dict[str, float]], key: str) -> Optional[float]:
@@ -26,9 +37,11 @@ def peak(rows: List[Dict[str, float]], key: str) -> Optional[float]:
 def sparkline(values: List[float]) -> str:
     """``values`` as one line of block characters, lowest to highest."""
     bars = "▁▂▃▄▅▆▇█"
-    lo, hi = min(values), max(values)
+    # A diverged run's last loss is nan or inf: drawn as '!', the rest scaled without it.
+    finite = [v for v in values if math.isfinite(v)] or [0.0]
+    lo, hi = min(finite), max(finite)
     span = (hi - lo) or 1.0
-    return "".join(bars[int((v - lo) / span * (len(bars) - 1))] for v in values)
+    return "".join(bars[int((v - lo) / span * (len(bars) - 1))] if math.isfinite(v) else "!" for v in values)
 
 
 def compare_runs(output_dirs: Mapping[str, str]) -> str:
