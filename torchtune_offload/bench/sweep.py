@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from torchtune_offload.recipe.disk_log import read_disk_log
 from torchtune_offload.recipe.divergence import TrainingDivergedError
 from torchtune_offload.recipe.memory import EXPANDABLE_SEGMENTS
-from torchtune_offload.recipe.run_report import median_tokens_per_second, peak
+from torchtune_offload.recipe.run_report import cell, median_tokens_per_second, peak
 
 RECIPE = "recipes/full_finetune_single_device.py"
 _ADAMW = "torch.optim.AdamW"
@@ -104,7 +104,7 @@ def overrides_for(config: str, name: str) -> List[str]:
     return drop + [f"optimizer.{k}={v}" for k, v in keys.items()] + others
 
 
-def _nvml_gpu0() -> Optional[object]:
+def _nvml_gpu() -> Optional[object]:
     """(pynvml, handle of the GPU the variants train on: CUDA's device 0), or None without NVML.
     NVML creates no CUDA context in this process. NVML numbers every GPU of the machine, so under
     ``CUDA_VISIBLE_DEVICES`` its first entry is looked up: a UUID as such, an index as NVML's
@@ -125,14 +125,14 @@ def _nvml_gpu0() -> Optional[object]:
 
 def _nvml_used_bytes() -> Optional[int]:
     """Device-wide used memory of the variants' GPU as NVML reports it, or None without NVML."""
-    nvml = _nvml_gpu0()
+    nvml = _nvml_gpu()
     return None if nvml is None else nvml[0].nvmlDeviceGetMemoryInfo(nvml[1]).used
 
 
 def device_name() -> str:
     """The variants' GPU's name from NVML (no CUDA context, which would hold device memory for the whole
     sweep), or CPU."""
-    nvml = _nvml_gpu0()
+    nvml = _nvml_gpu()
     return "CPU" if nvml is None else str(nvml[0].nvmlDeviceGetName(nvml[1]))
 
 
@@ -223,10 +223,6 @@ def run_variant(
     return result
 
 
-def _cell(value: Optional[float], fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
 def markdown_table(results: Sequence[VariantResult]) -> str:
     """The results as a markdown table (memory in GiB, peaks over the run)."""
     lines = [
@@ -238,9 +234,9 @@ def markdown_table(results: Sequence[VariantResult]) -> str:
         p = r.peaks_gib
         loss = "-" if r.first_loss is None else f"{r.first_loss:.4f} -> {r.last_loss:.4f}"
         lines.append(
-            f"| {r.name} | {r.status.replace('|', '/')} | {_cell(r.tokens_per_second, '.0f')} "
-            f"| {_cell(p.get('peak_memory_alloc'), '.2f')} | {_cell(p.get('peak_memory_reserved'), '.2f')} "
-            f"| {_cell(p.get('nvml_run_peak'), '.2f')} | {_cell(p.get('host_rss_peak'), '.2f')} "
+            f"| {r.name} | {r.status.replace('|', '/')} | {cell(r.tokens_per_second, '.0f')} "
+            f"| {cell(p.get('peak_memory_alloc'), '.2f')} | {cell(p.get('peak_memory_reserved'), '.2f')} "
+            f"| {cell(p.get('nvml_run_peak'), '.2f')} | {cell(p.get('host_rss_peak'), '.2f')} "
             f"| {loss} | {r.seconds:.0f} |"
         )
     return "\n".join(lines)

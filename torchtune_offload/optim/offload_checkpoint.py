@@ -123,8 +123,9 @@ def mismatches(table: ParameterTable, sd: Any, *, base_class: type, num_groups: 
             f"it is not an OffloadOptimizer checkpoint ({found}); it was written by another "
             f"optimizer (expected format {STATE_DICT_FORMAT!r})"
         ]
-    damaged = _missing_entries(sd)
+    damaged = _damaged_entries(sd)
     if damaged:
+        # An entry of the wrong kind is listed with the kind it needs: "state['w']['shape'] (a list)".
         return [f"it is an OffloadOptimizer checkpoint with entries missing ({', '.join(damaged[:5])}): it was "
                 "damaged or edited; resume from an earlier checkpoint"]
     problems = []
@@ -158,8 +159,9 @@ _ENTRIES = ("optimizer_class", "minimal_size", "param_groups", "state")
 _SLOT_ENTRIES = ("offloaded", "shape", "dtype", "optimizer")
 
 
-def _missing_entries(sd: Dict[str, Any]) -> List[str]:
-    """The entries a checkpoint of this format must hold and ``sd`` lacks, as ``key`` paths."""
+def _damaged_entries(sd: Dict[str, Any]) -> List[str]:
+    """The entries a checkpoint of this format must hold and ``sd`` lacks (or holds as the wrong
+    kind of value), as ``key`` paths."""
     missing = [key for key in _ENTRIES if key not in sd]
     if not isinstance(sd.get("state", {}), dict) or not isinstance(sd.get("param_groups", []), list):
         return missing + ["state (a dict) or param_groups (a list)"]

@@ -34,6 +34,11 @@ def peak(rows: List[Dict[str, float]], key: str) -> Optional[float]:
     return max(values) if values else None
 
 
+def cell(value: Optional[float], fmt: str) -> str:
+    """``value`` formatted, or '-' for a figure a run never logged (not zero)."""
+    return "-" if value is None else format(value, fmt)
+
+
 def sparkline(values: List[float]) -> str:
     """``values`` as one line of block characters, lowest to highest."""
     bars = "▁▂▃▄▅▆▇█"
@@ -76,8 +81,7 @@ def compare_runs(output_dirs: Mapping[str, str]) -> str:
     )
     for n, steps in runs.items():
         tps = median_tokens_per_second(steps)
-        # "-": the run never logged it (a plain optimizer reports no optimizer memory), not zero.
-        cells = [f"{'-' if peak(steps, k) is None else format(peak(steps, k), '.4f'):>22}" for k in present]
+        cells = [f"{cell(peak(steps, k), '.4f'):>22}" for k in present]
         lines.append(
             f"{n:>14}  {tps:>9.0f}  {steps[0]['loss']:>10.4f}  {steps[-1]['loss']:>9.4f}  " + "  ".join(cells)
         )
