@@ -318,6 +318,36 @@ def test_checkpoint_entries_of_the_wrong_kind_are_refused_by_name():
         target.load_state_dict(state)
 
 
+@pytest.mark.parametrize("optimizer_class, options", [
+    ("torch.optim.AdamW", {}), ("torch.optim.SGD", {"momentum": 0.9}),
+    ("torchtune_offload.optim.AdamW8bit", {"min_8bit_size": 1}),
+])
+def test_checkpoint_with_a_base_state_of_another_shape_is_refused_before_loading(optimizer_class, options):
+    """torch's optimizers (and AdamW8bit) load a state of the wrong shape and fail only at the first
+    step, naming no parameter: the state is named at load, and nothing loads."""
+    state = _trained_state_of(optimizer_class, options)
+    key = next(k for k, v in state["state"].items() if v["offloaded"])
+    inner = next(iter(state["state"][key]["optimizer"]["state"].values()))
+    name = next(k for k, v in inner.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    inner[name] = inner[name][:1]
+    target = OffloadOptimizer(tiny_model().named_parameters(), optimizer_class, lr=1e-2, minimal_size=MINIMAL_SIZE,
+                              **options)
+    before = {s.key: s.optimizer.state_dict() for s in target._slots}
+    with pytest.raises(ValueError, match=f"{key}: optimizer state '{name}' is \\[1"):
+        target.load_state_dict(state)
+    assert {s.key: s.optimizer.state_dict() for s in target._slots} == before
+    target.load_state_dict(_trained_state_of(optimizer_class, options))  # an intact one still loads
+
+
+def _trained_state_of(optimizer_class, options):
+    model = tiny_model()
+    opt = OffloadOptimizer(model.named_parameters(), optimizer_class, lr=1e-2, minimal_size=MINIMAL_SIZE, **options)
+    for x, y in batches(num=1):
+        ((model(x) - y) ** 2).sum().backward()
+    opt.step()
+    return opt.state_dict()
+
+
 def test_checkpoint_with_master_weights_of_another_shape_is_refused_before_loading():
     """fp32 masters are copied after the base states load: a wrong one is found first, so the
     base states are not left loaded beside a failed copy."""

@@ -1,5 +1,6 @@
 """A deep decoder's step extrapolated from traces of its first few layers, against the whole model traced."""
 
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -159,3 +160,18 @@ def test_no_step_is_derived_where_the_optimizers_state_changes_before_its_step()
 
     assert trace_training_step(cfg, settings, seq_len=4, make_optimizer=make).without_optimizer is not None
     assert trace_training_step(cfg, settings, seq_len=4, make_optimizer=make_forgetful).without_optimizer is None
+
+
+def test_a_bf16_trace_passes_on_no_warning_about_the_cpu_kernel_or_dropped_gradients():
+    """The planner's output is for the user: torch's note that its CPU RMSNorm kernel is not fused
+    (torchtune's fp32 input beside a bf16 weight) and MemTracker's about freed gradients say
+    nothing about the plan, and the filters do not outlive the trace."""
+    cfg = load_config("configs/tiny/full.yaml", BF16_CHECKPOINTED)
+    settings = replace(check_recipe_config(cfg, recipe="full", device_present=False), compile=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        filters_before = list(warnings.filters)
+        trace_training_step(cfg, settings, seq_len=4, mark_trainable=None, free_gradients=True, fp8_weights=None,
+                            make_optimizer=None)
+        assert warnings.filters == filters_before
+    assert [str(w.message) for w in caught] == []

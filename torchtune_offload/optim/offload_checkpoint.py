@@ -1,12 +1,13 @@
 """``OffloadOptimizer``'s checkpoints: keyed by parameter name, with each slot's placement and
 master weights, and checked against the optimizer before anything loads."""
 
-from typing import AbstractSet, Any, Dict, List, Optional
+from typing import AbstractSet, Any, Dict, List, Optional, Tuple
 
 import torch
 
 import torchtune_offload.optim.stream_check as stream_check
-from torchtune_offload.optim.param_table import ParameterTable
+from torchtune_offload.optim.host_memory import probe_state
+from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.state_streamer import StateStreamer
 
 STATE_DICT_FORMAT = "torchtune_offload.OffloadOptimizer/1"
@@ -59,6 +60,8 @@ def load_state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], s
     problems = mismatches(table, sd, base_class=base_class, num_groups=len(param_groups))
     if not problems:
         problems = [p for s in table.streamed for p in [streamer.load_problem(s, sd["state"][s.key]["optimizer"])] if p]
+    if not problems:
+        problems = _state_shape_problems(table, sd["state"])
     if problems:
         raise ValueError(
             "optimizer checkpoint does not fit this model and optimizer:\n  - "
@@ -79,6 +82,44 @@ def load_state_dict(table: ParameterTable, param_groups: List[Dict[str, Any]], s
                 # image is re-quantized by the caller instead).
                 if slot.index not in fp8_slots:
                     slot.param.copy_(slot.step_param)
+
+
+def _state_shape_problems(table: ParameterTable, saved_state: Dict[str, Any]) -> List[str]:
+    """Base optimizer states (not streamed: the streamer checks its own) whose shapes differ from
+    those the base optimizer makes for the parameter, probed on meta tensors once per class, group,
+    shape and dtype. torch's optimizers load such a state without a word and fail at the first step
+    with a kernel's shape error that names no parameter; an optimizer that cannot step on meta
+    tensors is left to its own loader."""
+    layouts: Dict[Tuple[int, torch.Size, torch.dtype], Optional[Dict[str, torch.Size]]] = {}
+    problems = []
+    for slot in table.slots:
+        saved = saved_state[slot.key]["optimizer"].get("state", {})
+        if slot.streamed or not isinstance(saved, dict) or len(saved) != 1:
+            continue
+        arrays = next(iter(saved.values()))
+        shapes = _probed_shapes(table, slot, layouts)
+        if not isinstance(arrays, dict) or shapes is None:
+            continue
+        for key, value in arrays.items():
+            if isinstance(value, torch.Tensor) and key in shapes and value.shape != shapes[key]:
+                problems.append(f"{slot.key}: optimizer state {key!r} is {list(value.shape)} in the checkpoint, "
+                                f"{slot.optimizer.__class__.__name__} keeps {list(shapes[key])} for this parameter")
+    return problems
+
+
+def _probed_shapes(table: ParameterTable, slot: Slot,
+                   cache: Dict[Tuple[int, torch.Size, torch.dtype], Optional[Dict[str, torch.Size]]]
+                   ) -> Optional[Dict[str, torch.Size]]:
+    key = (slot.group_index, slot.step_param.shape, slot.step_param.dtype)
+    if key not in cache:
+        try:
+            state = probe_state(type(slot.optimizer), slot.step_param.shape, slot.step_param.dtype,
+                                table.group_options[slot.group_index])
+        except Exception:  # any optimizer may fail on meta tensors: then only its own loader checks
+            state = None
+        cache[key] = None if state is None else {
+            k: v.shape for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    return cache[key]
 
 
 def _load_base_states(table: ParameterTable, saved_state: Dict[str, Any]) -> None:
