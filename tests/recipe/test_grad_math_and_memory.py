@@ -22,7 +22,7 @@ from torchtune_offload.recipe import (
     use_expandable_segments,
 )
 from torchtune_offload.recipe.memory import GIB
-from torchtune_offload.recipe.run_report import compare_runs
+from torchtune_offload.recipe.run_report import compare_runs, median_tokens_per_second
 
 
 def _model_with_grads(seed: int = 0) -> torch.nn.Module:
@@ -192,6 +192,17 @@ def test_compare_runs_of_one_run_without_shared_steps_and_of_a_diverged_run(tmp_
     assert next(line for line in text.splitlines() if line.strip().startswith("b:")).endswith("!")
     assert next(line for line in text.split("Summary")[1].splitlines() if line.strip().startswith("b ")).split()[1] \
         == "90"
+
+
+def test_the_median_speed_leaves_out_the_warm_up_and_the_profiled_steps():
+    """A profiled step runs slower: a sweep or a comparison with the profiler on would otherwise
+    report it. Where every step after the first was profiled, those are what there is."""
+    rows = [{"step": 1, "tokens_per_second": 10.0}, {"step": 2, "tokens_per_second": 100.0},
+            {"step": 3, "tokens_per_second": 40.0, "profiled": 1.0},
+            {"step": 4, "tokens_per_second": 30.0, "profiled": 1.0}, {"step": 5, "tokens_per_second": 110.0}]
+    assert median_tokens_per_second(rows) == 105.0
+    assert median_tokens_per_second(rows[:1] + rows[2:4]) == 35.0
+    assert median_tokens_per_second(rows[:1]) == 10.0
 
 
 @pytest.mark.parametrize("device, offloads, env, expected", [

@@ -184,6 +184,10 @@ def test_a_profiled_run_trains_the_same_bits_and_traces_the_engine_on_each_threa
     assert torch.equal(torch.tensor(profiled.losses), torch.tensor(plain.losses))
     summary = summarize(profiled.output_dir / "profiling_outputs")
     assert [number for number, _ in summary.steps] == [2, 3]
+    # The steps the profiler warmed up (global step 2) and recorded (3, 4) are marked in the log,
+    # so that a median of tok/s leaves them out.
+    assert [r["step"] for r in profiled.log if r.get("profiled")] == [2, 3, 4]
+    assert not any("profiled" in r for r in plain.log)
     threads = _threads_of_ranges(summary)
     training = summary.training_thread
     assert threads["offload/gradient hook"] == {training}

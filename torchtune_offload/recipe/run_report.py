@@ -14,13 +14,15 @@ SUMMARY_KEYS = (
 
 
 def median_tokens_per_second(rows: List[Dict[str, float]]) -> float:
-    """The run's speed: the median tok/s over its logged steps after the first (warm-up).
+    """The run's speed: the median tok/s over its logged steps after the first (warm-up), leaving
+    out those the profiler warmed up or recorded (logged ``profiled``), unless every one was.
 
     Raises:
         ValueError: where no step logged ``tokens_per_second`` (torchtune's own recipes log
             ``tokens_per_second_per_gpu``, which is taken instead).
     """
     rows = rows[1:] or rows
+    rows = [r for r in rows if not r.get("profiled")] or rows
     for key in ("tokens_per_second", "tokens_per_second_per_gpu"):
         values = [r[key] for r in rows if key in r]
         if values:
@@ -74,7 +76,7 @@ def compare_runs(output_dirs: Mapping[str, str]) -> str:
     elif len(names) > 1:
         lines.append("no step was logged by every run: the losses are not compared")
 
-    lines += ["", "Summary (tok/s: median over steps after the first; memory in GiB, peaks over the run)"]
+    lines += ["", "Summary (tok/s: median over steps after the first, profiled ones left out; memory in GiB, peaks over the run)"]
     present = [k for k in SUMMARY_KEYS if any(k in s for r in runs.values() for s in r)]
     lines.append(
         f"{'run':>14}  {'tok/s':>9}  {'first loss':>10}  {'last loss':>9}  " + "  ".join(f"{k:>22}" for k in present)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
+from torch.profiler import ProfilerAction
 from torchtune import training, utils
 from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
@@ -163,6 +164,9 @@ class TrainLoop:
         }
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
+        if getattr(self.profiler, "current_action", ProfilerAction.NONE) != ProfilerAction.NONE:
+            # The profiler warmed up or recorded this step, which slows it: medians leave it out.
+            metrics["profiled"] = 1.0
         metrics.update(self.optimizer.timings())
         if self.settings.log_peak_memory_stats:
             metrics.update(self.memory.stats(reset=True))
