@@ -159,6 +159,23 @@ def test_header_launch_command_names_this_config(path):
     assert {cfg for _, cfg in launches} == {_rel(path)}, launches
 
 
+def test_every_config_writes_to_a_folder_and_w_and_b_run_of_its_own():
+    """Two configs sharing an output_dir share checkpoints and logs: the second run is refused as
+    an earlier run's folder, or resumes the other's optimizer state. Each folder and W&B name ends
+    with the config's own name (less the model size its folder already names)."""
+    folders, names = {}, {}
+    for path in ALL_CONFIGS:
+        own = (path.stem, path.stem.split("_", 1)[-1])
+        folder = str(_load(path).output_dir)
+        assert folder.endswith(own), f"{_rel(path)}: output_dir {folder} is not named for the config"
+        folders.setdefault(folder, []).append(_rel(path))
+        for name in re.findall(r"metric_logger\.name=(\S+)", _header(path)):
+            assert name.endswith(own), f"{_rel(path)}: W&B run name {name} is not named for the config"
+            names.setdefault(name, []).append(_rel(path))
+    assert not {k: v for k, v in folders.items() if len(v) > 1}
+    assert not {k: v for k, v in names.items() if len(v) > 1}
+
+
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=_ids(ALL_CONFIGS))
 def test_header_launch_recipe_exists(path):
     recipes = {recipe for recipe, _ in LAUNCH_RE.findall(_header(path))}
@@ -314,7 +331,7 @@ def test_variant_config_matches_the_table(family, size, variant):
     if variant == "lora_offload":
         assert ".lora_" in cfg.model._component_
         assert "save_adapter_weights_only" in cfg
-        assert "lr_scheduler" in cfg  # the LoRA recipe reads cfg.lr_scheduler unconditionally
+        assert "lr_scheduler" in cfg  # as torchtune's LoRA configs (the recipe runs without one too)
         for key in ("lora_attn_modules", "apply_lora_to_mlp", "apply_lora_to_output",
                     "lora_rank", "lora_alpha", "lora_dropout"):
             assert key in cfg.model, key
