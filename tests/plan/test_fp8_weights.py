@@ -14,8 +14,12 @@ LLAMA = "configs/llama3_1/8B_full_offload_fp8.yaml"
     ("configs/qwen2_5/7B_full_offload_fp8.yaml", [], 47),
 ])
 def test_the_16gb_configs_meet_the_issue_targets(tmp_path, config, overrides, host_limit_gib):
-    _, plans = _plan(tmp_path, config, "--variants", "config", "--device-gib", "16", "--host-gib", "128", *overrides)
+    stdout, plans = _plan(tmp_path, config, "--variants", "config", "--device-gib", "16", "--host-gib", "128",
+                          *overrides)
     plan = plans["config"]
+    # The load holds every weight in bf16 on the device: within 16 GiB, and part of the verdict.
+    assert plan["device_bytes"] < plan["load_bytes"] <= 15 * GIB
+    assert next(line for line in stdout.splitlines() if line.startswith("| config |")).split(" | ")[3] == "yes"
     assert plan["problem"] is None
     # Batch 1 x 2048 with activation checkpointing (the configs' own settings).
     assert plan["device_bytes"] <= 14.5 * GIB

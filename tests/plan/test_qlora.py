@@ -14,7 +14,8 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from tests import zygote
 from tests.recipe_harness import tiny_asset_overrides, working_tree_env
 from torchtune_offload.plan.fine_tunes import DEFAULT_ADAPTERS, configured_fine_tune, fine_tunes
-from torchtune_offload.plan.planner import VariantPlan, format_fine_tunes, load_config
+from torchtune_offload.plan.planner import VariantPlan, load_config
+from torchtune_offload.plan.report import format_fine_tunes
 from torchtune_offload.plan.trace import build_meta_model, trace_training_step
 from torchtune_offload.recipe import build_loss, check_recipe_config, instantiate_model
 

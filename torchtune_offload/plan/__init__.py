@@ -3,7 +3,8 @@ device and host memory of a run for each optimizer variant, from one training st
 tensors and the recipes' own host-memory calculation; with ``--machine``, each variant's seconds per
 step and tok/s from the same step's work and a machine's rates (:mod:`torchtune_offload.plan.speed`)."""
 
-from torchtune_offload.plan.planner import VariantPlan, format_plans, plan_speed, plan_variant
+from torchtune_offload.plan.planner import VariantPlan, plan_speed, plan_variant
+from torchtune_offload.plan.report import format_plans
 from torchtune_offload.plan.speed import Machine, Speed, StepWork, load_machine, predict
 from torchtune_offload.plan.trace import StepTrace, trace_training_step
 

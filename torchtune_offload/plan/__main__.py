@@ -30,8 +30,6 @@ from torchtune_offload.plan.planner import (
     default_device_budget,
     default_host_budget,
     default_variants,
-    format_fine_tunes,
-    format_plans,
     load_config,
     plan_fine_tunes,
     plan_speed,
@@ -39,6 +37,7 @@ from torchtune_offload.plan.planner import (
     process_baseline,
     step_requests,
 )
+from torchtune_offload.plan.report import format_fine_tunes, format_plans
 from torchtune_offload.plan.speed import load_machine, preset_names
 from torchtune_offload.plan.step_traces import default_jobs, sequence_length, trace_steps
 from torchtune_offload.plan.trace import UntraceableModelError

@@ -40,8 +40,8 @@ from torchtune_offload.optim.param_table import device_sum_ring_bytes
 from torchtune_offload.optim.state_streamer import plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
                                                unquantised_twin)
-from torchtune_offload.plan.recorded_runs import known_gaps, known_gaps_block
-from torchtune_offload.plan.speed import Machine, Speed, StepWork, device_syncs, predict, sums_elsewhere_block
+from torchtune_offload.plan.recorded_runs import known_gaps
+from torchtune_offload.plan.speed import Machine, Speed, StepWork, device_syncs, predict
 from torchtune_offload.plan.step_traces import StepRequest, mark_lora, sequence_length, step_request
 from torchtune_offload.plan.trace import StepTrace, UntraceableModelError, build_meta_model, micro_batch_loss, one_line
 from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
@@ -76,6 +76,14 @@ class VariantPlan:
     batch_size: Optional[int] = None
     #: CUDA offload runs: the caching allocator's reserved peak the plan assumes (see ``RESERVED_MARGIN``).
     reserved_bytes: Optional[int] = None
+    #: FP8 device weights: the device's bytes while the model loads, every weight in the model's
+    #: dtype before the optimizer makes its images (more than the step peak where that is tight).
+    load_bytes: Optional[int] = None
+
+    @property
+    def device_need(self) -> int:
+        """What the device must hold at the run's tightest moment: the step peak or the load."""
+        return max(self.device_bytes or 0, self.load_bytes or 0)
 
 
 def load_config(config_path: str, overrides: Sequence[str]) -> DictConfig:
@@ -243,10 +251,10 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     if settings.device.type != "cpu":
         plan.work = _step_work(settings, cfg, model, settings.batch_size * length)
     if fp8 is not None:
-        loaded = sum(p.numel() * p.element_size() for p in model.parameters())
+        plan.load_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         plan.notes.append(f"device_weights: the model loads in {settings.dtype} on the device before the optimizer "
-                          f"makes its FP8 images: {loaded / GIB:.2f} GiB of weights at that moment, not in the step "
-                          "peak above (on a card that barely holds them, the tightest moment of the run)")
+                          f"makes its FP8 images: {plan.load_bytes / GIB:.2f} GiB of weights at that moment, not in "
+                          "the step peak above; a device budget below it is 'no (load)'")
     phase = max(need.phases, key=lambda p: sum(need.phases[p].values()))
     plan.host_parts = {"this process (Python, PyTorch, torchtune)": baseline,
                        **{f"{phase}: {k}": v for k, v in need.phases[phase].items()}}
@@ -338,39 +346,6 @@ def _fine_tune_cfg(cfg: DictConfig, fine_tune: FineTune) -> DictConfig:
     for key in [k for k in out.keys() if k not in RECIPE_KEYS[fine_tune.recipe]]:
         del out[key]
     return out
-
-
-def format_fine_tunes(plans: List[VariantPlan], *, device_budget: Optional[int], host_budget: int,
-                      optimizer: str) -> str:
-    """The full/LoRA/QLoRA block: a table, then one line saying which fit the device budget."""
-    def gib(n: Optional[int]) -> str:
-        return "-" if n is None else f"{n / GIB:.2f}"
-
-    budget = "unknown (give --device-gib)" if device_budget is None else f"{device_budget / GIB:.1f} GiB"
-    lines = [f"Full, LoRA and QLoRA of this model, each with the configured optimizer ({optimizer}); "
-             f"device budget {budget}:", "",
-             "| fine-tune | device peak GiB | fits device | host peak GiB | fits host | model._component_ |",
-             "|---|---:|:---:|---:|:---:|---|"]
-    for p in plans:
-        fits = "-" if p.device_bytes is None or device_budget is None else (
-            "yes" if p.device_bytes <= device_budget else "no")
-        fits_host = "-" if p.host_bytes is None else ("yes" if p.host_bytes <= host_budget else "no")
-        lines.append(f"| {p.name} | {gib(p.device_bytes)} | {fits} | {gib(p.host_bytes)} | {fits_host} | "
-                     f"{p.problem if p.problem else p.description} |")
-    if device_budget is not None:
-        fit = [p.name for p in plans if p.device_bytes is not None and p.device_bytes <= device_budget]
-        miss = [p.name for p in plans if p.device_bytes is not None and p.device_bytes > device_budget]
-        unknown = [p.name for p in plans if p.device_bytes is None]
-        lines.append("")
-        lines.append(f"On a {budget} device: " + "; ".join(part for part in (
-            f"{', '.join(fit)} fit{'s' if len(fit) == 1 else ''}" if fit else "",
-            f"{', '.join(miss)} do{'es' if len(miss) == 1 else ''} not fit" if miss else "",
-            f"{', '.join(unknown)} could not be planned" if unknown else "") if part) + ".")
-        short = [f"{p.name} needs {gib(p.host_bytes)} GiB" for p in plans
-                 if p.host_bytes is not None and p.host_bytes > host_budget]
-        if short:
-            lines.append(f"Host memory ({host_budget / GIB:.1f} GiB budget): {', '.join(short)}, more than it has.")
-    return "\n".join(lines)
 
 
 def default_variants() -> List[str]:
@@ -470,43 +445,6 @@ def process_baseline(cfg: DictConfig, *, device: torch.device) -> Tuple[int, Lis
 
 
 #: The sweep's variants of each place the update runs, in order of preference.
-_DEVICE_UPDATE = ("offload_device_update_overlap", "offload_device_update")
-_HOST_UPDATE = ("offload_grads_overlap", "offload_grads", "offload_overlap", "offload")
-
-
-def update_on_advice(plans: List[VariantPlan], *, device_budget: Optional[int], host_budget: int) -> Optional[str]:
-    """Where the offloaded update should run, from the planned variants: on the device
-    (``update_on=device``: the states alone on the host) where the weights and gradients fit the
-    device, else on the host (``update_on=host`` with ``offload_gradients``). None without the
-    variants to compare or a device budget."""
-    planned = {p.name: p for p in plans if p.problem is None}
-    device = next((planned[n] for n in _DEVICE_UPDATE if n in planned), None)
-    host = next((planned[n] for n in _HOST_UPDATE if n in planned), None)
-    if device is None or device_budget is None:
-        return None
-
-    def fits(p: VariantPlan) -> bool:
-        return p.device_bytes <= device_budget and p.host_bytes <= host_budget
-
-    def figures(p: VariantPlan) -> str:
-        return f"{p.name}: {p.device_bytes / GIB:.2f} GiB device, {p.host_bytes / GIB:.2f} GiB host"
-
-    other = f" ({figures(host)}{', which fits' if fits(host) else ''})" if host is not None else ""
-    if fits(device):
-        return ("Where the update runs: the weights and gradients fit the device, so optimizer.update_on=device is "
-                f"the better choice ({figures(device)}): only the optimizer states are on the host, and the update "
-                "is the device's own kernel, with no host arithmetic. The host engine needs more host memory and "
-                f"is bound by the host's memory bandwidth{other}.")
-    if device.device_bytes > device_budget:
-        return ("Where the update runs: with optimizer.update_on=device the weights and gradients do not fit the "
-                f"device ({figures(device)}), so the host engine is the choice: optimizer.update_on=host with "
-                f"optimizer.offload_gradients=True, which keeps the gradients off the device too{other}.")
-    return (f"Where the update runs: optimizer.update_on=device fits the device but not the host ({figures(device)}); "
-            "8-bit states with update_on=device (optimizer.optimizer_class=bitsandbytes.optim.AdamW8bit: about half "
-            "the host memory; staged whole, so optimizer.device_staging_mib must hold twice the largest tensor's "
-            f"states) or a LoRA fine-tune need less{other}.")
-
-
 def plan_speed(plan: VariantPlan, machine: Machine, *, device_budget: Optional[int]) -> Optional[Speed]:
     """The variant's predicted step on ``machine`` (None where it cannot run or runs on the CPU),
     with the model's known gaps on steps of its kind. Paged optimizer state beyond the device
@@ -518,65 +456,6 @@ def plan_speed(plan: VariantPlan, machine: Machine, *, device_budget: Optional[i
         work = replace(work, paged_excess_bytes=max(0, plan.device_bytes + plan.paged_bytes - device_budget))
     speed = predict(work, machine, samples_per_micro_batch=plan.batch_size)
     return replace(speed, known_gaps=tuple(known_gaps(work)))
-
-
-def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Optional[int], host_budget: int,
-                 config_path: str, seq_len_note: str, fine_tunes: str = "",
-                 speeds: Optional[Dict[str, Optional[Speed]]] = None, machine: str = "") -> str:
-    """A markdown table of the plans, with the budgets and a verdict per variant.
-
-    Args:
-        fine_tunes: a block shown after the table, before each variant's breakdown
-            (:func:`format_fine_tunes`).
-        speeds: each variant's predicted step (:func:`plan_speed`), by name: adds its seconds,
-            tok/s, bound and the batch at which overlap hides the offloaded work to the row.
-        machine: the machine the speeds are for, named in the header.
-    """
-    def gib(n: Optional[int]) -> str:
-        return "-" if n is None else f"{n / GIB:.2f}"
-
-    def verdict(n: Optional[int], budget: Optional[int]) -> str:
-        if n is None:
-            return "-"
-        if budget is None:
-            return "?"
-        return "yes" if n <= budget else "no"
-
-    lines = [f"Plan for {config_path} ({seq_len_note}); device {device}, budget "
-             f"{'unknown (give --device-gib)' if device_budget is None else f'{device_budget / GIB:.1f} GiB'}; "
-             f"host budget {host_budget / GIB:.1f} GiB.", "",
-             "| variant | device peak GiB | + paged GiB | fits device | host peak GiB | fits host |"
-             + (" s/step | tok/s | bound | overlap hides at batch |" if speeds is not None else "") + " what |",
-             "|---|---:|---:|:---:|---:|:---:|" + ("---:|---:|---|---:|" if speeds is not None else "") + "---|"]
-    if speeds is not None:
-        lines.insert(1, f"Speed on {machine} (docs/planner.md#how-fast).")
-    for p in plans:
-        what = p.problem if p.problem else p.description
-        paged = f"{p.paged_bytes / GIB:.2f}" if p.paged_bytes else "-"
-        speed = ""
-        if speeds is not None:
-            s = speeds.get(p.name)
-            speed = (" - | - | - | - |" if s is None else
-                     f" {s.step_seconds:.3g} | {s.tokens_per_second:.0f} | {s.bound} | "
-                     f"{'-' if s.hides_at_batch is None else f'>= {s.hides_at_batch}'} |")
-        lines.append(f"| {p.name} | {gib(p.device_bytes)} | {paged} | {verdict(p.device_bytes, device_budget)} | "
-                     f"{gib(p.host_bytes)} | {verdict(p.host_bytes, host_budget)} |{speed} {what} |")
-    predicted = {p.name: speeds[p.name] for p in plans if speeds and speeds.get(p.name)}
-    lines += known_gaps_block(predicted) + sums_elsewhere_block(predicted)
-    advice = update_on_advice(plans, device_budget=device_budget, host_budget=host_budget)
-    if advice:
-        lines += ["", advice]
-    if fine_tunes:
-        lines += ["", fine_tunes]
-    for p in plans:
-        if p.problem:
-            continue
-        lines.append(f"\n{p.name}:")
-        lines.append("  device: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.device_parts.items()))
-        lines.append("  host:   " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.host_parts.items()))
-        for note in p.notes:
-            lines.append(f"  note: {note}")
-    return "\n".join(lines)
 
 
 def default_host_budget() -> int:
