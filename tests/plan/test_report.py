@@ -21,7 +21,8 @@ def test_a_load_above_the_budget_does_not_fit_though_the_step_does(budget_gib, v
     row = next(line for line in table.splitlines() if line.startswith("| config |"))
     assert row.split(" | ")[3] == verdict
     fine = format_fine_tunes([_fp8("full")], device_budget=budget_gib * GIB, host_budget=64 * GIB, optimizer="x")
-    assert fine.splitlines()[-1] == f"On a {budget_gib:.1f} GiB device: full {'fits' if verdict == 'yes' else 'does not fit'}."
+    fits = "fits" if verdict == "yes" else "does not fit"
+    assert fine.splitlines()[-1] == f"On a {budget_gib:.1f} GiB device: full {fits}."
 
 
 def test_a_plan_without_a_load_figure_is_judged_by_its_step():

@@ -444,7 +444,6 @@ def process_baseline(cfg: DictConfig, *, device: torch.device) -> Tuple[int, Lis
     return psutil.Process(os.getpid()).memory_info().rss, notes
 
 
-#: The sweep's variants of each place the update runs, in order of preference.
 def plan_speed(plan: VariantPlan, machine: Machine, *, device_budget: Optional[int]) -> Optional[Speed]:
     """The variant's predicted step on ``machine`` (None where it cannot run or runs on the CPU),
     with the model's known gaps on steps of its kind. Paged optimizer state beyond the device

@@ -54,6 +54,7 @@ def format_fine_tunes(plans: List[VariantPlan], *, device_budget: Optional[int],
     return "\n".join(lines)
 
 
+#: The sweep's variants of each place the update runs, in order of preference.
 _DEVICE_UPDATE = ("offload_device_update_overlap", "offload_device_update")
 _HOST_UPDATE = ("offload_grads_overlap", "offload_grads", "offload_overlap", "offload")
 

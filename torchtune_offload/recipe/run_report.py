@@ -76,7 +76,8 @@ def compare_runs(output_dirs: Mapping[str, str]) -> str:
     elif len(names) > 1:
         lines.append("no step was logged by every run: the losses are not compared")
 
-    lines += ["", "Summary (tok/s: median over steps after the first, profiled ones left out; memory in GiB, peaks over the run)"]
+    lines += ["", "Summary (tok/s: median over steps after the first, profiled ones left out; memory in GiB, "
+                  "peaks over the run)"]
     present = [k for k in SUMMARY_KEYS if any(k in s for r in runs.values() for s in r)]
     lines.append(
         f"{'run':>14}  {'tok/s':>9}  {'first loss':>10}  {'last loss':>9}  " + "  ".join(f"{k:>22}" for k in present)
