@@ -17,7 +17,7 @@ checkpoint, and never saves non-finite weights (:mod:`torchtune_offload.recipe.d
 
 import sys
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training
 
 from torchtune_offload.recipe import (
@@ -34,6 +34,7 @@ from torchtune_offload.recipe import (
     build_profiler,
     check_host_memory,
     check_files,
+    check_weights_fit_device,
     check_recipe_config,
     instantiate_model,
     load_checkpoint,
@@ -81,6 +82,9 @@ class FullFinetuneRecipeSingleDevice:
         self.progress.measure_epoch(self._dataloader, s)
         # 3. The configured weights from the checkpointer.
         self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=None)
+        # Before the model is built on the device: weights it cannot hold fail here, by size.
+        check_weights_fit_device(ckpt[training.MODEL_KEY], device=s.device, dtype=s.dtype,
+                                 device_weights=OmegaConf.select(cfg, "optimizer.device_weights", default=None))
         # 4. Model (with the trained weights when resuming), then the optimizer that copies them.
         self._model = instantiate_model(cfg.model, s)
         # pop: the loaded weights are freed before the optimizer allocates its host memory.

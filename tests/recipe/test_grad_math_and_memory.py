@@ -21,7 +21,7 @@ from torchtune_offload.recipe import (
     sum_over_ranks,
     use_expandable_segments,
 )
-from torchtune_offload.recipe.memory import GIB
+from torchtune_offload.recipe.memory import GIB, check_weights_fit_device
 from torchtune_offload.recipe.run_report import compare_runs, median_tokens_per_second
 
 
@@ -257,3 +257,32 @@ def test_without_nvml_the_monitor_says_so_and_logs_the_rest(monkeypatch, capsys)
     assert monitor._nvml is None and "NVML device memory unavailable" in capsys.readouterr().out
     assert "nvml_device_used_peak" not in monitor.stats()
     monitor.close()
+
+
+def test_weights_that_cannot_fit_the_devices_free_memory_are_refused_before_the_model_is_built(monkeypatch):
+    """The recipe puts every weight on the device before its optimizer exists (FP8 images too are
+    made from them): a device without room for them is named by size, not met by an
+    out-of-memory error part-way through the load. Only CUDA runs are checked."""
+    gib = GIB
+    weights = {"a": torch.empty(3 * gib // 2, dtype=torch.uint8, device="meta"),
+               "b": torch.empty(gib // 2, dtype=torch.uint8, device="meta")}  # 2 GiB of elements: 4 GiB in bf16
+    asked = []
+
+    def free_of(device):
+        asked.append(device)
+        return free, 16 * gib
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", free_of)
+    cuda = torch.device("cuda", 0)
+    free = 4 * gib
+    check_weights_fit_device(weights, device=cuda, dtype=torch.bfloat16)  # exactly fits
+    free = 4 * gib - 1  # one byte short
+    with pytest.raises(ValueError, match=r"device=cuda:0: the model's weights are 4.00 GiB in torch.bfloat16.*"
+                                         r"free of 16.00 GiB"):
+        check_weights_fit_device(weights, device=cuda, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"optimizer.device_weights=fp8 too"):
+        check_weights_fit_device(weights, device=cuda, dtype=torch.bfloat16, device_weights="fp8")
+    check_weights_fit_device(weights, device=cuda, dtype=torch.uint8)  # 2 GiB in one byte each
+    assert asked == [cuda] * 4
+    check_weights_fit_device(weights, device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert len(asked) == 4

@@ -145,6 +145,28 @@ def _assert_same_tensors(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor],
 # ------------------------------------------------------------------------- full: equivalence
 
 
+def test_weights_the_device_cannot_hold_are_refused_before_the_model_is_built(tiny_assets, tmp_path, monkeypatch):
+    """The full recipe asks whether the checkpoint's weights fit the device (a CUDA device's free
+    memory: torch.cuda.mem_get_info, faked in tests/recipe/test_grad_math_and_memory.py) before it
+    builds the model there; a refusal ends setup with nothing built."""
+    module = load_recipe_module(RECIPE_FILES["full"])
+    seen = {}
+
+    def refuse(weights, *, device, dtype, device_weights=None):
+        seen.update(names=set(weights), device=device, dtype=dtype, device_weights=device_weights)
+        raise ValueError("no room")
+
+    monkeypatch.setattr(module, "check_weights_fit_device", refuse)
+    monkeypatch.setattr(module, "instantiate_model", lambda *args, **kwargs: pytest.fail("the model was built"))
+    cfg = _config("full", tiny_assets, tmp_path, [*FULL_OFFLOAD, "optimizer.device_weights=fp8"])
+    recipe = getattr(module, RECIPE_CLASSES["full"])(cfg)
+    with pytest.raises(ValueError, match="no room"):
+        recipe.setup(cfg)
+    recipe.cleanup()
+    assert seen["device_weights"] == "fp8" and seen["dtype"] == recipe.settings.dtype
+    assert seen["device"] == recipe.settings.device and "tok_embeddings.weight" in seen["names"]
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("offload_gradients", [False, True])
 def test_full_offload_matches_plain_adamw(runs, tiny_assets, offload_gradients, overlap):

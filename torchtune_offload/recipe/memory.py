@@ -9,7 +9,7 @@ thread samples it to catch the peak between two log lines.
 import os
 import resource
 import threading
-from typing import Dict, Optional
+from typing import Dict, Mapping, Optional
 
 import psutil
 import torch
@@ -50,6 +50,36 @@ def use_expandable_segments(device: torch.device, *, offloads: bool) -> Optional
     torch.cuda.memory._set_allocator_settings(EXPANDABLE_SEGMENTS)
     return (f"device memory: {EXPANDABLE_SEGMENTS} for this offload run (set PYTORCH_CUDA_ALLOC_CONF to choose "
             "the allocator's settings yourself)")
+
+
+def check_weights_fit_device(weights: Mapping[str, torch.Tensor], *, device: torch.device, dtype: torch.dtype,
+                             device_weights: Optional[str] = None) -> None:
+    """Refuses a single-device CUDA run whose weights cannot fit the device's free memory, before
+    the model is built there: the recipe puts every weight on the device in ``dtype`` before the
+    optimizer exists (with ``optimizer.device_weights`` too, before its FP8 images replace them),
+    so such a run would fail with an out-of-memory error part-way through building or loading.
+
+    Args:
+        weights: the checkpoint's model tensors (their sizes are the model's).
+
+    Raises:
+        ValueError: naming the weights' size, the device's free memory, and what to do.
+    """
+    if device.type != "cuda":
+        return
+    need = sum(t.numel() for t in weights.values()) * dtype.itemsize
+    free, total = torch.cuda.mem_get_info(device)
+    if need <= free:
+        return
+    fp8 = (f" (with optimizer.device_weights={device_weights} too: the FP8 images are made from them once the "
+           "optimizer exists)") if device_weights else ""
+    raise ValueError(
+        f"device={device}: the model's weights are {need / GIB:.2f} GiB in {dtype}, and the recipe loads all of "
+        f"them onto the device before the optimizer is built{fp8}, but it has {free / GIB:.2f} GiB free of "
+        f"{total / GIB:.2f} GiB. Free the device (another process, or a display, holds "
+        f"{(total - free) / GIB:.2f} GiB), or fine-tune less of the model (LoRA or QLoRA: "
+        "configs/<model>/*_lora_offload.yaml, *_qlora_offload.yaml). The planner "
+        "(python -m torchtune_offload.plan --config <yaml> --device-gib <free GiB>) says what fits.")
 
 
 class _NvmlPeakSampler:
