@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.recipe.test_recipes import FULL_EQUIV, FULL_OFFLOAD, LEARN, run_recipe
-from torchtune_offload.recipe import OptimizerKind, OwnGradientsOptimizer
+from torchtune_offload.recipe import OptimizerKind, OwnGradientsOptimizer, check_weights_fit_device
 
 pytestmark = pytest.mark.gpu
 ON_GPU = ["device=cuda", "dtype=fp32"]
@@ -76,3 +76,14 @@ def test_bitsandbytes_paged_optimizers_learn_on_gpu(gpu_runs, component):
     pytest.importorskip("bitsandbytes")
     run = gpu_runs(*LEARN, f"optimizer._component_={component}")
     assert sum(run.losses[-5:]) / 5 < run.losses[0] - 1.0, run.losses
+
+
+def test_weights_larger_than_the_free_device_memory_are_refused_on_gpu():
+    """The load check against the real device's free memory: a model larger than the whole card
+    (meta tensors: nothing allocated) is refused by size, one that fits passes."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).total_memory
+    too_big = {"w": torch.empty(total // 2 + 1, dtype=torch.bfloat16, device="meta")}
+    with pytest.raises(ValueError, match=f"device={device}: the model's weights are"):
+        check_weights_fit_device(too_big, device=device, dtype=torch.bfloat16)
+    check_weights_fit_device({"w": torch.empty(2**20, device="meta")}, device=device, dtype=torch.bfloat16)
