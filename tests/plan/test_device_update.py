@@ -15,7 +15,8 @@ GIB = 1024**3
 
 def _plan(tmp_path, config, *args):
     out = tmp_path / "plan.json"
-    proc = zygote.run([sys.executable, "-m", "torchtune_offload.plan", "--config", config, "--json", str(out),
+    proc = zygote.run([sys.executable, "-m", "torchtune_offload.plan", "--config", config, "--force", "--json",
+                       str(out),
                            "--no-fine-tunes", *args], cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,7 +19,8 @@ CONFIG = "configs/tiny/full.yaml"
 
 def _plan_cli(tmp_path, *args):
     out = tmp_path / "plan.json"
-    proc = zygote.run([sys.executable, "-m", "torchtune_offload.plan", "--config", CONFIG, "--json", str(out), *args],
+    proc = zygote.run([sys.executable, "-m", "torchtune_offload.plan", "--config", CONFIG, "--force", "--json",
+                       str(out), *args],
                           cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -135,15 +136,21 @@ def _plan_rc(*args):
 
 
 def test_bad_arguments_are_refused_in_one_line_before_anything_is_planned(tmp_path):
+    kept = tmp_path / "my.yaml"
+    kept.write_text("output_dir: mine\n")
     for args, named in ((["--device-gib", "0"], "--device-gib 0.0: must be a positive number"),
                         (["--host-gib", "nan"], "--host-gib nan: must be a positive number"),
                         (["--device-gib", "-1"], "--device-gib -1.0"),
                         (["--seq-len", "0"], "--seq-len 0: must be at least 1"),
-                        (["--json", str(tmp_path / "no" / "plan.json")], "does not exist; make it first"),
+                        (["--json", str(tmp_path / "no" / "plan.json")],
+                         f"the folder {tmp_path / 'no'} does not exist"),
                         (["--json", str(tmp_path)], "is a folder"),
+                        # A file the user has (a config, say) is not replaced without --force.
+                        (["--json", str(kept)], "already exists; pass --force to replace it"),
                         (["~"], "overrides must be key=value (or ~key")):
         code, out, err = _plan_rc(*args)
         assert code == 2 and named in err and "Traceback" not in err and "planning" not in err, (args, err)
+    assert kept.read_text() == "output_dir: mine\n"
 
 
 def test_a_refused_config_keeps_its_table_and_exits_1_and_a_deleted_key_is_planned(tiny_assets, tmp_path):
@@ -151,7 +158,7 @@ def test_a_refused_config_keeps_its_table_and_exits_1_and_a_deleted_key_is_plann
               "--no-fine-tunes"]
     code, out, err = _plan_rc(*common, "tokenizer.max_seq_len=0")
     assert code == 1 and "Traceback" not in err
-    assert "error: the config as given is refused: tokenizer.max_seq_len=0: the tokens per sample" in err
+    assert "error: the config as given is refused: tokenizer.max_seq_len=0: must be null (no truncation)" in err
     assert "| offload |" in out
     code, out, err = _plan_rc(*common, "~clip_grad_norm")  # deleted as tune run deletes it
     assert code == 0, err[-2000:]

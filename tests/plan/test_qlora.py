@@ -78,7 +78,8 @@ def test_the_traced_qlora_step_matches_memtracker_on_real_tensors():
 
 def _plan_cli(tmp_path, config, *args):
     out = tmp_path / "plan.json"
-    proc = zygote.run([sys.executable, "-m", "torchtune_offload.plan", "--config", config, "--json", str(out),
+    proc = zygote.run([sys.executable, "-m", "torchtune_offload.plan", "--config", config, "--force", "--json",
+                       str(out),
                            *args], cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True,
                           text=True, timeout=600)
     return proc, (json.loads(out.read_text()) if out.is_file() else None)

@@ -111,7 +111,8 @@ def test_one_job_traces_nothing_ahead_and_a_failed_step_is_left_to_the_plan(tiny
 
 def _plan(tiny_assets, tmp_path, jobs):
     out = tmp_path / f"plan-{jobs}.json"
-    proc = zygote.run([sys.executable, "-m", "torchtune_offload.plan", "--config", CONFIG, "--json", str(out),
+    proc = zygote.run([sys.executable, "-m", "torchtune_offload.plan", "--config", CONFIG, "--force", "--json",
+                       str(out),
                        "--jobs", jobs, *tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "device=cuda",
                        "--device-gib", "1", "--host-gib", "64"],
                       cwd=REPO, env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True, text=True,

@@ -23,6 +23,7 @@ from typing import List, Optional
 import torch
 from omegaconf import OmegaConf
 
+from torchtune_offload.bench.arguments import check_output_file
 from torchtune_offload.bench.sweep import VARIANTS
 from torchtune_offload.plan.planner import (
     GIB,
@@ -67,7 +68,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: the config's)")
     p.add_argument("--fine-tunes", action=argparse.BooleanOptionalAction, default=True,
                    help="also plan the full, LoRA and QLoRA fine-tunes of the model (single-device recipes)")
-    p.add_argument("--json", type=Path, help="also write the plans to this JSON file")
+    p.add_argument("--json", type=Path, help="also write the plans to this JSON file (a new one, unless --force)")
+    p.add_argument("--force", action="store_true", help="let --json replace an existing file")
     p.add_argument("--jobs", type=int, default=default_jobs(),
                    help="processes that trace the plan's distinct training steps side by side (default: this "
                         "machine's cores; 1 traces each step in this process as it is needed)")
@@ -86,9 +88,8 @@ def main(argv=None) -> int:
             p.error(f"{flag} {gib}: must be a positive number of GiB (leave it out for this machine's)")
     if args.seq_len is not None and args.seq_len < 1:
         p.error(f"--seq-len {args.seq_len}: must be at least 1 (leave it out for the config's)")
-    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
-        p.error(f"--json {args.json}: " + ("is a folder; give a file's path" if args.json.is_dir() else
-                                           f"its folder {args.json.parent} does not exist; make it first"))
+    if args.json is not None:
+        check_output_file(p, args.json, flag="--json", force=args.force)
     # As for tune run: key=value sets, ~key deletes.
     bad = [o for o in args.overrides if "=" not in o and not (o.startswith("~") and len(o) > 1)]
     if bad:

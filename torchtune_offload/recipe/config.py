@@ -242,13 +242,20 @@ def _model_kind_problems(cfg: DictConfig, *, recipe: str) -> List[str]:
 
 def _component_value_problems(cfg: DictConfig) -> List[str]:
     """Values of component options that torchtune checks only when it uses them: the loss's chunk
-    count (at the first step) and the checkpointer's model type (a bare ``KeyError``)."""
+    count (at the first step), the tokenizer's truncation length (a nan loss) and the checkpointer's
+    model type (a bare ``KeyError``)."""
     problems = []
     loss = cfg.get("loss")
     chunks = loss.get("num_output_chunks") if isinstance(loss, DictConfig) else None
     if chunks is not None and not is_int(chunks, low=1):
         problems.append(f"loss.num_output_chunks={chunks!r}: must be an integer >= 1 (the output projection and "
                         "its loss run in that many pieces; torchtune's configs use 8).")
+    tokenizer = cfg.get("tokenizer")
+    seq_len = tokenizer.get("max_seq_len") if isinstance(tokenizer, DictConfig) else None
+    if seq_len is not None and not is_int(seq_len, low=1):
+        # torchtune truncates to it: at 0 or below every sample is cut to nothing, and the loss is nan.
+        problems.append(f"tokenizer.max_seq_len={seq_len!r}: must be null (no truncation) or an integer >= 1, the "
+                        "tokens a sample is cut to (the shipped configs use 2048).")
     checkpointer = cfg.get("checkpointer")
     model_type = checkpointer.get("model_type") if isinstance(checkpointer, DictConfig) else None
     if model_type is not None and str(model_type) not in ModelType.__members__:
