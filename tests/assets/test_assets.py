@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -236,7 +237,8 @@ def test_missing_tiny_assets_names_the_path_and_the_command(tmp_path, monkeypatc
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     tokenizer = f"{tta.default_tiny_dir()}/{tta.TOKENIZER_FILE}"
     message = tta.missing_tiny_assets(paths=[str(tmp_path / "elsewhere.json"), tokenizer])
-    assert tokenizer in message and "python -m torchtune_offload.assets" in message
+    # The interpreter running this (a venv's, say, not activated), not whatever `python` PATH finds.
+    assert tokenizer in message and f"`{sys.executable} -m torchtune_offload.assets`" in message
     # Paths outside the default folder are the recipe's file checks' business, not this hint's.
     assert tta.missing_tiny_assets(paths=[str(tmp_path / "elsewhere.json")]) is None
     built = tta.default_tiny_dir() / tta.TOKENIZER_FILE

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -49,8 +51,10 @@ def missing_tiny_assets(*, paths: Iterable[str]) -> Optional[str]:
     for path in paths:
         resolved = Path(path).expanduser().resolve()
         if resolved.is_relative_to(root) and not resolved.exists():
+            # This interpreter, by its path: the one that has torch where `python` on PATH may not.
             return (f"{path} does not exist: the tiny assets are not built. Build them with "
-                    f"`python -m torchtune_offload.assets` (it writes {default_tiny_dir()}), then run again.")
+                    f"`{shlex.quote(sys.executable)} -m torchtune_offload.assets` (it writes {default_tiny_dir()}), "
+                    "then run again.")
     return None
 
 
