@@ -34,7 +34,7 @@ def test_an_option_a_component_does_not_take_is_named_with_the_closest_one(overr
 
 def test_an_option_without_a_close_one_says_how_to_remove_it_and_lists_the_options():
     (problem,) = component_option_problems(_tiny("lr_scheduler.qqqqqqqq=1"))
-    assert "Remove it (~lr_scheduler.qqqqqqqq)" in problem and "num_warmup_steps" in problem
+    assert "Remove it: drop a lr_scheduler.qqqqqqqq=... override, or ~lr_scheduler.qqqqqqqq deletes it" in problem and "num_warmup_steps" in problem
 
 
 def test_a_key_the_recipes_read_themselves_is_not_a_strangers():

@@ -315,8 +315,11 @@ def test_a_config_written_for_another_recipe_is_named_as_such():
             "lora_finetune_single_device: remove it (~save_adapter_weights_only), or run the config with that "
             "recipe.") in lora_in_full
     assert "builds LoRA adapters" in lora_in_full
-    # A typo still gets the closest key.
+    # A typo still gets the closest key; a key like no other says both ways to remove it (a
+    # key=value override cannot be deleted with ~key, which only deletes keys of the YAML).
     assert "Did you mean 'batch_size'?" in _problems("full", "batch_sise=2")
+    assert ("zzzz: unknown config key for full_finetune_single_device. Remove it: drop a zzzz=... override, or "
+            "~zzzz deletes it from the YAML.") in _problems("full", "zzzz=1")
 
 
 def check_problems_for_config(config: str, *, recipe: str) -> str:

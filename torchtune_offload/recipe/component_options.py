@@ -64,6 +64,7 @@ def component_option_problems(cfg: DictConfig, *, skip: Sequence[str] = CHECKED_
             if key == "_component_" or key in names or key in _RECIPE_KEYS.get(node, ()):
                 continue
             close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"Did you mean '{node}.{close[0]}'?" if close else f"Remove it (~{node}.{key})."
+            hint = (f"Did you mean '{node}.{close[0]}'?" if close else
+                    f"Remove it: drop a {node}.{key}=... override, or ~{node}.{key} deletes it from the YAML.")
             problems.append(f"{node}.{key}: not an option of {path}. {hint} Its options: {', '.join(names)}.")
     return problems

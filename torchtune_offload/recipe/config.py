@@ -205,7 +205,9 @@ def _key_problems(cfg: DictConfig, *, recipe: str) -> List[str]:
                 which = "that recipe" if len(others) == 1 else "one of those recipes"
                 hint = f" It is a key of {' and '.join(others)}: remove it (~{key}), or run the config with {which}."
             else:
-                hint = f" Did you mean '{close[0]}'?" if close else f" Remove it (~{key})."
+                # The key may come from the YAML or from a key=value override, which ~key cannot delete.
+                hint = (f" Did you mean '{close[0]}'?" if close else
+                        f" Remove it: drop a {key}=... override, or ~{key} deletes it from the YAML.")
             problems.append(f"{key}: unknown config key for {_RECIPE_NAMES[recipe]}.{hint}")
     for key in _REQUIRED:
         if cfg.get(key) is None:
