@@ -120,6 +120,15 @@ def test_a_fresh_run_does_not_replace_an_earlier_runs_checkpoints(tiny_assets, t
     with pytest.raises(ValueError, match=r"holds the checkpoints of an earlier run \(epoch_0\).*overwrite_checkpoints=True"):
         _load_recipe_class("full")(cfg)
     assert (tmp_path / "epoch_0" / "model-00001-of-00001.safetensors").read_bytes() == before
+    # A finished run left nothing to resume from: resuming is not offered, as it would fail.
+    message = "\n".join(file_problems(cfg, step_resume=True))
+    assert "It left no checkpoint to resume from" in message and "resume_from_checkpoint" not in message
+    # One stopped after a step checkpoint is offered its resume.
+    stopped = tmp_path / "stopped"
+    run_recipe("full", tiny_assets, stopped, "max_steps_per_epoch=2", "batch_size=4", "epochs=2",
+               "save_every_n_steps=1", stop_after_epoch=0)
+    message = "\n".join(file_problems(_config("full", tiny_assets, stopped, ["batch_size=4"]), step_resume=True))
+    assert "holds the checkpoints of an earlier run" in message and "Resume it with resume_from_checkpoint=True" in message
     # Told to, it replaces them.
     run_recipe("full", tiny_assets, tmp_path, "max_steps_per_epoch=1", "batch_size=4", "overwrite_checkpoints=True")
 

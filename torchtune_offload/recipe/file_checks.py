@@ -188,9 +188,12 @@ def _earlier_run_problems(cfg: DictConfig) -> Iterable[str]:
     found = sorted(p.name for p in out.iterdir() if re.match(r"^epoch_\d+$", p.name) or p.name == "recipe_state")
     found += [f"{CHECKPOINTS_DIR}/{name}" for name in checkpoint_folders(out)]
     if found:
-        yield (f"output_dir: {out} holds the checkpoints of an earlier run ({', '.join(found[:4])}). Resume it "
-               "with resume_from_checkpoint=True, write elsewhere with output_dir=..., or replace them with "
-               "overwrite_checkpoints=True.")
+        # A finished run keeps no checkpoint to resume from (only its epochs' weights): resuming is
+        # offered only where there is one.
+        resume = ("Resume it with resume_from_checkpoint=True, write" if newest_checkpoint(run_output_dir(cfg))
+                  else "It left no checkpoint to resume from (it finished, or stopped before its first). Write")
+        yield (f"output_dir: {out} holds the checkpoints of an earlier run ({', '.join(found[:4])}). {resume} "
+               "elsewhere with output_dir=..., or replace them with overwrite_checkpoints=True.")
 
 
 def file_problems(cfg: DictConfig, *, step_resume: bool = False, world_size: Optional[int] = None) -> List[str]:
