@@ -30,9 +30,11 @@ class _FakeCheckpointer:
             state.write_text(state_dict["recipe"])
 
 
-def test_a_save_lands_whole_with_a_marker(tmp_path):
+def test_a_save_lands_whole_with_a_marker(tmp_path, capsys):
     save_atomically(_FakeCheckpointer(tmp_path), {"model": "w0", "recipe": "r0"}, epoch=0,
                     intermediate_checkpoint=True)
+    # The log names where the weights are, not the staging folder torchtune's own lines name.
+    assert f"epoch 0's weights are in {tmp_path / 'epoch_0'} (written in" in capsys.readouterr().out
     assert (tmp_path / "epoch_0" / "model.safetensors").read_text() == "w0"
     assert (tmp_path / "epoch_0" / COMPLETE_MARKER).is_file()
     assert (tmp_path / "recipe_state" / "recipe_state.pt").read_text() == "r0"

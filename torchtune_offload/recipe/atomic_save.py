@@ -74,3 +74,6 @@ def save_atomically(checkpointer: Any, state_dict: Dict[str, Any], *, epoch: int
         marker.write_text("complete\n")
         with open(marker, "rb") as f:
             os.fsync(f.fileno())
+        # torchtune's own lines name the staging folder it wrote into, which is gone now.
+        print(f"[torchtune_offload] epoch {epoch}'s weights are in {output_dir / f'epoch_{epoch}'} (written in "
+              f"{staging} and moved there once complete)", flush=True)
