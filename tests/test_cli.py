@@ -6,6 +6,7 @@ acceptance test in tests/test_install.py.
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,7 +168,7 @@ def test_a_tiny_config_before_the_assets_are_built_says_what_to_run(tmp_path, mo
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
     for argv in (["validate", "--config", "tiny/full"], ["run", "full_finetune_single_device", "--config", "tiny/full"]):
         code, _, err = _cli(capsys, *argv)
-        assert code != 0 and "python -m torchtune_offload.assets" in err, err
+        assert code != 0 and f"{sys.executable} -m torchtune_offload.assets" in err, err
         assert str(tmp_path / "empty" / "torchtune_offload" / "tiny") in err
 
 
