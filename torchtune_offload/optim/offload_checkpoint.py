@@ -6,9 +6,8 @@ from typing import AbstractSet, Any, Dict, List, Optional, Tuple
 import torch
 
 import torchtune_offload.optim.stream_check as stream_check
-from torchtune_offload.optim.host_memory import probe_state
 from torchtune_offload.optim.param_table import ParameterTable, Slot
-from torchtune_offload.optim.state_streamer import StateStreamer
+from torchtune_offload.optim.state_streamer import StateStreamer, state_layout
 
 STATE_DICT_FORMAT = "torchtune_offload.OffloadOptimizer/1"
 
@@ -110,15 +109,15 @@ def _state_shape_problems(table: ParameterTable, saved_state: Dict[str, Any]) ->
 def _probed_shapes(table: ParameterTable, slot: Slot,
                    cache: Dict[Tuple[int, torch.Size, torch.dtype], Optional[Dict[str, torch.Size]]]
                    ) -> Optional[Dict[str, torch.Size]]:
+    """The array states' shapes the slot's base optimizer makes (the streamer's probe), or None
+    where it cannot step on meta tensors."""
     key = (slot.group_index, slot.step_param.shape, slot.step_param.dtype)
     if key not in cache:
         try:
-            state = probe_state(type(slot.optimizer), slot.step_param.shape, slot.step_param.dtype,
-                                table.group_options[slot.group_index])
-        except Exception:  # any optimizer may fail on meta tensors: then only its own loader checks
-            state = None
-        cache[key] = None if state is None else {
-            k: v.shape for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+            layout, _ = state_layout(type(slot.optimizer), table.group_options[slot.group_index], slot.step_param)
+        except ValueError:  # the optimizer cannot step on meta tensors: only its own loader checks
+            layout = None
+        cache[key] = None if layout is None else {k: torch.Size(shape) for k, shape, _ in layout}
     return cache[key]
 
 
