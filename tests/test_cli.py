@@ -157,6 +157,8 @@ def test_validate_checks_a_config_as_its_recipe_reads_it(cache_with_tiny_assets,
     ("optimizer.betas=[0.9]", "optimizer.betas"),  # an IndexError in torch's AdamW
     ("model.zzz=1", "model.zzz: not an option of torchtune_offload.models.tiny_llama"),
     ("model._component_=torchtune.models.nope", "model._component_=torchtune.models.nope: cannot be imported"),
+    # The builder checks none of its values: a TypeError inside the build, naming no key.
+    ("model.num_layers=abc", "model.num_layers='abc': must be an integer >= 1"),
 ])
 def test_validate_names_an_option_a_component_does_not_take_without_a_traceback(cache_with_tiny_assets, capsys,
                                                                                  override, named):

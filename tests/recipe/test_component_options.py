@@ -1,9 +1,11 @@
 """A config's component options checked against each component's signature before anything is built."""
 
+import re
+
 import pytest
 from omegaconf import OmegaConf
 
-from torchtune_offload.recipe.component_options import component_option_problems
+from torchtune_offload.recipe.component_options import component_option_problems, model_option_problems
 from torchtune_offload.recipe.config import check_recipe_config
 from tests.conftest import REPO_ROOT as REPO
 
@@ -55,3 +57,64 @@ def test_components_checked_elsewhere_or_taking_any_keyword_are_left_alone():
     # The model and the optimizer are checked by the recipe's build and the optimizer rules; a dataset
     # builder forwards unknown keywords to load_dataset, a DiskLogger to its file.
     assert component_option_problems(_tiny("model.zzz=1", "optimizer.zzz=1", "metric_logger.zzz=1")) == []
+
+
+def _tiny_lora(*overrides: str):
+    return OmegaConf.merge(OmegaConf.load(REPO / "configs" / "tiny" / "lora.yaml"),
+                           OmegaConf.from_dotlist(list(overrides)))
+
+
+def test_every_shipped_config_gives_its_model_builder_options_it_can_use():
+    paths = sorted((REPO / "configs").rglob("*.yaml"))
+    assert len(paths) > 10
+    for path in paths:
+        assert model_option_problems(OmegaConf.load(path)) == [], path
+
+
+@pytest.mark.parametrize("config, override, expected", [
+    # A builder checks none of these: each failed inside the build with a TypeError or a
+    # ZeroDivisionError naming no key, after the checkpoint had been read.
+    (_tiny_lora, "model.lora_rank=abc", "model.lora_rank='abc': must be an integer >= 1"),
+    (_tiny_lora, "model.lora_rank=0", "model.lora_rank=0: must be an integer >= 1"),
+    (_tiny_lora, "model.lora_rank=4.0", "model.lora_rank=4.0: must be an integer >= 1"),
+    (_tiny_lora, "model.lora_alpha=x", "model.lora_alpha='x': must be a number"),
+    (_tiny_lora, "model.apply_lora_to_mlp=maybe", "model.apply_lora_to_mlp='maybe': must be True or False"),
+    (_tiny_lora, "model.lora_dropout=1.0", "model.lora_dropout=1.0: must be a probability, at least 0 and below 1"),
+    (_tiny_lora, "model.num_layerz=2", "model.num_layerz: not an option of torchtune_offload.models.lora_tiny_llama. "
+                                       "Did you mean 'model.num_layers'?"),
+    (_tiny, "model.num_layers=abc", "model.num_layers='abc': must be an integer >= 1 "
+                                    "(torchtune_offload.models.tiny_llama takes num_layers)"),
+    (_tiny, "model.norm_eps=true", "model.norm_eps=True: must be a number"),
+])
+def test_a_model_option_its_builder_cannot_use_is_refused_by_key_before_anything_is_built(config, override, expected):
+    (problem,) = model_option_problems(config(override))
+    assert problem.startswith(expected), problem
+    recipe = "lora" if config is _tiny_lora else "full"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        check_recipe_config(config(override), recipe=recipe, device_present=False)
+
+
+def test_good_model_values_pass_with_the_kinds_their_annotations_allow():
+    # An int where a float is annotated, a dropout of 0, a null where the annotation is Optional.
+    assert model_option_problems(_tiny_lora("model.lora_alpha=8", "model.lora_dropout=0")) == []
+    base = {"_component_": "torchtune.models.llama3.llama3", "vocab_size": 512, "num_layers": 2, "num_heads": 4,
+            "num_kv_heads": 2, "embed_dim": 64, "max_seq_len": 256, "intermediate_dim": None}
+    assert model_option_problems(OmegaConf.create({"model": base})) == []
+    (problem,) = model_option_problems(OmegaConf.create({"model": {**base, "intermediate_dim": 0}}))
+    assert problem.startswith("model.intermediate_dim=0: must be null or an integer >= 1"), problem
+
+
+def test_a_model_builders_required_argument_is_named_when_missing():
+    cfg = OmegaConf.create({"model": {"_component_": "torchtune.models.llama3.llama3", "vocab_size": 512,
+                                      "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "embed_dim": 64}})
+    (problem,) = model_option_problems(cfg)
+    assert problem.startswith("model.max_seq_len: required by torchtune.models.llama3.llama3; set it"), problem
+
+
+def test_a_model_builder_that_cannot_be_imported_is_named_by_the_recipes_check():
+    # Before, the recipe met it in torchtune's instantiate, with a traceback, after reading the checkpoint.
+    override = "model._component_=torchtune.models.no_such_builder"
+    (problem,) = model_option_problems(_tiny(override))
+    assert problem.startswith(f"{override}: cannot be imported"), problem
+    with pytest.raises(ValueError, match=re.escape(f"{override}: cannot be imported")):
+        check_recipe_config(_tiny(override), recipe="full", device_present=False)

@@ -27,7 +27,7 @@ from torchtune_offload.assets import missing_tiny_assets
 from torchtune_offload.cli.shipped import RECIPE_KINDS, Shipped, shipped_root
 from torchtune_offload.plan.probe import run_probe
 from torchtune_offload.recipe import check_files, check_recipe_config
-from torchtune_offload.recipe.component_options import component_option_problems
+from torchtune_offload.recipe.component_options import component_option_problems, model_option_problems
 
 PROG = "tune-offload"
 #: The config keys that name files a run reads (what the missing-assets hint looks at).
@@ -184,8 +184,8 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"{PROG} validate: {missing}", file=sys.stderr)
         return 1
     # What tune validate checks (every _component_ accepts the options the config gives it), without
-    # its tracebacks; with a recipe, check_recipe_config below checks every component but the model.
-    problems = component_option_problems(cfg, skip=() if recipe is None else [n for n in cfg if n != "model"])
+    # its tracebacks, and the model's values; with a recipe, check_recipe_config below checks all that.
+    problems = [] if recipe is not None else component_option_problems(cfg, skip=("model",)) + model_option_problems(cfg)
     if recipe is not None:
         for check in (lambda: check_recipe_config(cfg, recipe=RECIPE_KINDS[recipe]),
                       lambda: check_files(cfg, step_resume=RECIPE_KINDS[recipe] != "distributed")):

@@ -43,7 +43,8 @@ from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, confi
 from torchtune_offload.plan.recorded_runs import known_gaps
 from torchtune_offload.plan.speed import Machine, Speed, StepWork, device_syncs, predict
 from torchtune_offload.plan.step_traces import StepRequest, mark_lora, sequence_length, step_request
-from torchtune_offload.plan.trace import StepTrace, UntraceableModelError, build_meta_model, micro_batch_loss, one_line
+from torchtune_offload.plan.trace import (StepTrace, UntraceableModelError, build_meta_model, check_builder_imports,
+                                          micro_batch_loss, one_line)
 from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
 from torchtune_offload.recipe.config import RECIPE_KEYS
 from torchtune_offload.recipe.host_preflight import available_host_memory
@@ -207,6 +208,7 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     Raises:
         UntraceableModelError: ``cfg.model`` cannot be built or traced.
     """
+    check_builder_imports(cfg)
     try:
         settings = check_recipe_config(cfg, recipe=recipe, device_present=False)
         length = sequence_length(cfg, seq_len)

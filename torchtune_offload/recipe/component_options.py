@@ -9,19 +9,23 @@ try raises that ``TypeError`` uncaught, and a component it cannot import is a tr
 every option of a top-level component is looked up in its signature before anything is built, and
 a stranger is named with the closest option. A component that takes ``**kwargs`` (torchtune's
 datasets forward theirs to ``load_dataset``) cannot be checked so, and is not. The recipes' check
-(``recipe.config``) leaves out the model (the recipe and the planner report a builder they cannot
-build, in one line) and the optimizer (checked by building it); ``tune-offload validate`` checks
-the model here too.
+(``recipe.config``) leaves out the optimizer (checked by building it) and the model, which
+:func:`model_option_problems` checks more closely: a model builder checks none of its own options,
+so ``model.lora_rank=abc`` or ``0`` failed inside the build with a ``TypeError`` or
+``ZeroDivisionError`` that named no key, after the checkpoint had been read. There each option is
+also checked against the builder's annotation (an ``int`` is a size or a count, so at least 1; a
+``*_dropout`` is a probability below 1), and a required argument must be given.
 """
 
 import difflib
 import inspect
-from typing import List, Sequence
+import typing
+from typing import Any, List, Mapping, Optional, Sequence
 
 from omegaconf import DictConfig
 from torchtune.config._utils import _get_component_from_path
 
-__all__ = ["component_option_problems"]
+__all__ = ["component_option_problems", "model_option_problems"]
 
 #: Components the recipes check elsewhere (see the module's docstring).
 CHECKED_ELSEWHERE = ("model", "optimizer")
@@ -52,19 +56,103 @@ def component_option_problems(cfg: DictConfig, *, skip: Sequence[str] = CHECKED_
             problems.append(f"{node}._component_={path}: cannot be imported ({type(err).__name__}: {reason[:200]}). "
                             "Give the dotted path of an importable class or function.")
             continue
-        try:
-            parameters = inspect.signature(target).parameters
-        except (TypeError, ValueError):  # a callable without a signature (a builtin): nothing to check against
-            continue
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-            continue
-        names = sorted(n for n, p in parameters.items()
-                       if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY))
-        for key in value.keys():
-            if key == "_component_" or key in names or key in _RECIPE_KEYS.get(node, ()):
-                continue
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = (f"Did you mean '{node}.{close[0]}'?" if close else
-                    f"Remove it: drop a {node}.{key}=... override, or ~{node}.{key} deletes it from the YAML.")
-            problems.append(f"{node}.{key}: not an option of {path}. {hint} Its options: {', '.join(names)}.")
+        problems += _name_problems(node, value, _parameters(target))
     return problems
+
+
+def model_option_problems(cfg: DictConfig) -> List[str]:
+    """A model builder that cannot be imported, and every ``model.*`` option it does not take, lacks,
+    or cannot use.
+
+    Args:
+        cfg: a recipe config.
+
+    Returns:
+        One line per problem, naming the key and the fix; empty when there is none.
+    """
+    model = cfg.get("model")
+    if not isinstance(model, DictConfig) or not model.get("_component_"):
+        return []
+    path = str(model.get("_component_"))
+    try:
+        parameters = _parameters(_get_component_from_path(path))
+    except Exception:  # named as for any other component
+        return component_option_problems(cfg, skip=[n for n in cfg if n != "model"])
+    if parameters is None:
+        return []
+    problems = _name_problems("model", model, parameters)
+    for name, parameter in parameters.items():
+        if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        if name not in model:
+            if parameter.default is inspect.Parameter.empty:
+                problems.append(f"model.{name}: required by {path}; set it in the config or with model.{name}=... "
+                                "on the command line.")
+            continue
+        need = _value_need(name, model.get(name), parameter.annotation)
+        if need is not None:
+            problems.append(f"model.{name}={model.get(name)!r}: must be {need} ({path} takes {name}).")
+    return problems
+
+
+def _parameters(target: Any) -> Optional[Mapping[str, inspect.Parameter]]:
+    """The parameters of ``target``, or None where they cannot be known: no signature, or ``**kwargs``
+    (a torchtune dataset builder forwards its to ``load_dataset``)."""
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # a callable without a signature (a builtin): nothing to check against
+        return None
+    try:  # annotations as types, where a module defers them (from __future__ import annotations)
+        parameters = inspect.signature(target, eval_str=True).parameters
+    except Exception:  # a name the module imports only for type checkers: the annotations stay text
+        pass
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    return parameters
+
+
+def _name_problems(node: str, value: DictConfig, parameters: Optional[Mapping[str, inspect.Parameter]]) -> List[str]:
+    """The options of component ``node`` that are not among ``parameters``, each with the closest one."""
+    if parameters is None:
+        return []
+    path = str(value.get("_component_"))
+    names = sorted(n for n, p in parameters.items()
+                   if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY))
+    problems = []
+    for key in value.keys():
+        if key == "_component_" or key in names or key in _RECIPE_KEYS.get(node, ()):
+            continue
+        close = difflib.get_close_matches(str(key), names, n=1)
+        hint = (f"Did you mean '{node}.{close[0]}'?" if close else
+                f"Remove it: drop a {node}.{key}=... override, or ~{node}.{key} deletes it from the YAML.")
+        problems.append(f"{node}.{key}: not an option of {path}. {hint} Its options: {', '.join(names)}.")
+    return problems
+
+
+def _value_need(name: str, value: Any, annotation: Any) -> Optional[str]:
+    """What ``value`` must be for a parameter annotated ``annotation``, where it is not; else None.
+
+    Only plain annotations are checked (``bool``, ``int``, ``float``, ``str``, each also
+    ``Optional``); a list's items are left to the builder and to the LoRA recipe's own rules.
+    """
+    optional = ""
+    if typing.get_origin(annotation) is typing.Union:
+        kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(kinds) == len(typing.get_args(annotation)) or len(kinds) != 1:
+            return None  # a union of two kinds: not checked
+        if value is None:
+            return None
+        annotation, optional = kinds[0], "null or "
+    if annotation is bool and not isinstance(value, bool):
+        return f"{optional}True or False"
+    if annotation is int and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        # No torchtune model builder takes an int for which 0 or less makes sense: each is a size or a count.
+        return f"{optional}an integer >= 1"
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"{optional}a number"
+        if name.endswith("dropout") and not 0 <= value < 1:
+            return f"{optional}a probability, at least 0 and below 1"
+    if annotation is str and not isinstance(value, str):
+        return f"{optional}text"
+    return None

@@ -24,7 +24,7 @@ from torchtune.modules.peft import LORA_ATTN_MODULES
 from torchtune_offload.distributed.policies import policy_problems
 from torchtune_offload.optim.capabilities import OptimizerCapabilities
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
-from torchtune_offload.recipe.component_options import component_option_problems
+from torchtune_offload.recipe.component_options import component_option_problems, model_option_problems
 from torchtune_offload.recipe.optimizer_rules import (
     capability_problems,
     is_int,
@@ -140,7 +140,8 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
         ValueError: listing every problem found, each naming its key and the fix.
     """
     problems = _key_problems(cfg, recipe=recipe) + component_option_problems(cfg)
-    problems += _model_kind_problems(cfg, recipe=recipe)
+    # A LoRA key the recipe requires is named once, by the first; the builder's own rules follow.
+    problems += _model_kind_problems(cfg, recipe=recipe) or model_option_problems(cfg)
     if problems:
         raise ValueError(_format(problems))
     read = _Reader(cfg, problems)
@@ -225,7 +226,7 @@ def _model_kind_problems(cfg: DictConfig, *, recipe: str) -> List[str]:
         return []
     try:
         builds_lora = "lora_attn_modules" in inspect.signature(_get_component_from_path(str(path))).parameters
-    except Exception:  # an unimportable builder is reported, in one line, where the recipe builds it
+    except Exception:  # an unimportable builder is named by model_option_problems
         return []
     if recipe != "lora" and builds_lora:
         return [f"model._component_={path} builds LoRA adapters, which {_RECIPE_NAMES[recipe]} does not train: "
