@@ -5,7 +5,7 @@
    stay at the repository's top level, where ``tune run recipes/<file>.py`` and the tests use them;
    every ``recipes/*.py`` and ``configs/**/*.yaml`` is copied, so a file added later needs no edit
    here. An editable install (``pip install -e .``) needs no copy: ``tune-offload`` reads the clone's
-   folders next to the package (torchtune_offload/cli/shipped.py).
+   folders next to the package (torchtune_offload/recipe/shipped.py).
 2. Installs the .pth hook that lets ``tune run recipes/<file>.py`` find this project's recipes from a
    clone's root (torchtune's own top-level ``recipes`` package would shadow them). A regular install
    copies it through build_py; an editable install builds its wheel from a strategy object

@@ -14,7 +14,7 @@ from torchtune._cli.run import Run
 
 import torchtune_offload.assets as tta
 from torchtune_offload.cli import RECIPE_KINDS, Shipped, main, shipped_root
-from torchtune_offload.cli.shipped import SHIPPED_DIR
+from torchtune_offload.recipe.shipped import SHIPPED_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE_NAMES = sorted(p.stem for p in (REPO / "recipes").glob("*.py") if not p.stem.startswith("_"))
@@ -231,3 +231,11 @@ def test_a_file_that_is_no_yaml_config_is_one_line_not_a_traceback(tmp_path, cap
 def test_a_folder_given_as_a_config_is_named_as_a_folder(tmp_path, capsys):
     code, _, err = _cli(capsys, "cat", str(tmp_path))
     assert code != 0 and f"{tmp_path}: is a folder; name a config" in err
+
+
+def test_a_misspelt_config_name_gets_the_closest_names(capsys):
+    code, _, err = _cli(capsys, "cat", "llama3_1/8B_ful_offload_engine")
+    assert code == 2 and "Did you mean llama3_1/8B_full_offload_engine" in err, err
+    # A clone's path given outside the clone is offered the shipped name.
+    code, _, err = _cli(capsys, "validate", "--config", "/nowhere/configs/tiny/lora.yaml")
+    assert code == 2 and "Did you mean tiny/lora?" in err, err

@@ -184,3 +184,17 @@ def test_a_memory_plan_that_refuses_the_optimizer_is_the_variants_problem(tiny_a
     assert plan.problem == "optimizer.something=1 refused by the memory plan"
     # Nothing of the refused run is reported as if it could run.
     assert plan.device_bytes is None and not plan.device_parts and plan.work is None and plan.host_bytes is None
+
+
+def test_a_shipped_configs_name_is_planned_from_any_folder_and_a_misspelt_one_gets_the_closest(tiny_assets, tmp_path):
+    # Outside a clone there is no configs/ folder to give a path in: tune-offload's names are what a user has.
+    def plan(*args):
+        return zygote.run([sys.executable, "-m", "torchtune_offload.plan", *args], cwd=tmp_path,
+                          env=working_tree_env(TIKTOKEN_CACHE_DIR=""), capture_output=True, text=True, timeout=600)
+    proc = plan("--config", "tiny/full", *tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}",
+                "--variants", "config", "--no-fine-tunes", "--jobs", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"Plan for {REPO / 'configs' / 'tiny' / 'full.yaml'} (batch" in proc.stdout, proc.stdout
+    proc = plan("--config", "tiny/ful")
+    assert proc.returncode == 2 and "--config tiny/ful: no config named 'tiny/ful'" in proc.stderr, proc.stderr
+    assert "Did you mean tiny/full?" in proc.stderr and "planning" not in proc.stderr and "Traceback" not in proc.stderr

@@ -42,25 +42,36 @@ from torchtune_offload.plan.report import format_fine_tunes, format_plans
 from torchtune_offload.plan.speed import load_machine, preset_names
 from torchtune_offload.plan.step_traces import default_jobs, sequence_length, trace_steps
 from torchtune_offload.plan.trace import UntraceableModelError
+from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, header_recipe, shipped_root
 
-RECIPE_OF = {"full_finetune_single_device": "full", "lora_finetune_single_device": "lora",
-             "full_finetune_distributed": "distributed"}
+def _config_path(name: str) -> Path:
+    """The YAML file ``--config`` names: a path, else a shipped config's name (``tune-offload ls``).
+
+    Raises:
+        ValueError: naming what was looked for, the closest names and the configs there are.
+    """
+    if Path(name).is_file():
+        return Path(name)
+    try:
+        return Shipped(shipped_root()).config(name)
+    except FileNotFoundError as err:  # neither an installed copy nor a clone: only paths can be planned
+        raise ValueError(f"no such file, and no shipped configs to look it up in: {err}") from err
 
 
 def _recipe_of(config: Path) -> str:
-    """The recipe a config's header launches (``tune run recipes/<name>.py``), else by its model."""
-    text = config.read_text()
-    for name, recipe in RECIPE_OF.items():
-        if f"recipes/{name}.py" in text:
-            return recipe
+    """The recipe a config's header names (as ``tune-offload`` reads it), else one by its model."""
+    named = header_recipe(config, list(RECIPE_KINDS))
+    if named is not None:
+        return RECIPE_KINDS[named]
     return "lora" if "lora" in str(OmegaConf.select(OmegaConf.load(config), "model._component_", default="")) else "full"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m torchtune_offload.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, type=Path, help="a recipe config (YAML)")
+    p.add_argument("--config", required=True,
+                   help="a recipe config: a YAML file, or a shipped config's name (tiny/full; tune-offload ls lists them)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, as for tune run")
-    p.add_argument("--recipe", choices=sorted(set(RECIPE_OF.values())), help="default: from the config's header")
+    p.add_argument("--recipe", choices=sorted(set(RECIPE_KINDS.values())), help="default: from the config's header")
     p.add_argument("--variants", default=",".join(default_variants()),
                    help=f"comma-separated: config (as given) and any of {', '.join(VARIANTS)}")
     p.add_argument("--device-gib", type=float, help="device memory budget (default: this machine's GPU)")
@@ -76,8 +87,10 @@ def main(argv=None) -> int:
     p.add_argument("--machine", help="predict each variant's speed on this machine: a preset "
                    f"({', '.join(preset_names())}) or a machine.json (tune-offload probe --output machine.json)")
     args = p.parse_intermixed_args(argv)
-    if not args.config.is_file():
-        p.error(f"--config {args.config}: no such file")
+    try:
+        args.config = _config_path(args.config)
+    except ValueError as err:
+        p.error(f"--config {args.config}: {err}")
     unknown = [v for v in args.variants.split(",") if v != "config" and v not in VARIANTS]
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from config, {', '.join(VARIANTS)}")

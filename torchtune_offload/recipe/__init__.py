@@ -28,6 +28,7 @@ from torchtune_offload.recipe.grad_math import loss_scale, sum_over_ranks
 from torchtune_offload.recipe.memory import MemoryMonitor, check_weights_fit_device, use_expandable_segments
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.resume import TrainingCheckpoints, run_output_dir
+from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root
 from torchtune_offload.recipe.run_optimizer import (
     HoldingOptimizer,
     InBackwardOptimizers,
@@ -50,9 +51,11 @@ __all__ = [
     "OptimizerKind",
     "OwnGradientsOptimizer",
     "Progress",
+    "RECIPE_KINDS",
     "RecipeSettings",
     "RunOptimizer",
     "SavePoint",
+    "Shipped",
     "TrainLoop",
     "TrainingCheckpoints",
     "TrainingDivergedError",
@@ -76,5 +79,6 @@ __all__ = [
     "resolve_optimizer_component",
     "run_output_dir",
     "save_atomically",
+    "shipped_root",
     "sum_over_ranks",
 ]

@@ -31,6 +31,7 @@ from torchtune_offload.recipe.optimizer_rules import (
     optimizer_option_problems,
     resolve_optimizer_component,
 )
+from torchtune_offload.recipe.shipped import RECIPE_KINDS
 
 # Keys of torchtune 0.6.1's single-device configs, which our recipes accept unchanged.
 _SINGLE_DEVICE_KEYS = {
@@ -53,8 +54,7 @@ RECIPE_KEYS = {
     },
 }
 #: The name ``tune run`` and ``tune-offload run`` know each recipe by.
-_RECIPE_NAMES = {"full": "full_finetune_single_device", "lora": "lora_finetune_single_device",
-                 "distributed": "full_finetune_distributed"}
+_RECIPE_NAMES = {kind: name for name, kind in RECIPE_KINDS.items()}
 #: The model options the LoRA recipe reads itself (it records them with the adapter it saves).
 _LORA_MODEL_KEYS = ("lora_attn_modules", "lora_rank", "lora_alpha")
 #: What ``training.set_seed`` takes as its debug mode (see ``torch.set_deterministic_debug_mode``).

@@ -10,6 +10,7 @@ its launch command).
 """
 
 import dataclasses
+import difflib
 import re
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -53,7 +54,7 @@ def shipped_root(*, package_dir: Path = PACKAGE_DIR) -> Path:
     )
 
 
-def _header_recipe(path: Path, recipes: List[str]) -> Optional[str]:
+def header_recipe(path: Path, recipes: List[str]) -> Optional[str]:
     """The first of ``recipes`` named in the comment lines that open the YAML file at ``path``."""
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(recipes, key=len, reverse=True))) + r")\b")
     with open(path, encoding="utf-8") as f:
@@ -97,7 +98,7 @@ class Shipped:
 
     def recipe_of(self, config: Path) -> Optional[str]:
         """The recipe the header of the config file ``config`` names, or None."""
-        return _header_recipe(config, list(self.recipes))
+        return header_recipe(config, list(self.recipes))
 
     def recipe(self, name: str) -> Path:
         """The recipe file for a recipe name, or a path to a recipe file.
@@ -132,7 +133,10 @@ class Shipped:
     def _unknown_config(self, name: str) -> Path:
         names = list(self.configs)
         stem = name[: -len(".yaml")] if name.endswith(".yaml") else name
-        near = [n for n in names if n == stem or n.split("/")[-1] == stem.split("/")[-1]]
+        stem = stem[len("configs/"):] if stem.startswith("configs/") else stem  # a clone's path, run elsewhere
+        # The same file name in another folder, else the closest spellings (llama3_1/8B_ful_offload_engine).
+        near = ([n for n in names if n == stem or n.split("/")[-1] == stem.split("/")[-1]]
+                or difflib.get_close_matches(stem, names, n=3, cutoff=0.8))
         hint = f" Did you mean {' or '.join(near)}?" if near else ""
         raise ValueError(
             f"no config named '{name}' and no file {Path(name).resolve()}: looked for "
