@@ -239,3 +239,24 @@ def test_a_misspelt_config_name_gets_the_closest_names(capsys):
     # A clone's path given outside the clone is offered the shipped name.
     code, _, err = _cli(capsys, "validate", "--config", "/nowhere/configs/tiny/lora.yaml")
     assert code == 2 and "Did you mean tiny/lora?" in err, err
+
+
+@pytest.mark.parametrize("argv, said, not_said", [
+    # torchtune's help texts name tune ls (torchtune's recipes only) and tune download.
+    (["run", "--help"], "a recipe's name (tune-offload ls lists them with their configs)", "`tune ls`"),
+    (["download", "--help"], "usage: tune-offload download <repo-id>", "$ tune download"),
+    (["probe", "--help"], "Measures the rates the planner's step-time model reads", None),
+])
+def test_each_verbs_help_names_this_command(capsys, argv, said, not_said):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out, _ = capsys.readouterr()
+    assert exit_.value.code == 0 and said in " ".join(out.split()), out
+    assert not_said is None or not_said not in out, out
+
+
+def test_download_without_a_repository_is_refused_as_tune_offload_download(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["download"])
+    _, err = capsys.readouterr()
+    assert exit_.value.code == 2 and "tune-offload download: error: the following arguments are required: repo_id" in err

@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence, Tuple
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from torchtune._cli import tune as tune_cli
+from torchtune._cli.download import Download
 from torchtune._cli.run import Run
 from torchtune.config._parse import TuneRecipeArgumentParser
 from torchtune.config._utils import _merge_yaml_and_cli_args
@@ -226,6 +226,11 @@ def _run(argv: List[str]) -> int:
     parser.prog = f"{PROG} run"
     parser.usage = f"{PROG} run [TORCHRUN-OPTIONS] <recipe> --config <config> [RECIPE-OPTIONS]"
     parser.epilog = EPILOG
+    for action in parser._actions:  # torchtune's help points at tune ls, which lists only torchtune's recipes
+        if action.dest == "recipe":
+            action.help = f"a recipe's name ({PROG} ls lists them with their configs) or a recipe file's path"
+        elif action.dest == "recipe_args":
+            action.help = "--config <name or path> and key=value overrides, passed to the recipe"
     args = parser.parse_args(argv)
     # torchtune's own rule: anything before the recipe is a torchrun option, so torchrun launches it.
     distributed = len(argv) > len(args.recipe_args) + 1
@@ -267,8 +272,12 @@ def _config_index(recipe_args: List[str], recipe: str, shipped: Shipped) -> int:
 
 
 def _download(argv: List[str]) -> int:
-    sys.argv = ["tune", "download", *argv]
-    tune_cli.main()
+    top = argparse.ArgumentParser(prog=PROG)
+    parser = Download(top.add_subparsers())._parser
+    parser.prog, parser.usage = f"{PROG} download", f"{PROG} download <repo-id> [OPTIONS]"
+    parser.epilog = parser.epilog.replace("$ tune download", f"$ {PROG} download")
+    args = parser.parse_args(argv)
+    args.func(args)
     return 0
 
 
@@ -303,8 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
     verbs.add_parser("run", add_help=False,
                      help="run a recipe: [TORCHRUN-OPTIONS] <recipe> --config <config> [key=value ...]")
     verbs.add_parser("download", add_help=False, help="torchtune's tune download")
-    probe = verbs.add_parser("probe", help="measure this machine's rates for the planner's speed model "
-                             "(python -m torchtune_offload.plan --machine machine.json)")
+    probe = verbs.add_parser(
+        "probe", help="measure this machine's rates for the planner's speed model "
+        "(python -m torchtune_offload.plan --machine machine.json)",
+        description="Measures the rates the planner's step-time model reads, in about a minute: on the host, "
+        "memory copies and the optimizer steps (torch's fused bf16 AdamW, AdamW8bit, the fused fp32-master "
+        "pass) over every core; where CUDA is present, the GPU's bf16 rate in a small Llama's training step, "
+        "pinned PCIe copies both ways and a bitsandbytes step's synchronizations. It prints them, and writes "
+        "them with --output. Without CUDA it names the GPU keys to take from a preset (--gpu-from).")
     probe.add_argument("--output", type=Path, help="write them to this JSON file (a new one, unless --force)")
     probe.add_argument("--force", action="store_true", help="overwrite an existing --output file")
     probe.add_argument("--gpu-from", metavar="PRESET",
