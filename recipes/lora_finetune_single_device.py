@@ -40,6 +40,7 @@ from torchtune_offload.recipe import (
     build_optimizer,
     build_profiler,
     check_host_memory,
+    check_lora_model_fits_device,
     check_files,
     check_recipe_config,
     instantiate_model,
@@ -94,7 +95,8 @@ class LoRAFinetuneRecipeSingleDevice:
         # one window, fails here, not after the weights have loaded.
         self._dataloader = build_dataloader(cfg.dataset, cfg.tokenizer, s, ignore_index=loss_ignore_index(cfg.loss))
         self.progress.measure_epoch(self._dataloader, s)
-        # 3. Base weights from the checkpointer.
+        # 3. Base weights from the checkpointer, once the device is known to hold the model they go into.
+        check_lora_model_fits_device(cfg.model, s)
         self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=None)
         # 4. Model with only the adapters trainable, then the optimizer over them.
         self._model = instantiate_model(cfg.model, s)

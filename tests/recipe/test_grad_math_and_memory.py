@@ -1,12 +1,16 @@
 """Unit tests of gradient stepping, the loss scale, memory figures and the DiskLogger reader."""
 
 
+import re
 import sys
 import time
 import types
 
 import pytest
 import torch
+from omegaconf import OmegaConf
+from torchao.dtypes.nf4tensor import NF4Tensor
+from torchtune import config, training
 from torchtune.training.metric_logging import DiskLogger
 
 from torchtune_offload import OffloadOptimizer
@@ -21,8 +25,10 @@ from torchtune_offload.recipe import (
     sum_over_ranks,
     use_expandable_segments,
 )
-from torchtune_offload.recipe.memory import GIB, check_weights_fit_device
+from torchtune_offload.recipe.config import check_recipe_config
+from torchtune_offload.recipe.memory import GIB, check_lora_model_fits_device, check_weights_fit_device
 from torchtune_offload.recipe.run_report import compare_runs, median_tokens_per_second
+from tests.conftest import REPO_ROOT as REPO
 
 
 def _model_with_grads(seed: int = 0) -> torch.nn.Module:
@@ -286,3 +292,46 @@ def test_weights_that_cannot_fit_the_devices_free_memory_are_refused_before_the_
     assert asked == [cuda] * 4
     check_weights_fit_device(weights, device=torch.device("cpu"), dtype=torch.bfloat16)
     assert len(asked) == 4
+
+
+def _tiny_lora_settings(*overrides):
+    cfg = OmegaConf.merge(OmegaConf.load(REPO / "configs" / "tiny" / "lora.yaml"),
+                          OmegaConf.from_dotlist(["device=cuda", "dtype=bf16", *overrides]))
+    return cfg, check_recipe_config(cfg, recipe="lora", device_present=False)
+
+
+@pytest.mark.parametrize("quantize_base", [False, True])
+def test_a_lora_model_that_cannot_fit_the_devices_free_memory_is_refused_before_the_weights_load(
+        monkeypatch, quantize_base):
+    """The LoRA recipe builds the whole model on the device: a device without room for it is named by
+    the model's size there (NF4 base weights counted as what they hold, not as the checkpoint's
+    bf16), not met by an out-of-memory error part-way through the build."""
+    # Layers wide enough for NF4's blocks (torchao quantises 64 elements a block, 256 blocks a scaler block).
+    cfg, settings = _tiny_lora_settings(f"model.quantize_base={quantize_base}", "model.embed_dim=256",
+                                        "model.intermediate_dim=512")
+    with training.set_default_dtype(torch.bfloat16):
+        model = config.instantiate(cfg.model)  # the same model, real, on the CPU
+    tensors = [*model.parameters(), *model.buffers()]
+    plain = sum(t.numel() for t in tensors) * 2
+    need = sum(sum(getattr(t, n).nbytes for n in t.__tensor_flatten__()[0]) if isinstance(t, NF4Tensor)
+               else t.nbytes for t in tensors)
+    assert (need < plain * 0.9) == quantize_base  # NF4 holds about a quarter of bf16 in the base layers
+    asked = []
+
+    def free_of(device):
+        asked.append(device)
+        return free, 16 * GIB
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", free_of)
+    free = need
+    check_lora_model_fits_device(cfg.model, settings)  # exactly fits
+    free = need - 1
+    what = "its base weights in NF4" if quantize_base else "in torch.bfloat16"
+    advice = "a smaller model" if quantize_base else "with QLoRA, which keeps the base layers' weights in NF4"
+    with pytest.raises(ValueError, match=re.escape(f"device=cuda: the model is {need / GIB:.2f} GiB ({what}, "
+                                                   f"adapters included)") + ".*" + re.escape(advice)):
+        check_lora_model_fits_device(cfg.model, settings)
+    assert asked == [torch.device("cuda")] * 2
+    _, on_cpu = _tiny_lora_settings("device=cpu")
+    check_lora_model_fits_device(cfg.model, on_cpu)
+    assert len(asked) == 2

@@ -167,6 +167,28 @@ def test_weights_the_device_cannot_hold_are_refused_before_the_model_is_built(ti
     assert seen["device"] == recipe.settings.device and "tok_embeddings.weight" in seen["names"]
 
 
+def test_a_lora_model_the_device_cannot_hold_is_refused_before_the_weights_load(tiny_assets, tmp_path, monkeypatch):
+    """The LoRA recipe asks whether its model fits the device (faked in
+    tests/recipe/test_grad_math_and_memory.py) before it reads the checkpoint and builds the model
+    there; a refusal ends setup with neither done."""
+    module = load_recipe_module(RECIPE_FILES["lora"])
+    seen = {}
+
+    def refuse(cfg_model, settings):
+        seen.update(component=cfg_model._component_, settings=settings)
+        raise ValueError("no room")
+
+    monkeypatch.setattr(module, "check_lora_model_fits_device", refuse)
+    for never in ("load_checkpoint", "instantiate_model"):
+        monkeypatch.setattr(module, never, lambda *args, _never=never, **kwargs: pytest.fail(f"{_never} ran"))
+    cfg = _config("lora", tiny_assets, tmp_path, [])
+    recipe = getattr(module, RECIPE_CLASSES["lora"])(cfg)
+    with pytest.raises(ValueError, match="no room"):
+        recipe.setup(cfg)
+    recipe.cleanup()
+    assert seen == {"component": cfg.model._component_, "settings": recipe.settings}
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("offload_gradients", [False, True])
 def test_full_offload_matches_plain_adamw(runs, tiny_assets, offload_gradients, overlap):

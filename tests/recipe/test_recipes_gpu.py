@@ -6,9 +6,18 @@ inside a real training loop, torchao's and bitsandbytes' optimizers, and the NVM
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from tests.conftest import REPO_ROOT as REPO
 from tests.recipe.test_recipes import FULL_EQUIV, FULL_OFFLOAD, LEARN, run_recipe
-from torchtune_offload.recipe import OptimizerKind, OwnGradientsOptimizer, check_weights_fit_device
+from torchtune_offload.recipe import (
+    OptimizerKind,
+    OwnGradientsOptimizer,
+    check_lora_model_fits_device,
+    check_recipe_config,
+    check_weights_fit_device,
+)
+from torchtune_offload.recipe.memory import GIB
 
 pytestmark = pytest.mark.gpu
 ON_GPU = ["device=cuda", "dtype=fp32"]
@@ -87,3 +96,21 @@ def test_weights_larger_than_the_free_device_memory_are_refused_on_gpu():
     with pytest.raises(ValueError, match=f"device={device}: the model's weights are"):
         check_weights_fit_device(too_big, device=device, dtype=torch.bfloat16)
     check_weights_fit_device({"w": torch.empty(2**20, device="meta")}, device=device, dtype=torch.bfloat16)
+
+
+def test_a_lora_model_larger_than_the_free_device_memory_is_refused_on_gpu():
+    """The LoRA recipe's load check against the real device's free memory: a tiny LoRA model widened
+    past the whole card (built on the meta device: nothing allocated) is refused by size, the tiny
+    one passes."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).total_memory
+    cfg = OmegaConf.merge(OmegaConf.load(REPO / "configs" / "tiny" / "lora.yaml"),
+                          OmegaConf.from_dotlist([f"device=cuda:{device.index}", "dtype=bf16"]))
+    settings = check_recipe_config(cfg, recipe="lora")
+    check_lora_model_fits_device(cfg.model, settings)
+    # Each layer's four 32768-wide attention projections: 4 x 2 GiB in bf16.
+    layers = total // (8 * GIB) + 1
+    wide = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"model.num_layers={layers}", "model.embed_dim=32768",
+                                                         "model.num_kv_heads=4"]))
+    with pytest.raises(ValueError, match=f"device={device}: the model is .* GiB \\(in torch.bfloat16"):
+        check_lora_model_fits_device(wide.model, check_recipe_config(wide, recipe="lora"))

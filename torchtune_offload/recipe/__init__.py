@@ -25,7 +25,12 @@ from torchtune_offload.recipe.divergence import TrainingDivergedError
 from torchtune_offload.recipe.file_checks import check_files
 from torchtune_offload.recipe.host_preflight import HostMemoryNeed, check_host_memory, host_memory_need
 from torchtune_offload.recipe.grad_math import loss_scale, sum_over_ranks
-from torchtune_offload.recipe.memory import MemoryMonitor, check_weights_fit_device, use_expandable_segments
+from torchtune_offload.recipe.memory import (
+    MemoryMonitor,
+    check_lora_model_fits_device,
+    check_weights_fit_device,
+    use_expandable_segments,
+)
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.resume import TrainingCheckpoints, run_output_dir
 from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root
@@ -45,6 +50,7 @@ __all__ = [
     "HostMemoryNeed",
     "InBackwardOptimizers",
     "MemoryMonitor",
+    "check_lora_model_fits_device",
     "check_weights_fit_device",
     "use_expandable_segments",
     "OffloadEngine",
