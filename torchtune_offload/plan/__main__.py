@@ -1,4 +1,4 @@
-"""``python -m torchtune_offload.plan --config <yaml> [key=value ...]``: will this run fit?
+"""``python -m torchtune_offload.plan --config <yaml or name> [key=value ...]``: will this run fit?
 
 Prints, for the run the config describes and for each optimizer variant, the predicted peak device
 memory (weights, gradients, optimizer state on the device, activations) and peak host memory, and
