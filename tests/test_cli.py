@@ -260,3 +260,13 @@ def test_download_without_a_repository_is_refused_as_tune_offload_download(capsy
         main(["download"])
     _, err = capsys.readouterr()
     assert exit_.value.code == 2 and "tune-offload download: error: the following arguments are required: repo_id" in err
+
+
+def test_plan_is_the_planner_under_this_commands_name(cache_with_tiny_assets, capsys, tmp_path):
+    code, out, _ = _cli(capsys, "plan", "--config", "tiny/full", f"output_dir={tmp_path}", "--variants", "config",
+                        "--no-fine-tunes", "--jobs", "1")
+    assert code == 0 and "Plan for " in out and "| config |" in out, out
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--config", "tiny/ful"])
+    _, err = capsys.readouterr()
+    assert exit_.value.code == 2 and "tune-offload plan: error: --config tiny/ful:" in err and "tiny/full?" in err

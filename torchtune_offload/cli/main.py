@@ -1,10 +1,11 @@
 """``tune-offload``: torchtune's verbs for torchtune-offload's recipes and configs, from any directory.
 
 torchtune 0.6.1's ``tune`` keeps a fixed list of its own recipes and has no plugin hook, so this
-command finds ours (:mod:`torchtune_offload.cli.shipped`) and hands each run to torchtune's own
+command finds ours (:mod:`torchtune_offload.recipe.shipped`) and hands each run to torchtune's own
 ``tune run`` machinery: in this process for one device, through torchrun when torchrun options such
 as ``--nproc_per_node`` come before the recipe, exactly as ``tune run`` launches its built-in
-recipes. ``download`` is torchtune's ``tune download``.
+recipes. ``download`` is torchtune's ``tune download``; ``plan`` is the memory planner
+(``python -m torchtune_offload.plan``) and ``probe`` measures a machine for it.
 """
 
 import argparse
@@ -25,6 +26,7 @@ from torchtune.config._utils import _merge_yaml_and_cli_args
 
 from torchtune_offload.assets import missing_tiny_assets
 from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root
+from torchtune_offload.plan.__main__ import main as plan_main
 from torchtune_offload.plan.probe import run_probe
 from torchtune_offload.recipe import check_files, check_recipe_config
 from torchtune_offload.recipe.component_options import component_option_problems, model_option_problems
@@ -44,6 +46,7 @@ EPILOG = textwrap.dedent(f"""\
         $ {PROG} run --nproc_per_node 2 full_finetune_distributed --config tiny/full_distributed device=cpu
         $ {PROG} validate --config tiny/full
         $ {PROG} download meta-llama/Llama-3.2-1B-Instruct --output-dir /tmp/Llama-3.2-1B-Instruct
+        $ {PROG} plan --config llama3_1/8B_full_offload_engine --device-gib 16   # will it fit?
         $ {PROG} probe --output machine.json        # this machine's rates, for the planner's --machine
         $ {PROG} probe --output machine.json --gpu-from rtx4090_ddr5   # no GPU here: the GPU keys from a preset
     """)
@@ -282,13 +285,13 @@ def _download(argv: List[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line of every verb but ``run`` and ``download`` (listed here for ``--help``)."""
+    """The command line of every verb but ``run``, ``download`` and ``plan`` (listed here for ``--help``)."""
     parser = argparse.ArgumentParser(
         prog=PROG, description="torchtune's verbs for torchtune-offload's recipes and configs.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.set_defaults(func=lambda args: parser.print_help() or 0)
-    verbs = parser.add_subparsers(title="verbs", metavar="{ls,cp,cat,validate,run,download,probe}")
+    verbs = parser.add_subparsers(title="verbs", metavar="{ls,cp,cat,validate,run,download,plan,probe}")
     verbs.add_parser("ls", help="list our recipes and their configs").set_defaults(func=_ls)
     cp = verbs.add_parser("cp", help="copy a recipe or config to a local path")
     cp.add_argument("file", help="a recipe or config name (tune-offload ls lists them)")
@@ -312,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     verbs.add_parser("run", add_help=False,
                      help="run a recipe: [TORCHRUN-OPTIONS] <recipe> --config <config> [key=value ...]")
     verbs.add_parser("download", add_help=False, help="torchtune's tune download")
+    verbs.add_parser("plan", add_help=False, help="will a run fit, and how fast: python -m torchtune_offload.plan "
+                     "(--config <name or path> [key=value ...] [--device-gib N] [--machine PRESET])")
     probe = verbs.add_parser(
         "probe", help="measure this machine's rates for the planner's speed model "
         "(python -m torchtune_offload.plan --machine machine.json)",
@@ -345,6 +350,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _run(argv[1:])  # the recipe's own errors keep their traceback
         if verb == "download":
             return _download(argv[1:])
+        if verb == "plan":
+            return plan_main(argv[1:], prog=f"{PROG} plan")  # its own argument errors exit 2 through argparse
         args = build_parser().parse_args(argv)
         try:
             return args.func(args)

@@ -66,8 +66,18 @@ def _recipe_of(config: Path) -> str:
     return "lora" if "lora" in str(OmegaConf.select(OmegaConf.load(config), "model._component_", default="")) else "full"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m torchtune_offload.plan", description=__doc__.split("\n\n")[0])
+def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_offload.plan") -> int:
+    """Plans the run a config describes; ``tune-offload plan`` calls it too.
+
+    Args:
+        argv: the arguments after the program name; None reads ``sys.argv``.
+        prog: the command's name, for its usage and error lines.
+
+    Returns:
+        The exit status: 0 when every variant was planned, 1 when the recipe refuses one, 2 for bad
+        arguments or a model the planner cannot build or trace.
+    """
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True,
                    help="a recipe config: a YAML file, or a shipped config's name (tiny/full; tune-offload ls lists them)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, as for tune run")
