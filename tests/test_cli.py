@@ -233,12 +233,13 @@ def test_a_folder_given_as_a_config_is_named_as_a_folder(tmp_path, capsys):
     assert code != 0 and f"{tmp_path}: is a folder; name a config" in err
 
 
-def test_a_misspelt_config_name_gets_the_closest_names(capsys):
+def test_a_misspelt_config_name_gets_the_closest_names(capsys, monkeypatch, tmp_path):
     code, _, err = _cli(capsys, "cat", "llama3_1/8B_ful_offload_engine")
     assert code == 2 and "Did you mean llama3_1/8B_full_offload_engine" in err, err
-    # A clone's path given outside the clone is offered the shipped name.
-    code, _, err = _cli(capsys, "validate", "--config", "/nowhere/configs/tiny/lora.yaml")
-    assert code == 2 and "Did you mean tiny/lora?" in err, err
+    # A clone's path given outside the clone (as the docs write them) is offered the shipped name.
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _cli(capsys, "validate", "--config", "configs/llama3_1/8B_ful_offload_engine.yaml")
+    assert code == 2 and "Did you mean llama3_1/8B_full_offload_engine" in err, err
 
 
 @pytest.mark.parametrize("argv, said, not_said", [

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from tests import zygote
 from tests.recipe_harness import tiny_asset_overrides, working_tree_env
@@ -151,6 +152,18 @@ def test_bad_arguments_are_refused_in_one_line_before_anything_is_planned(tmp_pa
         code, out, err = _plan_rc(*args)
         assert code == 2 and named in err and "Traceback" not in err and "planning" not in err, (args, err)
     assert kept.read_text() == "output_dir: mine\n"
+
+
+def test_a_config_without_a_model_is_refused_in_its_rows_not_with_a_traceback(tiny_assets, tmp_path):
+    config = OmegaConf.load(REPO / CONFIG)
+    del config["model"]
+    OmegaConf.save(config, tmp_path / "no_model.yaml")
+    common = [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "--variants", "config", "--no-fine-tunes"]
+    code, out, err = _plan_rc(*common, "--config", str(tmp_path / "no_model.yaml"))
+    assert code == 1 and "Traceback" not in err and "model: required" in out, (out, err)
+    # torchtune's merge refuses to delete a node holding a _component_: said in one line too.
+    code, out, err = _plan_rc(*common, "~model")
+    assert code == 2 and "Traceback" not in err and "~model: Could not find key model" in err, err
 
 
 def test_a_refused_config_keeps_its_table_and_exits_1_and_a_deleted_key_is_planned(tiny_assets, tmp_path):

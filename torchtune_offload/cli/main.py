@@ -25,11 +25,11 @@ from torchtune.config._parse import TuneRecipeArgumentParser
 from torchtune.config._utils import _merge_yaml_and_cli_args
 
 from torchtune_offload.assets import missing_tiny_assets
-from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root
 from torchtune_offload.plan.__main__ import main as plan_main
 from torchtune_offload.plan.probe import run_probe
 from torchtune_offload.recipe import check_files, check_recipe_config
 from torchtune_offload.recipe.component_options import component_option_problems, model_option_problems
+from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root
 
 PROG = "tune-offload"
 #: The config keys that name files a run reads (what the missing-assets hint looks at).

@@ -124,7 +124,10 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
         except ValueError as err:
             p.error(str(err))
     recipe = args.recipe or _recipe_of(args.config)
-    cfg = load_config(str(args.config), args.overrides)
+    try:
+        cfg = load_config(str(args.config), args.overrides)
+    except ValueError as err:  # torchtune's merge: a ~key it cannot delete (absent, or a component's node)
+        p.error(f"{' '.join(args.overrides)}: {err}")
     device = torch.device(str(cfg.device))
     baseline, baseline_notes = process_baseline(cfg, device=device)  # before anything is traced
     device_budget = int(args.device_gib * GIB) if args.device_gib is not None else default_device_budget(device)

@@ -384,11 +384,18 @@ def _runs(traced: _Traced) -> List[Tuple[FrozenSet[Any], List[Tuple[int, ...]]]]
 
 def check_builder_imports(cfg: DictConfig) -> None:
     """Raises where ``cfg.model``'s builder cannot be imported: before the recipe's config check,
-    which would refuse it in every variant's row, the plan ends in one line.
+    which would refuse it in every variant's row, the plan ends in one line. A config without a
+    model builder is left to that check, which names the missing key.
+
+    Args:
+        cfg: a recipe config.
 
     Raises:
         UntraceableModelError: naming ``model._component_``.
     """
+    model = cfg.get("model")
+    if not isinstance(model, DictConfig) or not model.get("_component_"):
+        return
     try:
         _get_component_from_path(_component(cfg))
     except Exception as err:  # torchtune raises its own InstantiationError, or ValueError for a bad path

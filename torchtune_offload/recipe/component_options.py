@@ -11,14 +11,17 @@ a stranger is named with the closest option. A component that takes ``**kwargs``
 datasets forward theirs to ``load_dataset``) cannot be checked so, and is not. The recipes' check
 (``recipe.config``) leaves out the optimizer (checked by building it) and the model, which
 :func:`model_option_problems` checks more closely: a model builder checks none of its own options,
-so ``model.lora_rank=abc`` or ``0`` failed inside the build with a ``TypeError`` or
-``ZeroDivisionError`` that named no key, after the checkpoint had been read. There each option is
-also checked against the builder's annotation (an ``int`` is a size or a count, so at least 1; a
-``*_dropout`` is a probability below 1), and a required argument must be given.
+so ``model.lora_rank=abc`` failed inside the build with a ``TypeError`` that named no key, after the
+checkpoint had been read, and ``model.lora_rank=0`` at the first step (a ``ZeroDivisionError``).
+There each option is also checked against the builder's annotation, and a required argument must
+be given. The types are checked for any builder; the ranges (an ``int`` is a size or a count, so at
+least 1; a ``*_dropout`` is a probability below 1) only for torchtune's and this package's, where
+they were checked against every builder's defaults: a user's builder may take a 0 or a -1.
 """
 
 import difflib
 import inspect
+import types
 import typing
 from typing import Any, List, Mapping, Optional, Sequence
 
@@ -29,6 +32,9 @@ __all__ = ["component_option_problems", "model_option_problems"]
 
 #: Components the recipes check elsewhere (see the module's docstring).
 CHECKED_ELSEWHERE = ("model", "optimizer")
+#: Model builders whose ints are all sizes or counts (at least 1) and whose dropouts are probabilities:
+#: checked against every builder of torchtune 0.6.1 and of this package (no default below 1).
+_RANGED_BUILDERS = ("torchtune.", "torchtune_offload.")
 #: Keys of a component that this project's recipes read and remove before building it.
 _RECIPE_KEYS = {"profiler": ("all_threads",)}
 
@@ -89,7 +95,7 @@ def model_option_problems(cfg: DictConfig) -> List[str]:
                 problems.append(f"model.{name}: required by {path}; set it in the config or with model.{name}=... "
                                 "on the command line.")
             continue
-        need = _value_need(name, model.get(name), parameter.annotation)
+        need = _value_need(name, model.get(name), parameter.annotation, ranges=path.startswith(_RANGED_BUILDERS))
         if need is not None:
             problems.append(f"model.{name}={model.get(name)!r}: must be {need} ({path} takes {name}).")
     return problems
@@ -129,14 +135,20 @@ def _name_problems(node: str, value: DictConfig, parameters: Optional[Mapping[st
     return problems
 
 
-def _value_need(name: str, value: Any, annotation: Any) -> Optional[str]:
+def _value_need(name: str, value: Any, annotation: Any, *, ranges: bool) -> Optional[str]:
     """What ``value`` must be for a parameter annotated ``annotation``, where it is not; else None.
 
     Only plain annotations are checked (``bool``, ``int``, ``float``, ``str``, each also
     ``Optional``); a list's items are left to the builder and to the LoRA recipe's own rules.
+
+    Args:
+        name: the parameter's name.
+        value: the config's value for it.
+        annotation: the parameter's annotation.
+        ranges: also check the ranges of torchtune's builders (ints at least 1, dropouts below 1).
     """
     optional = ""
-    if typing.get_origin(annotation) is typing.Union:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(kinds) == len(typing.get_args(annotation)) or len(kinds) != 1:
             return None  # a union of two kinds: not checked
@@ -145,13 +157,16 @@ def _value_need(name: str, value: Any, annotation: Any) -> Optional[str]:
         annotation, optional = kinds[0], "null or "
     if annotation is bool and not isinstance(value, bool):
         return f"{optional}True or False"
-    if annotation is int and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{optional}an integer" + (" >= 1" if ranges else "")
         # No torchtune model builder takes an int for which 0 or less makes sense: each is a size or a count.
-        return f"{optional}an integer >= 1"
+        if ranges and value < 1:
+            return f"{optional}an integer >= 1"
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return f"{optional}a number"
-        if name.endswith("dropout") and not 0 <= value < 1:
+        if ranges and name.endswith("dropout") and not 0 <= value < 1:
             return f"{optional}a probability, at least 0 and below 1"
     if annotation is str and not isinstance(value, str):
         return f"{optional}text"

@@ -96,6 +96,10 @@ def check_lora_model_fits_device(cfg_model: DictConfig, settings: RecipeSettings
     tensors they hold. A buffer a builder makes only off the meta device is not counted: llama3.1's
     RoPE cache, 64 MiB.
 
+    Args:
+        cfg_model: the config's ``model`` node.
+        settings: the checked config's settings (the device and dtype).
+
     Raises:
         ValueError: naming the model's size, the device's free memory, and what to do.
     """
