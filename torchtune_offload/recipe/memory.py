@@ -121,7 +121,7 @@ def check_lora_model_fits_device(cfg_model: DictConfig, settings: RecipeSettings
         f"fine-tune {advice}. {_PLANNER}")
 
 
-_PLANNER = "The planner (python -m torchtune_offload.plan --config <yaml> --device-gib <free GiB>) says what fits."
+_PLANNER = "The planner (tune-offload plan --config <name or path> --device-gib <free GiB>) says what fits."
 
 
 def _free_of(free: int, total: int) -> str:
