@@ -271,3 +271,21 @@ def test_plan_is_the_planner_under_this_commands_name(cache_with_tiny_assets, ca
         main(["plan", "--config", "tiny/ful"])
     _, err = capsys.readouterr()
     assert exit_.value.code == 2 and "tune-offload plan: error: --config tiny/ful:" in err and "tiny/full?" in err
+
+
+def test_torchtunes_own_config_names_resolve_after_ours(tmp_path, capsys):
+    # Our recipes take torchtune's configs, and the README says so: its names work as they do in tune run.
+    path = Shipped(shipped_root()).config("llama3_2/1B_full_single_device")
+    assert path.parts[-4:] == ("recipes", "configs", "llama3_2", "1B_full_single_device.yaml") and path.is_file()
+    code, out, _ = _cli(capsys, "cp", "llama3_2/1B_full_single_device", str(tmp_path / "mine.yaml"))
+    assert code == 0 and (tmp_path / "mine.yaml").read_bytes() == path.read_bytes(), out
+    assert not set(Shipped(shipped_root()).configs) & {"llama3_2/1B_full_single_device"}
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["run", "full_finetune_singel_device", "--config", "tiny/full"], "Did you mean full_finetune_single_device?"),
+    (["cp", "tiny/lroa", "x.yaml"], "Did you mean tiny/lora?"),
+])
+def test_a_misspelt_recipe_or_cp_name_gets_the_closest(capsys, argv, said):
+    code, _, err = _cli(capsys, *argv)
+    assert code == 2 and said in err, err

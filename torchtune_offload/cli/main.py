@@ -9,6 +9,7 @@ recipes. ``download`` is torchtune's ``tune download``; ``plan`` is the memory p
 """
 
 import argparse
+import difflib
 import os
 import shutil
 import sys
@@ -29,7 +30,7 @@ from torchtune_offload.plan.__main__ import main as plan_main
 from torchtune_offload.plan.probe import run_probe
 from torchtune_offload.recipe import check_files, check_recipe_config
 from torchtune_offload.recipe.component_options import component_option_problems, model_option_problems
-from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root
+from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root, torchtune_config
 
 PROG = "tune-offload"
 #: The config keys that name files a run reads (what the missing-assets hint looks at).
@@ -126,12 +127,13 @@ def _cp(args: argparse.Namespace) -> int:
     shipped = _shipped()
     if args.file in shipped.recipes:
         src, suffix = shipped.recipes[args.file], ".py"
-    elif args.file in shipped.configs:
-        src, suffix = shipped.configs[args.file], ".yaml"
+    elif args.file in shipped.configs or torchtune_config(args.file) is not None:
+        src, suffix = shipped.configs.get(args.file) or torchtune_config(args.file), ".yaml"
     else:
+        near = difflib.get_close_matches(args.file, [*shipped.recipes, *shipped.configs], n=3, cutoff=0.8)
         raise UsageError(
-            f"no recipe or config named '{args.file}'. Recipes: {', '.join(shipped.recipes)}. "
-            f"Configs: {', '.join(shipped.configs)}."
+            f"no recipe or config named '{args.file}'." + (f" Did you mean {' or '.join(near)}?" if near else "")
+            + f" Recipes: {', '.join(shipped.recipes)}. Configs: {', '.join(shipped.configs)}."
         )
     dest = Path(args.destination)
     if dest.is_dir():

@@ -15,6 +15,9 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import torchtune
+from torchtune._recipe_registry import get_all_recipes
+
 #: What ``recipes/__init__.py`` carries, to tell our folder from torchtune's ``recipes`` package.
 RECIPES_MARKER = "TORCHTUNE_OFFLOAD_RECIPES"
 #: The folder a regular install copies ``recipes/`` and ``configs/`` into, inside the package.
@@ -27,6 +30,21 @@ RECIPE_KINDS = {
     "full_finetune_distributed": "distributed",
 }
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
+#: Where torchtune's install keeps the configs ``tune ls`` lists (``tune run`` reads them there too).
+TORCHTUNE_CONFIGS = Path(torchtune.__file__).resolve().parents[1] / "recipes" / "configs"
+
+
+def torchtune_config(name: str) -> Optional[Path]:
+    """The file of torchtune 0.6.1's own config ``name`` (``tune ls`` lists them), or None.
+
+    Our recipes take torchtune's configs (with their recipes' names), so they are found by name too,
+    after this package's own (no name is in both).
+    """
+    for recipe in get_all_recipes():
+        for config in recipe.configs:
+            if config.name == name and (TORCHTUNE_CONFIGS / config.file_path).is_file():
+                return TORCHTUNE_CONFIGS / config.file_path
+    return None
 
 
 def _is_our_recipes(folder: Path) -> bool:
@@ -110,14 +128,17 @@ class Shipped:
             return self.recipes[name]
         if name.endswith(".py") and Path(name).is_file():
             return Path(name).resolve()
+        near = difflib.get_close_matches(name[:-3] if name.endswith(".py") else name, list(self.recipes), n=1)
         raise ValueError(
             f"no recipe named '{name}': looked for {self.root / 'recipes' / (name + '.py')}"
             + (" and for a file of that name" if name.endswith(".py") else "")
-            + f". Recipes: {', '.join(self.recipes)} (tune-offload ls lists them with their configs)."
+            + (f". Did you mean {near[0]}?" if near else "")
+            + f" Recipes: {', '.join(self.recipes)} (tune-offload ls lists them with their configs)."
         )
 
     def config(self, name: str) -> Path:
-        """The config file for a config name (``tiny/full``), or a path to a YAML file.
+        """The config file for a config name (``tiny/full``, or one of torchtune's own), or a path to a
+        YAML file.
 
         Raises:
             ValueError: naming what was looked for and the configs there are.
@@ -126,6 +147,8 @@ class Shipped:
             return self.configs[name]
         if Path(name).is_file():
             return Path(name).resolve()
+        if torchtune_config(name) is not None:
+            return torchtune_config(name)
         if Path(name).is_dir():
             raise ValueError(f"{name}: is a folder; name a config (tune-offload ls lists them) or a YAML file.")
         return self._unknown_config(name)
@@ -140,5 +163,6 @@ class Shipped:
         hint = f" Did you mean {' or '.join(near)}?" if near else ""
         raise ValueError(
             f"no config named '{name}' and no file {Path(name).resolve()}: looked for "
-            f"{self.root / 'configs' / (stem + '.yaml')} and the file.{hint} Configs: {', '.join(names)}."
+            f"{self.root / 'configs' / (stem + '.yaml')}, torchtune's configs (tune ls lists them) and the file.{hint} "
+            f"Configs: {', '.join(names)}."
         )
