@@ -289,3 +289,11 @@ def test_torchtunes_own_config_names_resolve_after_ours(tmp_path, capsys):
 def test_a_misspelt_recipe_or_cp_name_gets_the_closest(capsys, argv, said):
     code, _, err = _cli(capsys, *argv)
     assert code == 2 and said in err, err
+
+
+def test_a_component_is_nulled_not_deleted_on_the_command_line(cache_with_tiny_assets, capsys):
+    code, _, err = _cli(capsys, "validate", "--config", "tiny/full", "~lr_scheduler")
+    assert code == 2 and "give lr_scheduler=null instead" in err, err
+    assert _cli(capsys, "validate", "--config", "tiny/full", "lr_scheduler=null")[0] == 0
+    code, _, err = _cli(capsys, "validate", "--config", "tiny/full", "loss=null")
+    assert code == 1 and "loss._component_ is null (loss=null on the command line sets it)" in err, err

@@ -161,9 +161,12 @@ def test_a_config_without_a_model_is_refused_in_its_rows_not_with_a_traceback(ti
     common = [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "--variants", "config", "--no-fine-tunes"]
     code, out, err = _plan_rc(*common, "--config", str(tmp_path / "no_model.yaml"))
     assert code == 1 and "Traceback" not in err and "model: required" in out, (out, err)
-    # torchtune's merge refuses to delete a node holding a _component_: said in one line too.
+    # torchtune's merge refuses to delete a node holding a _component_ (saying it is not found), or a key
+    # the config does not have: each said in one line.
     code, out, err = _plan_rc(*common, "~model")
-    assert code == 2 and "Traceback" not in err and "~model: Could not find key model" in err, err
+    assert code == 2 and "Traceback" not in err and "~model: torchtune cannot delete a component" in err, err
+    code, out, err = _plan_rc(*common, "~no_such_key")
+    assert code == 2 and "Traceback" not in err and "~no_such_key: Could not find key no_such_key" in err, err
 
 
 def test_a_refused_config_keeps_its_table_and_exits_1_and_a_deleted_key_is_planned(tiny_assets, tmp_path):

@@ -8,7 +8,11 @@ import pytest
 import torchtune
 from omegaconf import OmegaConf
 
-from torchtune_offload.recipe.component_options import component_option_problems, model_option_problems
+from torchtune_offload.recipe.component_options import (
+    component_option_problems,
+    component_removal_problem,
+    model_option_problems,
+)
 from torchtune_offload.recipe.config import check_recipe_config
 from tests.conftest import REPO_ROOT as REPO
 
@@ -152,3 +156,21 @@ def test_a_users_own_builder_gets_its_types_checked_but_not_torchtunes_ranges():
         f"model.frozen_layers='two': must be an integer ({__name__}.builder_of_a_users_own takes frozen_layers).",
         f"model.width='abc': must be null or an integer ({__name__}.builder_of_a_users_own takes width).",
     ], problems
+
+
+def test_deleting_a_component_on_the_command_line_says_what_works_instead():
+    # torchtune's merge refuses ~lr_scheduler and says the key was not found, though the YAML has it.
+    data = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "tiny" / "full.yaml"))
+    problem = component_removal_problem(data, ["batch_size=2", "~lr_scheduler"])
+    assert problem.startswith("~lr_scheduler: torchtune cannot delete a component from the command line") and \
+        "give lr_scheduler=null instead" in problem, problem
+    assert "model cannot be left out" in component_removal_problem(data, ["~model"])
+    assert component_removal_problem(data, ["~tokenizer.max_seq_len", "~shuffle", "~nothing.here"]) is None
+
+
+def test_a_required_component_nulled_on_the_command_line_is_named():
+    # torchtune reads loss=null as loss._component_=null; a recipe would fail in instantiate.
+    with pytest.raises(ValueError, match=re.escape("loss._component_ is null (loss=null on the command line sets "
+                                                   "it): loss is required")):
+        check_recipe_config(_tiny("loss._component_=null"), recipe="full", device_present=False)
+    check_recipe_config(_tiny("lr_scheduler._component_=null"), recipe="full", device_present=False)

@@ -167,6 +167,18 @@ def test_weights_the_device_cannot_hold_are_refused_before_the_model_is_built(ti
     assert seen["device"] == recipe.settings.device and "tok_embeddings.weight" in seen["names"]
 
 
+def test_a_nulled_scheduler_runs_at_a_constant_learning_rate_and_says_so(runs, capsys):
+    """torchtune reads lr_scheduler=null on the command line as lr_scheduler._component_=null (and
+    cannot delete a component with ~lr_scheduler): the recipe runs without a schedule, and says so,
+    instead of failing in torchtune's instantiate after the weights have loaded."""
+    plain = runs("full", *FULL_EQUIV)
+    flat = runs("full", *FULL_EQUIV, "lr_scheduler._component_=null")
+    assert "lr_scheduler._component_ is null: no schedule" in capsys.readouterr().out
+    rates = [row["lr"] for row in flat.log]
+    assert len(rates) == 5 and set(rates) == {float(OmegaConf.load(CONFIGS["full"]).optimizer.lr)}, rates
+    assert len({row["lr"] for row in plain.log}) > 1  # the shipped config's schedule warms up
+
+
 def test_a_lora_model_the_device_cannot_hold_is_refused_before_the_weights_load(tiny_assets, tmp_path, monkeypatch):
     """The LoRA recipe asks whether its model fits the device (faked in
     tests/recipe/test_grad_math_and_memory.py) before it reads the checkpoint and builds the model

@@ -29,7 +29,11 @@ from torchtune_offload.assets import missing_tiny_assets
 from torchtune_offload.plan.__main__ import main as plan_main
 from torchtune_offload.plan.probe import run_probe
 from torchtune_offload.recipe import check_files, check_recipe_config
-from torchtune_offload.recipe.component_options import component_option_problems, model_option_problems
+from torchtune_offload.recipe.component_options import (
+    component_option_problems,
+    component_removal_problem,
+    model_option_problems,
+)
 from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root, torchtune_config
 
 PROG = "tune-offload"
@@ -70,9 +74,13 @@ def load_config(path: Path, overrides: Sequence[str]) -> DictConfig:
     Parsed by torchtune's own argument parser and merge, as ``@config.parse`` does in a recipe.
 
     Raises:
-        UsageError: for a file that is not YAML, or whose top level is not a mapping of keys.
+        UsageError: for a file that is not YAML, or whose top level is not a mapping of keys, and
+            for a ``~key`` of a component, which torchtune cannot delete.
     """
-    _yaml_mapping(path)  # torchtune's parser would raise a YAML error or a TypeError, with a traceback
+    data = _yaml_mapping(path)  # torchtune's parser would raise a YAML error or a TypeError, with a traceback
+    removal = component_removal_problem(data, overrides)
+    if removal is not None:
+        raise UsageError(removal)
     parser = TuneRecipeArgumentParser(prog=PROG, add_help=False)
     yaml_args, cli_args = parser.parse_known_args(["--config", str(path), *overrides])
     return _merge_yaml_and_cli_args(yaml_args, cli_args)

@@ -42,6 +42,7 @@ from torchtune_offload.plan.report import format_fine_tunes, format_plans
 from torchtune_offload.plan.speed import load_machine, preset_names
 from torchtune_offload.plan.step_traces import default_jobs, sequence_length, trace_steps
 from torchtune_offload.plan.trace import UntraceableModelError
+from torchtune_offload.recipe.component_options import component_removal_problem
 from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, header_recipe, shipped_root
 
 def _config_path(name: str) -> Path:
@@ -124,9 +125,12 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
         except ValueError as err:
             p.error(str(err))
     recipe = args.recipe or _recipe_of(args.config)
+    removal = component_removal_problem(OmegaConf.to_container(OmegaConf.load(args.config)), args.overrides)
+    if removal is not None:
+        p.error(removal)
     try:
         cfg = load_config(str(args.config), args.overrides)
-    except ValueError as err:  # torchtune's merge: a ~key it cannot delete (absent, or a component's node)
+    except ValueError as err:  # torchtune's merge: a ~key the config does not have
         p.error(f"{' '.join(args.overrides)}: {err}")
     device = torch.device(str(cfg.device))
     baseline, baseline_notes = process_baseline(cfg, device=device)  # before anything is traced

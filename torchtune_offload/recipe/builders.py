@@ -177,8 +177,13 @@ def build_dataloader(
 def build_lr_scheduler(
     cfg_lr_scheduler: Optional[DictConfig], *, optimizer: RunOptimizer, progress: Progress,
 ) -> Optional[Any]:
-    """The LR scheduler over the whole run, positioned at ``progress``'s global step, or ``None``."""
+    """The LR scheduler over the whole run, positioned at ``progress``'s global step, or ``None``
+    where the config has none or nulls its component (``lr_scheduler=null`` on the command line)."""
     if cfg_lr_scheduler is None:
+        return None
+    if nulled(cfg_lr_scheduler):
+        print("[torchtune_offload] lr_scheduler._component_ is null: no schedule, the learning rate stays at "
+              "optimizer.lr")
         return None
     scheduler = config.instantiate(
         cfg_lr_scheduler, optimizer.scheduled,
@@ -186,6 +191,12 @@ def build_lr_scheduler(
     )
     optimizer.attach_lr_scheduler(scheduler)
     return scheduler
+
+
+def nulled(node: DictConfig) -> bool:
+    """A component whose ``_component_`` is given as null: what torchtune makes of ``lr_scheduler=null``
+    on the command line (it sets a component's ``_component_``), and of ``_component_: null`` in a YAML."""
+    return "_component_" in node and node.get("_component_") is None
 
 
 def build_profiler(cfg_profiler: Optional[DictConfig], *, all_threads: bool) -> Any:
@@ -199,7 +210,9 @@ def build_profiler(cfg_profiler: Optional[DictConfig], *, all_threads: bool) -> 
             ``offload/...`` ranges are in the trace; ``python scripts/profile_summary.py
             <profiler.output_dir>`` reads it.
     """
-    cfg_profiler = DictConfig({"enabled": False}) if cfg_profiler is None else cfg_profiler.copy()
+    if cfg_profiler is None or nulled(cfg_profiler):  # profiler=null on the command line: no profiler
+        cfg_profiler = DictConfig({"enabled": False})
+    cfg_profiler = cfg_profiler.copy()
     component = cfg_profiler.get("_component_", None)
     if component is None:
         cfg_profiler["_component_"] = "torchtune.training.setup_torch_profiler"

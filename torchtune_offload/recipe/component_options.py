@@ -28,8 +28,10 @@ from typing import Any, List, Mapping, Optional, Sequence
 from omegaconf import DictConfig
 from torchtune.config._utils import _get_component_from_path
 
-__all__ = ["component_option_problems", "model_option_problems"]
+__all__ = ["component_option_problems", "component_removal_problem", "model_option_problems"]
 
+#: The components a recipe runs without where the config nulls them (``lr_scheduler=null``): what then.
+OPTIONAL_COMPONENTS = {"lr_scheduler": "schedule (the learning rate stays at optimizer.lr)", "profiler": "profiler"}
 #: Components the recipes check elsewhere (see the module's docstring).
 CHECKED_ELSEWHERE = ("model", "optimizer")
 #: Model builders whose ints are all sizes or counts (at least 1) and whose dropouts are probabilities:
@@ -64,6 +66,34 @@ def component_option_problems(cfg: DictConfig, *, skip: Sequence[str] = CHECKED_
             continue
         problems += _name_problems(node, value, _parameters(target))
     return problems
+
+
+def component_removal_problem(data: Mapping[str, Any], overrides: Sequence[str]) -> Optional[str]:
+    """Why a ``~key`` override of a node that holds a ``_component_`` cannot work, or None.
+
+    torchtune's merge refuses to delete a component (``~lr_scheduler``) and says the key was not
+    found, though the YAML has it; this names what works instead.
+
+    Args:
+        data: the config's YAML, as a plain mapping.
+        overrides: the command line's ``key=value`` and ``~key`` overrides.
+    """
+    for override in overrides:
+        if not override.startswith("~"):
+            continue
+        path = override[1:].split("=")[0]
+        node: Any = data
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if isinstance(node, Mapping) and "_component_" in node:
+            if path in OPTIONAL_COMPONENTS:
+                instead = (f"give {path}=null instead: the recipes read a null _component_ as no "
+                           f"{OPTIONAL_COMPONENTS[path]}")
+            else:
+                instead = f"{path} cannot be left out; give another component with {path}._component_=..."
+            return (f"{override}: torchtune cannot delete a component from the command line ({path} holds "
+                    f"_component_: {node['_component_']}); {instead}, or copy the config (tune-offload cp) and edit it.")
+    return None
 
 
 def model_option_problems(cfg: DictConfig) -> List[str]:

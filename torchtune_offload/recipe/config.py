@@ -211,8 +211,13 @@ def _key_problems(cfg: DictConfig, *, recipe: str) -> List[str]:
                         f" Remove it: drop a {key}=... override, or ~{key} deletes it from the YAML.")
             problems.append(f"{key}: unknown config key for {_RECIPE_NAMES[recipe]}.{hint}")
     for key in _REQUIRED:
-        if cfg.get(key) is None:
+        node = cfg.get(key)
+        if node is None:
             problems.append(f"{key}: required; set it in the config or with {key}=... on the command line.")
+        elif isinstance(node, DictConfig) and "_component_" in node and node.get("_component_") is None:
+            # torchtune reads key=null on the command line as key._component_=null.
+            problems.append(f"{key}._component_ is null ({key}=null on the command line sets it): {key} is required; "
+                            "give the dotted path of its component.")
     return problems
 
 
