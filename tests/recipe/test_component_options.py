@@ -174,3 +174,38 @@ def test_a_required_component_nulled_on_the_command_line_is_named():
                                                    "it): loss is required")):
         check_recipe_config(_tiny("loss._component_=null"), recipe="full", device_present=False)
     check_recipe_config(_tiny("lr_scheduler._component_=null"), recipe="full", device_present=False)
+
+
+@pytest.mark.parametrize("override, expected", [
+    # Each passed validate and failed in the run, after the optimizer was built, naming no key.
+    ("lr_scheduler.num_warmup_steps=abc", "lr_scheduler.num_warmup_steps='abc': must be an integer ("),
+    ("lr_scheduler.num_cycles=half", "lr_scheduler.num_cycles='half': must be a number ("),
+    ("lr_scheduler.num_warmup_steps='3'", "lr_scheduler.num_warmup_steps='3': must be an integer ("),
+    # The recipe passes these itself, overwriting the config's without a word.
+    ("lr_scheduler.num_training_steps=100", "lr_scheduler.num_training_steps: the recipe sets it (the run's step "
+                                            "count), so a value here would be overwritten."),
+    ("checkpointer.should_load_recipe_state=True", "checkpointer.should_load_recipe_state: the recipe sets it "
+                                                   "(resume_from_checkpoint)"),
+])
+def test_a_components_option_value_is_checked_against_its_annotation(override, expected):
+    (problem,) = component_option_problems(_tiny(override))
+    assert problem.startswith(expected), problem
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        check_recipe_config(_tiny(override), recipe="full", device_present=False)
+
+
+def test_options_the_recipe_passes_are_not_offered_as_the_closest():
+    (problem,) = component_option_problems(_tiny("lr_scheduler.num_warmup_step=3"))
+    assert problem.endswith("Its options: num_cycles, num_warmup_steps."), problem
+
+
+@pytest.mark.parametrize("override, named", [
+    ("optimizer.gradient_accumulation_steps=2", "optimizer.gradient_accumulation_steps: not an option of AdamW. It is "
+                                                "a top-level key of the config: give gradient_accumulation_steps=..."),
+    ("lr_scheduler.clip_grad_norm=1.0", "lr_scheduler.clip_grad_norm: not an option of torchtune.training."
+                                        "lr_schedulers.get_cosine_schedule_with_warmup. It is a top-level key of the "
+                                        "config: give clip_grad_norm=..."),
+])
+def test_a_top_level_key_given_under_a_component_says_where_it_goes(override, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        check_recipe_config(_tiny(override), recipe="full", device_present=False)

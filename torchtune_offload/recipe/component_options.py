@@ -28,6 +28,8 @@ from typing import Any, List, Mapping, Optional, Sequence
 from omegaconf import DictConfig
 from torchtune.config._utils import _get_component_from_path
 
+from torchtune_offload.recipe.config_keys import top_level_hint
+
 __all__ = ["component_option_problems", "component_removal_problem", "model_option_problems"]
 
 #: The components a recipe runs without where the config nulls them (``lr_scheduler=null``): what then.
@@ -37,6 +39,12 @@ CHECKED_ELSEWHERE = ("model", "optimizer")
 #: Model builders whose ints are all sizes or counts (at least 1) and whose dropouts are probabilities:
 #: checked against every builder of torchtune 0.6.1 and of this package (no default below 1).
 _RANGED_BUILDERS = ("torchtune.", "torchtune_offload.")
+#: Options the recipes pass a component themselves (after the config's, which they would overwrite).
+_RECIPE_PASSES = {
+    "lr_scheduler": {"optimizer": "the optimizer", "num_training_steps": "the run's step count",
+                     "last_epoch": "the step a resumed run starts from"},
+    "checkpointer": {"should_load_recipe_state": "resume_from_checkpoint"},
+}
 #: Keys of a component that this project's recipes read and remove before building it.
 _RECIPE_KEYS = {"profiler": ("all_threads",)}
 
@@ -64,7 +72,9 @@ def component_option_problems(cfg: DictConfig, *, skip: Sequence[str] = CHECKED_
             problems.append(f"{node}._component_={path}: cannot be imported ({type(err).__name__}: {reason[:200]}). "
                             "Give the dotted path of an importable class or function.")
             continue
-        problems += _name_problems(node, value, _parameters(target))
+        parameters = _parameters(target)
+        problems += _name_problems(node, value, parameters)
+        problems += _value_problems(node, value, parameters, ranges=False)
     return problems
 
 
@@ -117,17 +127,24 @@ def model_option_problems(cfg: DictConfig) -> List[str]:
     if parameters is None:
         return []
     problems = _name_problems("model", model, parameters)
-    for name, parameter in parameters.items():
-        if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
-            continue
-        if name not in model:
-            if parameter.default is inspect.Parameter.empty:
-                problems.append(f"model.{name}: required by {path}; set it in the config or with model.{name}=... "
-                                "on the command line.")
-            continue
-        need = _value_need(name, model.get(name), parameter.annotation, ranges=path.startswith(_RANGED_BUILDERS))
-        if need is not None:
-            problems.append(f"model.{name}={model.get(name)!r}: must be {need} ({path} takes {name}).")
+    problems += [f"model.{name}: required by {path}; set it in the config or with model.{name}=... on the command line."
+                 for name, p in parameters.items() if name not in model and p.default is inspect.Parameter.empty
+                 and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    return problems + _value_problems("model", model, parameters, ranges=path.startswith(_RANGED_BUILDERS))
+
+
+def _value_problems(node: str, value: DictConfig, parameters: Optional[Mapping[str, inspect.Parameter]], *,
+                    ranges: bool) -> List[str]:
+    """The options of component ``node`` whose values its parameters' annotations do not allow."""
+    if parameters is None:
+        return []
+    path = str(value.get("_component_"))
+    problems = []
+    for key in value.keys():
+        if key in parameters:
+            need = _value_need(str(key), value.get(key), parameters[key].annotation, ranges=ranges)
+            if need is not None:
+                problems.append(f"{node}.{key}={value.get(key)!r}: must be {need} ({path} takes {key}).")
     return problems
 
 
@@ -152,15 +169,20 @@ def _name_problems(node: str, value: DictConfig, parameters: Optional[Mapping[st
     if parameters is None:
         return []
     path = str(value.get("_component_"))
-    names = sorted(n for n, p in parameters.items()
-                   if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY))
+    passed = _RECIPE_PASSES.get(node, {})
+    names = sorted(n for n, p in parameters.items() if n not in passed
+                   and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY))
     problems = []
     for key in value.keys():
+        if key in passed:
+            problems.append(f"{node}.{key}: the recipe sets it ({passed[key]}), so a value here would be overwritten. "
+                            f"Remove it: drop a {node}.{key}=... override, or ~{node}.{key} deletes it from the YAML.")
+            continue
         if key == "_component_" or key in names or key in _RECIPE_KEYS.get(node, ()):
             continue
         close = difflib.get_close_matches(str(key), names, n=1)
-        hint = (f"Did you mean '{node}.{close[0]}'?" if close else
-                f"Remove it: drop a {node}.{key}=... override, or ~{node}.{key} deletes it from the YAML.")
+        hint = (top_level_hint(node, str(key)) or (f"Did you mean '{node}.{close[0]}'?" if close else
+                f"Remove it: drop a {node}.{key}=... override, or ~{node}.{key} deletes it from the YAML."))
         problems.append(f"{node}.{key}: not an option of {path}. {hint} Its options: {', '.join(names)}.")
     return problems
 

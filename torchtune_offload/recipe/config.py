@@ -24,6 +24,7 @@ from torchtune.modules.peft import LORA_ATTN_MODULES
 from torchtune_offload.distributed.policies import policy_problems
 from torchtune_offload.optim.capabilities import OptimizerCapabilities
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
+from torchtune_offload.recipe.config_keys import RECIPE_KEYS
 from torchtune_offload.recipe.component_options import component_option_problems, model_option_problems
 from torchtune_offload.recipe.optimizer_rules import (
     capability_problems,
@@ -33,26 +34,6 @@ from torchtune_offload.recipe.optimizer_rules import (
 )
 from torchtune_offload.recipe.shipped import RECIPE_KINDS
 
-# Keys of torchtune 0.6.1's single-device configs, which our recipes accept unchanged.
-_SINGLE_DEVICE_KEYS = {
-    "batch_size", "checkpointer", "clip_grad_norm", "collate_fn", "compile", "cudnn_deterministic_mode",
-    "dataset", "device", "dtype", "enable_activation_checkpointing", "enable_activation_offloading",
-    "epochs", "gradient_accumulation_steps", "log_every_n_steps", "log_peak_memory_stats", "loss",
-    "lr_scheduler", "max_steps_per_epoch", "metric_logger", "model", "optimizer", "output_dir",
-    "profiler", "resume_from_checkpoint", "seed", "shuffle", "tokenizer", "overwrite_checkpoints",
-}
-# Resumable checkpoints at any step (recipe/step_checkpoints.py, recipe/distributed_checkpoints.py).
-_STEP_CHECKPOINT_KEYS = ("save_every_n_steps", "keep_last_n_checkpoints")
-RECIPE_KEYS = {
-    "full": _SINGLE_DEVICE_KEYS | {"optimizer_in_bwd", "host_memory_check", *_STEP_CHECKPOINT_KEYS},
-    "lora": _SINGLE_DEVICE_KEYS | {"save_adapter_weights_only", "low_cpu_ram", "host_memory_check",
-                                   *_STEP_CHECKPOINT_KEYS},
-    "distributed": _SINGLE_DEVICE_KEYS | {
-        "optimizer_in_bwd", "fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_shard_policy",
-        "custom_sharded_layers", "tensor_parallel_dim", "tensor_parallel_plan", "ac_mode", "ac_option",
-        "enable_async_checkpointing", "host_memory_check", *_STEP_CHECKPOINT_KEYS,
-    },
-}
 #: The name ``tune run`` and ``tune-offload run`` know each recipe by.
 _RECIPE_NAMES = {kind: name for name, kind in RECIPE_KINDS.items()}
 #: The model options the LoRA recipe reads itself (it records them with the adapter it saves).

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
 from torchtune_offload.optim.optimizer_class import resolve_optimizer, resolve_optimizer_class, split_options
 from torchtune_offload.optim.base_options import base_option_problems
+from torchtune_offload.recipe.config_keys import top_level_hint
 
 
 def is_int(v: Any, *, low: int) -> bool:
@@ -80,7 +81,8 @@ def optimizer_option_problems(
         valid = own | theirs
         for key in sorted(set(options) - valid - {k.split(".", 1)[1] for k in reported}):
             close = difflib.get_close_matches(key, sorted(valid), n=1)
-            hint = f"Did you mean '{close[0]}'?" if close else f"Valid options: {', '.join(sorted(valid))}."
+            hint = top_level_hint("optimizer", key) or (
+                f"Did you mean '{close[0]}'?" if close else f"Valid options: {', '.join(sorted(valid))}.")
             name = component.__name__ + (f" (base {base.__name__})" if base is not None else "")
             problems.append(f"optimizer.{key}: not an option of {name}. {hint}")
     if problems or reported:
