@@ -297,3 +297,9 @@ def test_a_component_is_nulled_not_deleted_on_the_command_line(cache_with_tiny_a
     assert _cli(capsys, "validate", "--config", "tiny/full", "lr_scheduler=null")[0] == 0
     code, _, err = _cli(capsys, "validate", "--config", "tiny/full", "loss=null")
     assert code == 1 and "loss._component_ is null (loss=null on the command line sets it)" in err, err
+
+
+def test_validate_says_which_option_names_no_signature_can_check(cache_with_tiny_assets, capsys):
+    # A dataset builder passes what it does not take on to load_dataset: "well-formed" must not claim those.
+    code, out, _ = _cli(capsys, "validate", "--config", "tiny/full", "dataset.train_on_inputs=True")
+    assert code == 0 and "so their names are not checked here: dataset.data_files, dataset.train_on_inputs." in out, out

@@ -8,6 +8,7 @@ same config, and every reference run is also checked to learn (loss falls).
 
 import gzip
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -165,6 +166,21 @@ def test_weights_the_device_cannot_hold_are_refused_before_the_model_is_built(ti
     recipe.cleanup()
     assert seen["device_weights"] == "fp8" and seen["dtype"] == recipe.settings.dtype
     assert seen["device"] == recipe.settings.device and "tok_embeddings.weight" in seen["names"]
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_a_misspelt_dataset_option_is_named_before_the_weights_load(tiny_assets, tmp_path, monkeypatch, kind):
+    """torchtune's dataset builders pass unknown options on to load_dataset, so the config check cannot
+    know them: the recipe names the option when it builds the data, before it reads the checkpoint."""
+    module = load_recipe_module(RECIPE_FILES[kind])
+    monkeypatch.setattr(module, "load_checkpoint", lambda *args, **kwargs: pytest.fail("the checkpoint was read"))
+    cfg = _config(kind, tiny_assets, tmp_path, ["dataset.train_on_inputs=True"])
+    recipe = getattr(module, RECIPE_CLASSES[kind])(cfg)
+    with pytest.raises(ValueError, match=re.escape("dataset.train_on_inputs: neither torchtune.datasets.instruct_dataset "
+                                                   "nor the datasets library")) as raised:
+        recipe.setup(cfg)
+    recipe.cleanup()
+    assert "Did you mean 'dataset.train_on_input'?" in str(raised.value)
 
 
 def test_a_nulled_scheduler_runs_at_a_constant_learning_rate_and_says_so(runs, capsys):

@@ -33,6 +33,7 @@ from torchtune_offload.recipe.component_options import (
     component_option_problems,
     component_removal_problem,
     model_option_problems,
+    unchecked_options,
 )
 from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root, torchtune_config
 
@@ -212,6 +213,11 @@ def _validate(args: argparse.Namespace) -> int:
     checked = (f"as {recipe} reads it (keys, values, files)" if recipe is not None else
                "(component arguments only: its header names none of our recipes; pass --recipe to check more)")
     print(f"Config is well-formed: {path} {checked}.")
+    unchecked = unchecked_options(cfg)
+    if unchecked:
+        print(f"Passed on by their component to another library (a dataset's to load_dataset), so their names are "
+              f"not checked here: {', '.join(unchecked)}. A run names an unknown one when it builds the component, "
+              "before it reads any weight.")
     return 0
 
 

@@ -5,6 +5,9 @@ same order: metric logger, data, checkpoint, model, optimizer, loss, LR schedule
 memory monitor is :class:`torchtune_offload.recipe.memory.MemoryMonitor`).
 """
 
+import difflib
+import inspect
+import re
 from functools import partial
 from typing import Any, Dict, Optional, Tuple
 
@@ -136,6 +139,29 @@ def loss_ignore_index(cfg_loss: DictConfig) -> int:
     return config.instantiate(cfg_loss).ignore_index
 
 
+def _build_dataset(cfg_dataset: DictConfig, tokenizer: Any, *, key: str) -> Any:
+    """One configured dataset. torchtune's dataset builders pass the options they do not take on to
+    the datasets library's ``load_dataset``, so a misspelt one (``dataset.train_on_inputs``) is not
+    found by the config check: it fails here, before any weight is read, and is named.
+
+    Raises:
+        ValueError: naming the option, the closest option of the builder, and what the error was.
+    """
+    try:
+        return config.instantiate(cfg_dataset, tokenizer)
+    except TypeError as err:
+        stranger = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+        if stranger is None or stranger.group(1) not in cfg_dataset:
+            raise
+        name, component = stranger.group(1), str(cfg_dataset.get("_component_"))
+        own = [n for n, p in inspect.signature(_get_component_from_path(component)).parameters.items()
+               if p.kind is not inspect.Parameter.VAR_KEYWORD and n != "tokenizer"]
+        close = difflib.get_close_matches(name, own, n=1)
+        hint = f"Did you mean '{key}.{close[0]}'?" if close else f"Its options: {', '.join(own)}."
+        raise ValueError(f"{key}.{name}: neither {component} nor the datasets library it passes options on to takes "
+                         f"it ({type(err).__name__}: {err}). {hint}") from err
+
+
 def build_dataloader(
     cfg_dataset: Any,
     cfg_tokenizer: DictConfig,
@@ -148,10 +174,10 @@ def build_dataloader(
     """The tokenizer and the training dataloader; its order depends only on the epoch (``sampler.set_epoch``)."""
     tokenizer = config.instantiate(cfg_tokenizer)
     if isinstance(cfg_dataset, ListConfig):
-        ds = ConcatDataset(datasets=[config.instantiate(c, tokenizer) for c in cfg_dataset])
+        ds = ConcatDataset(datasets=[_build_dataset(c, tokenizer, key=f"dataset[{i}]") for i, c in enumerate(cfg_dataset)])
         packed = getattr(ds, "packed", False)
     else:
-        ds = config.instantiate(cfg_dataset, tokenizer)
+        ds = _build_dataset(cfg_dataset, tokenizer, key="dataset")
         packed = cfg_dataset.get("packed", False)
     collate = _get_component_from_path(settings.collate_fn)
     sampler = StatefulDistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=settings.shuffle, seed=0)

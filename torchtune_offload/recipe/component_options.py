@@ -30,7 +30,7 @@ from torchtune.config._utils import _get_component_from_path
 
 from torchtune_offload.recipe.config_keys import top_level_hint
 
-__all__ = ["component_option_problems", "component_removal_problem", "model_option_problems"]
+__all__ = ["component_option_problems", "component_removal_problem", "model_option_problems", "unchecked_options"]
 
 #: The components a recipe runs without where the config nulls them (``lr_scheduler=null``): what then.
 OPTIONAL_COMPONENTS = {"lr_scheduler": "schedule (the learning rate stays at optimizer.lr)", "profiler": "profiler"}
@@ -76,6 +76,29 @@ def component_option_problems(cfg: DictConfig, *, skip: Sequence[str] = CHECKED_
         problems += _name_problems(node, value, parameters)
         problems += _value_problems(node, value, parameters, ranges=False)
     return problems
+
+
+def unchecked_options(cfg: DictConfig) -> List[str]:
+    """The options of top-level components that take ``**kwargs`` which are none of their named
+    parameters (a torchtune dataset's passed on to ``load_dataset``): what no signature can check.
+
+    Args:
+        cfg: a recipe config.
+
+    Returns:
+        ``node.key`` for each such option.
+    """
+    out = []
+    for node, value in cfg.items():
+        if node in CHECKED_ELSEWHERE or not isinstance(value, DictConfig) or not value.get("_component_"):
+            continue
+        try:
+            parameters = inspect.signature(_get_component_from_path(str(value.get("_component_")))).parameters
+        except Exception:  # not importable, or no signature: named by component_option_problems, or not checkable
+            continue
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            out += [f"{node}.{key}" for key in value.keys() if key != "_component_" and key not in parameters]
+    return out
 
 
 def component_removal_problem(data: Mapping[str, Any], overrides: Sequence[str]) -> Optional[str]:
