@@ -154,19 +154,25 @@ def test_bad_arguments_are_refused_in_one_line_before_anything_is_planned(tmp_pa
     assert kept.read_text() == "output_dir: mine\n"
 
 
-def test_a_config_without_a_model_is_refused_in_its_rows_not_with_a_traceback(tiny_assets, tmp_path):
+def test_a_config_without_a_model_is_refused_before_planning_not_with_a_traceback(tiny_assets, tmp_path):
     config = OmegaConf.load(REPO / CONFIG)
     del config["model"]
     OmegaConf.save(config, tmp_path / "no_model.yaml")
     common = [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "--variants", "config", "--no-fine-tunes"]
     code, out, err = _plan_rc(*common, "--config", str(tmp_path / "no_model.yaml"))
-    assert code == 1 and "Traceback" not in err and "model: required" in out, (out, err)
+    assert code == 1 and "Traceback" not in err and "  - model: required" in err and "planning" not in err, (out, err)
     # torchtune's merge refuses to delete a node holding a _component_ (saying it is not found), or a key
     # the config does not have: each said in one line.
     code, out, err = _plan_rc(*common, "~model")
     assert code == 2 and "Traceback" not in err and "~model: torchtune cannot delete a component" in err, err
     code, out, err = _plan_rc(*common, "~no_such_key")
     assert code == 2 and "Traceback" not in err and "~no_such_key: Could not find key no_such_key" in err, err
+
+
+def test_a_misspelt_key_refuses_every_variant_before_anything_is_traced(tiny_assets, tmp_path):
+    code, out, err = _plan_rc(*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "batch_sze=2")
+    assert code == 1 and "is refused for every variant, so none was planned" in err and "'batch_size'" in err, err
+    assert "tracing" not in err and "planning" not in err and out == "", (out, err)
 
 
 def test_a_refused_config_keeps_its_table_and_exits_1_and_a_deleted_key_is_planned(tiny_assets, tmp_path):

@@ -41,3 +41,15 @@ def test_the_advice_on_where_the_update_runs_counts_the_load():
     advice = update_on_advice([device, host], device_budget=14 * GIB, host_budget=64 * GIB)
     assert "the better choice" in advice and "which fits" not in advice
     assert "which fits" in update_on_advice([device, host], device_budget=16 * GIB, host_budget=64 * GIB)
+
+
+def test_a_cpu_run_gets_no_update_on_advice_and_says_why_it_has_no_speed():
+    # update_on=device moves the update to an accelerator; a CPU run has none, and the speed model is a GPU's.
+    device = VariantPlan(name="offload_device_update", description="", device_bytes=13 * GIB, host_bytes=30 * GIB)
+    host = VariantPlan(name="offload_grads", description="", device_bytes=10 * GIB, host_bytes=40 * GIB)
+    common = dict(device_budget=16 * GIB, host_budget=64 * GIB, config_path="c.yaml", seq_len_note="batch 1 x 8")
+    on_gpu = format_plans([device, host], device="cuda", **common, speeds={}, machine="m")
+    assert "Where the update runs:" in on_gpu and "No speed for a CPU run" not in on_gpu
+    on_cpu = format_plans([device, host], device="cpu", **common, speeds={}, machine="m")
+    assert "Where the update runs:" not in on_cpu
+    assert "Speed on m (docs/planner.md#how-fast). No speed for a CPU run: the model predicts a GPU's step" in on_cpu

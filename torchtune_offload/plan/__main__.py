@@ -7,7 +7,9 @@ fine-tunes of the configured model (torchtune's ``<name>``, ``lora_<name>`` and 
 builders), each with the configured optimizer: which of them fits. Nothing is downloaded or
 loaded: the model is traced on fake tensors, so an 8B config plans on a laptop. A model the
 planner cannot build or trace ends the plan with one line naming ``model._component_`` (exit 2); a
-config the recipe refuses gets the reason in its row, the other rows as planned, and exit 1.
+config with a problem no variant's optimizer settings change (a misspelt key, a component's option)
+is refused before anything is planned (exit 1); a variant the recipe refuses gets the reason in its
+row, the other rows as planned, and exit 1.
 With ``--machine`` (a preset or a ``tune-offload probe`` file), each variant's row also gets its
 predicted seconds per step, tok/s and bound (:mod:`torchtune_offload.plan.speed`).
 """
@@ -41,8 +43,9 @@ from torchtune_offload.plan.planner import (
 from torchtune_offload.plan.report import format_fine_tunes, format_plans
 from torchtune_offload.plan.speed import load_machine, preset_names
 from torchtune_offload.plan.step_traces import default_jobs, sequence_length, trace_steps
-from torchtune_offload.plan.trace import UntraceableModelError
+from torchtune_offload.plan.trace import UntraceableModelError, check_builder_imports
 from torchtune_offload.recipe.component_options import component_removal_problem
+from torchtune_offload.recipe.config import config_shape_problems
 from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, header_recipe, shipped_root
 
 def _config_path(name: str) -> Path:
@@ -132,6 +135,18 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
         cfg = load_config(str(args.config), args.overrides)
     except ValueError as err:  # torchtune's merge: a ~key the config does not have
         p.error(f"{' '.join(args.overrides)}: {err}")
+    # Before anything is traced: a builder that cannot be imported ends the plan (exit 2), as below, and
+    # what no variant's optimizer settings change (a misspelt key) refuses every variant alike (exit 1).
+    try:
+        check_builder_imports(cfg)
+    except UntraceableModelError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    shape = config_shape_problems(cfg, recipe=recipe)
+    if shape:
+        print(f"error: {args.config} is refused for every variant, so none was planned:\n  - " + "\n  - ".join(shape),
+              file=sys.stderr)
+        return 1
     device = torch.device(str(cfg.device))
     baseline, baseline_notes = process_baseline(cfg, device=device)  # before anything is traced
     device_budget = int(args.device_gib * GIB) if args.device_gib is not None else default_device_budget(device)

@@ -118,7 +118,8 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
              + (" s/step | tok/s | bound | overlap hides at batch |" if speeds is not None else "") + " what |",
              "|---|---:|---:|:---:|---:|:---:|" + ("---:|---:|---|---:|" if speeds is not None else "") + "---|"]
     if speeds is not None:
-        lines.insert(1, f"Speed on {machine} (docs/planner.md#how-fast).")
+        cpu = " No speed for a CPU run: the model predicts a GPU's step (plan device=cuda)." if device == "cpu" else ""
+        lines.insert(1, f"Speed on {machine} (docs/planner.md#how-fast).{cpu}")
     for p in plans:
         what = p.problem if p.problem else p.description
         paged = f"{p.paged_bytes / GIB:.2f}" if p.paged_bytes else "-"
@@ -132,7 +133,8 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
                      f"{gib(p.host_bytes)} | {verdict(p.host_bytes, host_budget)} |{speed} {what} |")
     predicted = {p.name: speeds[p.name] for p in plans if speeds and speeds.get(p.name)}
     lines += known_gaps_block(predicted) + sums_elsewhere_block(predicted)
-    advice = update_on_advice(plans, device_budget=device_budget, host_budget=host_budget)
+    # update_on=device moves the update to an accelerator; a CPU run has none to move it to.
+    advice = None if device == "cpu" else update_on_advice(plans, device_budget=device_budget, host_budget=host_budget)
     if advice:
         lines += ["", advice]
     if fine_tunes:

@@ -120,9 +120,7 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
     Raises:
         ValueError: listing every problem found, each naming its key and the fix.
     """
-    problems = _key_problems(cfg, recipe=recipe) + component_option_problems(cfg)
-    # A LoRA key the recipe requires is named once, by the first; the builder's own rules follow.
-    problems += _model_kind_problems(cfg, recipe=recipe) or model_option_problems(cfg)
+    problems = config_shape_problems(cfg, recipe=recipe)
     if problems:
         raise ValueError(_format(problems))
     read = _Reader(cfg, problems)
@@ -172,6 +170,23 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
         host_memory_check=flags["host_memory_check"],
         profile_all_threads=profile_all_threads,
     )
+
+
+def config_shape_problems(cfg: DictConfig, *, recipe: str) -> List[str]:
+    """What :func:`check_recipe_config` checks first, and what no optimizer setting changes: the
+    top-level keys, each component's options and the model builder (the planner stops on these
+    before it plans any variant).
+
+    Args:
+        cfg: the recipe config.
+        recipe: which recipe reads it ("full", "lora" or "distributed").
+
+    Returns:
+        One line per problem, naming the key and the fix; empty when there is none.
+    """
+    problems = _key_problems(cfg, recipe=recipe) + component_option_problems(cfg)
+    # A LoRA key the recipe requires is named once, by the first; the builder's own rules follow.
+    return problems + (_model_kind_problems(cfg, recipe=recipe) or model_option_problems(cfg))
 
 
 def _key_problems(cfg: DictConfig, *, recipe: str) -> List[str]:
