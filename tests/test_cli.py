@@ -303,3 +303,11 @@ def test_validate_says_which_option_names_no_signature_can_check(cache_with_tiny
     # A dataset builder passes what it does not take on to load_dataset: "well-formed" must not claim those.
     code, out, _ = _cli(capsys, "validate", "--config", "tiny/full", "dataset.train_on_inputs=True")
     assert code == 0 and "so their names are not checked here: dataset.data_files, dataset.train_on_inputs." in out, out
+
+
+def test_a_config_the_recipe_refuses_is_printed_without_a_traceback(cache_with_tiny_assets, capsys, tmp_path):
+    # The recipe's own message names the key and the fix; a traceback above it only hid it.
+    code, _, err = _cli(capsys, "run", "full_finetune_single_device", "--config", "tiny/full",
+                        f"output_dir={tmp_path}", "batch_sze=3")
+    assert code == 1 and "Traceback" not in err, err
+    assert "tune-offload run: error: Invalid config:\n  - batch_sze: unknown config key" in err, err

@@ -28,7 +28,7 @@ from torchtune.config._utils import _merge_yaml_and_cli_args
 from torchtune_offload.assets import missing_tiny_assets
 from torchtune_offload.plan.__main__ import main as plan_main
 from torchtune_offload.plan.probe import run_probe
-from torchtune_offload.recipe import check_files, check_recipe_config
+from torchtune_offload.recipe import ConfigError, check_files, check_recipe_config
 from torchtune_offload.recipe.component_options import (
     component_option_problems,
     component_removal_problem,
@@ -274,8 +274,12 @@ def _run(argv: List[str]) -> int:
     sys.path.append(os.getcwd())  # as tune run does: components defined in the working directory import
     if distributed:
         runner._run_distributed(args, is_builtin=True)  # a script path, run by torchrun
-    else:
+        return 0
+    try:
         runner._run_single_device(args, is_builtin=True)  # runpy, as tune run runs its own recipes
+    except ConfigError as err:  # the recipe refused its config before training: the message is the news
+        print(f"{PROG} run: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

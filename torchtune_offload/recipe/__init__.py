@@ -17,7 +17,7 @@ from torchtune_offload.recipe.builders import (
     load_checkpoint,
     loss_ignore_index,
 )
-from torchtune_offload.recipe.config import RecipeSettings, check_recipe_config
+from torchtune_offload.recipe.config import ConfigError, RecipeSettings, check_recipe_config
 from torchtune_offload.recipe.optimizer_rules import resolve_optimizer_component
 from torchtune_offload.recipe.disk_log import read_disk_log
 from torchtune_offload.recipe.distributed_checkpoints import DistributedCheckpoints, load_full_optimizer_state
@@ -45,6 +45,7 @@ from torchtune_offload.recipe.run_optimizer import (
 from torchtune_offload.recipe.train_loop import SavePoint, TrainLoop, loss_of_logits
 
 __all__ = [
+    "ConfigError",
     "DistributedCheckpoints",
     "HoldingOptimizer",
     "HostMemoryNeed",

@@ -24,7 +24,7 @@ from torchtune.datasets import ConcatDataset
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
 from torchtune_offload.distributed.loss import RowChunkedLoss
-from torchtune_offload.recipe.config import RecipeSettings
+from torchtune_offload.recipe.config import ConfigError, RecipeSettings
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.run_optimizer import (
     HoldingOptimizer,
@@ -145,7 +145,7 @@ def _build_dataset(cfg_dataset: DictConfig, tokenizer: Any, *, key: str) -> Any:
     found by the config check: it fails here, before any weight is read, and is named.
 
     Raises:
-        ValueError: naming the option, the closest option of the builder, and what the error was.
+        ConfigError: naming the option, the closest option of the builder, and what the error was.
     """
     try:
         return config.instantiate(cfg_dataset, tokenizer)
@@ -158,7 +158,7 @@ def _build_dataset(cfg_dataset: DictConfig, tokenizer: Any, *, key: str) -> Any:
                if p.kind is not inspect.Parameter.VAR_KEYWORD and n != "tokenizer"]
         close = difflib.get_close_matches(name, own, n=1)
         hint = f"Did you mean '{key}.{close[0]}'?" if close else f"Its options: {', '.join(own)}."
-        raise ValueError(f"{key}.{name}: neither {component} nor the datasets library it passes options on to takes "
+        raise ConfigError(f"{key}.{name}: neither {component} nor the datasets library it passes options on to takes "
                          f"it ({type(err).__name__}: {err}). {hint}") from err
 
 

@@ -82,6 +82,12 @@ class RecipeSettings:
     profile_all_threads: bool = True
 
 
+class ConfigError(ValueError):
+    """A run the recipe refuses before it trains, for its config or for the files and the machine
+    the config names; the message names each key and the fix. ``tune-offload run`` prints it
+    without a traceback (a ``ValueError``, so callers that catch those still do)."""
+
+
 class _Reader:
     """Reads top-level keys with their defaults, noting each bad value in ``problems``."""
 
@@ -118,11 +124,11 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
             planner, which plans a GPU run on any machine, passes False.
 
     Raises:
-        ValueError: listing every problem found, each naming its key and the fix.
+        ConfigError: listing every problem found, each naming its key and the fix.
     """
     problems = config_shape_problems(cfg, recipe=recipe)
     if problems:
-        raise ValueError(_format(problems))
+        raise ConfigError(_format(problems))
     read = _Reader(cfg, problems)
     numbers = _numbers(read)
     checkpoints = _checkpoint_settings(read)
@@ -147,7 +153,7 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
     if recipe == "distributed":
         problems.extend(_distributed_problems(read, optimizer["optimizer_capabilities"]))
     if problems:
-        raise ValueError(_format(problems))
+        raise ConfigError(_format(problems))
 
     if device_present:
         device = utils.get_device(device=device_name)

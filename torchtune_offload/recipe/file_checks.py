@@ -14,6 +14,7 @@ from typing import Any, Iterable, List, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from torchtune_offload.recipe.config import ConfigError
 from torchtune_offload.recipe.resume import no_checkpoint_problem, run_output_dir
 from torchtune_offload.recipe.step_checkpoints import CHECKPOINTS_DIR, checkpoint_folders, newest_checkpoint
 
@@ -225,7 +226,7 @@ def file_problems(cfg: DictConfig, *, step_resume: bool = False, world_size: Opt
 
 
 def check_files(cfg: DictConfig, *, step_resume: bool = False, world_size: Optional[int] = None) -> None:
-    """Raises one ``ValueError`` listing every problem of :func:`file_problems`, if any."""
+    """Raises one ``ConfigError`` (a ``ValueError``) listing every problem of :func:`file_problems`, if any."""
     problems = file_problems(cfg, step_resume=step_resume, world_size=world_size)
     if problems:
-        raise ValueError("Files the config names cannot be used:\n  - " + "\n  - ".join(problems))
+        raise ConfigError("Files the config names cannot be used:\n  - " + "\n  - ".join(problems))

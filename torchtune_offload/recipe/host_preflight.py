@@ -33,7 +33,7 @@ from torchtune import config, training, utils
 from torchtune_offload.optim.host_arena import pinned_allocation_bytes
 from torchtune_offload.optim.host_memory import HostMemoryPlan, nbytes, optimizer_state_bytes, plan_host_memory
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
-from torchtune_offload.recipe.config import RecipeSettings
+from torchtune_offload.recipe.config import ConfigError, RecipeSettings
 from torchtune_offload.recipe.meta_nf4 import nf4_on_meta_without_arithmetic
 from torchtune_offload.recipe.resume import run_output_dir
 from torchtune_offload.recipe.step_checkpoints import STATE_FILE, newest_checkpoint
@@ -334,7 +334,7 @@ def check_host_memory(
         The computed need, or ``None`` when the check is off.
 
     Raises:
-        ValueError: with the figures and the settings that would fit, when the peak exceeds the
+        ConfigError: with the figures and the settings that would fit, when the peak exceeds the
             available memory.
     """
     if not settings.host_memory_check:
@@ -354,7 +354,7 @@ def check_host_memory(
     if need.fits:
         log.info(summary + notes)
         return need
-    raise ValueError(
+    raise ConfigError(
         f"host_memory_check: the run does not fit this machine's memory. {summary}{notes}\n"
         "Settings that change the figure:\n" + "\n".join(
             _suggestions(cfg, settings, need, mark_trainable) if ranks is None else

@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torchtune_offload.recipe.config import RecipeSettings
+from torchtune_offload.recipe.config import ConfigError, RecipeSettings
 from torchtune_offload.recipe.host_preflight import meta_model
 
 GIB = 1024**3
@@ -68,7 +68,7 @@ def check_weights_fit_device(weights: Mapping[str, torch.Tensor], *, device: tor
         weights: the checkpoint's model tensors (their sizes are the model's).
 
     Raises:
-        ValueError: naming the weights' size, the device's free memory, and what to do.
+        ConfigError: naming the weights' size, the device's free memory, and what to do.
     """
     if device.type != "cuda":
         return
@@ -78,7 +78,7 @@ def check_weights_fit_device(weights: Mapping[str, torch.Tensor], *, device: tor
         return
     fp8 = (f" (with optimizer.device_weights={device_weights} too: the FP8 images are made from them once the "
            "optimizer exists)") if device_weights else ""
-    raise ValueError(
+    raise ConfigError(
         f"device={device}: the model's weights are {need / GIB:.2f} GiB in {dtype}, and the recipe loads all of "
         f"them onto the device before the optimizer is built{fp8}, but it has {_free_of(free, total)}, or "
         "fine-tune less of the model (LoRA or QLoRA: configs/<model>/*_lora_offload.yaml, *_qlora_offload.yaml). "
@@ -101,7 +101,7 @@ def check_lora_model_fits_device(cfg_model: DictConfig, settings: RecipeSettings
         settings: the checked config's settings (the device and dtype).
 
     Raises:
-        ValueError: naming the model's size, the device's free memory, and what to do.
+        ConfigError: naming the model's size, the device's free memory, and what to do.
     """
     if settings.device.type != "cuda":
         return
@@ -115,7 +115,7 @@ def check_lora_model_fits_device(cfg_model: DictConfig, settings: RecipeSettings
     what, advice = (("its base weights in NF4", "a smaller model") if quantized else
                     (f"in {settings.dtype}", "with QLoRA, which keeps the base layers' weights in NF4, about a quarter "
                      "of their bf16 size (configs/<model>/*_qlora_offload.yaml: the model's qlora_ builder)"))
-    raise ValueError(
+    raise ConfigError(
         f"device={settings.device}: the model is {need / GIB:.2f} GiB ({what}, adapters included), and the recipe "
         f"builds all of it on the device before the base weights load, but it has {_free_of(free, total)}, or "
         f"fine-tune {advice}. {_PLANNER}")
