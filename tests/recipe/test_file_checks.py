@@ -36,6 +36,7 @@ def test_missing_checkpoint_dir(assets_copy, tmp_path):
 def test_missing_checkpoint_file(assets_copy, tmp_path):
     message = _refusal("lora", assets_copy, tmp_path, "checkpointer.checkpoint_files=[model-2.safetensors]")
     assert "checkpointer.checkpoint_files: model-2.safetensors is not in" in message
+    assert "List the files that are there (weight files: model.safetensors)." in message  # what to list instead
 
 
 @pytest.mark.parametrize("keep, why", [(5000, "truncated"), (1000, "header claims"), (4, "no readable safetensors header")])

@@ -69,7 +69,8 @@ def component_option_problems(cfg: DictConfig, *, skip: Sequence[str] = CHECKED_
             target = _get_component_from_path(path)
         except Exception as err:  # torchtune raises its own InstantiationError, or ValueError for a bad path
             reason = " ".join(str(err).split())
-            problems.append(f"{node}._component_={path}: cannot be imported ({type(err).__name__}: {reason[:200]}). "
+            reason = reason if len(reason) <= 400 else reason[:reason.rfind(" ", 0, 400)] + " ..."  # a whole word
+            problems.append(f"{node}._component_={path}: cannot be imported ({type(err).__name__}: {reason}). "
                             "Give the dotted path of an importable class or function.")
             continue
         parameters = _parameters(target)

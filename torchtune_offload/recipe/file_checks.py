@@ -152,7 +152,10 @@ def _checkpoint_problems(ck: DictConfig, *, resume: bool, step_resume: bool, out
     for name in _listed(files):
         path = directory / name
         if not path.is_file():
-            yield f"checkpointer.checkpoint_files: {name} is not in {directory}. List the files that are there."
+            there = sorted(p.name for p in directory.glob("*.safetensors")) + sorted(p.name for p in directory.glob("*.bin"))
+            yield (f"checkpointer.checkpoint_files: {name} is not in {directory}. List the files that are there"
+                   + (f" (weight files: {', '.join(there[:8])}{', ...' if len(there) > 8 else ''})." if there else
+                      "; it holds no .safetensors or .bin file."))
         elif path.suffix == ".safetensors":
             why = safetensors_problem(path)
             if why:

@@ -107,8 +107,8 @@ class TrainLoop:
         self._guard = DivergenceGuard(optimizer_name=optimizer.name, progress=progress, output_dir=output_dir)
         if is_rank_zero:
             log.info(
-                f"{progress.steps_per_epoch} steps per epoch x {settings.epochs} epochs; optimizer "
-                f"{optimizer.name}."
+                f"{progress.steps_per_epoch} steps per epoch x {settings.epochs} "
+                f"{'epoch' if settings.epochs == 1 else 'epochs'}; optimizer {optimizer.name}."
             )
 
     def _shift_labels(self, batch: Dict[str, torch.Tensor]) -> None:
