@@ -137,8 +137,9 @@ def test_a_fresh_run_does_not_replace_an_earlier_runs_checkpoints(tiny_assets, t
 def test_resume_without_a_checkpoint_is_a_file_problem(tiny_assets, tmp_path):
     cfg = _config("full", tiny_assets, tmp_path / "out", ["resume_from_checkpoint=True"])
     problems = file_problems(cfg, step_resume=True)
-    assert any("holds no complete checkpoint to resume from" in p for p in problems), problems
-    with pytest.raises(ValueError, match="holds no complete checkpoint"):
+    # A run that never wrote one has no checkpoints/ folder: the message names what is there, not a missing folder.
+    assert any(f"{tmp_path / 'out'} holds no checkpoints/ folder to resume from" in p for p in problems), problems
+    with pytest.raises(ValueError, match="holds no checkpoints/ folder"):
         _load_recipe_class("full")(cfg)
 
 

@@ -100,3 +100,25 @@ def test_a_mid_epoch_checkpoint_is_not_resumed_with_another_batch_size_or_accumu
     assert f"config {key}=8 differs from the checkpoint's 4; epoch 2 starts with 8" in caplog.text
     older = {k: v for k, v in mid_epoch.items() if k not in ("batch_size", "gradient_accumulation_steps")}
     progress(8).restore(older)  # a checkpoint from before they were saved: nothing to compare
+
+
+def test_a_finished_run_is_not_resumed_and_is_pointed_to_its_final_weights(tiny_assets, tmp_path):
+    # Before, its newest step checkpoint (from before the last steps) was resumed without a word: the
+    # last steps trained again and the final weights were written anew.
+    run_recipe("full", tiny_assets, tmp_path, *RESUME, "save_every_n_steps=3")
+    cfg = OmegaConf.create({"output_dir": str(tmp_path), "epochs": 2})
+    problem = no_checkpoint_problem(cfg)
+    assert f"the run in {tmp_path} finished ({tmp_path / 'epoch_1'} holds its final weights" in problem, problem
+    assert f"checkpointer.checkpoint_dir={tmp_path / 'epoch_1'} with another output_dir" in problem
+    with pytest.raises(ConfigError, match="nothing is left to resume"):
+        run_recipe("full", tiny_assets, tmp_path, *RESUME, "save_every_n_steps=3", "resume_from_checkpoint=True")
+    # More epochs than it ran: its last epoch's weights are not the final ones, so it resumes.
+    assert no_checkpoint_problem(OmegaConf.create({"output_dir": str(tmp_path), "epochs": 3})) is None
+
+
+def test_resuming_where_no_checkpoint_was_ever_written_says_so_and_how_to_go_on(tiny_assets, tmp_path):
+    # One epoch and no save_every_n_steps: only the final weights are written, no checkpoint.
+    run_recipe("full", tiny_assets, tmp_path, *RESUME, "epochs=1")
+    problem = no_checkpoint_problem(OmegaConf.create({"output_dir": str(tmp_path), "epochs": 1}))
+    assert f"{tmp_path} holds no checkpoints/ folder to resume from" in problem, problem  # it named a missing folder
+    assert f"checkpointer.checkpoint_dir={tmp_path / 'epoch_0'} with another output_dir" in problem

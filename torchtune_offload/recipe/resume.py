@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import utils
 
+from torchtune_offload.recipe.atomic_save import COMPLETE_MARKER
 from torchtune_offload.recipe.config import RecipeSettings
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.step_checkpoints import (
@@ -46,10 +47,21 @@ def no_checkpoint_problem(cfg: DictConfig, *, world_size: Optional[int] = None) 
     """
     out = run_output_dir(cfg)
     newest = newest_checkpoint(out)
+    last = out / f"epoch_{cfg.get('epochs', 1) - 1}"  # the final weights of a run of this many epochs
+    finished = (last / COMPLETE_MARKER).is_file()
+    go_on = (f" To train on from its final weights, start a new run from them: checkpointer.checkpoint_dir={last} "
+             "with another output_dir." if finished else "")
     if newest is None:
-        return (f"resume_from_checkpoint=True: {out / CHECKPOINTS_DIR} holds no complete checkpoint to resume from. "
-                "Start without resume_from_checkpoint (add overwrite_checkpoints=True if output_dir holds an earlier "
-                "run's files), or point output_dir at the run to resume.")
+        where = (f"{out / CHECKPOINTS_DIR} holds no complete checkpoint" if (out / CHECKPOINTS_DIR).is_dir() else
+                 f"{out} holds no {CHECKPOINTS_DIR}/ folder")
+        return (f"resume_from_checkpoint=True: {where} to resume from. Start without resume_from_checkpoint (add "
+                "overwrite_checkpoints=True if output_dir holds an earlier run's files), or point output_dir at the "
+                f"run to resume.{go_on}")
+    if finished and (last / COMPLETE_MARKER).stat().st_mtime >= newest.stat().st_mtime:
+        # Its newest checkpoint is from before the run's last steps: resuming would train them again
+        # and write the final weights anew.
+        return (f"resume_from_checkpoint=True: the run in {out} finished ({last} holds its final weights, saved after "
+                f"its newest checkpoint, {newest.name}), so nothing is left to resume.{go_on}")
     saved = saved_ranks(newest)
     if saved == world_size:
         return None
