@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional
 
 from torchtune import training, utils
 
-from torchtune_offload.recipe.config import ConfigError, RecipeSettings
+from torchtune_offload.recipe.config import RecipeSettings
 
 log = utils.get_logger("INFO")
 _STEPS_IN_EPOCH_KEY = "steps_run_in_epoch"
@@ -28,10 +28,6 @@ class Progress:
     steps_run_in_epoch: int = 0
     #: Whole accumulation windows in one epoch of the dataloader, once it is built (:meth:`measure_epoch`).
     windows_per_epoch: Optional[int] = None
-    #: The run's samples per micro-batch and micro-batches per step: what a saved position in the data
-    #: means (None where unknown: a checkpoint saved before they were recorded).
-    batch_size: Optional[int] = None
-    gradient_accumulation_steps: Optional[int] = None
 
     @classmethod
     def start(cls, settings: RecipeSettings, *, seed: Optional[int] = None) -> "Progress":
@@ -39,16 +35,10 @@ class Progress:
         seed = training.set_seed(
             seed=settings.seed if seed is None else seed, debug_mode=settings.cudnn_deterministic_mode
         )
-        return cls(seed=seed, epochs_run=0, total_epochs=settings.epochs, max_steps_per_epoch=settings.max_steps_per_epoch,
-                   batch_size=settings.batch_size, gradient_accumulation_steps=settings.gradient_accumulation_steps)
+        return cls(seed=seed, epochs_run=0, total_epochs=settings.epochs, max_steps_per_epoch=settings.max_steps_per_epoch)
 
     def restore(self, ckpt: Dict[str, Any]) -> None:
-        """Takes the saved state of a checkpoint, warning where the config disagrees.
-
-        Raises:
-            ConfigError: where the checkpoint was saved mid-epoch with another ``batch_size`` or
-                ``gradient_accumulation_steps``: its position in the data means other samples then.
-        """
+        """Takes the saved state of a checkpoint, warning where the config disagrees."""
         try:
             self.epochs_run = ckpt[training.EPOCHS_KEY]
             self.steps_run_in_epoch = ckpt.get(_STEPS_IN_EPOCH_KEY, 0)
@@ -62,17 +52,6 @@ class Progress:
                 f"resume_from_checkpoint=True but the recipe state lacks {err}; it was not written by "
                 "an intermediate checkpoint of this recipe. Set resume_from_checkpoint=False."
             ) from err
-        for key in ("batch_size", "gradient_accumulation_steps"):
-            saved, mine = ckpt.get(key), getattr(self, key)
-            if saved is None or mine is None or saved == mine:
-                continue
-            if self.steps_run_in_epoch:
-                raise ConfigError(
-                    f"{key}={mine}: the checkpoint was saved after step {self.steps_run_in_epoch} of epoch "
-                    f"{self.epochs_run + 1} with {key}={saved}, and with another value that position would be other "
-                    f"samples of the data. Resume with {key}={saved} (it can change at an epoch's end).")
-            log.warning(f"config {key}={mine} differs from the checkpoint's {saved}; epoch {self.epochs_run + 1} "
-                        f"starts with {mine}.")
 
     def measure_epoch(self, loader: Any, settings: RecipeSettings) -> None:
         """Counts the optimizer steps of one epoch: whole windows of ``loader``, capped by
@@ -116,6 +95,4 @@ class Progress:
             training.TOTAL_EPOCHS_KEY: self.total_epochs,
             training.MAX_STEPS_KEY: self.max_steps_per_epoch,
             _STEPS_IN_EPOCH_KEY: self.steps_run_in_epoch,
-            **{key: getattr(self, key) for key in ("batch_size", "gradient_accumulation_steps")
-               if getattr(self, key) is not None},
         }
