@@ -285,6 +285,7 @@ def test_torchtunes_own_config_names_resolve_after_ours(tmp_path, capsys):
 @pytest.mark.parametrize("argv, said", [
     (["run", "full_finetune_singel_device", "--config", "tiny/full"], "Did you mean full_finetune_single_device?"),
     (["cp", "tiny/lroa", "x.yaml"], "Did you mean tiny/lora?"),
+    (["validate", "--config", "llama3_2/1B_full_single_devic"], "Did you mean llama3_2/1B_full_single_device"),
 ])
 def test_a_misspelt_recipe_or_cp_name_gets_the_closest(capsys, argv, said):
     code, _, err = _cli(capsys, *argv)

@@ -4,8 +4,10 @@ import shutil
 import sys
 
 import pytest
+from omegaconf import OmegaConf
 
 from tests.recipe.test_recipes import _config, _load_recipe_class
+from torchtune_offload.recipe.builders import _build_dataset
 from torchtune_offload.recipe.file_checks import file_problems, safetensors_problem
 
 
@@ -123,7 +125,15 @@ def test_a_fresh_run_does_not_replace_an_earlier_runs_checkpoints(tiny_assets, t
     assert (tmp_path / "epoch_0" / "model-00001-of-00001.safetensors").read_bytes() == before
     # A finished run left nothing to resume from: resuming is not offered, as it would fail.
     message = "\n".join(file_problems(cfg, step_resume=True))
-    assert "It left no checkpoint to resume from" in message and "resume_from_checkpoint" not in message
+    assert f"It finished ({tmp_path / 'epoch_0'} holds its final weights)" in message, message
+    assert "resume_from_checkpoint" not in message
+    # Nor where a finished run kept checkpoints (from before its last steps): the resume would be refused.
+    kept = tmp_path / "kept"
+    run_recipe("full", tiny_assets, kept, "max_steps_per_epoch=2", "batch_size=4", "epochs=2", "save_every_n_steps=1")
+    message = "\n".join(file_problems(_config("full", tiny_assets, kept, ["batch_size=4", "epochs=2"]),
+                                       step_resume=True))
+    assert f"It finished ({kept / 'epoch_1'} holds its final weights)" in message and \
+        "resume_from_checkpoint" not in message, message
     # One stopped after a step checkpoint is offered its resume.
     stopped = tmp_path / "stopped"
     run_recipe("full", tiny_assets, stopped, "max_steps_per_epoch=2", "batch_size=4", "epochs=2",
@@ -161,3 +171,17 @@ def test_a_data_problem_fails_before_any_weight_is_read(tiny_assets, tmp_path, m
             recipe.setup(cfg)
     finally:
         recipe.cleanup()
+
+
+def hub_like_dataset(tokenizer, *, source: str, **load_dataset_kwargs):
+    """Raises as the datasets library does for a hub dataset's config given an option it lacks."""
+    for key in load_dataset_kwargs:
+        raise ValueError(f"BuilderConfig ParquetConfig(name='default') doesn't have a '{key}' key.")
+
+
+def test_a_hub_datasets_unknown_option_is_named_too():
+    # A local file's builder raises a TypeError (tests/recipe/test_recipes.py); a hub dataset's config a ValueError.
+    cfg = OmegaConf.create({"_component_": f"{__name__}.hub_like_dataset", "source": "x", "splt": "train"})
+    with pytest.raises(ValueError, match=r"dataset\.splt: neither .*hub_like_dataset nor the datasets library .* "
+                                         r"Its options: source\."):
+        _build_dataset(cfg, tokenizer=None, key="dataset")

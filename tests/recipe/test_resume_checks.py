@@ -93,6 +93,8 @@ def test_a_finished_run_is_not_resumed_and_is_pointed_to_its_final_weights(tiny_
         run_recipe("full", tiny_assets, tmp_path, *RESUME, "save_every_n_steps=3", "resume_from_checkpoint=True")
     # More epochs than it ran: its last epoch's weights are not the final ones, so it resumes.
     assert no_checkpoint_problem(OmegaConf.create({"output_dir": str(tmp_path), "epochs": 3})) is None
+    # epochs=two is the config check's to refuse (validate catches ValueErrors only): no TypeError here.
+    assert no_checkpoint_problem(OmegaConf.create({"output_dir": str(tmp_path), "epochs": "two"})) is None
 
 
 def test_resuming_where_no_checkpoint_was_ever_written_says_so_and_how_to_go_on(tiny_assets, tmp_path):

@@ -149,11 +149,13 @@ def _build_dataset(cfg_dataset: DictConfig, tokenizer: Any, *, key: str) -> Any:
     """
     try:
         return config.instantiate(cfg_dataset, tokenizer)
-    except TypeError as err:
-        stranger = re.search(r"unexpected keyword argument '(\w+)'", str(err))
-        if stranger is None or stranger.group(1) not in cfg_dataset:
+    except (TypeError, ValueError) as err:
+        # A local file's builder raises the first; a hub dataset's config, the second.
+        stranger = re.search(r"unexpected keyword argument '(\w+)'|doesn't have a '(\w+)' key", str(err))
+        name = None if stranger is None else stranger.group(1) or stranger.group(2)
+        if name is None or name not in cfg_dataset:
             raise
-        name, component = stranger.group(1), str(cfg_dataset.get("_component_"))
+        component = str(cfg_dataset.get("_component_"))
         own = [n for n, p in inspect.signature(_get_component_from_path(component)).parameters.items()
                if p.kind is not inspect.Parameter.VAR_KEYWORD and n != "tokenizer"]
         close = difflib.get_close_matches(name, own, n=1)

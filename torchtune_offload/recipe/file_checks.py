@@ -15,7 +15,7 @@ from typing import Any, Iterable, List, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from torchtune_offload.recipe.config import ConfigError
-from torchtune_offload.recipe.resume import no_checkpoint_problem, run_output_dir
+from torchtune_offload.recipe.resume import final_weights, no_checkpoint_problem, run_output_dir
 from torchtune_offload.recipe.step_checkpoints import CHECKPOINTS_DIR, checkpoint_folders, newest_checkpoint
 
 #: Dataset sources read from local files (``datasets.load_dataset(source, data_files=...)``).
@@ -194,8 +194,12 @@ def _earlier_run_problems(cfg: DictConfig) -> Iterable[str]:
     if found:
         # A finished run keeps no checkpoint to resume from (only its epochs' weights): resuming is
         # offered only where there is one.
-        resume = ("Resume it with resume_from_checkpoint=True, write" if newest_checkpoint(run_output_dir(cfg))
-                  else "It left no checkpoint to resume from (it finished, or stopped before its first). Write")
+        finished = final_weights(cfg)
+        resume = ("Resume it with resume_from_checkpoint=True, write"
+                  if newest_checkpoint(run_output_dir(cfg)) and finished is None else
+                  f"It finished ({finished} holds its final weights), so nothing is left to resume. Write"
+                  if finished is not None else
+                  "It left no checkpoint to resume from (it stopped before its first). Write")
         yield (f"output_dir: {out} holds the checkpoints of an earlier run ({', '.join(found[:4])}). {resume} "
                "elsewhere with output_dir=..., or replace them with overwrite_checkpoints=True.")
 

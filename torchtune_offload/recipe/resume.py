@@ -37,6 +37,25 @@ def run_output_dir(cfg: DictConfig) -> Path:
     return Path(str(OmegaConf.select(cfg, "checkpointer.output_dir", default=None) or cfg.get("output_dir", ".")))
 
 
+def final_weights(cfg: DictConfig) -> Optional[Path]:
+    """The final weights of a finished run in ``output_dir``, else None: the last epoch's folder (for
+    the configured ``epochs``) complete, and written after the newest checkpoint. Resuming such a
+    run would train its last steps again (its newest checkpoint is from before them).
+
+    The order is read from the files' modification times, so a folder copied without them may be
+    taken for an unfinished run.
+    """
+    epochs = cfg.get("epochs", 1)
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+        return None  # refused by the config check
+    out = run_output_dir(cfg)
+    last, newest = out / f"epoch_{epochs - 1}", newest_checkpoint(out)
+    marker = last / COMPLETE_MARKER
+    if not marker.is_file() or (newest is not None and marker.stat().st_mtime < newest.stat().st_mtime):
+        return None
+    return last
+
+
 def no_checkpoint_problem(cfg: DictConfig, *, world_size: Optional[int] = None) -> Optional[str]:
     """Why ``resume_from_checkpoint=True`` cannot resume, else ``None``: no complete checkpoint,
     or one written with another rank count (read from its manifest, before any weight).
@@ -47,19 +66,16 @@ def no_checkpoint_problem(cfg: DictConfig, *, world_size: Optional[int] = None) 
     """
     out = run_output_dir(cfg)
     newest = newest_checkpoint(out)
-    last = out / f"epoch_{cfg.get('epochs', 1) - 1}"  # the final weights of a run of this many epochs
-    finished = (last / COMPLETE_MARKER).is_file()
+    last = final_weights(cfg)
     go_on = (f" To train on from its final weights, start a new run from them: checkpointer.checkpoint_dir={last} "
-             "with another output_dir." if finished else "")
+             "with another output_dir." if last is not None else "")
     if newest is None:
         where = (f"{out / CHECKPOINTS_DIR} holds no complete checkpoint" if (out / CHECKPOINTS_DIR).is_dir() else
                  f"{out} holds no {CHECKPOINTS_DIR}/ folder")
         return (f"resume_from_checkpoint=True: {where} to resume from. Start without resume_from_checkpoint (add "
                 "overwrite_checkpoints=True if output_dir holds an earlier run's files), or point output_dir at the "
                 f"run to resume.{go_on}")
-    if finished and (last / COMPLETE_MARKER).stat().st_mtime >= newest.stat().st_mtime:
-        # Its newest checkpoint is from before the run's last steps: resuming would train them again
-        # and write the final weights anew.
+    if last is not None:
         return (f"resume_from_checkpoint=True: the run in {out} finished ({last} holds its final weights, saved after "
                 f"its newest checkpoint, {newest.name}), so nothing is left to resume.{go_on}")
     saved = saved_ranks(newest)

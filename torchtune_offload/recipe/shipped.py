@@ -158,8 +158,9 @@ class Shipped:
         stem = name[: -len(".yaml")] if name.endswith(".yaml") else name
         stem = stem[len("configs/"):] if stem.startswith("configs/") else stem  # a clone's path, run elsewhere
         # The same file name in another folder, else the closest spellings (llama3_1/8B_ful_offload_engine).
+        theirs = [c.name for recipe in get_all_recipes() for c in recipe.configs]
         near = ([n for n in names if n == stem or n.split("/")[-1] == stem.split("/")[-1]]
-                or difflib.get_close_matches(stem, names, n=3, cutoff=0.8))
+                or difflib.get_close_matches(stem, names + theirs, n=3, cutoff=0.8))
         hint = f" Did you mean {' or '.join(near)}?" if near else ""
         raise ValueError(
             f"no config named '{name}' and no file {Path(name).resolve()}: looked for "
