@@ -115,13 +115,16 @@ def test_two_ranks_save_the_full_model_and_optimizer_state_of_one_process(runs):
             torch.testing.assert_close(states_two[name][key], states_one[name][key], rtol=1e-3, atol=1e-7)
 
 
-def test_another_rank_count_is_refused_before_any_weight_is_read(runs, tiny_assets, monkeypatch):
-    # The one-process run's checkpoint, resumed by a run that would have two ranks.
+def test_another_rank_count_is_refused_before_any_weight_is_read(runs, tiny_assets, monkeypatch, tmp_path):
+    # The one-process run's checkpoint, resumed by a run that would have two ranks. Without its final
+    # weights, as if it had stopped before them: a finished run is refused as finished.
+    stopped = tmp_path / "stopped"
+    shutil.copytree(runs["one"], stopped, ignore=shutil.ignore_patterns("epoch_1", "logs"))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     module = load_recipe_module("full_finetune_distributed")
     cfg = _cfg(CONFIG, tiny_asset_overrides(tiny_assets) + TRAIN + TWO_RANKS + [
-        f"output_dir={runs['one']}", "resume_from_checkpoint=True"])
+        f"output_dir={stopped}", "resume_from_checkpoint=True"])
     with pytest.raises(ValueError) as err:
         module.FullFinetuneRecipeDistributed(cfg)
     message = str(err.value)
