@@ -134,10 +134,11 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _cp(args: argparse.Namespace) -> int:
     shipped = _shipped()
+    config = shipped.configs.get(args.file) or torchtune_config(args.file)  # ours first, then torchtune's
     if args.file in shipped.recipes:
         src, suffix = shipped.recipes[args.file], ".py"
-    elif args.file in shipped.configs or torchtune_config(args.file) is not None:
-        src, suffix = shipped.configs.get(args.file) or torchtune_config(args.file), ".yaml"
+    elif config is not None:
+        src, suffix = config, ".yaml"
     else:
         near = difflib.get_close_matches(args.file, [*shipped.recipes, *shipped.configs], n=3, cutoff=0.8)
         raise UsageError(

@@ -24,6 +24,7 @@ from torchtune.datasets import ConcatDataset
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
 from torchtune_offload.distributed.loss import RowChunkedLoss
+from torchtune_offload.recipe.component_options import nulled
 from torchtune_offload.recipe.config import ConfigError, RecipeSettings
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.run_optimizer import (
@@ -219,12 +220,6 @@ def build_lr_scheduler(
     )
     optimizer.attach_lr_scheduler(scheduler)
     return scheduler
-
-
-def nulled(node: DictConfig) -> bool:
-    """A component whose ``_component_`` is given as null: what torchtune makes of ``lr_scheduler=null``
-    on the command line (it sets a component's ``_component_``), and of ``_component_: null`` in a YAML."""
-    return "_component_" in node and node.get("_component_") is None
 
 
 def build_profiler(cfg_profiler: Optional[DictConfig], *, all_threads: bool) -> Any:

@@ -30,7 +30,8 @@ from torchtune.config._utils import _get_component_from_path
 
 from torchtune_offload.recipe.config_keys import top_level_hint
 
-__all__ = ["component_option_problems", "component_removal_problem", "model_option_problems", "unchecked_options"]
+__all__ = ["component_option_problems", "component_removal_problem", "model_option_problems", "nulled",
+           "unchecked_options"]
 
 #: The components a recipe runs without where the config nulls them (``lr_scheduler=null``): what then.
 OPTIONAL_COMPONENTS = {"lr_scheduler": "schedule (the learning rate stays at optimizer.lr)", "profiler": "profiler"}
@@ -77,6 +78,12 @@ def component_option_problems(cfg: DictConfig, *, skip: Sequence[str] = CHECKED_
         problems += _name_problems(node, value, parameters)
         problems += _value_problems(node, value, parameters, ranges=False)
     return problems
+
+
+def nulled(node: DictConfig) -> bool:
+    """A component whose ``_component_`` is given as null: what torchtune makes of ``lr_scheduler=null``
+    on the command line (it sets a component's ``_component_``), and of ``_component_: null`` in a YAML."""
+    return "_component_" in node and node.get("_component_") is None
 
 
 def unchecked_options(cfg: DictConfig) -> List[str]:

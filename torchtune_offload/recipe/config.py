@@ -25,7 +25,7 @@ from torchtune_offload.distributed.policies import policy_problems
 from torchtune_offload.optim.capabilities import OptimizerCapabilities
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
 from torchtune_offload.recipe.config_keys import RECIPE_KEYS
-from torchtune_offload.recipe.component_options import component_option_problems, model_option_problems
+from torchtune_offload.recipe.component_options import component_option_problems, model_option_problems, nulled
 from torchtune_offload.recipe.optimizer_rules import (
     capability_problems,
     is_int,
@@ -216,7 +216,7 @@ def _key_problems(cfg: DictConfig, *, recipe: str) -> List[str]:
         node = cfg.get(key)
         if node is None:
             problems.append(f"{key}: required; set it in the config or with {key}=... on the command line.")
-        elif isinstance(node, DictConfig) and "_component_" in node and node.get("_component_") is None:
+        elif isinstance(node, DictConfig) and nulled(node):
             # torchtune reads key=null on the command line as key._component_=null.
             problems.append(f"{key}._component_ is null ({key}=null on the command line sets it): {key} is required; "
                             "give the dotted path of its component.")

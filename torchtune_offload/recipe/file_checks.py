@@ -192,14 +192,14 @@ def _earlier_run_problems(cfg: DictConfig) -> Iterable[str]:
     found = sorted(p.name for p in out.iterdir() if re.match(r"^epoch_\d+$", p.name) or p.name == "recipe_state")
     found += [f"{CHECKPOINTS_DIR}/{name}" for name in checkpoint_folders(out)]
     if found:
-        # A finished run keeps no checkpoint to resume from (only its epochs' weights): resuming is
-        # offered only where there is one.
+        # Resuming is offered only where the resume check would let it: a checkpoint, and a run not finished.
         finished = final_weights(cfg)
-        resume = ("Resume it with resume_from_checkpoint=True, write"
-                  if newest_checkpoint(run_output_dir(cfg)) and finished is None else
-                  f"It finished ({finished} holds its final weights), so nothing is left to resume. Write"
-                  if finished is not None else
-                  "It left no checkpoint to resume from (it stopped before its first). Write")
+        if finished is not None:
+            resume = f"It finished ({finished} holds its final weights), so nothing is left to resume. Write"
+        elif newest_checkpoint(run_output_dir(cfg)):
+            resume = "Resume it with resume_from_checkpoint=True, write"
+        else:
+            resume = "It left no checkpoint to resume from (it stopped before its first). Write"
         yield (f"output_dir: {out} holds the checkpoints of an earlier run ({', '.join(found[:4])}). {resume} "
                "elsewhere with output_dir=..., or replace them with overwrite_checkpoints=True.")
 

@@ -147,8 +147,9 @@ class Shipped:
             return self.configs[name]
         if Path(name).is_file():
             return Path(name).resolve()
-        if torchtune_config(name) is not None:
-            return torchtune_config(name)
+        theirs = torchtune_config(name)
+        if theirs is not None:
+            return theirs
         if Path(name).is_dir():
             raise ValueError(f"{name}: is a folder; name a config (tune-offload ls lists them) or a YAML file.")
         return self._unknown_config(name)
