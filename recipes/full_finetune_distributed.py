@@ -97,7 +97,8 @@ class FullFinetuneRecipeDistributed:
         # memory fails here, with figures (every rank computes the same node-wide need).
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.host_memory = check_host_memory(
-            cfg, s, ranks=(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+            cfg, s, ranks=(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))),
+            log_figures=int(os.environ.get("LOCAL_RANK", 0)) == 0)  # node-wide figures: once per node
         # Missing or damaged files, and a checkpoint to resume that another rank count wrote, fail
         # here, not after the weights load.
         check_files(cfg, step_resume=True, world_size=world_size)
@@ -248,7 +249,9 @@ class FullFinetuneRecipeDistributed:
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run --nproc_per_node N recipes/full_finetune_distributed.py --config <yaml>``."""
-    config.log_config(recipe_name="FullFinetuneRecipeDistributed", cfg=cfg)
+    # torchtune logs on rank 0 only once the process group is up; it is not yet, so every rank would.
+    if int(os.environ.get("RANK", 0)) == 0:
+        config.log_config(recipe_name="FullFinetuneRecipeDistributed", cfg=cfg)
     recipe = FullFinetuneRecipeDistributed(cfg=cfg)
     try:
         recipe.setup(cfg=cfg)

@@ -63,8 +63,8 @@ def _run_in_process(overrides: List[str], *, single_device: bool = False):
     return r
 
 
-def _tune_run_two_ranks(*runs: List[str]) -> None:
-    """Launches ``tune run --nproc_per_node 2`` once per override list, all at once."""
+def _tune_run_two_ranks(*runs: List[str]) -> List[str]:
+    """Launches ``tune run --nproc_per_node 2`` once per override list, all at once; returns their outputs."""
     base = [*TUNE, "run", "--nproc_per_node", "2", "recipes/full_finetune_distributed.py", "--config",
             str(CONFIG.relative_to(REPO)), "device=cpu"]
     env = working_tree_env(MASTER_ADDR="127.0.0.1")
@@ -73,6 +73,7 @@ def _tune_run_two_ranks(*runs: List[str]) -> None:
     outputs = [p.communicate(timeout=400)[0] for p in procs]
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-6000:]
+    return outputs
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +82,17 @@ def runs(tiny_assets, tmp_path_factory) -> Dict[str, Path]:
     assets = tiny_asset_overrides(tiny_assets)
     out = {name: root / name for name in ("one", "two")}
     _run_in_process(assets + TRAIN + ONE_PROCESS + [f"output_dir={out['one']}"])
-    _tune_run_two_ranks(assets + TRAIN + TWO_RANKS + [f"output_dir={out['two']}"])
+    output = _tune_run_two_ranks(assets + TRAIN + TWO_RANKS + [f"output_dir={out['two']}"])[0]
+    (root / "two_ranks_output.txt").write_text(output)
+    out["two_ranks_output"] = root / "two_ranks_output.txt"
     return out
+
+
+def test_the_config_and_the_host_memory_figures_are_printed_once_not_once_per_rank(runs):
+    output = runs["two_ranks_output"].read_text()
+    assert output.count("Running FullFinetuneRecipeDistributed with resolved config") == 1, output[-6000:]
+    # Node-wide figures: once per node (by local rank 0).
+    assert output.count("Host memory: the 2 rank(s) on this node (of 2) need about") == 1, output[-6000:]
 
 
 def test_two_ranks_log_the_losses_of_one_process_over_the_same_global_batch(runs):

@@ -69,6 +69,30 @@ def test_machine_files_and_presets(tmp_path):
         load_machine(tmp_path / "absent.json")
 
 
+def test_a_machine_may_give_its_gpu_memory_and_every_preset_does(tmp_path):
+    assert Machine.from_dict(ROUND, name="round").device_memory_gib is None
+    mine = Machine.from_dict({**ROUND, "device_memory_gib": 15.6}, name="mine.json")
+    assert mine.device_memory_gib == 15.6 and mine.as_dict() == {**ROUND, "device_memory_gib": 15.6}
+    with pytest.raises(ValueError, match="device_memory_gib=0 is not a positive number"):
+        Machine.from_dict({**ROUND, "device_memory_gib": 0}, name="mine.json")
+    sizes = {name: load_machine(name).device_memory_gib for name in preset_names()}
+    assert sizes["h100_recorded"] == 80.0 and sizes["rtx4070tisuper_ddr5"] == 16.0
+    assert all(sizes[name] == 24.0 for name in ("rtx4090_ddr4", "rtx3090_ddr5")), sizes
+    assert all(any(s.startswith("device_memory_gib: ") for s in preset_about(name)["sources"]) for name in sizes)
+
+
+def test_the_machine_is_the_planners_device_budget_unless_the_flag_says_otherwise(tiny_assets, tmp_path):
+    # Before, --machine rtx4070tisuper_ddr5 on a machine without that GPU left the budget unknown.
+    common = [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "device=cuda", "dtype=bf16",
+              "--host-gib", "64", "--no-fine-tunes", "--variants", "adamw", "--machine", "rtx4070tisuper_ddr5"]
+    stdout, _ = _plan_cli(tmp_path, *common)
+    assert "budget 16.0 GiB (rtx4070tisuper_ddr5's device_memory_gib; --device-gib to change it)" in stdout
+    assert json.loads((tmp_path / "plan.json").read_text())["device_budget"] == 16 * 2**30
+    stdout, _ = _plan_cli(tmp_path, *common, "--device-gib", "1")
+    assert "budget 1.0 GiB; " in stdout
+    assert json.loads((tmp_path / "plan.json").read_text())["device_budget"] == 2**30
+
+
 def test_the_planner_refuses_a_bad_machine_before_tracing(tmp_path, capsys):
     bad = tmp_path / "machine.json"
     bad.write_text(json.dumps({k: v for k, v in ROUND.items() if k != "pcie_d2h_gbs"}))
@@ -286,7 +310,9 @@ def test_the_probe_takes_the_gpu_keys_from_a_preset_where_asked_and_writes_a_who
     # The host keys are this machine's own, the file's keys in their order, and the preset's
     # figures called estimates.
     assert all(f"{key} = {machine[key]}\n" in report for key in MACHINE_KEYS if key not in gpu_keys)
-    assert list(json.loads(out.read_text())) == list(MACHINE_KEYS)
+    # The preset's GPU memory too (optional, last): the planner's device budget for the file.
+    assert list(json.loads(out.read_text())) == [*MACHINE_KEYS, "device_memory_gib"]
+    assert machine["device_memory_gib"] == 24.0 and "device_memory_gib = 24.0 (from the preset rtx4090_ddr5)" in report
     assert "The preset rtx4090_ddr5's figures are estimates" in report
     assert f"wrote {out}\n" in report + "\n" and "No CUDA device" not in report
 

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from torchtune.utils import get_logger
 
 from torchtune_offload.recipe.atomic_save import COMPLETE_MARKER, save_atomically
 
@@ -22,6 +23,7 @@ class _FakeCheckpointer:
         weights = Path(self._output_dir) / f"epoch_{epoch}" / "model.safetensors"
         weights.parent.mkdir(parents=True, exist_ok=True)
         weights.write_text(state_dict["model"])
+        get_logger().info(f"Model checkpoint of size 0.00 GiB saved to {weights}")  # as torchtune's do
         if self.crash_after_weights:
             raise _Crash
         if intermediate_checkpoint:
@@ -30,23 +32,28 @@ class _FakeCheckpointer:
             state.write_text(state_dict["recipe"])
 
 
-def test_a_save_lands_whole_with_a_marker(tmp_path, capsys):
+def test_a_save_lands_whole_with_a_marker(tmp_path, caplog):
+    caplog.set_level("INFO")
     save_atomically(_FakeCheckpointer(tmp_path), {"model": "w0", "recipe": "r0"}, epoch=0,
                     intermediate_checkpoint=True)
-    # The log names where the weights are, not the staging folder torchtune's own lines name.
-    assert f"epoch 0's weights are in {tmp_path / 'epoch_0'} (written in" in capsys.readouterr().out
+    # torchtune's line names where the weights are once they are there, not the staging folder it wrote into.
+    assert caplog.messages == [f"Model checkpoint of size 0.00 GiB saved to {tmp_path / 'epoch_0' / 'model.safetensors'}"]
     assert (tmp_path / "epoch_0" / "model.safetensors").read_text() == "w0"
     assert (tmp_path / "epoch_0" / COMPLETE_MARKER).is_file()
     assert (tmp_path / "recipe_state" / "recipe_state.pt").read_text() == "r0"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_0", "recipe_state"]
 
 
-def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path, caplog):
+    caplog.set_level("INFO")
     save_atomically(_FakeCheckpointer(tmp_path), {"model": "w0", "recipe": "r0"}, epoch=0,
                     intermediate_checkpoint=True)
     with pytest.raises(_Crash):
         save_atomically(_FakeCheckpointer(tmp_path, crash_after_weights=True), {"model": "w1", "recipe": "r1"},
                         epoch=1, intermediate_checkpoint=True)
+    # The failed save's "saved to" line is not logged: what it says did not happen.
+    assert not any("epoch_1" in m for m in caplog.messages), caplog.messages
+    assert not get_logger().filters  # and torchtune's logger is left as it was
     # Nothing of the failed save is where a resume looks; the previous state is untouched.
     assert not (tmp_path / "epoch_1").exists()
     assert (tmp_path / "recipe_state" / "recipe_state.pt").read_text() == "r0"

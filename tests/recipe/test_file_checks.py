@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 from tests.recipe.test_recipes import _config, _load_recipe_class
 from torchtune_offload.recipe.builders import _build_dataset
+from torchtune_offload.recipe.config import ConfigError
 from torchtune_offload.recipe.file_checks import file_problems, safetensors_problem
 
 
@@ -185,3 +186,16 @@ def test_a_hub_datasets_unknown_option_is_named_too():
     with pytest.raises(ValueError, match=r"dataset\.splt: neither .*hub_like_dataset nor the datasets library .* "
                                          r"Its options: source\."):
         _build_dataset(cfg, tokenizer=None, key="dataset")
+
+
+@pytest.mark.parametrize("split, words", [
+    ("trian", "Unknown split \"trian\". Should be one of ['train']"),
+    ("train[:200%]", "Percent slice boundaries"),
+])
+def test_a_split_the_datasets_library_refuses_is_named(tiny_assets, tmp_path, split, words):
+    # Before: the datasets library's ValueError under a traceback, naming no config key.
+    cfg = _config("full", tiny_assets, tmp_path, [f"dataset.split={split}"]).dataset
+    with pytest.raises(ConfigError) as raised:
+        _build_dataset(cfg, tokenizer=None, key="dataset")
+    assert str(raised.value).startswith(f"dataset.split={split}: the datasets library cannot take it (")
+    assert words in str(raised.value)

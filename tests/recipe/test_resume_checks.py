@@ -1,5 +1,7 @@
 """Resuming with another kind of optimizer than the one that saved the state is refused, saying how to go on."""
 
+import json
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -57,6 +59,50 @@ def test_a_checkpoint_is_resumed_only_by_a_run_of_its_rank_count(tmp_path, saved
                                                weights={"w": torch.zeros(2)}, state={}, ranks=saved_ranks)
     problem = no_checkpoint_problem(OmegaConf.create({"output_dir": str(tmp_path)}), world_size=world_size)
     assert problem is None if fragment is None else fragment in problem
+
+
+@pytest.mark.parametrize("configured, fragment", [
+    ({"batch_size": 4, "gradient_accumulation_steps": 2}, None),
+    ({"batch_size": 2, "gradient_accumulation_steps": 2}, "and this config has batch_size=2. "),
+    ({"batch_size": 4}, "and this config has gradient_accumulation_steps=1. "),  # its default
+    ({"batch_size": 2, "gradient_accumulation_steps": 4},
+     "and this config has batch_size=2, gradient_accumulation_steps=4. "),
+    ({"batch_size": "four"}, None),  # the config check's to refuse
+])
+@pytest.mark.parametrize("step_in_epoch", [0, 3])  # at an epoch's start as in its middle
+def test_a_checkpoint_is_resumed_only_with_its_batching(tmp_path, configured, fragment, step_in_epoch):
+    # Read from the manifest alone, before any weight. Before, a resume with another batch_size went
+    # on: the data position and the step counts were read in the new batches.
+    saved = {"batch_size": 4, "gradient_accumulation_steps": 2}
+    StepCheckpoints(tmp_path, keep_last=1).save(global_step=3, epoch=1, step_in_epoch=step_in_epoch,
+                                               weights={"w": torch.zeros(2)}, state={}, batching=saved)
+    problem = no_checkpoint_problem(OmegaConf.create({"output_dir": str(tmp_path), **configured}))
+    if fragment is None:
+        assert problem is None, problem
+        return
+    assert "was saved with batch_size=4, gradient_accumulation_steps=2, " + fragment in problem, problem
+    resume_with = " ".join(f"{k}={saved[k]}" for k in configured if configured[k] != saved[k])
+    if "gradient_accumulation_steps" not in configured:
+        resume_with = "gradient_accumulation_steps=2"
+    assert f"resume with {resume_with}, or start fresh in another output_dir" in problem, problem
+
+
+def test_a_checkpoint_without_its_batching_is_resumed_with_a_warning(tmp_path, caplog):
+    path = StepCheckpoints(tmp_path, keep_last=1).save(global_step=1, epoch=0, step_in_epoch=1,
+                                                       weights={"w": torch.zeros(2)}, state={})
+    assert no_checkpoint_problem(OmegaConf.create({"output_dir": str(tmp_path), "batch_size": 2})) is None
+    StepCheckpoints.load(path)
+    assert "does not record the batch_size and gradient_accumulation_steps it was saved with" in caplog.text
+
+
+def test_the_recipe_refuses_a_resume_with_another_batch_size_before_training(tiny_assets, tmp_path):
+    run_recipe("full", tiny_assets, tmp_path, *RESUME, *FULL_OFFLOAD, stop_after_epoch=0)
+    manifest = json.loads((tmp_path / "checkpoints" / "step_00000004" / "complete.json").read_text())
+    assert manifest["batching"] == {"batch_size": 4, "gradient_accumulation_steps": 2}
+    with pytest.raises(ConfigError, match="and this config has batch_size=2. ") as err:
+        run_recipe("full", tiny_assets, tmp_path, *RESUME, *FULL_OFFLOAD, "batch_size=2",
+                   "resume_from_checkpoint=True", before_train=lambda _: pytest.fail("it trained"))
+    assert "resume with batch_size=4, or start fresh" in str(err.value)
 
 
 @pytest.mark.parametrize("measured_first", [True, False])

@@ -41,7 +41,7 @@ from torchtune_offload.plan.planner import (
     step_requests,
 )
 from torchtune_offload.plan.report import format_fine_tunes, format_plans
-from torchtune_offload.plan.speed import load_machine, preset_names
+from torchtune_offload.plan.speed import DEVICE_MEMORY_KEY, load_machine, preset_names
 from torchtune_offload.plan.step_traces import default_jobs, sequence_length, trace_steps
 from torchtune_offload.plan.trace import UntraceableModelError, check_builder_imports
 from torchtune_offload.recipe.component_options import component_removal_problem
@@ -88,7 +88,8 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
     p.add_argument("--recipe", choices=sorted(set(RECIPE_KINDS.values())), help="default: from the config's header")
     p.add_argument("--variants", default=",".join(default_variants()),
                    help=f"comma-separated: config (as given) and any of {', '.join(VARIANTS)}")
-    p.add_argument("--device-gib", type=float, help="device memory budget (default: this machine's GPU)")
+    p.add_argument("--device-gib", type=float, help="device memory budget (default: the --machine file's or "
+                   "preset's device_memory_gib, else this machine's GPU)")
     p.add_argument("--host-gib", type=float, help="host memory budget (default: what this machine has available)")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: the config's)")
     p.add_argument("--fine-tunes", action=argparse.BooleanOptionalAction, default=True,
@@ -150,6 +151,11 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
     device = torch.device(str(cfg.device))
     baseline, baseline_notes = process_baseline(cfg, device=device)  # before anything is traced
     device_budget = int(args.device_gib * GIB) if args.device_gib is not None else default_device_budget(device)
+    budget_note = ""
+    if args.device_gib is None and device.type != "cpu" and machine is not None and machine.device_memory_gib:
+        # The machine the plan is for, which need not be this one.
+        device_budget = int(machine.device_memory_gib * GIB)
+        budget_note = f"{machine.name}'s {DEVICE_MEMORY_KEY}; --device-gib to change it"
     host_budget = int(args.host_gib * GIB) if args.host_gib is not None else default_host_budget()
     if device.type == "cpu" and args.device_gib is None:
         device_budget = host_budget  # a CPU run's device memory is the host's
@@ -185,7 +191,7 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
     print(format_plans(plans, device=str(device), device_budget=device_budget, host_budget=host_budget,
                        config_path=str(args.config), seq_len_note=seq_note, fine_tunes=_fine_tune_block(
                            fine, cfg, device_budget=device_budget, host_budget=host_budget),
-                       speeds=speeds, machine=machine.name if machine else ""))
+                       speeds=speeds, machine=machine.name if machine else "", device_budget_note=budget_note))
     if args.json:
         entries = [asdict(p) for p in plans]
         if speeds is not None:

@@ -4,7 +4,8 @@ machine keys here.
 Host keys everywhere (memory copy, torch's fused bf16 AdamW, this project's AdamW8bit and its
 fused fp32-master pass over every core); GPU keys (the bf16 FLOP rate of a small Llama's training
 step, pinned PCIe copies both ways, the time per synchronization of a bitsandbytes optimizer's
-step) only where CUDA is present. Elsewhere the result names the GPU keys to take from a preset
+step, and the GPU's memory, which the planner takes as its device budget) only where CUDA is
+present. Elsewhere the result names the GPU keys to take from a preset
 (:func:`torchtune_offload.plan.speed.preset_names`), or takes them from the one ``--gpu-from`` names.
 """
 
@@ -21,8 +22,8 @@ from torchtune.models.llama3 import llama3
 from torchtune_offload.optim import fused_step
 from torchtune_offload.optim.adamw8bit import AdamW8bit
 from torchtune_offload.optim.optimizer_class import resolve_optimizer
-from torchtune_offload.plan.speed import (MACHINE_KEYS, bitsandbytes_syncs_per_step, load_machine, preset_about,
-                                          preset_names)
+from torchtune_offload.plan.speed import (DEVICE_MEMORY_KEY, MACHINE_KEYS, bitsandbytes_syncs_per_step, load_machine,
+                                          preset_about, preset_names)
 
 GPU_KEYS = ("gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us")
 #: Sizes of a full probe: well past the caches, and done in well under a minute on a desktop.
@@ -276,9 +277,11 @@ def probe(*, sizes: Optional[Dict[str, int]] = None, step_model: Optional[Dict[s
     if torch.cuda.is_available():
         gpu_keys, notes = probe_gpu(pcie_bytes=sizes["pcie_bytes"], step={**STEP_MODEL, **(step_model or {})})
         measured.update(gpu_keys)
+        measured[DEVICE_MEMORY_KEY] = torch.cuda.get_device_properties(0).total_memory / 2**30
     else:
         missing = list(GPU_KEYS)
-    return Probed({k: round(measured[k], 1) for k in MACHINE_KEYS if k in measured}, missing, notes)
+    return Probed({k: round(measured[k], 1) for k in [*MACHINE_KEYS, DEVICE_MEMORY_KEY] if k in measured},
+                  missing, notes)
 
 
 def run_probe(output: Optional[Path], *, sizes: Optional[Dict[str, int]] = None,
@@ -306,12 +309,14 @@ def run_probe(output: Optional[Path], *, sizes: Optional[Dict[str, int]] = None,
     lines = [f"{k} = {v}" for k, v in measured.items()] + notes
     if missing and gpu_from is not None:
         preset = load_machine(gpu_from).as_dict()
-        lines += [f"{k} = {preset[k]} (from the preset {gpu_from})" for k in missing]
+        filled = missing + [k for k in (DEVICE_MEMORY_KEY,) if k in preset]  # optional: where the preset has it
+        lines += [f"{k} = {preset[k]} (from the preset {gpu_from})" for k in filled]
         if preset_about(gpu_from).get("estimate"):
             lines.append(f"The preset {gpu_from}'s figures are estimates, not measurements (their sources: "
                          "docs/planner.md#presets).")
         # In the keys' order, as a file the probe measured whole is written.
-        measured = {k: measured[k] if k in measured else preset[k] for k in MACHINE_KEYS}
+        measured = {k: measured[k] if k in measured else preset[k] for k in [*MACHINE_KEYS, DEVICE_MEMORY_KEY]
+                    if k in measured or k in preset}
         missing = []
     elif missing:
         lines.append(f"No CUDA device here: take {', '.join(missing)} from a preset "

@@ -94,7 +94,8 @@ def update_on_advice(plans: List[VariantPlan], *, device_budget: Optional[int], 
 
 def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Optional[int], host_budget: int,
                  config_path: str, seq_len_note: str, fine_tunes: str = "",
-                 speeds: Optional[Dict[str, Optional[Speed]]] = None, machine: str = "") -> str:
+                 speeds: Optional[Dict[str, Optional[Speed]]] = None, machine: str = "",
+                 device_budget_note: str = "") -> str:
     """A markdown table of the plans, with the budgets and a verdict per variant.
 
     Args:
@@ -103,6 +104,8 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
         speeds: each variant's predicted step (:func:`plan_speed`), by name: adds its seconds,
             tok/s, bound and the batch at which overlap hides the offloaded work to the row.
         machine: the machine the speeds are for, named in the header.
+        device_budget_note: where the device budget comes from, where not from the flag or this
+            machine's device (a ``--machine`` file's or preset's memory).
     """
     def verdict(n: Optional[int], budget: Optional[int]) -> str:
         if n is None:
@@ -112,7 +115,8 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
         return "yes" if n <= budget else "no"
 
     lines = [f"Plan for {config_path} ({seq_len_note}); device {device}, budget "
-             f"{'unknown (give --device-gib)' if device_budget is None else f'{device_budget / GIB:.1f} GiB'}; "
+             f"{'unknown (give --device-gib)' if device_budget is None else f'{device_budget / GIB:.1f} GiB'}"
+             f"{f' ({device_budget_note})' if device_budget_note else ''}; "
              f"host budget {host_budget / GIB:.1f} GiB.", "",
              "| variant | device peak GiB | + paged GiB | fits device | host peak GiB | fits host |"
              + (" s/step | tok/s | bound | overlap hides at batch |" if speeds is not None else "") + " what |",

@@ -39,6 +39,12 @@ MACHINE_KEYS: Dict[str, str] = {
                       "each parameter (bitsandbytes' step of one small parameter, its synchronization included), "
                       "during which the GPU waits (microseconds)",
 }
+#: The optional key of a machine file: the GPU's memory, which the planner takes as its device budget
+#: when ``--machine`` names the machine and ``--device-gib`` is not given, so that a plan for a
+#: machine one is not on (a preset) needs no more flags.
+DEVICE_MEMORY_KEY = "device_memory_gib"
+DEVICE_MEMORY_ABOUT = ("the GPU's memory as torch reports it (total_memory, GiB); optional: the planner's device "
+                       "budget with --machine, unless --device-gib")
 #: Bytes a torch AdamW step over bf16 tensors reads and writes per parameter: weight, gradient and
 #: two states read (8), weight and states written (6).
 ADAMW_BF16_BYTES = 14
@@ -78,6 +84,8 @@ class Machine:
     host_cores: float
     device_sync_us: float
     name: str = "machine.json"
+    #: :data:`DEVICE_MEMORY_KEY`, where the file gives it.
+    device_memory_gib: Optional[float] = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object], *, name: str) -> "Machine":
@@ -90,10 +98,11 @@ class Machine:
         missing = [k for k in MACHINE_KEYS if k not in data]
         if missing:
             problems.append(f"missing {', '.join(missing)}")
-        unknown = sorted(k for k in data if k not in MACHINE_KEYS)
+        unknown = sorted(k for k in data if k not in MACHINE_KEYS and k != DEVICE_MEMORY_KEY)
         if unknown:
-            problems.append(f"unknown {', '.join(unknown)} (the keys are {', '.join(MACHINE_KEYS)})")
-        for key in MACHINE_KEYS:
+            problems.append(f"unknown {', '.join(unknown)} (the keys are {', '.join(MACHINE_KEYS)}, and optionally "
+                            f"{DEVICE_MEMORY_KEY})")
+        for key in [*MACHINE_KEYS, DEVICE_MEMORY_KEY]:
             if key not in data:
                 continue
             value = data[key]
@@ -105,11 +114,14 @@ class Machine:
             raise ValueError(f"{name}: {'; '.join(problems)}. Measure the machine with `tune-offload probe "
                              f"--output machine.json`, or take the GPU keys from a preset "
                              f"({', '.join(preset_names())}).")
-        return cls(name=name, **{k: float(data[k]) for k in MACHINE_KEYS})
+        memory = data.get(DEVICE_MEMORY_KEY)
+        return cls(name=name, **{k: float(data[k]) for k in MACHINE_KEYS},
+                   device_memory_gib=None if memory is None else float(memory))
 
     def as_dict(self) -> Dict[str, float]:
-        """The machine file's keys and values."""
-        return {k: getattr(self, k) for k in MACHINE_KEYS}
+        """The machine file's keys and values (:data:`DEVICE_MEMORY_KEY` last, where given)."""
+        memory = {} if self.device_memory_gib is None else {DEVICE_MEMORY_KEY: self.device_memory_gib}
+        return {**{k: getattr(self, k) for k in MACHINE_KEYS}, **memory}
 
 
 def _presets() -> Dict[str, dict]:

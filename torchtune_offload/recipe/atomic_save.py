@@ -9,10 +9,13 @@ moment the previous complete checkpoint stays loadable. A marker file ``.complet
 into the epoch folder.
 """
 
+import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
+
+from torchtune.utils import get_logger
 
 #: Written into each epoch folder once everything of that save is in place.
 COMPLETE_MARKER = ".complete"
@@ -34,6 +37,19 @@ def fsync_tree(root: Path, *, files: bool = True) -> None:
             os.close(fd)
 
 
+class _HeldLines(logging.Filter):
+    """Holds back the lines torchtune logs while it writes into the staging folder: they name paths
+    that exist only until the move, and a save that fails part-way did not save what they say."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: List[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
 def save_atomically(checkpointer: Any, state_dict: Dict[str, Any], *, epoch: int, **save_options: Any) -> None:
     """``checkpointer.save_checkpoint(state_dict, epoch=epoch, **save_options)``, moved into place only when complete.
 
@@ -48,10 +64,13 @@ def save_atomically(checkpointer: Any, state_dict: Dict[str, Any], *, epoch: int
     shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier attempt at this save
     staging.mkdir(parents=True)
     checkpointer._output_dir = staging
+    torchtune_log, held = get_logger(), _HeldLines()
+    torchtune_log.addFilter(held)
     try:
         checkpointer.save_checkpoint(state_dict, epoch=epoch, **save_options)
     finally:
         checkpointer._output_dir = output_dir
+        torchtune_log.removeFilter(held)
     fsync_tree(staging)
     # The weights folder: a previous folder of the same epoch is set aside, not overwritten.
     epoch_dir = staging / f"epoch_{epoch}"
@@ -74,6 +93,7 @@ def save_atomically(checkpointer: Any, state_dict: Dict[str, Any], *, epoch: int
         marker.write_text("complete\n")
         with open(marker, "rb") as f:
             os.fsync(f.fileno())
-        # torchtune's own lines name the staging folder it wrote into, which is gone now.
-        print(f"[torchtune_offload] epoch {epoch}'s weights are in {output_dir / f'epoch_{epoch}'} (written in "
-              f"{staging} and moved there once complete)", flush=True)
+    # torchtune's lines, now that what they say is true, with the paths the files have now.
+    for record in held.records:
+        record.msg, record.args = record.getMessage().replace(str(staging), str(output_dir)), None
+        torchtune_log.handle(record)

@@ -146,11 +146,17 @@ def _build_dataset(cfg_dataset: DictConfig, tokenizer: Any, *, key: str) -> Any:
     found by the config check: it fails here, before any weight is read, and is named.
 
     Raises:
-        ConfigError: naming the option, the closest option of the builder, and what the error was.
+        ConfigError: naming the option, the closest option of the builder, and what the error was;
+            or naming ``split``, where the datasets library refused it.
     """
     try:
         return config.instantiate(cfg_dataset, tokenizer)
     except (TypeError, ValueError) as err:
+        split = cfg_dataset.get("split")
+        if isinstance(err, ValueError) and split is not None and re.search(r"(?i)split|slice", str(err)):
+            # The datasets library's own words ("Unknown split", a slice's bounds), under its traceback.
+            raise ConfigError(f"{key}.split={split}: the datasets library cannot take it ({err}). Name one of "
+                              "the dataset's splits, optionally sliced (train, train[:90%]).") from err
         # A local file's builder raises the first; a hub dataset's config, the second.
         stranger = re.search(r"unexpected keyword argument '(\w+)'|doesn't have a '(\w+)' key", str(err))
         name = None if stranger is None else stranger.group(1) or stranger.group(2)

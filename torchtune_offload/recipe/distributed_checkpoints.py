@@ -7,7 +7,8 @@ flush, rename and manifest written last as a single-device checkpoint. Each rank
 position and RNG states are gathered beside them (``state["ranks"][rank]``) and the manifest
 records the rank count. On resume rank 0 reads the checkpoint and scatters it back into the shards;
 each rank takes its own position and RNG states, so the run continues exactly. A checkpoint written
-on another number of ranks is refused before any weight is read (``resume.no_checkpoint_problem``).
+on another number of ranks, or with another batching, is refused before any weight is read
+(``resume.no_checkpoint_problem``).
 
 Why gather rather than ``torch.distributed.checkpoint``'s per-rank files: one format for every
 recipe, one atomic rename (a per-rank save needs every rank's files and a commit across ranks),
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torchtune import utils
 
 from torchtune_offload.recipe.progress import Progress
-from torchtune_offload.recipe.resume import run_output_dir
+from torchtune_offload.recipe.resume import batching, run_output_dir
 from torchtune_offload.recipe.run_optimizer import RunOptimizer
 from torchtune_offload.recipe.step_checkpoints import (
     WEIGHTS_FILE,
@@ -80,6 +81,7 @@ class DistributedCheckpoints:
 
     def __init__(self, cfg: Any, *, keep_last: int, resume: bool, rank: int, world_size: int) -> None:
         self._out = run_output_dir(cfg)
+        self._batching = batching(cfg)
         self._keep_last = keep_last
         self._resume = resume
         self.rank, self.world_size = rank, world_size
@@ -176,7 +178,7 @@ class DistributedCheckpoints:
             }
             path = self._store.save(global_step=progress.global_step, epoch=progress.epochs_run,
                                     step_in_epoch=progress.steps_run_in_epoch, weights=weights, state=state,
-                                    ranks=self.world_size)
+                                    ranks=self.world_size, batching=self._batching)
             log.info(f"Checkpoint saved to {path}: resume_from_checkpoint=True on {self.world_size} ranks "
                      "continues from here.")
         dist.barrier()

@@ -320,6 +320,7 @@ def check_host_memory(
     *,
     mark_trainable: Optional[Callable[[nn.Module], Any]] = None,
     ranks: Optional[Tuple[int, int]] = None,
+    log_figures: bool = True,
 ) -> Optional[HostMemoryNeed]:
     """Raises before anything is loaded if the run will not fit the host's memory; logs the figures.
 
@@ -329,6 +330,8 @@ def check_host_memory(
         mark_trainable: sets ``requires_grad`` on the meta model as the recipe will.
         ranks: ``(world_size, local_world_size)`` of an FSDP2 run: the node's need is checked
             (:func:`sharded_host_memory_need`).
+        log_figures: log the figures of a run that fits (an FSDP2 run's ranks other than a node's
+            first pass False: each computes the same node-wide figures).
 
     Returns:
         The computed need, or ``None`` when the check is off.
@@ -338,7 +341,8 @@ def check_host_memory(
             available memory.
     """
     if not settings.host_memory_check:
-        log.info("Host memory check skipped (host_memory_check=False).")
+        if log_figures:
+            log.info("Host memory check skipped (host_memory_check=False).")
         return None
     if ranks is None:
         need = host_memory_need(cfg, settings, mark_trainable=mark_trainable)
@@ -352,7 +356,8 @@ def check_host_memory(
                f"{need.available / GIB:.2f} GiB are available.\n{need.describe()}")
     notes = "".join(f"\n  note: {n}" for n in need.notes)
     if need.fits:
-        log.info(summary + notes)
+        if log_figures:
+            log.info(summary + notes)
         return need
     raise ConfigError(
         f"host_memory_check: the run does not fit this machine's memory. {summary}{notes}\n"

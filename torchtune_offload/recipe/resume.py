@@ -26,6 +26,7 @@ from torchtune_offload.recipe.step_checkpoints import (
     newest_checkpoint,
     restore_rng_states,
     rng_states,
+    saved_batching,
     saved_ranks,
 )
 
@@ -56,9 +57,31 @@ def final_weights(cfg: DictConfig) -> Optional[Path]:
     return last
 
 
+def batching(cfg: DictConfig) -> Dict[str, Any]:
+    """The config's ``batch_size`` and ``gradient_accumulation_steps`` (default 1), as a checkpoint records them."""
+    return {"batch_size": cfg.get("batch_size"),
+            "gradient_accumulation_steps": cfg.get("gradient_accumulation_steps", 1)}
+
+
+def _batching_problem(cfg: DictConfig, newest: Path) -> Optional[str]:
+    saved, configured = saved_batching(newest), batching(cfg)
+    if saved is None or not all(isinstance(v, int) for v in configured.values()):
+        return None  # not recorded (StepCheckpoints.load warns), or refused by the config check
+    differ = [key for key in configured if saved.get(key) != configured[key]]
+    if not differ:
+        return None
+    now = ", ".join(f"{key}={configured[key]}" for key in differ)
+    then = " ".join(f"{key}={saved.get(key)}" for key in differ)
+    return (f"resume_from_checkpoint=True: {newest} was saved with "
+            f"{', '.join(f'{k}={v}' for k, v in saved.items())}, and this config has {now}. Its data "
+            "position, step count and LR schedule are counted in that run's batches, so only the same values "
+            f"continue it: resume with {then}, or start fresh in another output_dir.")
+
+
 def no_checkpoint_problem(cfg: DictConfig, *, world_size: Optional[int] = None) -> Optional[str]:
     """Why ``resume_from_checkpoint=True`` cannot resume, else ``None``: no complete checkpoint,
-    or one written with another rank count (read from its manifest, before any weight).
+    one of a finished run, or one written with another rank count, ``batch_size`` or
+    ``gradient_accumulation_steps`` (read from its manifest, before any weight).
 
     Args:
         cfg: the recipe config.
@@ -80,7 +103,7 @@ def no_checkpoint_problem(cfg: DictConfig, *, world_size: Optional[int] = None) 
                 f"its newest checkpoint, {newest.name}), so nothing is left to resume.{go_on}")
     saved = saved_ranks(newest)
     if saved == world_size:
-        return None
+        return _batching_problem(cfg, newest)
     if world_size is None:
         return (f"resume_from_checkpoint=True: {newest} was written by the distributed recipe on {saved} ranks. "
                 f"Resume it with tune run --nproc_per_node {saved} recipes/full_finetune_distributed.py.")
@@ -108,6 +131,7 @@ class TrainingCheckpoints:
     def __init__(self, cfg: DictConfig, settings: RecipeSettings, progress: Progress) -> None:
         self._out = run_output_dir(cfg)
         self._settings = settings
+        self._batching = batching(cfg)
         self.progress = progress
         self.point: Optional[ResumePoint] = None
         self.store = StepCheckpoints(self._out, keep_last=settings.keep_last_n_checkpoints)
@@ -167,6 +191,6 @@ class TrainingCheckpoints:
             "rng": rng_states(),
         }
         path = self.store.save(global_step=p.global_step, epoch=p.epochs_run, step_in_epoch=p.steps_run_in_epoch,
-                               weights=weights, state=state)
+                               weights=weights, state=state, batching=self._batching)
         log.info(f"Checkpoint saved to {path}: resume_from_checkpoint=True continues from here.")
         return path

@@ -8,6 +8,8 @@ Each checkpoint is a folder ``<output_dir>/checkpoints/step_<global step>/`` hol
   offloading optimizer's host state included), the dataloader position and the RNG states;
 - ``complete.json``: written last. It holds the checkpoint's id, which the other two files carry
   too, and their sizes: a folder without it, or whose files do not match it, is not a checkpoint.
+  It also holds what a resume is checked against before any weight is read: the rank count and
+  the batching (``batch_size`` and ``gradient_accumulation_steps``) of the run that wrote it.
 
 A save writes a staging folder, flushes it to disk and renames it into place, then removes the
 oldest checkpoints beyond ``keep_last``. At any moment the newest complete checkpoint is loadable.
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torchtune import utils
 
 from torchtune_offload.recipe.atomic_save import fsync_tree
 
@@ -40,6 +43,8 @@ _STAGING_PREFIX = ".saving_step_"
 #: A checkpoint being deleted is renamed to this first, so a kill mid-deletion never leaves a
 #: ``step_*`` folder with part of its files (which no listing would see again, nor remove).
 _DELETING_PREFIX = ".deleting_step_"
+
+log = utils.get_logger("INFO")
 
 
 def checkpoint_folder(output_dir: Any, global_step: int) -> Path:
@@ -134,7 +139,8 @@ class StepCheckpoints:
         return complete_checkpoints(self.root.parent)
 
     def save(self, *, global_step: int, epoch: int, step_in_epoch: int, weights: Dict[str, torch.Tensor],
-             state: Dict[str, Any], ranks: Optional[int] = None) -> Path:
+             state: Dict[str, Any], ranks: Optional[int] = None,
+             batching: Optional[Dict[str, int]] = None) -> Path:
         """Writes one checkpoint atomically and removes the ones beyond ``keep_last``.
 
         Args:
@@ -145,6 +151,8 @@ class StepCheckpoints:
             state: the rest of the training state (tensors may be on any device).
             ranks: the distributed recipe's rank count (its state holds each rank's position);
                 ``None`` for a single-device recipe's checkpoint.
+            batching: the run's ``batch_size`` and ``gradient_accumulation_steps`` (its data
+                position and step counts are in their units); ``None`` where unknown (tests).
 
         Returns:
             The checkpoint folder.
@@ -165,6 +173,8 @@ class StepCheckpoints:
         }
         if ranks is not None:
             manifest["ranks"] = ranks
+        if batching is not None:
+            manifest["batching"] = dict(batching)
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
         fsync_tree(staging)
         final = checkpoint_folder(self.root.parent, global_step)
@@ -220,6 +230,10 @@ class StepCheckpoints:
         if len(ids) != 1:
             raise ValueError(f"{problem}: its weights, training state and {MANIFEST_FILE} come from different "
                              "saves. Delete the folder to resume from the one before it.")
+        if "batching" not in manifest:
+            log.warning(f"{path} does not record the batch_size and gradient_accumulation_steps it was saved with "
+                        "(an earlier version wrote it), so they are not checked: resume with the values it was "
+                        "saved with, or its data position and LR schedule are off.")
         return ResumePoint(path=path, global_step=manifest["global_step"], epoch=manifest["epoch"],
                            step_in_epoch=manifest["step_in_epoch"], run_id=manifest["run_id"], state=state)
 
@@ -228,6 +242,13 @@ def saved_ranks(path: Path) -> Optional[int]:
     """The rank count a checkpoint was written by (read from its manifest alone, no weight), or
     ``None`` for a single-device recipe's checkpoint."""
     return json.loads((path / MANIFEST_FILE).read_text()).get("ranks")
+
+
+def saved_batching(path: Path) -> Optional[Dict[str, int]]:
+    """The ``batch_size`` and ``gradient_accumulation_steps`` a checkpoint was written with (read
+    from its manifest alone), or ``None`` for a checkpoint that does not record them (written before
+    they were recorded)."""
+    return json.loads((path / MANIFEST_FILE).read_text()).get("batching")
 
 
 def describe(point: ResumePoint, *, steps_per_epoch: int) -> str:
