@@ -1,7 +1,10 @@
 """train_loop: the loop freezes what setup made while it trains (Python's full collections then
-leave it alone) and hands it back to the collector however it ends."""
+leave it alone) and hands it back to the collector however it ends; its progress bar shows each
+step's own loss."""
 
+import functools
 import gc
+import re
 from pathlib import Path
 
 import pytest
@@ -44,3 +47,14 @@ def test_setup_is_frozen_while_training_and_unfrozen_after(monkeypatch, tiny_ass
     # Every step ran with the model, the optimizer and the data frozen; none of it stays frozen.
     assert frozen and all(n > 10_000 for n in frozen)
     assert gc.get_freeze_count() == 0
+
+
+def test_the_progress_bar_shows_each_steps_count_beside_its_own_loss(monkeypatch, tiny_assets, tmp_path, capsys):
+    # Before, update() drew the bar with the new count and the previous step's loss, a line that a
+    # log (no terminal) keeps: "1|3|Loss: 6.0267: 100%| 4/4". Every draw is kept here (tqdm skips
+    # those less than 0.1 s apart, and the tiny steps are faster).
+    monkeypatch.setattr(train_loop, "tqdm", functools.partial(train_loop.tqdm, mininterval=0, miniters=1))
+    _run(tiny_assets, tmp_path, "max_steps_per_epoch=4")
+    bars = re.findall(r"(\d+)\|(\d+)\|Loss: [\d.]+: +\d+%\|[^|]*\| (\d+)/4", capsys.readouterr().err)
+    assert {int(count) for _, _, count in bars} == {1, 2, 3, 4}, bars
+    assert all(step == count for _, step, count in bars), bars

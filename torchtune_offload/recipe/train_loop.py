@@ -208,8 +208,10 @@ class TrainLoop:
                 # Read once per step, after the loss's own read has waited for the step's device work.
                 grad_norm = None if norm is None else float(norm)
                 self.losses.append(loss)
+                # Described before the count moves: update() draws the bar, which would show the new
+                # count beside the previous step's loss (and keep that line in a log).
+                pbar.set_description(f"{p.epochs_run + 1}|{p.global_step}|Loss: {loss:.4f}", refresh=False)
                 pbar.update(1)
-                pbar.set_description(f"{p.epochs_run + 1}|{p.global_step}|Loss: {loss:.4f}")
                 if p.global_step % s.log_every_n_steps == 0 and self.is_rank_zero:
                     self._log(loss=loss, local_tokens=local_tokens, seconds=time.perf_counter() - t0,
                               grad_norm=grad_norm)
