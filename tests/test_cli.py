@@ -300,10 +300,30 @@ def test_a_component_is_nulled_not_deleted_on_the_command_line(cache_with_tiny_a
     assert code == 1 and "loss._component_ is null (loss=null on the command line sets it)" in err, err
 
 
-def test_validate_says_which_option_names_no_signature_can_check(cache_with_tiny_assets, capsys):
-    # A dataset builder passes what it does not take on to load_dataset: "well-formed" must not claim those.
-    code, out, _ = _cli(capsys, "validate", "--config", "tiny/full", "dataset.train_on_inputs=True")
-    assert code == 0 and "so their names are not checked here: dataset.data_files, dataset.train_on_inputs." in out, out
+@pytest.mark.parametrize("override, said", [
+    ("dataset.train_on_inputs=True", "dataset.train_on_inputs: neither torchtune.datasets.instruct_dataset nor the "
+                                     "datasets library it passes options on to takes it"),
+    ("dataset.split=trian", "dataset.split=trian: the datasets library cannot take it (Unknown split"),
+    ("dataset.column_map.inputt=input", "dataset.column_map: torchtune's torchtune.datasets.instruct_dataset refuses "
+                                        "it (Expected a key of 'input' in column_map"),
+])
+def test_validate_builds_local_data_as_the_recipe_would(cache_with_tiny_assets, capsys, override, said):
+    # Before, it called these configs well-formed: torchtune hands the values to the datasets library.
+    code, out, err = _cli(capsys, "validate", "--config", "tiny/full", override)
+    assert code == 1 and said in err and "Traceback" not in err, err
+
+
+def test_validate_says_which_data_it_did_not_build_and_which_names_no_signature_can_check(cache_with_tiny_assets,
+                                                                                          capsys):
+    # A Hub dataset is not downloaded to validate it; a dataset builder passes what it does not take
+    # on to load_dataset. "well-formed" must not claim those.
+    code, out, _ = _cli(capsys, "validate", "--config", "tiny/full", "dataset.source=jsn", "dataset.train_on_inputs=True")
+    assert code == 0 and "Not built here, so their values (source, split, column_map) are not checked: dataset " \
+                         "(source=jsn, from the Hub; or did you mean dataset.source=json?)" in out, out
+    assert "so their names are not checked here: dataset.data_files, dataset.train_on_inputs." in out, out
+    assert "(keys, values, files)." in out
+    code, out, _ = _cli(capsys, "validate", "--config", "tiny/full")
+    assert code == 0 and "(keys, values, files, data)." in out and "not checked" not in out, out
 
 
 def test_a_config_the_recipe_refuses_is_printed_without_a_traceback(cache_with_tiny_assets, capsys, tmp_path):

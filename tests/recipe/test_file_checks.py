@@ -3,11 +3,13 @@
 import shutil
 import sys
 
+import datasets
+import huggingface_hub
 import pytest
 from omegaconf import OmegaConf
 
 from tests.recipe.test_recipes import _config, _load_recipe_class
-from torchtune_offload.recipe.builders import _build_dataset
+from torchtune_offload.recipe.dataset_build import build_dataset
 from torchtune_offload.recipe.config import ConfigError
 from torchtune_offload.recipe.file_checks import file_problems, safetensors_problem
 
@@ -185,17 +187,26 @@ def test_a_hub_datasets_unknown_option_is_named_too():
     cfg = OmegaConf.create({"_component_": f"{__name__}.hub_like_dataset", "source": "x", "splt": "train"})
     with pytest.raises(ValueError, match=r"dataset\.splt: neither .*hub_like_dataset nor the datasets library .* "
                                          r"Its options: source\."):
-        _build_dataset(cfg, tokenizer=None, key="dataset")
+        build_dataset(cfg, tokenizer=None, key="dataset")
 
 
-@pytest.mark.parametrize("split, words", [
-    ("trian", "Unknown split \"trian\". Should be one of ['train']"),
-    ("train[:200%]", "Percent slice boundaries"),
+@pytest.mark.parametrize("override, start, words", [
+    ("dataset.split=trian", "dataset.split=trian: the datasets library cannot take it (",
+     "Unknown split \"trian\". Should be one of ['train']"),
+    ("dataset.split=train[:200%]", "dataset.split=train[:200%]: the datasets library cannot take it (",
+     "Percent slice boundaries"),
+    ("dataset.source=jsn", "dataset.source=jsn: neither one of the datasets library's loaders nor a local folder, "
+                           "and the Hub could not give it (", "Did you mean dataset.source=json?"),
+    ("dataset.column_map.inputt=input", "dataset.column_map: torchtune's torchtune.datasets.instruct_dataset refuses it",
+     "Its keys are the builder's column names"),
 ])
-def test_a_split_the_datasets_library_refuses_is_named(tiny_assets, tmp_path, split, words):
-    # Before: the datasets library's ValueError under a traceback, naming no config key.
-    cfg = _config("full", tiny_assets, tmp_path, [f"dataset.split={split}"]).dataset
+def test_a_value_the_datasets_library_or_torchtune_refuses_is_named(tiny_assets, tmp_path, monkeypatch, override,
+                                                                     start, words):
+    # Before: the datasets library's or torchtune's error under a traceback, naming no config key.
+    # A source not found here is not looked for on the Hub (both libraries read the variable at import).
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    cfg = _config("full", tiny_assets, tmp_path, [override]).dataset
     with pytest.raises(ConfigError) as raised:
-        _build_dataset(cfg, tokenizer=None, key="dataset")
-    assert str(raised.value).startswith(f"dataset.split={split}: the datasets library cannot take it (")
-    assert words in str(raised.value)
+        build_dataset(cfg, tokenizer=None, key="dataset")
+    assert str(raised.value).startswith(start) and words in str(raised.value), str(raised.value)

@@ -35,6 +35,7 @@ from torchtune_offload.recipe.component_options import (
     model_option_problems,
     unchecked_options,
 )
+from torchtune_offload.recipe.dataset_build import dataset_build_problems
 from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root, torchtune_config
 
 PROG = "tune-offload"
@@ -201,6 +202,7 @@ def _validate(args: argparse.Namespace) -> int:
     # What tune validate checks (every _component_ accepts the options the config gives it), without
     # its tracebacks, and the model's values; with a recipe, check_recipe_config below checks all that.
     problems = [] if recipe is not None else component_option_problems(cfg, skip=("model",)) + model_option_problems(cfg)
+    unbuilt: List[str] = []
     if recipe is not None:
         for check in (lambda: check_recipe_config(cfg, recipe=RECIPE_KINDS[recipe]),
                       lambda: check_files(cfg, step_resume=RECIPE_KINDS[recipe] != "distributed")):
@@ -208,13 +210,23 @@ def _validate(args: argparse.Namespace) -> int:
                 check()
             except ValueError as err:
                 problems.append(str(err))
+        if not problems:
+            # The values torchtune hands to the datasets library (source, split, column_map): as the
+            # recipe builds the data before reading weights. A Hub dataset is not downloaded for this.
+            built, unbuilt = dataset_build_problems(cfg)
+            problems += built
     if problems:
         print(f"{PROG} validate: {path} does not pass:\n" + "\n".join(problems), file=sys.stderr)
         return 1
-    checked = (f"as {recipe} reads it (keys, values, files)" if recipe is not None else
+    checked = (f"as {recipe} reads it (keys, values, files{', data' if not unbuilt else ''})" if recipe is not None else
                "(component arguments only: its header names none of our recipes; pass --recipe to check more)")
     print(f"Config is well-formed: {path} {checked}.")
-    unchecked = unchecked_options(cfg)
+    if unbuilt:
+        print(f"Not built here, so their values (source, split, column_map) are not checked: {', '.join(unbuilt)} "
+              "(a Hub dataset: building it downloads it). A run builds it before it reads any weight.")
+    # A dataset built above took its options (load_dataset refuses an unknown one).
+    built_data = recipe is not None and not unbuilt
+    unchecked = [k for k in unchecked_options(cfg) if not (built_data and k.startswith("dataset"))]
     if unchecked:
         print(f"Passed on by their component to another library (a dataset's to load_dataset), so their names are "
               f"not checked here: {', '.join(unchecked)}. A run names an unknown one when it builds the component, "

@@ -5,9 +5,6 @@ same order: metric logger, data, checkpoint, model, optimizer, loss, LR schedule
 memory monitor is :class:`torchtune_offload.recipe.memory.MemoryMonitor`).
 """
 
-import difflib
-import inspect
-import re
 from functools import partial
 from typing import Any, Dict, Optional, Tuple
 
@@ -25,7 +22,8 @@ from torchtune.modules.loss import CEWithChunkedOutputLoss
 
 from torchtune_offload.distributed.loss import RowChunkedLoss
 from torchtune_offload.recipe.component_options import nulled
-from torchtune_offload.recipe.config import ConfigError, RecipeSettings
+from torchtune_offload.recipe.config import RecipeSettings
+from torchtune_offload.recipe.dataset_build import build_dataset, dataset_nodes
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.run_optimizer import (
     HoldingOptimizer,
@@ -140,37 +138,6 @@ def loss_ignore_index(cfg_loss: DictConfig) -> int:
     return config.instantiate(cfg_loss).ignore_index
 
 
-def _build_dataset(cfg_dataset: DictConfig, tokenizer: Any, *, key: str) -> Any:
-    """One configured dataset. torchtune's dataset builders pass the options they do not take on to
-    the datasets library's ``load_dataset``, so a misspelt one (``dataset.train_on_inputs``) is not
-    found by the config check: it fails here, before any weight is read, and is named.
-
-    Raises:
-        ConfigError: naming the option, the closest option of the builder, and what the error was;
-            or naming ``split``, where the datasets library refused it.
-    """
-    try:
-        return config.instantiate(cfg_dataset, tokenizer)
-    except (TypeError, ValueError) as err:
-        split = cfg_dataset.get("split")
-        if isinstance(err, ValueError) and split is not None and re.search(r"(?i)split|slice", str(err)):
-            # The datasets library's own words ("Unknown split", a slice's bounds), under its traceback.
-            raise ConfigError(f"{key}.split={split}: the datasets library cannot take it ({err}). Name one of "
-                              "the dataset's splits, optionally sliced (train, train[:90%]).") from err
-        # A local file's builder raises the first; a hub dataset's config, the second.
-        stranger = re.search(r"unexpected keyword argument '(\w+)'|doesn't have a '(\w+)' key", str(err))
-        name = None if stranger is None else stranger.group(1) or stranger.group(2)
-        if name is None or name not in cfg_dataset:
-            raise
-        component = str(cfg_dataset.get("_component_"))
-        own = [n for n, p in inspect.signature(_get_component_from_path(component)).parameters.items()
-               if p.kind is not inspect.Parameter.VAR_KEYWORD and n != "tokenizer"]
-        close = difflib.get_close_matches(name, own, n=1)
-        hint = f"Did you mean '{key}.{close[0]}'?" if close else f"Its options: {', '.join(own)}."
-        raise ConfigError(f"{key}.{name}: neither {component} nor the datasets library it passes options on to takes "
-                         f"it ({type(err).__name__}: {err}). {hint}") from err
-
-
 def build_dataloader(
     cfg_dataset: Any,
     cfg_tokenizer: DictConfig,
@@ -183,10 +150,10 @@ def build_dataloader(
     """The tokenizer and the training dataloader; its order depends only on the epoch (``sampler.set_epoch``)."""
     tokenizer = config.instantiate(cfg_tokenizer)
     if isinstance(cfg_dataset, ListConfig):
-        ds = ConcatDataset(datasets=[_build_dataset(c, tokenizer, key=f"dataset[{i}]") for i, c in enumerate(cfg_dataset)])
+        ds = ConcatDataset(datasets=[build_dataset(c, tokenizer, key=key) for key, c in dataset_nodes(cfg_dataset)])
         packed = getattr(ds, "packed", False)
     else:
-        ds = _build_dataset(cfg_dataset, tokenizer, key="dataset")
+        ds = build_dataset(cfg_dataset, tokenizer, key="dataset")
         packed = cfg_dataset.get("packed", False)
     collate = _get_component_from_path(settings.collate_fn)
     sampler = StatefulDistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=settings.shuffle, seed=0)
