@@ -1,6 +1,7 @@
 """Resuming with another kind of optimizer than the one that saved the state is refused, saying how to go on."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -134,7 +135,9 @@ def test_a_finished_run_is_not_resumed_and_is_pointed_to_its_final_weights(tiny_
     cfg = OmegaConf.create({"output_dir": str(tmp_path), "epochs": 2})
     problem = no_checkpoint_problem(cfg)
     assert f"the run in {tmp_path} finished ({tmp_path / 'epoch_1'} holds its final weights" in problem, problem
-    assert f"checkpointer.checkpoint_dir={tmp_path / 'epoch_1'} with another output_dir" in problem
+    go_on = (f"checkpointer.checkpoint_dir={tmp_path / 'epoch_1'} "
+             "checkpointer.checkpoint_files=[model-00001-of-00001.safetensors] with another output_dir")
+    assert go_on in problem, problem
     with pytest.raises(ConfigError, match="nothing is left to resume"):
         run_recipe("full", tiny_assets, tmp_path, *RESUME, "save_every_n_steps=3", "resume_from_checkpoint=True")
     # More epochs than it ran: its last epoch's weights are not the final ones, so it resumes.
@@ -148,4 +151,9 @@ def test_resuming_where_no_checkpoint_was_ever_written_says_so_and_how_to_go_on(
     run_recipe("full", tiny_assets, tmp_path, *RESUME, "epochs=1")
     problem = no_checkpoint_problem(OmegaConf.create({"output_dir": str(tmp_path), "epochs": 1}))
     assert f"{tmp_path} holds no checkpoints/ folder to resume from" in problem, problem  # it named a missing folder
-    assert f"checkpointer.checkpoint_dir={tmp_path / 'epoch_0'} with another output_dir" in problem
+    assert f"checkpointer.checkpoint_dir={tmp_path / 'epoch_0'} checkpointer.checkpoint_files=[" in problem
+    # Following the advice trains on (before, the config's checkpoint_files were not in that folder).
+    go_on = re.search(r"checkpointer\.checkpoint_dir=(\S+) checkpointer\.checkpoint_files=(\S+) with", problem)
+    run_recipe("full", tiny_assets, tmp_path / "on", *RESUME, "epochs=1", *(f"checkpointer.{k}={v}" for k, v in
+               zip(("checkpoint_dir", "checkpoint_files"), go_on.groups())))
+    assert (tmp_path / "on" / "epoch_0" / ".complete").is_file()

@@ -90,8 +90,13 @@ def no_checkpoint_problem(cfg: DictConfig, *, world_size: Optional[int] = None) 
     out = run_output_dir(cfg)
     newest = newest_checkpoint(out)
     last = final_weights(cfg)
-    go_on = (f" To train on from its final weights, start a new run from them: checkpointer.checkpoint_dir={last} "
-             "with another output_dir." if last is not None else "")
+    go_on = ""
+    if last is not None:
+        # The weights torchtune wrote there (a LoRA run's merged model beside its adapter), by name:
+        # the config's checkpoint_files name the files the run started from, not these.
+        files = sorted(p.name for p in last.glob("*.safetensors") if not p.name.startswith("adapter"))
+        go_on = (f" To train on from its final weights, start a new run from them: checkpointer.checkpoint_dir={last} "
+                 f"checkpointer.checkpoint_files=[{','.join(files)}] with another output_dir.")
     if newest is None:
         where = (f"{out / CHECKPOINTS_DIR} holds no complete checkpoint" if (out / CHECKPOINTS_DIR).is_dir() else
                  f"{out} holds no {CHECKPOINTS_DIR}/ folder")
