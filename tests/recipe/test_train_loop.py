@@ -5,10 +5,12 @@ step's own loss."""
 import functools
 import gc
 import re
+import sys
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from torchtune.utils import get_logger
 
 from tests.recipe.cpu_setup import cpu_recipe_setup
 from tests.recipe_harness import REPO, load_recipe_module, tiny_asset_overrides
@@ -58,3 +60,21 @@ def test_the_progress_bar_shows_each_steps_count_beside_its_own_loss(monkeypatch
     bars = re.findall(r"(\d+)\|(\d+)\|Loss: [\d.]+: +\d+%\|[^|]*\| (\d+)/4", capsys.readouterr().err)
     assert {int(count) for _, _, count in bars} == {1, 2, 3, 4}, bars
     assert all(step == count for _, step, count in bars), bars
+
+
+def test_a_saves_lines_are_printed_on_their_own_after_the_bar_shows_its_step(monkeypatch, tiny_assets, tmp_path,
+                                                                               capsys):
+    # Before, a fast step's bar was not drawn (tqdm draws at most every 0.1 s) and the save's line was
+    # printed onto the bar's: "1|1|Loss: 6.2614:  33%| 1/3 [...]Checkpoint saved to .../step_00000002".
+    # torchtune's log handler writes to the stderr of its making; here, to the one the bar writes to.
+    for handler in get_logger().handlers:
+        monkeypatch.setattr(handler, "stream", sys.stderr)
+    _run(tiny_assets, tmp_path, "max_steps_per_epoch=3", "save_every_n_steps=1")
+    err = capsys.readouterr().err
+    for step in (1, 2):
+        saved = err.index(f"Checkpoint saved to {tmp_path / 'checkpoints' / f'step_{step:08d}'}")
+        before = err[:saved]
+        # On a line of its own (the bar cleared with a carriage return), after the bar at that step.
+        assert before.endswith(("\n", "\r")), repr(before[-200:])
+        bars = re.findall(r"(\d+)\|(\d+)\|Loss: [\d.]+: +\d+%\|[^|]*\| (\d+)/3", before)
+        assert bars and bars[-1][1:] == (str(step), str(step)), bars

@@ -5,6 +5,7 @@ loss-carrying tokens are counted first, so each micro-batch's summed loss can be
 window total before backward (see :mod:`torchtune_offload.recipe.grad_math`).
 """
 
+import contextlib
 import enum
 import gc
 import time
@@ -49,6 +50,20 @@ class SavePoint(enum.Enum):
     STEP = "step"
     #: An epoch done.
     EPOCH = "epoch"
+
+
+@contextlib.contextmanager
+def _lines_beside(pbar: tqdm) -> Iterator[None]:
+    """What is printed meanwhile (a save's lines) on lines of its own, after the bar is drawn at the
+    step it stands at (a fast step is not drawn: tqdm draws at most every 0.1 s), and the bar drawn
+    again below them. Without tqdm's lock: a save does not touch the bar, and holding the lock
+    through one would stall any other thread's bar."""
+    if pbar.disable:
+        yield
+        return
+    pbar.refresh()
+    with tqdm.external_write_mode(file=pbar.fp, nolock=True):
+        yield
 
 
 class TrainLoop:
@@ -221,7 +236,8 @@ class TrainLoop:
                 if every is not None and p.global_step % every == 0 and p.steps_run_in_epoch < p.steps_per_epoch:
                     self.optimizer.synchronize()
                     self._guard.check_weights(self.model)
-                    yield SavePoint.STEP
+                    with _lines_beside(pbar):
+                        yield SavePoint.STEP
                     self._guard.saved()
             pbar.close()
             p.finish_epoch()
