@@ -326,3 +326,19 @@ def check_problems_for_config(config: str, *, recipe: str) -> str:
     with pytest.raises(ValueError) as err:
         check_recipe_config(_cfg(config), recipe=recipe)
     return str(err.value)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    # Hydra's '+' adds a key; torchtune's command line has no such syntax (and ~+foo meant nothing).
+    (["+batch_size=4"], "+batch_size: unknown config key for full_finetune_single_device. torchtune's command "
+                        "line has no '+' syntax (key=value adds a key too): write it without the '+' (batch_size=...)."),
+    (["+foo=1"], "+foo: unknown config key for full_finetune_single_device. torchtune's command line has no '+' "
+                 "syntax (key=value adds a key too): drop the +foo=... override."),
+    # A misspelt _component_ is an option like any other, with the closest name.
+    (["optimizer._compnent_=torchtune_offload.OffloadOptimizer"],
+     "optimizer._compnent_: not an option of AdamW. Did you mean '_component_'?"),
+    (["lr_scheduler._componnt_=x"], "Did you mean 'lr_scheduler._component_'?"),
+])
+def test_a_plus_key_and_a_misspelt_component_key_say_what_to_write(overrides, fragment):
+    message = _problems("full", *overrides)
+    assert fragment in message and "~+" not in message, message

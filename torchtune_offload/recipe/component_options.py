@@ -211,7 +211,7 @@ def _name_problems(node: str, value: DictConfig, parameters: Optional[Mapping[st
             continue
         if key == "_component_" or key in names or key in _RECIPE_KEYS.get(node, ()):
             continue
-        close = difflib.get_close_matches(str(key), names, n=1)
+        close = difflib.get_close_matches(str(key), [*names, "_component_"], n=1)
         hint = (top_level_hint(node, str(key)) or (f"Did you mean '{node}.{close[0]}'?" if close else
                 f"Remove it: drop a {node}.{key}=... override, or ~{node}.{key} deletes it from the YAML."))
         problems.append(f"{node}.{key}: not an option of {path}. {hint} Its options: {', '.join(names)}.")

@@ -204,7 +204,12 @@ def _key_problems(cfg: DictConfig, *, recipe: str) -> List[str]:
             # A key of another recipe's configs: most likely the config was written for that recipe.
             others = [_RECIPE_NAMES[r] for r in sorted(RECIPE_KEYS) if key in RECIPE_KEYS[r]]
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
-            if others:
+            if str(key).startswith("+"):
+                # Hydra's syntax for a new key; torchtune's command line takes plain key=value for any key.
+                bare = str(key)[1:].split(".")[0]
+                fix = f"write it without the '+' ({str(key)[1:]}=...)" if bare in known else f"drop the {key}=... override"
+                hint = f" torchtune's command line has no '+' syntax (key=value adds a key too): {fix}."
+            elif others:
                 which = "that recipe" if len(others) == 1 else "one of those recipes"
                 hint = f" It is a key of {' and '.join(others)}: remove it (~{key}), or run the config with {which}."
             else:

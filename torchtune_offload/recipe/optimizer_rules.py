@@ -80,7 +80,7 @@ def optimizer_option_problems(
     if own is not None and theirs is not None:
         valid = own | theirs
         for key in sorted(set(options) - valid - {k.split(".", 1)[1] for k in reported}):
-            close = difflib.get_close_matches(key, sorted(valid), n=1)
+            close = difflib.get_close_matches(key, [*sorted(valid), "_component_"], n=1)
             hint = top_level_hint("optimizer", key) or (
                 f"Did you mean '{close[0]}'?" if close else f"Valid options: {', '.join(sorted(valid))}.")
             name = component.__name__ + (f" (base {base.__name__})" if base is not None else "")
