@@ -271,6 +271,14 @@ def test_plan_is_the_planner_under_this_commands_name(cache_with_tiny_assets, ca
         main(["plan", "--config", "tiny/ful"])
     _, err = capsys.readouterr()
     assert exit_.value.code == 2 and "tune-offload plan: error: --config tiny/ful:" in err and "tiny/full?" in err
+    # As validate and cat take it: the config as the first argument.
+    code, positional, _ = _cli(capsys, "plan", "tiny/full", f"output_dir={tmp_path}", "--variants", "config",
+                               "--no-fine-tunes", "--jobs", "1")
+    assert code == 0 and "configs/tiny/full.yaml (batch 8 x 64 tokens)" in positional and "| config |" in positional
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", f"output_dir={tmp_path}"])
+    _, err = capsys.readouterr()
+    assert exit_.value.code == 2 and "error: the config is required: --config <yaml or name> (or as the first" in err
 
 
 def test_torchtunes_own_config_names_resolve_after_ours(tmp_path, capsys):

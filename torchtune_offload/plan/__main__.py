@@ -82,8 +82,9 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
         arguments or a model the planner cannot build or trace.
     """
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True,
-                   help="a recipe config: a YAML file, or a shipped config's name (tiny/full; tune-offload ls lists them)")
+    p.add_argument("--config",
+                   help="a recipe config: a YAML file, or a shipped config's name (tiny/full; tune-offload ls lists "
+                        "them); may also be given as the first argument, as validate and cat take it")
     p.add_argument("overrides", nargs="*", help="key=value overrides, as for tune run")
     p.add_argument("--recipe", choices=sorted(set(RECIPE_KINDS.values())), help="default: from the config's header")
     p.add_argument("--variants", default=",".join(default_variants()),
@@ -102,6 +103,12 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
     p.add_argument("--machine", help="predict each variant's speed on this machine: a preset "
                    f"({', '.join(preset_names())}) or a machine.json (tune-offload probe --output machine.json)")
     args = p.parse_intermixed_args(argv)
+    if args.config is None:
+        # `plan tiny/full key=value`: the first argument that is no key=value or ~key is the config.
+        if args.overrides and "=" not in args.overrides[0] and not args.overrides[0].startswith("~"):
+            args.config = args.overrides.pop(0)
+        else:
+            p.error("the config is required: --config <yaml or name> (or as the first argument)")
     try:
         args.config = _config_path(args.config)
     except ValueError as err:
