@@ -78,3 +78,21 @@ def test_the_recipes_save_through_it(tiny_assets, tmp_path):
     run_recipe("full", tiny_assets, tmp_path, *RESUME)
     assert (tmp_path / "epoch_0" / COMPLETE_MARKER).is_file() and (tmp_path / "epoch_1" / COMPLETE_MARKER).is_file()
     assert not list(tmp_path.glob(".saving_epoch_*"))
+
+
+def test_torchtunes_misleading_save_lines_are_reworded(tmp_path, caplog):
+    # torchtune calls every epoch's save its "final epoch checkpoint" (no recipe state in it), and a
+    # LoRA save's adapter config an "Adapter checkpoint".
+    class Worded(_FakeCheckpointer):
+        def save_checkpoint(self, state_dict, *, epoch, intermediate_checkpoint):
+            config = Path(self._output_dir) / f"epoch_{epoch}" / "adapter_config.json"
+            config.parent.mkdir(parents=True, exist_ok=True)
+            config.write_text("{}")
+            get_logger().info(f"Adapter checkpoint of size 0.00 GiB saved to {config}")
+            get_logger().info("Saving final epoch checkpoint.")
+
+    caplog.set_level("INFO")
+    save_atomically(Worded(tmp_path), {}, epoch=0, intermediate_checkpoint=False)
+    assert caplog.messages == [
+        f"Adapter config of size 0.00 GiB saved to {tmp_path / 'epoch_0' / 'adapter_config.json'}",
+        "Epoch 0's weights are saved (a resume reads the step checkpoints in checkpoints/, not these)."]

@@ -11,6 +11,7 @@ into the epoch folder.
 
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List
@@ -95,5 +96,14 @@ def save_atomically(checkpointer: Any, state_dict: Dict[str, Any], *, epoch: int
             os.fsync(f.fileno())
     # torchtune's lines, now that what they say is true, with the paths the files have now.
     for record in held.records:
-        record.msg, record.args = record.getMessage().replace(str(staging), str(output_dir)), None
+        record.msg, record.args = _reworded(record.getMessage().replace(str(staging), str(output_dir)), epoch), None
         torchtune_log.handle(record)
+
+
+def _reworded(line: str, epoch: int) -> str:
+    """torchtune 0.6.1's save lines that say what did not happen: every epoch's save (no recipe
+    state: the step checkpoints hold it) is its "final epoch checkpoint", and a LoRA save calls its
+    adapter's config an "Adapter checkpoint"."""
+    if line == "Saving final epoch checkpoint.":
+        return f"Epoch {epoch}'s weights are saved (a resume reads the step checkpoints in checkpoints/, not these)."
+    return re.sub(r"^Adapter checkpoint (of size .* saved to .*adapter_config\.json)$", r"Adapter config \1", line)
