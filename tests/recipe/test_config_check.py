@@ -100,6 +100,8 @@ def test_offload_only_keys_are_checked_for_offload_optimizers_only():
         ("torch.optim.lr_scheduler.LambdaLR", "is not a torch.optim.Optimizer subclass"),
         ("torch.nn.functional.relu", "is not a torch.optim.Optimizer subclass"),
         ("torchao.optim.CPUOffloadOptimizer", "Use optimizer._component_=torchtune_offload.CPUOffloadOptimizer"),
+        # optimizer=adamw on torchtune's command line sets the _component_.
+        ("adamw", "Did you mean 'torch.optim.AdamW' (optimizer=adamw on the command line sets optimizer._component_)?"),
     ],
 )
 def test_resolve_optimizer_component_refuses(component, fragment):

@@ -16,6 +16,19 @@ from torchtune_offload.optim.capabilities import capabilities_of
 OptimizerClassSpec = Union[str, type]
 
 
+def _torch_optimizer_hint(name: str, *, key: str) -> str:
+    """For a bare class name (``adamw``, as ``optimizer=adamw`` on torchtune's command line sets
+    ``optimizer._component_``), the torch.optim class of that name, whatever its case."""
+    if "." in name:
+        return ""
+    found = [n for n in dir(torch.optim) if n.lower() == name.strip().lower() and isinstance(getattr(torch.optim, n), type)]
+    if not found:
+        return ""
+    node = key.rsplit(".", 1)[0] if key.endswith("._component_") else None
+    said = f" ({node}={name} on the command line sets {key})" if node else ""
+    return f"Did you mean 'torch.optim.{found[0]}'{said}? "
+
+
 def resolve_optimizer(optimizer_class: OptimizerClassSpec, *, key: str) -> type:
     """Returns the ``torch.optim.Optimizer`` subclass named by ``optimizer_class``.
 
@@ -35,8 +48,8 @@ def resolve_optimizer(optimizer_class: OptimizerClassSpec, *, key: str) -> type:
         except Exception as err:  # torchtune raises its own InstantiationError
             raise ValueError(
                 f"{key}={optimizer_class!r} does not resolve to an importable object ({err}). "
-                "Set it to a dotted path such as 'torch.optim.AdamW', 'torch.optim.SGD' or "
-                "'bitsandbytes.optim.AdamW8bit'."
+                f"{_torch_optimizer_hint(optimizer_class, key=key)}Set it to a dotted path such as "
+                "'torch.optim.AdamW', 'torch.optim.SGD' or 'bitsandbytes.optim.AdamW8bit'."
             ) from err
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ValueError(
