@@ -6,7 +6,6 @@ import sys
 import time
 import types
 
-import psutil
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -27,7 +26,7 @@ from torchtune_offload.recipe import (
     use_expandable_segments,
 )
 from torchtune_offload.recipe.config import check_recipe_config
-from torchtune_offload.recipe.memory import GIB, check_lora_model_fits_device, check_weights_fit_device, host_rss_peak
+from torchtune_offload.recipe.memory import GIB, check_lora_model_fits_device, check_weights_fit_device
 from torchtune_offload.recipe.run_report import compare_runs, median_tokens_per_second
 from tests.conftest import REPO_ROOT as REPO
 
@@ -99,22 +98,6 @@ def test_memory_monitor_on_cpu_reports_host_and_optimizer_figures():
     assert stats["optimizer_host"] == report.host_bytes / GIB > 0
     assert stats["optimizer_pinned"] == 0  # nothing is pinned without an accelerator
     assert stats["optimizer_device_saved"] == report.device_bytes_saved / GIB
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and clear_refs are Linux's")
-def test_the_host_peak_is_each_log_lines_own_interval():
-    # Before, ru_maxrss: the process's lifetime peak, so every line after a large load repeated it.
-    host_rss_peak(reset=True)
-    big = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched, then freed
-    held = psutil.Process().memory_info().rss
-    del big
-    first = host_rss_peak(reset=True)
-    assert first >= held - 16 * 2**20  # the kernel's counters lag a little
-    assert host_rss_peak(reset=True) < first - 128 * 2**20  # the freed tensor is not this interval's
-    # Without a reset the peak stays.
-    big = torch.ones(256 * 2**20 // 4)
-    del big
-    assert host_rss_peak(reset=False) >= host_rss_peak(reset=False) > psutil.Process().memory_info().rss + 128 * 2**20
 
 
 def test_memory_monitor_without_an_offload_optimizer():

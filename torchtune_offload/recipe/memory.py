@@ -8,7 +8,6 @@ thread samples it to catch the peak between two log lines.
 
 import os
 import resource
-import sys
 import threading
 from typing import Dict, Mapping, Optional
 
@@ -178,23 +177,6 @@ class _NvmlPeakSampler:
         self._thread.join(timeout=1)
 
 
-def host_rss_peak(*, reset: bool) -> int:
-    """This process's peak resident memory in bytes since the last ``reset`` (Linux: ``VmHWM``,
-    which writing 5 to ``/proc/self/clear_refs`` resets), else over its life (``ru_maxrss``, which
-    nothing resets), so that a log line's host peak is its interval's, as the device peaks are."""
-    try:
-        with open("/proc/self/status") as f:
-            peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-        if reset:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        return peak
-    except (OSError, StopIteration, ValueError, IndexError):
-        # ru_maxrss is in KiB on Linux (bytes on macOS, which has no /proc).
-        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return maxrss if sys.platform == "darwin" else maxrss * 1024
-
-
 class MemoryMonitor:
     """Collects the memory figures a recipe logs each step.
 
@@ -236,7 +218,8 @@ class MemoryMonitor:
             out["nvml_device_used_peak"] = self._nvml.read_peak(reset=reset) / GIB
         rss = self._process.memory_info().rss
         out["host_rss"] = rss / GIB
-        out["host_rss_peak"] = max(rss, host_rss_peak(reset=reset)) / GIB
+        # ru_maxrss is in KiB on Linux, a peak over the process's life, sampled by the kernel.
+        out["host_rss_peak"] = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / GIB
         r = self.optimizer.memory_report() if self.optimizer is not None else None
         if r is not None:
             out["optimizer_host"] = r.host_bytes / GIB
