@@ -53,6 +53,7 @@ def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path, caplog):
                         epoch=1, intermediate_checkpoint=True)
     # The failed save's "saved to" line is not logged: what it says did not happen.
     assert not any("epoch_1" in m for m in caplog.messages), caplog.messages
+
     assert not get_logger().filters  # and torchtune's logger is left as it was
     # Nothing of the failed save is where a resume looks; the previous state is untouched.
     assert not (tmp_path / "epoch_1").exists()
@@ -96,3 +97,17 @@ def test_torchtunes_misleading_save_lines_are_reworded(tmp_path, caplog):
     assert caplog.messages == [
         f"Adapter config of size 0.00 GiB saved to {tmp_path / 'epoch_0' / 'adapter_config.json'}",
         "Epoch 0's weights are saved (a resume reads the step checkpoints in checkpoints/, not these)."]
+
+
+def test_a_failed_saves_warnings_are_logged_at_once(tmp_path, caplog):
+    # They may say why it failed; only the lines that say what it saved wait for it to succeed.
+    class Warns(_FakeCheckpointer):
+        def save_checkpoint(self, state_dict, *, epoch, intermediate_checkpoint):
+            get_logger().info("saved to somewhere")
+            get_logger().warning("disk nearly full")
+            raise _Crash
+
+    caplog.set_level("INFO")
+    with pytest.raises(_Crash):
+        save_atomically(Warns(tmp_path), {}, epoch=0, intermediate_checkpoint=False)
+    assert caplog.messages == ["disk nearly full"]

@@ -333,7 +333,8 @@ def check_problems_for_config(config: str, *, recipe: str) -> str:
 @pytest.mark.parametrize("overrides, fragment", [
     # Hydra's '+' adds a key; torchtune's command line has no such syntax (and ~+foo meant nothing).
     (["+batch_size=4"], "+batch_size: unknown config key for full_finetune_single_device. torchtune's command "
-                        "line has no '+' syntax (key=value adds a key too): write it without the '+' (batch_size=...)."),
+                        "line has no '+' syntax (key=value adds a key too): write it without the '+' (batch_size=4)."),
+    (["+optimizer.lr=1"], "write it without the '+' (optimizer.lr=1)."),  # not optimizer=..., which sets _component_
     (["+foo=1"], "+foo: unknown config key for full_finetune_single_device. torchtune's command line has no '+' "
                  "syntax (key=value adds a key too): drop the +foo=... override."),
     # A misspelt _component_ is an option like any other, with the closest name.

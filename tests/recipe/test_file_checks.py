@@ -190,6 +190,21 @@ def test_a_hub_datasets_unknown_option_is_named_too():
         build_dataset(cfg, tokenizer=None, key="dataset")
 
 
+def packing_refuses_dataset(tokenizer, **options):
+    """Raises as torchtune's packer does for a sample longer than max_seq_len."""
+    raise ValueError("Dataset sample is too long (70 > 64). Please set `split_across_pack=True` or increase "
+                     "`max_seq_len`.")
+
+
+def test_a_packing_error_is_not_blamed_on_the_split(tiny_assets, tmp_path):
+    # torchtune's packer says "split_across_pack": not the datasets library refusing dataset.split.
+    cfg = OmegaConf.merge(_config("full", tiny_assets, tmp_path, ["dataset.split=train"]).dataset,
+                          {"_component_": f"{__name__}.packing_refuses_dataset"})
+    with pytest.raises(ValueError, match="split_across_pack") as raised:
+        build_dataset(cfg, tokenizer=None, key="dataset")
+    assert not isinstance(raised.value, ConfigError)  # its own words, not "dataset.split=train: ..."
+
+
 @pytest.mark.parametrize("override, start, words", [
     ("dataset.split=trian", "dataset.split=trian: the datasets library cannot take it (",
      "Unknown split \"trian\". Should be one of ['train']"),

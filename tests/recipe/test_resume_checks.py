@@ -66,6 +66,9 @@ def test_a_checkpoint_is_resumed_only_by_a_run_of_its_rank_count(tmp_path, saved
     ({"batch_size": 4, "gradient_accumulation_steps": 2}, None),
     ({"batch_size": 2, "gradient_accumulation_steps": 2}, "and this config has batch_size=2. "),
     ({"batch_size": 4}, "and this config has gradient_accumulation_steps=1. "),  # its default
+    ({"batch_size": 4, "gradient_accumulation_steps": None}, "and this config has gradient_accumulation_steps=1. "),
+    ({"batch_size": 2, "gradient_accumulation_steps": None}, "and this config has batch_size=2, "
+                                                             "gradient_accumulation_steps=1. "),
     ({"batch_size": 2, "gradient_accumulation_steps": 4},
      "and this config has batch_size=2, gradient_accumulation_steps=4. "),
     ({"batch_size": "four"}, None),  # the config check's to refuse
@@ -82,9 +85,8 @@ def test_a_checkpoint_is_resumed_only_with_its_batching(tmp_path, configured, fr
         assert problem is None, problem
         return
     assert "was saved with batch_size=4, gradient_accumulation_steps=2, " + fragment in problem, problem
-    resume_with = " ".join(f"{k}={saved[k]}" for k in configured if configured[k] != saved[k])
-    if "gradient_accumulation_steps" not in configured:
-        resume_with = "gradient_accumulation_steps=2"
+    read = {"gradient_accumulation_steps": 1, **{k: v for k, v in configured.items() if v is not None}}
+    resume_with = " ".join(f"{k}={saved[k]}" for k in saved if read[k] != saved[k])
     assert f"resume with {resume_with}, or start fresh in another output_dir" in problem, problem
 
 
@@ -157,3 +159,14 @@ def test_resuming_where_no_checkpoint_was_ever_written_says_so_and_how_to_go_on(
     run_recipe("full", tiny_assets, tmp_path / "on", *RESUME, "epochs=1", *(f"checkpointer.{k}={v}" for k, v in
                zip(("checkpoint_dir", "checkpoint_files"), go_on.groups())))
     assert (tmp_path / "on" / "epoch_0" / ".complete").is_file()
+
+
+def test_a_finished_adapter_only_run_is_not_sent_to_train_on_from_no_files(tmp_path):
+    # save_adapter_weights_only=True: its final folder holds the adapter alone.
+    final = tmp_path / "epoch_0"
+    final.mkdir()
+    (final / "adapter_model.safetensors").write_bytes(b"")
+    (final / ".complete").write_text("complete\n")
+    problem = no_checkpoint_problem(OmegaConf.create({"output_dir": str(tmp_path), "epochs": 1}))
+    assert "checkpoint_files=[]" not in problem, problem
+    assert f"Its final folder, {final}, holds no full weights (an adapter only)" in problem, problem

@@ -2,7 +2,6 @@
 leave it alone) and hands it back to the collector however it ends; its progress bar shows each
 step's own loss."""
 
-import functools
 import gc
 import re
 import sys
@@ -55,7 +54,11 @@ def test_the_progress_bar_shows_each_steps_count_beside_its_own_loss(monkeypatch
     # Before, update() drew the bar with the new count and the previous step's loss, a line that a
     # log (no terminal) keeps: "1|3|Loss: 6.0267: 100%| 4/4". Every draw is kept here (tqdm skips
     # those less than 0.1 s apart, and the tiny steps are faster).
-    monkeypatch.setattr(train_loop, "tqdm", functools.partial(train_loop.tqdm, mininterval=0, miniters=1))
+    class EveryDraw(train_loop.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, mininterval=0, miniters=1, **kwargs)
+
+    monkeypatch.setattr(train_loop, "tqdm", EveryDraw)
     _run(tiny_assets, tmp_path, "max_steps_per_epoch=4")
     bars = re.findall(r"(\d+)\|(\d+)\|Loss: [\d.]+: +\d+%\|[^|]*\| (\d+)/4", capsys.readouterr().err)
     assert {int(count) for _, _, count in bars} == {1, 2, 3, 4}, bars

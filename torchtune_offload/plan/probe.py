@@ -10,6 +10,7 @@ present. Elsewhere the result names the GPU keys to take from a preset
 """
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -277,11 +278,14 @@ def probe(*, sizes: Optional[Dict[str, int]] = None, step_model: Optional[Dict[s
     if torch.cuda.is_available():
         gpu_keys, notes = probe_gpu(pcie_bytes=sizes["pcie_bytes"], step={**STEP_MODEL, **(step_model or {})})
         measured.update(gpu_keys)
+        # Rounded down below, as the budget it becomes must not exceed the device.
         measured[DEVICE_MEMORY_KEY] = torch.cuda.get_device_properties(0).total_memory / 2**30
     else:
         missing = list(GPU_KEYS)
-    return Probed({k: round(measured[k], 1) for k in [*MACHINE_KEYS, DEVICE_MEMORY_KEY] if k in measured},
-                  missing, notes)
+    keys = {k: round(measured[k], 1) for k in MACHINE_KEYS if k in measured}
+    if DEVICE_MEMORY_KEY in measured:
+        keys[DEVICE_MEMORY_KEY] = math.floor(measured[DEVICE_MEMORY_KEY] * 10) / 10
+    return Probed(keys, missing, notes)
 
 
 def run_probe(output: Optional[Path], *, sizes: Optional[Dict[str, int]] = None,

@@ -43,8 +43,6 @@ MACHINE_KEYS: Dict[str, str] = {
 #: when ``--machine`` names the machine and ``--device-gib`` is not given, so that a plan for a
 #: machine one is not on (a preset) needs no more flags.
 DEVICE_MEMORY_KEY = "device_memory_gib"
-DEVICE_MEMORY_ABOUT = ("the GPU's memory as torch reports it (total_memory, GiB); optional: the planner's device "
-                       "budget with --machine, unless --device-gib")
 #: Bytes a torch AdamW step over bf16 tensors reads and writes per parameter: weight, gradient and
 #: two states read (8), weight and states written (6).
 ADAMW_BF16_BYTES = 14

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -39,14 +40,19 @@ def fsync_tree(root: Path, *, files: bool = True) -> None:
 
 
 class _HeldLines(logging.Filter):
-    """Holds back the lines torchtune logs while it writes into the staging folder: they name paths
-    that exist only until the move, and a save that fails part-way did not save what they say."""
+    """Holds back the lines below WARNING that the saving thread logs (torchtune's checkpointer)
+    while it writes into the staging folder: they name paths that exist only until the move, and a
+    save that fails part-way did not save what they say. Warnings pass at once (they may say why a
+    save fails), and so do other threads' lines on the shared logger."""
 
     def __init__(self) -> None:
         super().__init__()
         self.records: List[logging.LogRecord] = []
+        self._thread = threading.get_ident()
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING or record.thread != self._thread:
+            return True
         self.records.append(record)
         return False
 

@@ -195,6 +195,13 @@ def config_shape_problems(cfg: DictConfig, *, recipe: str) -> List[str]:
     return problems + (_model_kind_problems(cfg, recipe=recipe) or model_option_problems(cfg))
 
 
+def _leaf_overrides(path: str, value: Any) -> List[str]:
+    """``key=value`` for each leaf under ``path`` (``+optimizer.lr=1`` arrives as ``{'+optimizer': {'lr': 1}}``)."""
+    if isinstance(value, DictConfig):
+        return [o for k, v in value.items() for o in _leaf_overrides(f"{path}.{k}", v)]
+    return [f"{path}={value}"]
+
+
 def _key_problems(cfg: DictConfig, *, recipe: str) -> List[str]:
     """Unknown keys (with the closest known one) and missing required ones."""
     known = RECIPE_KEYS[recipe]
@@ -206,8 +213,9 @@ def _key_problems(cfg: DictConfig, *, recipe: str) -> List[str]:
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
             if str(key).startswith("+"):
                 # Hydra's syntax for a new key; torchtune's command line takes plain key=value for any key.
-                bare = str(key)[1:].split(".")[0]
-                fix = f"write it without the '+' ({str(key)[1:]}=...)" if bare in known else f"drop the {key}=... override"
+                bare = str(key)[1:]
+                fix = (f"write it without the '+' ({', '.join(_leaf_overrides(bare, cfg[key]))})" if bare in known
+                       else f"drop the {key}=... override")
                 hint = f" torchtune's command line has no '+' syntax (key=value adds a key too): {fix}."
             elif others:
                 which = "that recipe" if len(others) == 1 else "one of those recipes"

@@ -12,10 +12,11 @@ import difflib
 import inspect
 import re
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 from datasets import packaged_modules
-from omegaconf import DictConfig, ListConfig
+from datasets.exceptions import DatasetsError
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune import config
 from torchtune.config._utils import _get_component_from_path
 
@@ -48,7 +49,7 @@ def build_dataset(cfg_dataset: DictConfig, tokenizer: Any, *, key: str) -> Any:
         raise ConfigError(problem) from err
 
 
-def _named_problem(cfg_dataset: DictConfig, err: Exception, *, key: str) -> Any:
+def _named_problem(cfg_dataset: DictConfig, err: Exception, *, key: str) -> Optional[str]:
     """The message naming the key ``err`` comes from, or None where it cannot be told."""
     said, source = f"{type(err).__name__}: {err}", cfg_dataset.get("source")
     if isinstance(err, (ConnectionError, FileNotFoundError)):
@@ -58,10 +59,15 @@ def _named_problem(cfg_dataset: DictConfig, err: Exception, *, key: str) -> Any:
         hint = (f"Did you mean {key}.source={close[0]}?" if close else
                 f"Name a Hub dataset, or one of the datasets library's loaders ({', '.join(LOADERS[:8])}, ...) "
                 f"with {key}.data_files.")
+        if isinstance(err, ConnectionError) and not close:
+            # Offline, or the Hub out of reach: the name may well be right.
+            hint = ("If it is a Hub dataset, this machine could not reach the Hub for it (offline?): download it "
+                    "where the Hub can be reached, or point it at a local copy.")
         return (f"{key}.source={source}: neither one of the datasets library's loaders nor a local folder, and the "
                 f"Hub could not give it ({said}). {hint}")
     split, columns = cfg_dataset.get("split"), cfg_dataset.get("column_map")
-    if isinstance(err, ValueError) and split is not None and re.search(r"(?i)split|slice", str(err)):
+    if isinstance(err, ValueError) and split is not None and re.search(r"Unknown split|Bad split|[Ss]lice", str(err)) \
+            and "split_across_pack" not in str(err):
         # The datasets library's own words ("Unknown split", a slice's bounds).
         return (f"{key}.split={split}: the datasets library cannot take it ({err}). Name one of the dataset's "
                 "splits, optionally sliced (train, train[:90%]).")
@@ -85,7 +91,12 @@ def _named_problem(cfg_dataset: DictConfig, err: Exception, *, key: str) -> Any:
 
 
 def is_local(cfg_dataset: DictConfig) -> bool:
-    """The dataset is read from this machine alone: a loader of the datasets library or a local folder."""
+    """Whether the dataset is read from this machine alone: its ``source`` is a loader of the
+    datasets library (``json`` with ``data_files``) or a local folder, not a Hub id.
+
+    Args:
+        cfg_dataset: a dataset's config node.
+    """
     source = cfg_dataset.get("source")
     return source is not None and (str(source) in LOADERS or Path(str(source)).expanduser().is_dir())
 
@@ -109,13 +120,18 @@ def dataset_build_problems(cfg: DictConfig) -> Tuple[List[str], List[str]]:
     nodes = dataset_nodes(cfg.dataset)
     local = [(key, node) for key, node in nodes if is_local(node)]
     if local:
-        tokenizer = config.instantiate(cfg.tokenizer)
+        try:
+            tokenizer = config.instantiate(cfg.tokenizer)
+        except Exception as err:  # torchtune's own InstantiationError among them
+            return [f"tokenizer: building it fails ({type(err).__name__}: {err}), so the data was not built."], []
         for key, node in local:
             try:
-                build_dataset(node, tokenizer, key=key)
+                # Unpacked: packing tokenizes the whole dataset, which checks nothing more.
+                build_dataset(node if not node.get("packed") else OmegaConf.merge(node, {"packed": False}),
+                              tokenizer, key=key)
             except ConfigError as err:
                 problems.append(str(err))
-            except (TypeError, ValueError, OSError) as err:  # what build_dataset cannot tie to a key
+            except (TypeError, ValueError, OSError, DatasetsError) as err:  # what build_dataset cannot tie to a key
                 problems.append(f"{key}: building it fails ({type(err).__name__}: {err}).")
     unbuilt = []
     for key, node in nodes:

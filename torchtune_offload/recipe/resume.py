@@ -58,9 +58,16 @@ def final_weights(cfg: DictConfig) -> Optional[Path]:
 
 
 def batching(cfg: DictConfig) -> Dict[str, Any]:
-    """The config's ``batch_size`` and ``gradient_accumulation_steps`` (default 1), as a checkpoint records them."""
-    return {"batch_size": cfg.get("batch_size"),
-            "gradient_accumulation_steps": cfg.get("gradient_accumulation_steps", 1)}
+    """The config's ``batch_size`` and ``gradient_accumulation_steps``, as a checkpoint records them.
+
+    Args:
+        cfg: the recipe config.
+
+    Returns:
+        Both values; an absent or null ``gradient_accumulation_steps`` is 1, as the config check reads it.
+    """
+    accum = cfg.get("gradient_accumulation_steps")
+    return {"batch_size": cfg.get("batch_size"), "gradient_accumulation_steps": 1 if accum is None else accum}
 
 
 def _batching_problem(cfg: DictConfig, newest: Path) -> Optional[str]:
@@ -94,9 +101,12 @@ def no_checkpoint_problem(cfg: DictConfig, *, world_size: Optional[int] = None) 
     if last is not None:
         # The weights torchtune wrote there (a LoRA run's merged model beside its adapter), by name:
         # the config's checkpoint_files name the files the run started from, not these.
-        files = sorted(p.name for p in last.glob("*.safetensors") if not p.name.startswith("adapter"))
+        files = sorted(p.name for pattern in ("*.safetensors", "*.bin") for p in last.glob(pattern)
+                       if not p.name.startswith("adapter"))
         go_on = (f" To train on from its final weights, start a new run from them: checkpointer.checkpoint_dir={last} "
-                 f"checkpointer.checkpoint_files=[{','.join(files)}] with another output_dir.")
+                 f"checkpointer.checkpoint_files=[{','.join(files)}] with another output_dir." if files else
+                 f" Its final folder, {last}, holds no full weights (an adapter only): to train on, start a new run "
+                 "from the base weights with that adapter, in another output_dir.")
     if newest is None:
         where = (f"{out / CHECKPOINTS_DIR} holds no complete checkpoint" if (out / CHECKPOINTS_DIR).is_dir() else
                  f"{out} holds no {CHECKPOINTS_DIR}/ folder")
