@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.recipe.test_recipes import _config, _load_recipe_class
-from torchtune_offload.recipe.dataset_build import build_dataset
+from torchtune_offload.recipe.dataset_build import build_dataset, dataset_build_problems
 from torchtune_offload.recipe.config import ConfigError
 from torchtune_offload.recipe.file_checks import file_problems, safetensors_problem
 
@@ -225,3 +225,13 @@ def test_a_value_the_datasets_library_or_torchtune_refuses_is_named(tiny_assets,
     with pytest.raises(ConfigError) as raised:
         build_dataset(cfg, tokenizer=None, key="dataset")
     assert str(raised.value).startswith(start) and words in str(raised.value), str(raised.value)
+
+
+def test_a_hub_dataset_is_named_as_not_built_with_what_it_reads():
+    # Not built (it would be downloaded): neither refused nor called checked.
+    cfg = OmegaConf.create({"tokenizer": {"_component_": "not.built"}, "dataset": [
+        {"_component_": "torchtune.datasets.alpaca_dataset"},  # its own source
+        {"_component_": "torchtune.datasets.instruct_dataset", "source": "jsn"}]})
+    assert dataset_build_problems(cfg) == ([], [
+        "dataset[0] (torchtune.datasets.alpaca_dataset's own source, from the Hub)",
+        "dataset[1] (source=jsn, from the Hub; or did you mean dataset[1].source=json?)"])

@@ -135,8 +135,13 @@ def dataset_build_problems(cfg: DictConfig) -> Tuple[List[str], List[str]]:
                 problems.append(f"{key}: building it fails ({type(err).__name__}: {err}).")
     unbuilt = []
     for key, node in nodes:
-        if not is_local(node):
-            close = difflib.get_close_matches(str(node.get("source")), LOADERS, n=1)
-            unbuilt.append(f"{key} (source={node.get('source')}, from the Hub" +
-                           (f"; or did you mean {key}.source={close[0]}?)" if close else ")"))
+        if is_local(node):
+            continue
+        source = node.get("source")
+        if source is None:  # a builder with its own source (torchtune's alpaca_dataset, say)
+            unbuilt.append(f"{key} ({node.get('_component_')}'s own source, from the Hub)")
+            continue
+        close = difflib.get_close_matches(str(source), LOADERS, n=1)
+        unbuilt.append(f"{key} (source={source}, from the Hub" +
+                       (f"; or did you mean {key}.source={close[0]}?)" if close else ")"))
     return problems, unbuilt
