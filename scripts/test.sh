@@ -7,11 +7,10 @@
 # for races (pytest --also-checked-streams, docs/stream_check.md), so that a missing stream wait
 # fails on the CPU; CHECKED_STREAMS=0 leaves that out.
 #
-# The suite runs on three pytest-xdist workers (TEST_WORKERS overrides; 0 runs it in one process).
-# Most of its time is real runs in child processes, so two workers took it from about 16 minutes to
-# about 10 on a 2-core machine. A third hides what the tests wait for (child processes starting,
-# pip, fsync; its tests' durations add up to 27 min against 17 min of CPU): on a 2-core Intel Xeon
-# with AMX (2026-11-28), back to back, 14:23 of pytest on two workers, 11:27 on three. Python children are forked from a process that has imported torch and
+# The suite runs on two pytest-xdist workers (TEST_WORKERS overrides; 0 runs it in one process).
+# Most of its time is real runs in child processes, so two workers take it from about 16 minutes to
+# about 10 on a 2-core machine. Three did not clearly help: on a 2-core Intel Xeon with AMX
+# (2026-11-28), nothing else running, 14:23 of pytest on two workers, then 11:27 and 14:58 on three. Python children are forked from a process that has imported torch and
 # torchtune once (tests/zygote.py; TEST_ZYGOTE=0 starts each afresh): 12:41 of pytest before, 8:10
 # after, on the 2-core Zen 4. Whole files go to one worker (--dist loadfile), so module-scoped
 # fixtures (the straight runs of the kill tests, the planner's checkpoints) are built once.
@@ -27,4 +26,4 @@ PY=${PYTHON:-python3}
 # with it: any gain is within this machine's drift.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 checked=(--also-checked-streams); [ "${CHECKED_STREAMS:-1}" = 0 ] && checked=()
-$PY -m pytest -q -n "${TEST_WORKERS:-3}" --dist loadfile "${checked[@]}" "$@"
+$PY -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile "${checked[@]}" "$@"
