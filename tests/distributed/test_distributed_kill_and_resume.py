@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from tests import zygote
 from tests.recipe_harness import TUNE, tiny_asset_overrides, working_tree_env
 from torchtune_offload.recipe import read_disk_log
-from torchtune_offload.recipe.step_checkpoints import StepCheckpoints, complete_checkpoints, saved_batching
+from torchtune_offload.recipe.step_checkpoints import StepCheckpoints, complete_checkpoints, read_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny" / "full_distributed.yaml"
@@ -106,7 +106,7 @@ def _assert_every_complete_checkpoint_loads(out: Path) -> List[Path]:
     for path in found:
         point = StepCheckpoints.load(path)
         assert len(point.state["ranks"]) == 2 and "tok_embeddings.weight" in point.state["optimizer"]["state"]
-        assert saved_batching(path) == {"batch_size": 4, "gradient_accumulation_steps": 2}  # checked on resume
+        assert read_manifest(path)["batching"] == {"batch_size": 4, "gradient_accumulation_steps": 2}  # checked on resume
     return found
 
 

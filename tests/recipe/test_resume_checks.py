@@ -129,7 +129,6 @@ def test_a_resumed_run_takes_the_checkpoints_max_steps_per_epoch_as_it_says(meas
     assert "config max_steps_per_epoch=5 differs from the checkpoint's 3; using the checkpoint's" in caplog.text
 
 
-
 def test_a_finished_run_is_not_resumed_and_is_pointed_to_its_final_weights(tiny_assets, tmp_path):
     # Before, its newest step checkpoint (from before the last steps) was resumed without a word: the
     # last steps trained again and the final weights were written anew.

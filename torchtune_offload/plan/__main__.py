@@ -157,15 +157,18 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
         return 1
     device = torch.device(str(cfg.device))
     baseline, baseline_notes = process_baseline(cfg, device=device)  # before anything is traced
-    device_budget = int(args.device_gib * GIB) if args.device_gib is not None else default_device_budget(device)
+    host_budget = int(args.host_gib * GIB) if args.host_gib is not None else default_host_budget()
     budget_note = ""
-    if args.device_gib is None and device.type != "cpu" and machine is not None and machine.device_memory_gib:
+    if args.device_gib is not None:
+        device_budget = int(args.device_gib * GIB)
+    elif device.type == "cpu":
+        device_budget = host_budget  # a CPU run's device memory is the host's
+    elif machine is not None and machine.device_memory_gib:
         # The machine the plan is for, which need not be this one.
         device_budget = int(machine.device_memory_gib * GIB)
         budget_note = f"{machine.name}'s {DEVICE_MEMORY_KEY}; --device-gib to change it"
-    host_budget = int(args.host_gib * GIB) if args.host_gib is not None else default_host_budget()
-    if device.type == "cpu" and args.device_gib is None:
-        device_budget = host_budget  # a CPU run's device memory is the host's
+    else:
+        device_budget = default_device_budget(device)
     try:
         plans, fine, traces = [], [], {}
         with_fine_tunes = args.fine_tunes and recipe in ("full", "lora")

@@ -15,7 +15,7 @@ from typing import Any, Iterable, List, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from torchtune_offload.recipe.config import ConfigError
-from torchtune_offload.recipe.resume import final_weights, no_checkpoint_problem, run_output_dir
+from torchtune_offload.recipe.resume import final_weights, no_checkpoint_problem, run_output_dir, weight_files
 from torchtune_offload.recipe.step_checkpoints import CHECKPOINTS_DIR, checkpoint_folders, newest_checkpoint
 
 #: Dataset sources read from local files (``datasets.load_dataset(source, data_files=...)``).
@@ -152,7 +152,7 @@ def _checkpoint_problems(ck: DictConfig, *, resume: bool, step_resume: bool, out
     for name in _listed(files):
         path = directory / name
         if not path.is_file():
-            there = sorted(p.name for p in directory.glob("*.safetensors")) + sorted(p.name for p in directory.glob("*.bin"))
+            there = weight_files(directory)
             yield (f"checkpointer.checkpoint_files: {name} is not in {directory}. List the files that are there"
                    + (f" (weight files: {', '.join(there[:8])}{', ...' if len(there) > 8 else ''})." if there else
                       "; it holds no .safetensors or .bin file."))

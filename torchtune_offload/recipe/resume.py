@@ -26,8 +26,7 @@ from torchtune_offload.recipe.step_checkpoints import (
     newest_checkpoint,
     restore_rng_states,
     rng_states,
-    saved_batching,
-    saved_ranks,
+    read_manifest,
 )
 
 log = utils.get_logger("INFO")
@@ -57,6 +56,13 @@ def final_weights(cfg: DictConfig) -> Optional[Path]:
     return last
 
 
+def weight_files(folder: Path) -> List[str]:
+    """The model weight files in ``folder`` by name (safetensors first, then .bin), as
+    ``checkpointer.checkpoint_files`` lists them; a LoRA run's adapter files are not the model's."""
+    return [p.name for pattern in ("*.safetensors", "*.bin") for p in sorted(folder.glob(pattern))
+            if not p.name.startswith("adapter")]
+
+
 def batching(cfg: DictConfig) -> Dict[str, Any]:
     """The config's ``batch_size`` and ``gradient_accumulation_steps``, as a checkpoint records them.
 
@@ -70,8 +76,8 @@ def batching(cfg: DictConfig) -> Dict[str, Any]:
     return {"batch_size": cfg.get("batch_size"), "gradient_accumulation_steps": 1 if accum is None else accum}
 
 
-def _batching_problem(cfg: DictConfig, newest: Path) -> Optional[str]:
-    saved, configured = saved_batching(newest), batching(cfg)
+def _batching_problem(cfg: DictConfig, newest: Path, saved: Optional[Dict[str, Any]]) -> Optional[str]:
+    configured = batching(cfg)
     if saved is None or not all(isinstance(v, int) for v in configured.values()):
         return None  # not recorded (StepCheckpoints.load warns), or refused by the config check
     differ = [key for key in configured if saved.get(key) != configured[key]]
@@ -101,8 +107,7 @@ def no_checkpoint_problem(cfg: DictConfig, *, world_size: Optional[int] = None) 
     if last is not None:
         # The weights torchtune wrote there (a LoRA run's merged model beside its adapter), by name:
         # the config's checkpoint_files name the files the run started from, not these.
-        files = sorted(p.name for pattern in ("*.safetensors", "*.bin") for p in last.glob(pattern)
-                       if not p.name.startswith("adapter"))
+        files = weight_files(last)
         go_on = (f" To train on from its final weights, start a new run from them: checkpointer.checkpoint_dir={last} "
                  f"checkpointer.checkpoint_files=[{','.join(files)}] with another output_dir." if files else
                  f" Its final folder, {last}, holds no full weights (an adapter only): to train on, start a new run "
@@ -116,9 +121,10 @@ def no_checkpoint_problem(cfg: DictConfig, *, world_size: Optional[int] = None) 
     if last is not None:
         return (f"resume_from_checkpoint=True: the run in {out} finished ({last} holds its final weights, saved after "
                 f"its newest checkpoint, {newest.name}), so nothing is left to resume.{go_on}")
-    saved = saved_ranks(newest)
+    manifest = read_manifest(newest)
+    saved = manifest.get("ranks")
     if saved == world_size:
-        return _batching_problem(cfg, newest)
+        return _batching_problem(cfg, newest, manifest.get("batching"))
     if world_size is None:
         return (f"resume_from_checkpoint=True: {newest} was written by the distributed recipe on {saved} ranks. "
                 f"Resume it with tune run --nproc_per_node {saved} recipes/full_finetune_distributed.py.")

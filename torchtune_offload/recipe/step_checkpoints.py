@@ -238,17 +238,12 @@ class StepCheckpoints:
                            step_in_epoch=manifest["step_in_epoch"], run_id=manifest["run_id"], state=state)
 
 
-def saved_ranks(path: Path) -> Optional[int]:
-    """The rank count a checkpoint was written by (read from its manifest alone, no weight), or
-    ``None`` for a single-device recipe's checkpoint."""
-    return json.loads((path / MANIFEST_FILE).read_text()).get("ranks")
-
-
-def saved_batching(path: Path) -> Optional[Dict[str, int]]:
-    """The ``batch_size`` and ``gradient_accumulation_steps`` a checkpoint was written with (read
-    from its manifest alone), or ``None`` for a checkpoint that does not record them (written before
-    they were recorded)."""
-    return json.loads((path / MANIFEST_FILE).read_text()).get("batching")
+def read_manifest(path: Path) -> Dict[str, Any]:
+    """A complete checkpoint's manifest, read alone (no weight): what a resume is checked against
+    first. Its ``ranks`` (the distributed recipe's rank count) is absent from a single-device
+    recipe's checkpoint, and its ``batching`` (``batch_size`` and ``gradient_accumulation_steps``)
+    from one written before they were recorded."""
+    return json.loads((path / MANIFEST_FILE).read_text())
 
 
 def describe(point: ResumePoint, *, steps_per_epoch: int) -> str:
