@@ -565,3 +565,18 @@ def test_the_probe_refuses_an_output_it_would_lose_or_overwrite_before_measuring
         dict(load_machine("h100_recorded").as_dict()), [], []))
     assert tune_offload(["probe", "--output", str(tmp_path / "machine.json"), "--force"]) == 0
     assert load_machine(tmp_path / "machine.json").as_dict() == load_machine("h100_recorded").as_dict()
+
+
+def test_where_cuda_is_present_the_probe_writes_the_gpus_memory_rounded_down(monkeypatch):
+    # The CUDA branch on the CPU: the GPU's rates given, its total_memory read as torch reports it.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = {"gpu_bf16_tflops": 100.0, "pcie_h2d_gbs": 20.0, "pcie_d2h_gbs": 20.0, "device_sync_us": 100.0}
+    monkeypatch.setattr(probe_module, "probe_gpu", lambda **kwargs: (dict(gpu), ["a note"]))
+    total = int(23.99 * 2**30)  # an RTX 4090's total_memory is about this
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"total_memory": total})())
+    measured, missing, notes = probe_module.probe(sizes={"copy_bytes": 1 << 20, "step_params": 1 << 16,
+                                                          "pcie_bytes": 1 << 20})
+    assert missing == [] and notes == ["a note"]
+    assert measured["device_memory_gib"] == 23.9  # down: the budget it becomes must not pass the device
+    assert list(measured) == [*MACHINE_KEYS, "device_memory_gib"]
+    assert Machine.from_dict(measured, name="probed").device_memory_gib == 23.9
