@@ -6,7 +6,7 @@ passes (widen the gradient, torch's AdamW, round the master) it moves about 40 b
 in one pass, 28, as many as torch's fused fp32 AdamW.
 
 The pass is the C loop in ``fused_adamw.c``, compiled with the system C compiler (``$CC``, else
-``cc``) once per process into a temporary directory (a fraction of a second) and called through
+the first of ``cc``, ``gcc``, ``clang`` on ``PATH``) once per process into a temporary directory (a fraction of a second) and called through
 ``ctypes``, which releases the GIL, over all of torch's intra-op threads with OpenMP. Measured
 against the alternatives on this project's 2-core AVX-512 CPU: ``torch.compile`` of the same math
 reached 0.6x of torch's fused fp32 AdamW (its generated loop is compute-bound at a third of torch's

@@ -78,8 +78,9 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
         prog: the command's name, for its usage and error lines.
 
     Returns:
-        The exit status: 0 when every variant was planned, 1 when the recipe refuses one, 2 for bad
-        arguments or a model the planner cannot build or trace.
+        The exit status: 0 when the config as given was planned (other variants may be refused in
+        their rows), 1 when the recipe refuses the config itself, 2 for bad arguments or a model
+        the planner cannot build or trace.
     """
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--config",

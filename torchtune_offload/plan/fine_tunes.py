@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 __all__ = ["DEFAULT_ADAPTERS", "FineTune", "configured_fine_tune", "fine_tunes", "unquantised_twin"]
 
-#: The adapters of the shipped ``*_lora_offload`` configs, for LoRA and QLoRA of a full model's config.
+#: The adapters of the shipped 8B ``*_lora_offload`` configs, for LoRA and QLoRA of a full model's config.
 DEFAULT_ADAPTERS: Dict[str, Any] = {"lora_attn_modules": ["q_proj", "v_proj", "output_proj"],
                                     "apply_lora_to_mlp": True, "lora_rank": 8, "lora_alpha": 16,
                                     "lora_dropout": 0.0}
