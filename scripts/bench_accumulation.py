@@ -5,6 +5,7 @@ Usage (from the repository root, on a CPU-only machine):
 
     python scripts/bench_accumulation.py [--params 100e6] [--grad-sum-dtype fp32] [--master-dtype fp32]
                                          [--optimizer adamw8bit] [--repeats 10] [--warmup 2] [--threads N]
+                                         [--before torch|portable]
 
 The parameters are bf16 tensors of Llama 3.2 3B layer shapes (attention 3072x3072 and 1024x3072,
 MLP 8192x3072), as many as reach --params (the last one cut to fit), trained by one
@@ -26,12 +27,15 @@ to be the micro-batch less its copy, which stopped measuring the additions once 
 training thread and overlapped the copies.)
 
 Paths: ``before``, torch's ``add_`` of each staged chunk into its sum (the engine before the fused
-addition); ``after``, ``host_add.add_`` (the engine now). Prints a markdown table with the CPU and
+addition), or with ``--before portable`` the fused addition built without AVX512_BF16's rounding
+(the engine before that rounding; only on a CPU that has it); ``after``, ``host_add.add_`` (the
+engine now). Prints a markdown table with the CPU and
 torch's thread count: medians over --repeats, seconds per 100M parameters, bytes per parameter the
 work needs, and the ratio of each micro-batch's host work to the host AdamW step.
 """
 
 import argparse
+import functools
 import statistics
 import time
 from typing import Dict, List, Optional
@@ -40,7 +44,9 @@ import torch
 
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.bench.arguments import positive_int, positive_number
-from torchtune_offload.bench.machine import cpu_name
+from torchtune_offload.bench.machine import cpu_flags, cpu_name
+from torchtune_offload.optim import host_add
+from torchtune_offload.optim.fused_step import build_library
 from torchtune_offload.optim.staging import StagingRing
 
 #: Llama 3.2 3B's layer: q, k, v, o, gate, up, down (100.7M parameters).
@@ -55,7 +61,11 @@ OPTIONS: Dict[str, tuple] = {
     "repeats": (positive_int, 10, "measured repetitions after warm-up"),
     "warmup": (int, 2, "repetitions left out of the medians"),
     "threads": (positive_int, None, "torch's intra-op threads (default: torch's choice, all cores)"),
+    "before": (str, "torch", "the path to compare with: torch (torch's add_) or portable (the fused addition built "
+                             "without AVX512_BF16's rounding, on a CPU that has it)"),
 }
+#: --before: what the "before" ring adds with.
+BEFORE = {"torch": "torch's add_", "portable": "the fused addition without AVX512_BF16's rounding (-mno-avx512bf16)"}
 PATHS = ("before", "after")
 BYTES = {torch.bfloat16: 2, torch.float32: 4}
 #: The host step's optimizer for each --optimizer, with its options.
@@ -78,6 +88,11 @@ def parse_args() -> argparse.Namespace:
     if args.optimizer == "adamw8bit" and args.master_dtype is not None:
         p.error("--optimizer=adamw8bit with --master-dtype fp32: this script counts AdamW8bit's bytes on bf16 "
                 "weights only; leave one of them out")
+    if args.before not in BEFORE:
+        p.error(f"--before={args.before}: use one of {', '.join(BEFORE)}")
+    if args.before == "portable" and "avx512_bf16" not in cpu_flags():
+        p.error("--before=portable: this CPU has no AVX512_BF16, so the engine's build is the portable loop "
+                "already; use --before torch")
     if args.repeats < 1 or args.warmup < 0 or args.params < 1:
         p.error("--repeats must be at least 1, --warmup at least 0, --params at least 1")
     return args
@@ -128,9 +143,13 @@ def main() -> None:
                            offload_gradients=True, minimal_size=0, grad_sum_dtype=args.grad_sum_dtype,
                            master_dtype=args.master_dtype, **options)
     largest = max(s.host_grad.numel() * s.host_grad.element_size() for s in opt._slots)
-    # The engine builds its own ring (the fused addition); the "before" ring adds with torch's add_.
+    # The engine builds its own ring (the fused addition); the "before" ring adds with torch's add_,
+    # or with the fused addition built without AVX512_BF16.
     rings = {"after": opt._grads.staging,
              "before": StagingRing(opt._transfer, largest_bytes=largest, fused_add=False)}
+    if args.before == "portable":
+        portable = host_add.bind_kernels(build_library(host_add.SOURCE, flags=("-mno-avx512bf16",)))
+        rings["before"]._add = functools.partial(host_add.add_, library=portable)
 
     def micro_batch() -> None:
         for p, g in zip(params, grads):
@@ -189,6 +208,7 @@ def main() -> None:
           f"master weights {args.master_dtype or 'none'}; host step {optimizer_class}; "
           f"medians of {args.repeats} repetitions "
           f"after {args.warmup} warm-up, paths in turns")
+    print(f"before: {BEFORE[args.before]}; after: the engine's fused addition")
     print()
     print("| work | s | s per 100M params | bytes/param | GB/s | host work / host step |")
     print("|---|---|---|---|---|---|")

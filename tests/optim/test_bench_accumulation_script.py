@@ -5,6 +5,7 @@ import re
 import pytest
 
 from tests import zygote
+from torchtune_offload.bench.machine import cpu_flags
 
 ROWS = ["before: micro-batch on a CPU-only machine", "before: the copies, training thread (DMA on an accelerator)",
         "before: host work, the additions (ring thread)", "before: the additions alone (as on an accelerator)",
@@ -22,6 +23,7 @@ def test_bench_accumulation_prints_the_table(options, sum_bytes, step_bytes):
     out = zygote.run_script("bench_accumulation.py", "--params", "300000", "--repeats", "2", "--warmup", "1", *options)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^CPU: .+; torch threads: [0-9]+;", out.stdout, flags=re.M)
+    assert re.search(r"^before: torch's add_; after: the engine's fused addition$", out.stdout, flags=re.M)
     rows = re.findall(r"^\| ([a-zA-Z:(), -]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+|inf) \| ([0-9.]*) \|$",
                       out.stdout, flags=re.M)
     assert [r[0] for r in rows] == ROWS
@@ -45,3 +47,17 @@ def test_bench_accumulation_refuses_an_optimizer_it_does_not_count():
     assert out.returncode == 2 and "--optimizer=sgd: use one of adamw, adamw8bit" in out.stderr
     out = zygote.run_script("bench_accumulation.py", "--optimizer", "adamw8bit", "--master-dtype", "fp32")
     assert out.returncode == 2 and "leave one of them out" in out.stderr
+
+
+def test_bench_accumulation_compares_the_portable_build_where_the_cpu_has_avx512_bf16():
+    out = zygote.run_script("bench_accumulation.py", "--params", "300000", "--repeats", "2", "--warmup", "1",
+                            "--before", "portable")
+    if "avx512_bf16" in cpu_flags():
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert re.search(r"^before: the fused addition without AVX512_BF16's rounding \(-mno-avx512bf16\); after: "
+                         r"the engine's fused addition$", out.stdout, flags=re.M)
+        assert re.search(r"^Host work of a non-final micro-batch: before [0-9.]+ s, after", out.stdout, flags=re.M)
+    else:
+        assert out.returncode == 2 and "--before=portable: this CPU has no AVX512_BF16" in out.stderr
+    out = zygote.run_script("bench_accumulation.py", "--before", "numpy")
+    assert out.returncode == 2 and "--before=numpy: use one of torch, portable" in out.stderr

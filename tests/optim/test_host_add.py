@@ -1,10 +1,12 @@
 """The fused host addition against torch's add_: the same bits, for every dtype pair it takes."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from torchtune_offload.optim import host_add, stream_check
-from torchtune_offload.optim.fused_step import c_compiler
+from torchtune_offload.optim.fused_step import build_library, c_compiler
 
 needs_compiler = pytest.mark.skipif(c_compiler() is None, reason="no C compiler here")
 
@@ -34,6 +36,41 @@ def test_same_bits_as_torch_add(dst_dtype, src_dtype, n):
     assert torch.equal(dst.view(torch.int16 if dst_dtype == torch.bfloat16 else torch.int32)[~ref.isnan()],
                        ref.view(torch.int16 if dst_dtype == torch.bfloat16 else torch.int32)[~ref.isnan()])
     assert torch.equal(dst.isnan(), ref.isnan())
+
+
+def _every_build():
+    """Every build of the loop this CPU runs: with AVX512_BF16's rounding where the CPU has it,
+    and without it (x86 only: the flags are GCC's and clang's x86 ones)."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    builds = [[]]
+    if "avx512_bf16" in flags:
+        builds.append(["-mno-avx512bf16"])
+    if " avx2" in flags:
+        builds.append(["-mno-avx512f"])
+    if len(builds) < 2:
+        pytest.skip("this CPU runs only the portable loop: nothing to compare it with")
+    return [host_add.bind_kernels(build_library(host_add.SOURCE, flags=extra)) for extra in builds]
+
+
+@needs_compiler
+def test_every_build_rounds_bf16_sums_as_torch_does():
+    """The AVX512_BF16 conversion flushes denormals that torch rounds: blocks with a denormal sum,
+    a zero sum, or neither, and a tail shorter than a block, give torch's bits in every build."""
+    n = 32 * 40 + 7
+    gen = torch.Generator().manual_seed(1)
+    dst = torch.randn(n, generator=gen).bfloat16()
+    src = torch.randn(n, generator=gen).bfloat16()
+    tiny = torch.tensor([2.0**-130, -(2.0**-129), 2.0**-127 + 2.0**-133]).bfloat16()
+    dst[5::97], src[5::97] = tiny[0], tiny[0]  # denormal sums, a few blocks apart
+    dst[9::101], src[9::101] = tiny[1], tiny[2]
+    dst[3::31], src[3::31] = 1.5, -1.5  # zero sums: the fast path's
+    dst[-3:], src[-3:] = tiny[0], tiny[0]  # in the tail
+    ref = dst.clone().add_(src)
+    assert (ref[5::97].float().abs() < 2.0**-126).all() and (ref[5::97] != 0).all()
+    for library in _every_build():
+        out = dst.clone()
+        library.add_bf16_bf16(out.data_ptr(), src.data_ptr(), n, 2)
+        assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
 
 
 def test_other_dtypes_and_layouts_take_torch_add():

@@ -9,7 +9,9 @@ reads each operand once, widens in registers and writes the sum once, for bf16 a
 alike, over torch's intra-op threads with OpenMP (built as ``fused_step.build_library`` builds the
 fused AdamW pass). Each element is rounded as torch's
 ``add_`` rounds it (one float32 addition, then round to nearest even into a bf16 sum), so the sums
-are torch's bits; other dtypes, and machines where the loop cannot be built, use ``add_``.
+are torch's bits; other dtypes, and machines where the loop cannot be built, use ``add_``. On a
+CPU with AVX512_BF16 a bf16 sum is rounded by its conversion instruction, except where a sum is
+denormal, which that instruction would flush.
 See ``docs/accumulation.md`` for the measurements.
 """
 
@@ -40,6 +42,18 @@ def _library() -> Optional[ctypes.CDLL]:
         warnings.warn(f"the host gradient addition could not be built ({type(err).__name__}: {err}); "
                       "using torch's add_", stacklevel=3)
         return None
+    return bind_kernels(library)
+
+
+def bind_kernels(library: ctypes.CDLL) -> ctypes.CDLL:
+    """Declares the argument types of the loops in ``library`` (a build of ``host_add.c``).
+
+    Args:
+        library: the loaded build, for example ``build_library(SOURCE, flags=("-mno-avx512bf16",))``.
+
+    Returns:
+        ``library``, whose kernels take ``(dst pointer, src pointer, elements, threads)``.
+    """
     for name in _KERNELS.values():
         kernel = getattr(library, name)
         kernel.restype = None
@@ -54,14 +68,19 @@ def supports(dst: torch.Tensor, src: torch.Tensor) -> bool:
             and dst.is_contiguous() and src.is_contiguous() and dst.numel() == src.numel())
 
 
-def add_(dst: torch.Tensor, src: torch.Tensor) -> None:
+def add_(dst: torch.Tensor, src: torch.Tensor, *, library: Optional[ctypes.CDLL] = None) -> None:
     """``dst.add_(src)`` with the same result, in one multi-threaded pass where :func:`supports` says so.
 
     Args:
         dst: the host sum, changed in place.
         src: a host tensor with as many elements.
+        library: the build to add with (from :func:`bind_kernels`; a benchmark compares builds);
+            None, this process's build.
     """
-    library = _library() if supports(dst, src) else None
+    if not supports(dst, src):
+        library = None
+    elif library is None:
+        library = _library()
     if library is None:
         dst.add_(src.view_as(dst))
         return
