@@ -8,9 +8,10 @@ in one pass, 28, as many as torch's fused fp32 AdamW.
 The pass is the C loop in ``fused_adamw.c``, compiled with the system C compiler (``$CC``, else
 the first of ``cc``, ``gcc``, ``clang`` on ``PATH``) once per process into a temporary directory (a
 fraction of a second) and called through ``ctypes``, which releases the GIL, over all of torch's
-intra-op threads with OpenMP. Measured against the alternatives on this project's 2-core AVX-512 CPU: ``torch.compile`` of the same math
-reached 0.6x of torch's fused fp32 AdamW (its generated loop is compute-bound at a third of torch's
-kernel's speed in cache), chunks of widen / torch's kernel / round 0.7x, the C loop 0.9-1.0x (see
+intra-op threads with OpenMP. Measured against the alternatives on this project's 2-core AVX-512
+CPU: ``torch.compile`` of the same math reached 0.6x of torch's fused fp32 AdamW (its generated
+loop is compute-bound at a third of torch's kernel's speed in cache), chunks of widen / torch's
+kernel / round 0.7x, the C loop 0.9-1.0x (see
 ``scripts/bench_host_step.py``). Where no compiler works, :func:`fused_adamw_step` returns False and
 the caller's unfused path is used, with one warning.
 
