@@ -14,6 +14,7 @@ import torchao.optim
 
 from torchtune_offload.optim.base_options import check_base_options
 from torchtune_offload.optim.capabilities import OFFLOAD_STEPS_AFTER_BACKWARD, OptimizerCapabilities
+from torchtune_offload.optim.driver_check import check_recipe_drives
 from torchtune_offload.optim.grad_norm import checked_norm_type, combine_norms, tensor_norm, total_norm
 from torchtune_offload.optim.host_arena import ALLOCATOR, NONE, pinned_allocation_bytes
 from torchtune_offload.optim.host_memory import HostMemoryPlan, offloaded_buffers_plan
@@ -85,6 +86,7 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         # A refused option value is named with its key on any machine, before the device check.
         check_base_options(base_class, kwargs, owner=f"CPUOffloadOptimizer (base {base_class.__name__})")
         self.check_own_options({"offload_gradients": offload_gradients, "minimal_size": minimal_size})
+        check_recipe_drives({"offload_gradients": offload_gradients}, owner="CPUOffloadOptimizer")
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         if accelerator is None or accelerator.type not in self.capabilities.device_types:
             raise ValueError(

@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 
 from torchtune_offload.optim.base_options import check_base_options
 from torchtune_offload.optim.capabilities import ENGINE_CAPABILITIES
+from torchtune_offload.optim.driver_check import RECIPE_DRIVEN, check_recipe_drives
 from torchtune_offload.optim.fp8_weights import DeviceWeights, plan_scale_bytes
 from torchtune_offload.optim.grad_norm import check_clip_arguments, checked_norm_type, combine_norms
 from torchtune_offload.optim.host_allocator import release_freed_host_memory
@@ -99,12 +100,13 @@ class OffloadOptimizer(Optimizer):
             overlap_timeout_s=overlap_timeout_s, update_on=update_on, device_staging_mib=device_staging_mib,
             device_weights=device_weights, grad_sum_on=grad_sum_on,
         )
+        opts = self.options
+        check_recipe_drives({key: getattr(opts, key) for key in RECIPE_DRIVEN}, owner="OffloadOptimizer")
         groups = named_groups(params)
         self.device = training_device(groups)
         # Gradients freed between our long-lived host buffers would otherwise stay resident.
         release_freed_host_memory()
         self._transfer = TransferEngine(self.device)
-        opts = self.options
         self._table = ParameterTable(
             groups, base_class=self.base_class, options=kwargs, accelerator=self._transfer.is_accelerator,
             minimal_size=opts.minimal_size, master_dtype=opts.master_dtype,
