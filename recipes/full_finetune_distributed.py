@@ -61,6 +61,7 @@ from torchtune_offload.recipe import (
     check_host_memory,
     check_recipe_config,
     instantiate_model,
+    interrupt_reported,
     load_checkpoint,
     loss_ignore_index,
     load_full_optimizer_state,
@@ -253,11 +254,12 @@ def recipe_main(cfg: DictConfig) -> None:
     if int(os.environ.get("RANK", 0)) == 0:
         config.log_config(recipe_name="FullFinetuneRecipeDistributed", cfg=cfg)
     recipe = FullFinetuneRecipeDistributed(cfg=cfg)
-    try:
-        recipe.setup(cfg=cfg)
-        recipe.train()
-    finally:
-        recipe.cleanup()
+    with interrupt_reported(cfg):  # Ctrl-C: where to resume from, not a traceback
+        try:
+            recipe.setup(cfg=cfg)
+            recipe.train()
+        finally:
+            recipe.cleanup()
 
 
 if __name__ == "__main__":

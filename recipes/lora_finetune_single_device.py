@@ -44,6 +44,7 @@ from torchtune_offload.recipe import (
     check_files,
     check_recipe_config,
     instantiate_model,
+    interrupt_reported,
     load_checkpoint,
     loss_ignore_index,
     run_output_dir,
@@ -179,11 +180,12 @@ def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run recipes/lora_finetune_single_device.py --config <yaml> [key=value ...]``."""
     config.log_config(recipe_name="LoRAFinetuneRecipeSingleDevice", cfg=cfg)
     recipe = LoRAFinetuneRecipeSingleDevice(cfg=cfg)
-    try:
-        recipe.setup(cfg=cfg)
-        recipe.train()
-    finally:
-        recipe.cleanup()
+    with interrupt_reported(cfg):  # Ctrl-C: where to resume from, not a traceback
+        try:
+            recipe.setup(cfg=cfg)
+            recipe.train()
+        finally:
+            recipe.cleanup()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from torchtune_offload.recipe.disk_log import read_disk_log
 from torchtune_offload.recipe.distributed_checkpoints import DistributedCheckpoints, load_full_optimizer_state
 from torchtune_offload.recipe.divergence import TrainingDivergedError
 from torchtune_offload.recipe.file_checks import check_files
+from torchtune_offload.recipe.interrupt import interrupt_reported
 from torchtune_offload.recipe.host_preflight import HostMemoryNeed, check_host_memory, host_memory_need
 from torchtune_offload.recipe.grad_math import loss_scale, sum_over_ranks
 from torchtune_offload.recipe.memory import (
@@ -77,6 +78,7 @@ __all__ = [
     "check_recipe_config",
     "host_memory_need",
     "instantiate_model",
+    "interrupt_reported",
     "load_checkpoint",
     "load_full_optimizer_state",
     "loss_ignore_index",
