@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torchtune import utils
 
 from torchtune_offload.recipe.progress import Progress
-from torchtune_offload.recipe.resume import batching, run_output_dir
+from torchtune_offload.recipe.resume import batching, optimizer_identity, run_output_dir
 from torchtune_offload.recipe.run_optimizer import RunOptimizer
 from torchtune_offload.recipe.step_checkpoints import (
     WEIGHTS_FILE,
@@ -82,6 +82,7 @@ class DistributedCheckpoints:
     def __init__(self, cfg: Any, *, keep_last: int, resume: bool, rank: int, world_size: int) -> None:
         self._out = run_output_dir(cfg)
         self._batching = batching(cfg)
+        self._optimizer = optimizer_identity(cfg)
         self._keep_last = keep_last
         self._resume = resume
         self.rank, self.world_size = rank, world_size
@@ -178,7 +179,8 @@ class DistributedCheckpoints:
             }
             path = self._store.save(global_step=progress.global_step, epoch=progress.epochs_run,
                                     step_in_epoch=progress.steps_run_in_epoch, weights=weights, state=state,
-                                    ranks=self.world_size, batching=self._batching)
+                                    ranks=self.world_size, batching=self._batching,
+                                    optimizer=self._optimizer)
             log.info(f"Checkpoint saved to {path}: resume_from_checkpoint=True on {self.world_size} ranks "
                      "continues from here.")
         dist.barrier()

@@ -8,6 +8,7 @@ interrupted. ``save_every_n_steps`` adds checkpoints between epoch ends; ``keep_
 bounds how many stay on disk.
 """
 
+import inspect
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -16,7 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import utils
 
 from torchtune_offload.recipe.atomic_save import COMPLETE_MARKER
+from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
 from torchtune_offload.recipe.config import RecipeSettings
+from torchtune_offload.recipe.optimizer_rules import resolve_optimizer_component
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.step_checkpoints import (
     CHECKPOINTS_DIR,
@@ -76,6 +79,48 @@ def batching(cfg: DictConfig) -> Dict[str, Any]:
     return {"batch_size": cfg.get("batch_size"), "gradient_accumulation_steps": 1 if accum is None else accum}
 
 
+def optimizer_identity(cfg: DictConfig) -> Optional[Dict[str, Optional[str]]]:
+    """The optimizer a config runs, as a checkpoint records it: the class of ``optimizer._component_``
+    and, for an offloading optimizer, of its ``optimizer_class`` (its default where unset), by
+    dotted name, so that spellings of one class (``torch.optim.AdamW``, ``torch.optim.adamw.AdamW``)
+    compare equal.
+
+    Args:
+        cfg: the recipe config.
+
+    Returns:
+        ``{"component": ..., "optimizer_class": ... or None}``; None where the optimizer does not
+        resolve (the config check reports that).
+    """
+    def name(cls: type) -> str:
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+    try:
+        component, capabilities = resolve_optimizer_component(cfg.get("optimizer"))
+        base = None
+        if capabilities.offloads:
+            default = inspect.signature(component).parameters.get("optimizer_class")
+            spec = cfg.optimizer.get("optimizer_class", None if default is None else default.default)
+            base = None if spec is None else name(resolve_optimizer_class(spec))
+    except ValueError:
+        return None
+    return {"component": name(component), "optimizer_class": base}
+
+
+def _optimizer_problem(cfg: DictConfig, newest: Path, saved: Optional[Dict[str, Any]]) -> Optional[str]:
+    configured = optimizer_identity(cfg)
+    if saved is None or configured is None or saved == configured:
+        return None  # not recorded (StepCheckpoints.load warns), or refused by the config check
+
+    def said(identity: Dict[str, Any]) -> str:
+        base = identity.get("optimizer_class")
+        return f"optimizer._component_={identity.get('component')}" + (f" optimizer.optimizer_class={base}" if base else "")
+
+    return (f"resume_from_checkpoint=True: {newest} was saved with {said(saved)}, and this config has "
+            f"{said(configured)}. Its optimizer state is that optimizer's, so only the same one continues the run: "
+            f"resume with {said(saved)}, or start fresh in another output_dir.")
+
+
 def _batching_problem(cfg: DictConfig, newest: Path, saved: Optional[Dict[str, Any]]) -> Optional[str]:
     configured = batching(cfg)
     if saved is None or not all(isinstance(v, int) for v in configured.values()):
@@ -93,8 +138,8 @@ def _batching_problem(cfg: DictConfig, newest: Path, saved: Optional[Dict[str, A
 
 def no_checkpoint_problem(cfg: DictConfig, *, world_size: Optional[int] = None) -> Optional[str]:
     """Why ``resume_from_checkpoint=True`` cannot resume, else ``None``: no complete checkpoint,
-    one of a finished run, or one written with another rank count, ``batch_size`` or
-    ``gradient_accumulation_steps`` (read from its manifest, before any weight).
+    one of a finished run, or one written with another rank count, ``batch_size``,
+    ``gradient_accumulation_steps`` or optimizer (read from its manifest, before any weight).
 
     Args:
         cfg: the recipe config.
@@ -124,7 +169,8 @@ def no_checkpoint_problem(cfg: DictConfig, *, world_size: Optional[int] = None) 
     manifest = read_manifest(newest)
     saved = manifest.get("ranks")
     if saved == world_size:
-        return _batching_problem(cfg, newest, manifest.get("batching"))
+        return (_batching_problem(cfg, newest, manifest.get("batching"))
+                or _optimizer_problem(cfg, newest, manifest.get("optimizer")))
     if world_size is None:
         return (f"resume_from_checkpoint=True: {newest} was written by the distributed recipe on {saved} ranks. "
                 f"Resume it with tune run --nproc_per_node {saved} recipes/full_finetune_distributed.py.")
@@ -153,6 +199,7 @@ class TrainingCheckpoints:
         self._out = run_output_dir(cfg)
         self._settings = settings
         self._batching = batching(cfg)
+        self._optimizer = optimizer_identity(cfg)
         self.progress = progress
         self.point: Optional[ResumePoint] = None
         self.store = StepCheckpoints(self._out, keep_last=settings.keep_last_n_checkpoints)
@@ -212,6 +259,7 @@ class TrainingCheckpoints:
             "rng": rng_states(),
         }
         path = self.store.save(global_step=p.global_step, epoch=p.epochs_run, step_in_epoch=p.steps_run_in_epoch,
-                               weights=weights, state=state, batching=self._batching)
+                               weights=weights, state=state, batching=self._batching,
+                               optimizer=self._optimizer)
         log.info(f"Checkpoint saved to {path}: resume_from_checkpoint=True continues from here.")
         return path

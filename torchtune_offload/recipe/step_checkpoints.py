@@ -140,7 +140,7 @@ class StepCheckpoints:
 
     def save(self, *, global_step: int, epoch: int, step_in_epoch: int, weights: Dict[str, torch.Tensor],
              state: Dict[str, Any], ranks: Optional[int] = None,
-             batching: Optional[Dict[str, int]] = None) -> Path:
+             batching: Optional[Dict[str, int]] = None, optimizer: Optional[Dict[str, Any]] = None) -> Path:
         """Writes one checkpoint atomically and removes the ones beyond ``keep_last``.
 
         Args:
@@ -153,6 +153,8 @@ class StepCheckpoints:
                 ``None`` for a single-device recipe's checkpoint.
             batching: the run's ``batch_size`` and ``gradient_accumulation_steps`` (its data
                 position and step counts are in their units); ``None`` where unknown (tests).
+            optimizer: the run's optimizer class and base optimizer class (``resume.optimizer_identity``:
+                the optimizer state is theirs); ``None`` where unknown.
 
         Returns:
             The checkpoint folder.
@@ -175,6 +177,8 @@ class StepCheckpoints:
             manifest["ranks"] = ranks
         if batching is not None:
             manifest["batching"] = dict(batching)
+        if optimizer is not None:
+            manifest["optimizer"] = dict(optimizer)
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
         fsync_tree(staging)
         final = checkpoint_folder(self.root.parent, global_step)
@@ -242,7 +246,7 @@ def read_manifest(path: Path) -> Dict[str, Any]:
     """A complete checkpoint's manifest, read alone (no weight): what a resume is checked against
     first. Its ``ranks`` (the distributed recipe's rank count) is absent from a single-device
     recipe's checkpoint, and its ``batching`` (``batch_size`` and ``gradient_accumulation_steps``)
-    from one written before they were recorded."""
+    and ``optimizer`` (the optimizer's classes) from one written before they were recorded."""
     return json.loads((path / MANIFEST_FILE).read_text())
 
 
