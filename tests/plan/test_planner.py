@@ -1,6 +1,7 @@
 """The memory planner: one traced step per shape of run, variants side by side, the pre-flight's host figure."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -175,13 +176,24 @@ def test_a_misspelt_key_refuses_every_variant_before_anything_is_traced(tiny_ass
     assert "tracing" not in err and "planning" not in err and out == "", (out, err)
 
 
+def test_an_unknown_sequence_length_is_said_once_before_anything_is_traced(tiny_assets, tmp_path):
+    # Each variant's row used to repeat it, twenty times for torchtune's configs (max_seq_len: null).
+    code, out, err = _plan_rc(*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "tokenizer.max_seq_len=null")
+    assert code == 1 and "is refused for every variant, so none was planned" in err, err
+    assert err.count("tokenizer.max_seq_len is null, so the sequence length is unknown: give --seq-len N.") == 1, err
+    assert "tracing" not in err and "planning" not in err and out == "", (out, err)
+    code, out, err = _plan_rc(*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "tokenizer.max_seq_len=0")
+    assert code == 1 and err.count("tokenizer.max_seq_len=0: ") == 1 and "planning" not in err, err
+
+
 def test_a_refused_config_keeps_its_table_and_exits_1_and_a_deleted_key_is_planned(tiny_assets, tmp_path):
     common = [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "--variants", "config,offload",
               "--no-fine-tunes"]
-    code, out, err = _plan_rc(*common, "tokenizer.max_seq_len=0")
+    code, out, err = _plan_rc(*common, "optimizer._component_=torchtune_offload.CPUOffloadOptimizer")
     assert code == 1 and "Traceback" not in err
-    assert "error: the config as given is refused: tokenizer.max_seq_len=0: must be null (no truncation)" in err
-    assert "| offload |" in out
+    assert ("error: the config as given is refused: device=cpu with torchtune_offload.CPUOffloadOptimizer: torchao's "
+            "optimizer needs CUDA or XPU.") in err, err
+    assert re.search(r"^\| offload \| [0-9.]+ \|", out, flags=re.M), out
     code, out, err = _plan_rc(*common, "~clip_grad_norm")  # deleted as tune run deletes it
     assert code == 0, err[-2000:]
 

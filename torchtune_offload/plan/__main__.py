@@ -152,6 +152,10 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
         print(f"error: {err}", file=sys.stderr)
         return 2
     shape = config_shape_problems(cfg, recipe=recipe)
+    try:  # every variant traces this many tokens a sample: unknown, each row would say so
+        sequence_length(cfg, args.seq_len)
+    except ValueError as err:
+        shape.append(str(err))
     if shape:
         print(f"error: {args.config} is refused for every variant, so none was planned:\n  - " + "\n  - ".join(shape),
               file=sys.stderr)
@@ -193,10 +197,7 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
         # One line, no traceback: the model is the user's to change, not a bug to debug here.
         print(f"error: {err}", file=sys.stderr)
         return 2
-    try:
-        seq_note = f"batch {cfg.batch_size} x {sequence_length(cfg, args.seq_len)} tokens"
-    except ValueError:
-        seq_note = "sequence length unknown"
+    seq_note = f"batch {cfg.batch_size} x {sequence_length(cfg, args.seq_len)} tokens"
     speeds = None if machine is None else {
         p.name: plan_speed(p, machine, device_budget=device_budget) for p in plans}
     print(format_plans(plans, device=str(device), device_budget=device_budget, host_budget=host_budget,
