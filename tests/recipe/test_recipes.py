@@ -10,6 +10,7 @@ import gzip
 import json
 import re
 import subprocess
+import types
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -23,7 +24,9 @@ from tests import zygote
 from tests.recipe.cpu_setup import cpu_recipe_setup
 from tests.recipe_harness import TUNE, load_recipe_module, tiny_asset_overrides, working_tree_env
 from torchtune_offload.bench.trace_summary import summarize
-from torchtune_offload.recipe import read_disk_log
+from torchtune_offload.optim.capabilities import capabilities_of
+from torchtune_offload.optim.optimizer_class import resolve_optimizer
+from torchtune_offload.recipe import build_optimizer, read_disk_log
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {kind: REPO_ROOT / "configs" / "tiny" / f"{kind}.yaml" for kind in ("full", "lora")}
@@ -642,3 +645,15 @@ def test_tune_run_reports_a_bad_config(tiny_assets, tmp_path):
     assert result.returncode != 0
     assert "Did you mean 'gradient_accumulation_steps'" in result.stderr, result.stderr[-3000:]
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_paged_optimizer_on_the_cpu_is_said_to_run_unpaged(caplog):
+    pytest.importorskip("bitsandbytes")
+    model = torch.nn.Linear(8, 8)
+    for component, said in (("bitsandbytes.optim.PagedAdamW", True), ("bitsandbytes.optim.AdamW", False)):
+        # The settings build_optimizer reads, without a config check.
+        settings = types.SimpleNamespace(optimizer_capabilities=capabilities_of(resolve_optimizer(component, key="k")),
+                                         optimizer_in_bwd=False, clip_grad_norm=None)
+        caplog.clear()
+        build_optimizer(OmegaConf.create({"_component_": component, "lr": 1e-3}), model, settings)
+        assert ("bitsandbytes pages its states only on CUDA and runs unpaged on the CPU" in caplog.text) is said

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
-from torchtune import config, modules, training
+from torchtune import config, modules, training, utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
@@ -33,6 +33,8 @@ from torchtune_offload.recipe.run_optimizer import (
     OwnGradientsOptimizer,
     RunOptimizer,
 )
+
+log = utils.get_logger("INFO")
 
 
 def build_metric_logger(cfg: DictConfig) -> Any:
@@ -99,6 +101,11 @@ def build_optimizer(
         # Names key the offload optimizer's checkpoint, so a reordered model cannot load wrong state;
         # plain, bitsandbytes and torchao's optimizers take tensors, as in torchtune's recipes.
         optimizer = config.instantiate(cfg_optimizer, trainable if caps.named_parameters else [p for _, p in trainable])
+        if getattr(optimizer, "is_paged", False) and trainable and trainable[0][1].device.type == "cpu":
+            # bitsandbytes says so only in a warning at the first step, which reads as a detail.
+            log.warning(f"optimizer._component_={cfg_optimizer._component_}: bitsandbytes pages its states only on "
+                        "CUDA and runs unpaged on the CPU, so this run's speed and memory are not those of a paged "
+                        "optimizer on a GPU.")
         kind = OptimizerKind.TORCHAO_OFFLOAD if caps.offloads else OptimizerKind.PLAIN
         if isinstance(optimizer, OffloadEngine):
             # By the calls the adapter makes, not by a capability: torchao's offloader holds its
