@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from torchtune._cli.run import Run
+from torchtune.training.metric_logging import DiskLogger
 
 import torchtune_offload.assets as tta
 from torchtune_offload.cli import RECIPE_KINDS, Shipped, main, shipped_root
@@ -340,3 +341,19 @@ def test_a_config_the_recipe_refuses_is_printed_without_a_traceback(cache_with_t
                         f"output_dir={tmp_path}", "batch_sze=3")
     assert code == 1 and "Traceback" not in err, err
     assert "tune-offload run: error: Invalid config:\n  - batch_sze: unknown config key" in err, err
+
+
+def test_compare_puts_finished_runs_side_by_side_and_refuses_bad_pairs(capsys, tmp_path):
+    for name, losses in (("plain", [3.0, 2.0, 1.0]), ("offload", [3.0, 2.5, 1.5])):
+        logger = DiskLogger(log_dir=str(tmp_path / name / "logs"), filename="log_1.txt")
+        for step, loss in enumerate(losses, start=1):
+            logger.log_dict({"loss": loss, "tokens_per_second": 100.0 * step, "host_rss_peak": 0.5}, step=step)
+        logger.close()
+    code, out, err = _cli(capsys, "compare", f"plain={tmp_path / 'plain'}", f"offload={tmp_path / 'offload'}")
+    assert code == 0, err
+    assert "largest loss difference from plain: 0.5" in out and "host_rss_peak" in out
+    for argv, said in ((["plain"], "'plain': give NAME=OUTPUT_DIR"),
+                       ([f"a={tmp_path / 'plain'}", f"a={tmp_path / 'offload'}"], "'a' is named twice"),
+                       ([f"a={tmp_path / 'nothing'}"], "no DiskLogger file at")):
+        code, out, err = _cli(capsys, "compare", *argv)
+        assert code == 2 and said in err and out == "", err

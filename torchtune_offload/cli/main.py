@@ -36,6 +36,7 @@ from torchtune_offload.recipe.component_options import (
     unchecked_options,
 )
 from torchtune_offload.recipe.dataset_build import dataset_build_problems
+from torchtune_offload.recipe.run_report import compare_runs
 from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root, torchtune_config
 
 PROG = "tune-offload"
@@ -249,6 +250,24 @@ def _probe(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- compare ----------------------------------------------------------------------------------
+
+def _compare(args: argparse.Namespace) -> int:
+    runs = {}
+    for spec in args.runs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise UsageError(f"{spec!r}: give NAME=OUTPUT_DIR, e.g. offload=runs/offload")
+        if name in runs:
+            raise UsageError(f"{name!r} is named twice: give each run its own name")
+        runs[name] = path
+    try:
+        print(compare_runs(runs))
+    except FileNotFoundError as err:  # no log file where a run should have written one
+        raise UsageError(str(err)) from err
+    return 0
+
+
 # --- run, download -----------------------------------------------------------------------------
 
 def _run(argv: List[str]) -> int:
@@ -324,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.set_defaults(func=lambda args: parser.print_help() or 0)
-    verbs = parser.add_subparsers(title="verbs", metavar="{ls,cp,cat,validate,run,download,plan,probe}")
+    verbs = parser.add_subparsers(title="verbs", metavar="{ls,cp,cat,validate,run,download,plan,probe,compare}")
     verbs.add_parser("ls", help="list our recipes and their configs").set_defaults(func=_ls)
     cp = verbs.add_parser("cp", help="copy a recipe or config to a local path")
     cp.add_argument("file", help="a recipe or config name (tune-offload ls lists them)")
@@ -364,6 +383,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fill in the keys this machine cannot measure (no CUDA device: the GPU's) from this "
                             "preset, so that --output is a whole machine for the planner's --machine")
     probe.set_defaults(func=_probe)
+    compare = verbs.add_parser(
+        "compare", help="loss curves, tok/s and peak memory of finished runs, side by side",
+        description="Reads each run's metric log (OUTPUT_DIR/logs/log_*.txt, the newest if several) and prints "
+        "the losses of the steps every run logged, the largest difference between them, and each run's median "
+        "tok/s (after its first step) and peak memory figures.")
+    compare.add_argument("runs", nargs="+", metavar="NAME=OUTPUT_DIR", help="a name for each run and its output_dir")
+    compare.set_defaults(func=_compare)
     return parser
 
 
