@@ -16,8 +16,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import utils
 
-from torchtune_offload.recipe.atomic_save import COMPLETE_MARKER
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
+from torchtune_offload.recipe.atomic_save import COMPLETE_MARKER
 from torchtune_offload.recipe.config import RecipeSettings
 from torchtune_offload.recipe.optimizer_rules import resolve_optimizer_component
 from torchtune_offload.recipe.progress import Progress
@@ -110,11 +110,12 @@ def optimizer_identity(cfg: DictConfig) -> Optional[Dict[str, Optional[str]]]:
 def _optimizer_problem(cfg: DictConfig, newest: Path, saved: Optional[Dict[str, Any]]) -> Optional[str]:
     configured = optimizer_identity(cfg)
     if saved is None or configured is None or saved == configured:
-        return None  # not recorded (StepCheckpoints.load warns), or refused by the config check
+        return None  # not recorded (the optimizer's own load checks the state), or refused by the config check
 
     def said(identity: Dict[str, Any]) -> str:
         base = identity.get("optimizer_class")
-        return f"optimizer._component_={identity.get('component')}" + (f" optimizer.optimizer_class={base}" if base else "")
+        return f"optimizer._component_={identity.get('component')}" + (f" optimizer.optimizer_class={base}"
+                                                                        if base else "")
 
     return (f"resume_from_checkpoint=True: {newest} was saved with {said(saved)}, and this config has "
             f"{said(configured)}. Its optimizer state is that optimizer's, so only the same one continues the run: "
