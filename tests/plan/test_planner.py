@@ -178,11 +178,12 @@ def test_a_misspelt_key_refuses_every_variant_before_anything_is_traced(tiny_ass
 
 def test_an_unknown_sequence_length_is_said_once_before_anything_is_traced(tiny_assets, tmp_path):
     # Each variant's row used to repeat it, twenty times for torchtune's configs (max_seq_len: null).
-    code, out, err = _plan_rc(*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "tokenizer.max_seq_len=null")
+    common = [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}"]
+    code, out, err = _plan_rc(*common, "tokenizer.max_seq_len=null")
     assert code == 1 and "is refused for every variant, so none was planned" in err, err
     assert err.count("tokenizer.max_seq_len is null, so the sequence length is unknown: give --seq-len N.") == 1, err
     assert "tracing" not in err and "planning" not in err and out == "", (out, err)
-    code, out, err = _plan_rc(*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "tokenizer.max_seq_len=0")
+    code, out, err = _plan_rc(*common, "tokenizer.max_seq_len=0")
     assert code == 1 and err.count("tokenizer.max_seq_len=0: ") == 1 and "planning" not in err, err
 
 
