@@ -86,7 +86,12 @@ def test_every_kind_answers_the_loops_calls():
         assert set(run.parts()) == {None}
         run.close()
     assert plain.memory_report() is None and holding.memory_report().num_offloaded == 2
-    assert plain.name == "SGD" and holding.name == "OffloadOptimizer (offload)"
+    assert plain.name == "SGD" and holding.name == "OffloadOptimizer (offload; base SGD)"
+    overlapped = OffloadOptimizer(model.named_parameters(), "torch.optim.SGD", lr=0.1, minimal_size=0, overlap=True,
+                                  master_dtype="fp32", offload_gradients=True)
+    assert (HoldingOptimizer(overlapped, model=model, clip_grad_norm=None).name
+            == "OffloadOptimizer (offload; base SGD; offload_gradients, overlap, master_dtype=fp32)")
+    overlapped.close()
 
 
 @pytest.mark.parametrize("overrides, adapter, kind", [

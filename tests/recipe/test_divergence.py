@@ -108,7 +108,7 @@ def test_update_on_device_diverging_exits_nonzero_from_tune_run(tiny_assets, tmp
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
     assert ("TrainingDivergedError: Training diverged at step 2 (epoch 1, step 2 of 4) with optimizer "
-            "OffloadOptimizer (offload):") in output, output[-3000:]
+            "OffloadOptimizer (offload; base AdamW; overlap, update_on=device):") in output, output[-3000:]
     _assert_only_finite_checkpoint_is(tmp_path, 1)
 
 

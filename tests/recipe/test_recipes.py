@@ -512,7 +512,8 @@ def _tune_run(kind: str, assets: Path, output_dir: Path, *overrides: str) -> sub
 def test_tune_run_with_offload_from_command_line(kind, overrides, tiny_assets, tmp_path):
     result = _tune_run(kind, tiny_assets, tmp_path, *overrides, "max_steps_per_epoch=3", "batch_size=4")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "optimizer OffloadOptimizer (offload)" in result.stdout + result.stderr
+    # The start line names what the options set, not only the engine.
+    assert "optimizer OffloadOptimizer (offload; base AdamW; offload_gradients)." in result.stdout + result.stderr
     (log_file,) = (tmp_path / "logs").glob("log_*.txt")
     rows = read_disk_log(log_file)
     assert [r["step"] for r in rows] == [1, 2, 3]

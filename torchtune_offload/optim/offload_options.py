@@ -145,6 +145,15 @@ class OffloadOptions:
     def device_staging_bytes(self) -> int:
         return device_staging_bytes(self.device_staging_mib)
 
+    def summary(self) -> str:
+        """The options that set how the engine trains, as a run's first lines name them: those set
+        away from their defaults (``offload_gradients, overlap, master_dtype=fp32``); empty if none is."""
+        said = [key for key in ("offload_gradients", "overlap") if getattr(self, key)]
+        said += [f"{key}=fp32" for key in ("master_dtype", "grad_sum_dtype") if getattr(self, key) is not None]
+        said += [f"{key}={getattr(self, key)}" for key in ("update_on", "grad_sum_on") if getattr(self, key) != "host"]
+        said += [f"device_weights={self.device_weights}"] if self.device_weights is not None else []
+        return ", ".join(said)
+
     @classmethod
     def parse(
         cls,

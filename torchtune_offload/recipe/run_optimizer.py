@@ -212,6 +212,15 @@ class HoldingOptimizer(OwnGradientsOptimizer):
         # With overlap on, step() returns at once and each module waits for its own weights.
         optimizer.register_forward_waits(model)
 
+    @property
+    def name(self) -> str:
+        """The engine, its base optimizer and the options set away from their defaults (for the log;
+        ``OffloadOptimizer``'s ``base_class`` and ``options``, read as attributes: a protocol with data
+        members would refuse the ``issubclass`` that picks this adapter)."""
+        engine = self.optimizer
+        said = ["offload", f"base {engine.base_class.__name__}", engine.options.summary()]
+        return f"{type(engine).__name__} ({'; '.join(s for s in said if s)})"
+
     def before_final_backward(self) -> None:
         self.optimizer.expect_final_backward(clipping=self._clip is not None)
 
