@@ -5,6 +5,7 @@ report, checkpoints and resume) runs on any machine; against plain AdamW in the 
 The GPU run is ``tests/recipe/test_recipes_gpu.py``."""
 
 import contextlib
+import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from tests.recipe.test_recipes import FP32, RESUME, _assert_same_tensors, _grad_
 from tests.torchao_on_cpu import torchao_on_cpu
 from torchtune_offload import CPUOffloadOptimizer
 from torchtune_offload.optim.stream_check import checked_streams
-from torchtune_offload.recipe import OptimizerKind, OwnGradientsOptimizer
+from torchtune_offload.recipe import ConfigError, OptimizerKind, OwnGradientsOptimizer
 
 AO = ["optimizer._component_=torchtune_offload.CPUOffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW",
       "optimizer.minimal_size=1024"]  # most tiny-model weights go to the host, the norms stay
@@ -82,5 +83,15 @@ def test_torchao_resume_after_epoch_is_exact(ao_on_cpu, tiny_assets, tmp_path: P
 def test_torchaos_checkpoint_is_refused_by_a_plain_run(ao_on_cpu, tiny_assets, tmp_path: Path):
     settings = [*RESUME, "clip_grad_norm=null"]
     run_recipe("full", tiny_assets, tmp_path, *settings, *AO, stop_after_epoch=0)
+    # The manifest names torchao's wrapper: refused before any weight is read.
+    with pytest.raises(ConfigError, match=r"was saved with optimizer._component_=torchtune_offload.optim.ao_offload."
+                                          r"CPUOffloadOptimizer optimizer.optimizer_class=torch.optim.adamw.AdamW, "
+                                          r"and this config has optimizer._component_=torch.optim.adamw.AdamW\."):
+        run_recipe("full", tiny_assets, tmp_path, *settings, "resume_from_checkpoint=True")
+    # A checkpoint that does not name its optimizer (written before the manifest did): refused as its state loads.
+    manifest_file = tmp_path / "checkpoints" / "step_00000004" / "complete.json"
+    manifest = json.loads(manifest_file.read_text())
+    del manifest["optimizer"]
+    manifest_file.write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match=r"written by torchao's CPUOffloadOptimizer.*run's optimizer is a plain"):
         run_recipe("full", tiny_assets, tmp_path, *settings, "resume_from_checkpoint=True")

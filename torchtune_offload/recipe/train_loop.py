@@ -216,30 +216,34 @@ class TrainLoop:
             self.dataloader.sampler.set_epoch(p.epochs_run)
             batches = iter(self.dataloader)
             pbar = tqdm(total=p.steps_per_epoch, initial=p.steps_run_in_epoch, disable=not self.is_rank_zero)
-            while p.steps_run_in_epoch < p.steps_per_epoch:
-                t0 = time.perf_counter()
-                loss, local_tokens, norm = self._window(batches)
-                p.advance()
-                # Read once per step, after the loss's own read has waited for the step's device work.
-                grad_norm = None if norm is None else float(norm)
-                self.losses.append(loss)
-                # Described before the count moves: update() draws the bar, which would show the new
-                # count beside the previous step's loss (and keep that line in a log).
-                pbar.set_description(f"{p.epochs_run + 1}|{p.global_step}|Loss: {loss:.4f}", refresh=False)
-                pbar.update(1)
-                if p.global_step % s.log_every_n_steps == 0 and self.is_rank_zero:
-                    self._log(loss=loss, local_tokens=local_tokens, seconds=time.perf_counter() - t0,
-                              grad_norm=grad_norm)
-                self.profiler.step()
-                self._guard.check_step(loss=loss, grad_norm=grad_norm)
-                every = s.save_every_n_steps
-                if every is not None and p.global_step % every == 0 and p.steps_run_in_epoch < p.steps_per_epoch:
-                    self.optimizer.synchronize()
-                    self._guard.check_weights(self.model)
-                    with _lines_beside(pbar):
-                        yield SavePoint.STEP
-                    self._guard.saved()
-            pbar.close()
+            try:
+                while p.steps_run_in_epoch < p.steps_per_epoch:
+                    t0 = time.perf_counter()
+                    loss, local_tokens, norm = self._window(batches)
+                    p.advance()
+                    # Read once per step, after the loss's own read has waited for the step's device work.
+                    grad_norm = None if norm is None else float(norm)
+                    self.losses.append(loss)
+                    # Described before the count moves: update() draws the bar, which would show the new
+                    # count beside the previous step's loss (and keep that line in a log).
+                    pbar.set_description(f"{p.epochs_run + 1}|{p.global_step}|Loss: {loss:.4f}", refresh=False)
+                    pbar.update(1)
+                    if p.global_step % s.log_every_n_steps == 0 and self.is_rank_zero:
+                        self._log(loss=loss, local_tokens=local_tokens, seconds=time.perf_counter() - t0,
+                                  grad_norm=grad_norm)
+                    self.profiler.step()
+                    self._guard.check_step(loss=loss, grad_norm=grad_norm)
+                    every = s.save_every_n_steps
+                    if every is not None and p.global_step % every == 0 and p.steps_run_in_epoch < p.steps_per_epoch:
+                        self.optimizer.synchronize()
+                        self._guard.check_weights(self.model)
+                        with _lines_beside(pbar):
+                            yield SavePoint.STEP
+                        self._guard.saved()
+            finally:
+                # Also when a step raises (Ctrl-C, divergence): a bar left open is drawn again at exit,
+                # below the run's last message.
+                pbar.close()
             p.finish_epoch()
             self.optimizer.synchronize()
             self._guard.check_weights(self.model)
