@@ -27,7 +27,7 @@ from torchtune_offload.recipe import (
 )
 from torchtune_offload.recipe.config import check_recipe_config
 from torchtune_offload.recipe.memory import GIB, check_lora_model_fits_device, check_weights_fit_device
-from torchtune_offload.recipe.run_report import compare_runs, median_tokens_per_second
+from torchtune_offload.recipe.run_report import compare_runs, median_tokens_per_second, run_summary
 from tests.conftest import REPO_ROOT as REPO
 
 
@@ -162,6 +162,15 @@ def test_compare_runs_puts_runs_side_by_side(tmp_path):
     text = compare_runs({"plain": tmp_path / "a", "offload": tmp_path / "b"})
     assert "largest loss difference from plain: 0.5" in text
     assert "host_rss_peak" in text and "250" in text  # median tok/s after the first step
+
+
+def test_a_finished_runs_summary_gives_its_median_speed_and_peaks(tmp_path):
+    _log_run(tmp_path / "logs", [3.0, 2.0, 1.0], filename="log_1.txt")
+    line = run_summary(read_disk_log(tmp_path))
+    # 200 and 300 tok/s after the first step's 100; host_rss_peak logged as 0.5 at every step.
+    assert line.startswith("Finished: 250.0 tok/s (median of the logged steps after the first); peak memory, GiB: "
+                           "host_rss_peak 0.50."), line
+    assert run_summary([]).startswith("Finished: no step was logged")
 
 
 def test_compare_runs_matches_steps_and_shows_a_figure_a_run_never_logged_as_a_dash(tmp_path):

@@ -514,6 +514,10 @@ def test_tune_run_with_offload_from_command_line(kind, overrides, tiny_assets, t
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # The start line names what the options set, not only the engine.
     assert "optimizer OffloadOptimizer (offload; base AdamW; offload_gradients)." in result.stdout + result.stderr
+    # The end: one line with the run's speed and memory, and how to compare runs.
+    assert re.search(r"Finished: [0-9.]+ tok/s \(median of the logged steps after the first\); peak memory, GiB: "
+                     r".*host_rss_peak [0-9.]+.*\. `tune-offload compare NAME=<output_dir> \.\.\.` puts runs side by "
+                     r"side\.", result.stdout + result.stderr), (result.stdout + result.stderr)[-3000:]
     (log_file,) = (tmp_path / "logs").glob("log_*.txt")
     rows = read_disk_log(log_file)
     assert [r["step"] for r in rows] == [1, 2, 3]

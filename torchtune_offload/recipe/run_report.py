@@ -51,6 +51,20 @@ def sparkline(values: List[float]) -> str:
     return "".join(bars[int((v - lo) / span * (len(bars) - 1))] if math.isfinite(v) else "!" for v in values)
 
 
+def run_summary(rows: List[Dict[str, float]]) -> str:
+    """One line on a finished run from its logged rows: its median tok/s and its memory peaks.
+
+    Args:
+        rows: the metrics the run logged, one dict a logged step (as :func:`read_disk_log` gives them).
+    """
+    if not rows:
+        return "Finished: no step was logged (log_every_n_steps is larger than the run)."
+    peaks = [f"{key} {value:.2f}" for key in SUMMARY_KEYS if (value := peak(rows, key)) is not None]
+    return (f"Finished: {median_tokens_per_second(rows):.1f} tok/s (median of the logged steps after the first)"
+            + (f"; peak memory, GiB: {', '.join(peaks)}" if peaks else "")
+            + ". `tune-offload compare NAME=<output_dir> ...` puts runs side by side.")
+
+
 def compare_runs(output_dirs: Mapping[str, str]) -> str:
     """The comparison of runs, by name, as printable text.
 

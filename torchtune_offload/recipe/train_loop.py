@@ -24,6 +24,7 @@ from torchtune_offload.recipe.grad_math import loss_scale, sum_over_ranks
 from torchtune_offload.recipe.memory import MemoryMonitor
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.run_optimizer import RunOptimizer
+from torchtune_offload.recipe.run_report import run_summary
 
 log = utils.get_logger("INFO")
 
@@ -119,6 +120,8 @@ class TrainLoop:
         self.is_rank_zero = is_rank_zero
         self.ignore_index = loss_fn.ignore_index
         self.losses: List[float] = []
+        #: What each logged step logged (rank zero), for the summary at the run's end.
+        self.logged: List[Dict[str, float]] = []
         self._guard = DivergenceGuard(optimizer_name=optimizer.name, progress=progress, output_dir=output_dir)
         if is_rank_zero:
             log.info(
@@ -186,6 +189,7 @@ class TrainLoop:
         if self.settings.log_peak_memory_stats:
             metrics.update(self.memory.stats(reset=True))
         self.metric_logger.log_dict(metrics, step=self.progress.global_step)
+        self.logged.append(metrics)
 
     def run(self) -> Iterator[SavePoint]:
         """Trains from where ``progress`` stands to the last epoch, pausing (yielding) where a
@@ -251,3 +255,5 @@ class TrainLoop:
             self._guard.saved()
         self.optimizer.synchronize()
         self.profiler.stop()
+        if self.is_rank_zero:
+            log.info(run_summary(self.logged))
