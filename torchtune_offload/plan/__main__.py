@@ -153,7 +153,7 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
         return 2
     shape = config_shape_problems(cfg, recipe=recipe)
     try:  # every variant traces this many tokens a sample: unknown, each row would say so
-        sequence_length(cfg, args.seq_len)
+        seq_len = sequence_length(cfg, args.seq_len)
     except ValueError as err:
         shape.append(str(err))
     if shape:
@@ -197,7 +197,7 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
         # One line, no traceback: the model is the user's to change, not a bug to debug here.
         print(f"error: {err}", file=sys.stderr)
         return 2
-    seq_note = f"batch {cfg.batch_size} x {sequence_length(cfg, args.seq_len)} tokens"
+    seq_note = f"batch {cfg.batch_size} x {seq_len} tokens"
     speeds = None if machine is None else {
         p.name: plan_speed(p, machine, device_budget=device_budget) for p in plans}
     print(format_plans(plans, device=str(device), device_budget=device_budget, host_budget=host_budget,

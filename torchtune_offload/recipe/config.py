@@ -23,11 +23,11 @@ from torchtune.modules.peft import LORA_ATTN_MODULES
 
 from torchtune_offload.distributed.policies import policy_problems
 from torchtune_offload.optim.capabilities import OptimizerCapabilities
-from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
 from torchtune_offload.recipe.config_keys import RECIPE_KEYS
 from torchtune_offload.recipe.component_options import component_option_problems, model_option_problems, nulled
 from torchtune_offload.recipe.optimizer_rules import (
     capability_problems,
+    configured_base_class,
     is_int,
     optimizer_option_problems,
     resolve_optimizer_component,
@@ -355,7 +355,7 @@ def _optimizer_settings(cfg: DictConfig, problems: List[str], *, in_bwd: bool, c
         if not isinstance(offload_gradients, bool):
             problems.append(f"optimizer.offload_gradients={offload_gradients!r}: must be True or False.")
         try:
-            resolve_optimizer_class(cfg.optimizer.get("optimizer_class", "torch.optim.AdamW"))
+            configured_base_class(cfg.optimizer)
         except ValueError as err:
             problems.append(str(err))
     if caps is not None:

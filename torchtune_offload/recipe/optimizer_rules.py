@@ -41,6 +41,16 @@ def resolve_optimizer_component(cfg_optimizer: Any) -> Tuple[type, OptimizerCapa
     return component, capabilities
 
 
+def configured_base_class(cfg_optimizer: DictConfig) -> type:
+    """The base optimizer an offloading ``optimizer._component_`` steps with: its
+    ``optimizer_class``, else AdamW (both offloaders' default).
+
+    Raises:
+        ValueError: if ``optimizer.optimizer_class`` does not resolve to an optimizer.
+    """
+    return resolve_optimizer_class(cfg_optimizer.get("optimizer_class", "torch.optim.AdamW"))
+
+
 def _keyword_names(cls: type, *, kwargs_go_elsewhere: bool = False) -> Optional[set]:
     """The keyword options ``cls(params, ...)`` takes, or None if it takes any (``**kwargs``).
 
@@ -71,7 +81,7 @@ def optimizer_option_problems(
     base = None
     if caps.offloads:
         try:
-            base = resolve_optimizer_class(options.get("optimizer_class", "torch.optim.AdamW"))
+            base = configured_base_class(cfg_optimizer)
         except ValueError:
             return []  # reported by the optimizer_class check
     own = _keyword_names(component, kwargs_go_elsewhere=base is not None)

@@ -8,7 +8,6 @@ interrupted. ``save_every_n_steps`` adds checkpoints between epoch ends; ``keep_
 bounds how many stay on disk.
 """
 
-import inspect
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -16,10 +15,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import utils
 
-from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
 from torchtune_offload.recipe.atomic_save import COMPLETE_MARKER
 from torchtune_offload.recipe.config import RecipeSettings
-from torchtune_offload.recipe.optimizer_rules import resolve_optimizer_component
+from torchtune_offload.recipe.optimizer_rules import configured_base_class, resolve_optimizer_component
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.step_checkpoints import (
     CHECKPOINTS_DIR,
@@ -81,7 +79,7 @@ def batching(cfg: DictConfig) -> Dict[str, Any]:
 
 def optimizer_identity(cfg: DictConfig) -> Optional[Dict[str, Optional[str]]]:
     """The optimizer a config runs, as a checkpoint records it: the class of ``optimizer._component_``
-    and, for an offloading optimizer, of its ``optimizer_class`` (its default where unset), by
+    and, for an offloading optimizer, of its ``optimizer_class`` (AdamW where unset), by
     dotted name, so that spellings of one class (``torch.optim.AdamW``, ``torch.optim.adamw.AdamW``)
     compare equal.
 
@@ -97,11 +95,7 @@ def optimizer_identity(cfg: DictConfig) -> Optional[Dict[str, Optional[str]]]:
 
     try:
         component, capabilities = resolve_optimizer_component(cfg.get("optimizer"))
-        base = None
-        if capabilities.offloads:
-            default = inspect.signature(component).parameters.get("optimizer_class")
-            spec = cfg.optimizer.get("optimizer_class", None if default is None else default.default)
-            base = None if spec is None else name(resolve_optimizer_class(spec))
+        base = name(configured_base_class(cfg.optimizer)) if capabilities.offloads else None
     except ValueError:
         return None
     return {"component": name(component), "optimizer_class": base}
