@@ -10,9 +10,10 @@
 # The suite runs on two pytest-xdist workers (TEST_WORKERS overrides; 0 runs it in one process).
 # Most of its time is real runs in child processes, so two workers take it from about 16 minutes to
 # about 10 on a 2-core machine. Three did not clearly help: on a 2-core Intel Xeon with AMX
-# (2026-11-28), nothing else running, 14:23 of pytest on two workers, then 11:27 and 14:58 on three. Python children are forked from a process that has imported torch and
-# torchtune once (tests/zygote.py; TEST_ZYGOTE=0 starts each afresh): 12:41 of pytest before, 8:10
-# after, on the 2-core Zen 4. Whole files go to one worker (--dist loadfile), so module-scoped
+# (2026-11-28), nothing else running, 14:23 of pytest on two workers, then 11:27 and 14:58 on
+# three. Python children are forked from a process that has imported torch and torchtune once
+# (tests/zygote.py; TEST_ZYGOTE=0 starts each afresh): 12:41 of pytest before, 8:10 after, on the
+# 2-core Zen 4. Whole files go to one worker (--dist loadfile), so module-scoped
 # fixtures (the straight runs of the kill tests, the planner's checkpoints) are built once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
