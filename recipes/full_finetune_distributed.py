@@ -57,14 +57,13 @@ from torchtune_offload.recipe import (
     build_metric_logger,
     build_optimizer,
     build_profiler,
-    check_files,
     check_host_memory,
-    check_recipe_config,
     instantiate_model,
     interrupt_reported,
     load_checkpoint,
-    loss_ignore_index,
     load_full_optimizer_state,
+    loss_ignore_index,
+    preflight,
     run_output_dir,
     save_atomically,
 )
@@ -93,16 +92,16 @@ class FullFinetuneRecipeDistributed:
     """
 
     def __init__(self, cfg: DictConfig) -> None:
-        self.settings = s = check_recipe_config(cfg, recipe="distributed")
-        # Before anything is loaded or any rank starts: a run that cannot fit this node's host
-        # memory fails here, with figures (every rank computes the same node-wide need).
         world_size = int(os.environ.get("WORLD_SIZE", 1))
-        self.host_memory = check_host_memory(
-            cfg, s, ranks=(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))),
-            log_figures=int(os.environ.get("LOCAL_RANK", 0)) == 0)  # node-wide figures: once per node
-        # Missing or damaged files, and a checkpoint to resume that another rank count wrote, fail
-        # here, not after the weights load.
-        check_files(cfg, step_resume=True, world_size=world_size)
+        # Before anything is loaded or any rank starts, in one error: the config's problems, a run
+        # that cannot fit this node's host memory (with figures: every rank computes the same
+        # node-wide need, logged once per node), missing or damaged files and a checkpoint to resume
+        # that another rank count wrote.
+        self.settings, self.host_memory = preflight(
+            cfg, recipe="distributed", world_size=world_size, check_host=lambda s: check_host_memory(
+                cfg, s, ranks=(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))),
+                log_figures=int(os.environ.get("LOCAL_RANK", 0)) == 0))
+        s = self.settings
         self._policy = parse_shard_policy(
             cfg.get("fsdp_shard_policy"), custom_sharded_layers=cfg.get("custom_sharded_layers")
         )

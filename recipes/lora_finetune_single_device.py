@@ -41,12 +41,11 @@ from torchtune_offload.recipe import (
     build_profiler,
     check_host_memory,
     check_lora_model_fits_device,
-    check_files,
-    check_recipe_config,
     instantiate_model,
     interrupt_reported,
     load_checkpoint,
     loss_ignore_index,
+    preflight,
     run_output_dir,
     save_atomically,
     use_expandable_segments,
@@ -64,11 +63,10 @@ class LoRAFinetuneRecipeSingleDevice:
     """
 
     def __init__(self, cfg: DictConfig) -> None:
-        self.settings = check_recipe_config(cfg, recipe="lora")
-        # Before anything is loaded: a run that cannot fit host memory fails here, with figures.
-        self.host_memory = check_host_memory(
-            cfg, self.settings, mark_trainable=lambda model: set_trainable_params(model, get_adapter_params(model)))
-        check_files(cfg, step_resume=True)  # missing or damaged files fail here, not after the weights load
+        # Before anything is loaded, in one error: the config's problems, a run that cannot fit host
+        # memory (with figures), missing or damaged files.
+        self.settings, self.host_memory = preflight(cfg, recipe="lora", check_host=lambda s: check_host_memory(
+            cfg, s, mark_trainable=lambda model: set_trainable_params(model, get_adapter_params(model))))
         self.progress = Progress.start(self.settings)
         # With resume_from_checkpoint=True: the newest complete checkpoint, read in setup().
         self._checkpoints = TrainingCheckpoints(cfg, self.settings, self.progress)

@@ -10,8 +10,10 @@ from omegaconf import OmegaConf
 
 from tests.recipe.test_recipes import _config, _load_recipe_class
 from torchtune_offload.recipe.dataset_build import build_dataset, dataset_build_problems
+from torchtune_offload.recipe import file_checks
 from torchtune_offload.recipe.config import ConfigError
 from torchtune_offload.recipe.file_checks import file_problems, safetensors_problem
+from torchtune_offload.recipe.preflight import preflight
 
 
 @pytest.fixture
@@ -83,7 +85,7 @@ def test_every_file_problem_is_listed_at_once(assets_copy, tmp_path):
     assert len(file_problems(cfg)) == 3
 
 
-def test_the_distributed_recipe_checks_files_too(assets_copy, tmp_path):
+def test_the_distributed_recipe_checks_files_with_its_config_too(assets_copy, tmp_path):
     from omegaconf import OmegaConf
 
     from tests.distributed.test_distributed_recipe import CONFIG
@@ -91,8 +93,8 @@ def test_the_distributed_recipe_checks_files_too(assets_copy, tmp_path):
 
     cfg = OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(
         [*tiny_asset_overrides(assets_copy), "device=cpu", f"output_dir={tmp_path}",
-         f"tokenizer.path={tmp_path / 'gone'}"]))
-    with pytest.raises(ValueError, match="tokenizer.path=.*: no such file"):
+         f"tokenizer.path={tmp_path / 'gone'}", "batch_size=0"]))
+    with pytest.raises(ValueError, match="(?s)batch_size=0: must be .*tokenizer.path=.*: no such file"):
         load_recipe_module("full_finetune_distributed").FullFinetuneRecipeDistributed(cfg)
 
 
@@ -235,3 +237,22 @@ def test_a_hub_dataset_is_named_as_not_built_with_what_it_reads():
     assert dataset_build_problems(cfg) == ([], [
         "dataset[0] (torchtune.datasets.alpaca_dataset's own source, from the Hub)",
         "dataset[1] (source=jsn, from the Hub; or did you mean dataset[1].source=json?)"])
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_a_config_problem_and_a_file_problem_are_named_in_one_error(assets_copy, tmp_path, kind):
+    message = _refusal(kind, assets_copy, tmp_path, "batch_size=0", f"tokenizer.path={tmp_path / 'x'}")
+    assert message.startswith("Invalid config:\n  - batch_size=0: must be an integer >= 1")
+    assert f"Files the config names cannot be used:\n  - tokenizer.path={tmp_path / 'x'}: no such file" in message
+
+
+def test_a_config_too_malformed_to_find_its_files_is_named_by_its_own_problems(tiny_assets, tmp_path, monkeypatch):
+    def unreadable(cfg, **kwargs):
+        raise TypeError("no files to find in this config")
+
+    monkeypatch.setattr(file_checks, "file_problems", unreadable)
+    with pytest.raises(ConfigError, match=r"^Invalid config:\n  - batch_size=0") as err:
+        preflight(_config("full", tiny_assets, tmp_path, ["batch_size=0"]), recipe="full")
+    assert "no files to find" not in str(err.value)
+    with pytest.raises(TypeError, match="no files to find"):  # with no config problem to explain it, the error stands
+        preflight(_config("full", tiny_assets, tmp_path, []), recipe="full")

@@ -121,13 +121,17 @@ def test_8b_on_the_cpu_fails_within_seconds_from_the_command_line():
     start = time.perf_counter()
     out = zygote.run(
         [*TUNE, "run", "recipes/full_finetune_single_device.py", "--config",
-         "configs/llama3_1/8B_full_offload_engine.yaml", "device=cpu", "output_dir=/nonexistent/never"],
+         "configs/llama3_1/8B_full_offload_engine.yaml", "device=cpu", "output_dir=/nonexistent/never",
+         "checkpointer.checkpoint_dir=/nonexistent/weights"],
         cwd=REPO_ROOT, env=working_tree_env(), capture_output=True, text=True, timeout=120,
     )
     seconds = time.perf_counter() - start
     assert out.returncode != 0
     assert "host_memory_check: the run does not fit" in out.stderr, out.stderr[-3000:]
     assert "training: " in out.stderr and "GiB are available" in out.stderr
+    # A checkpoint not downloaded yet: the same error names it, after the memory.
+    assert out.stderr.index("the run does not fit") < out.stderr.index("Files the config names cannot be used:")
+    assert "checkpointer.checkpoint_dir=/nonexistent/weights: no such directory" in out.stderr
     assert seconds < 60
 
 

@@ -28,7 +28,7 @@ from torchtune.config._utils import _merge_yaml_and_cli_args
 from torchtune_offload.assets import missing_tiny_assets
 from torchtune_offload.plan.__main__ import main as plan_main
 from torchtune_offload.plan.probe import run_probe
-from torchtune_offload.recipe import ConfigError, check_files, check_recipe_config
+from torchtune_offload.recipe import ConfigError, preflight
 from torchtune_offload.recipe.component_options import (
     component_option_problems,
     component_removal_problem,
@@ -201,16 +201,14 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"{PROG} validate: {missing}", file=sys.stderr)
         return 1
     # What tune validate checks (every _component_ accepts the options the config gives it), without
-    # its tracebacks, and the model's values; with a recipe, check_recipe_config below checks all that.
+    # its tracebacks, and the model's values; with a recipe, preflight below checks all that.
     problems = [] if recipe is not None else component_option_problems(cfg, skip=("model",)) + model_option_problems(cfg)
     unbuilt: List[str] = []
     if recipe is not None:
-        for check in (lambda: check_recipe_config(cfg, recipe=RECIPE_KINDS[recipe]),
-                      lambda: check_files(cfg, step_resume=RECIPE_KINDS[recipe] != "distributed")):
-            try:
-                check()
-            except ValueError as err:
-                problems.append(str(err))
+        try:  # a distributed run's checkpoint to resume depends on the rank count, unknown here
+            preflight(cfg, recipe=RECIPE_KINDS[recipe], step_resume=RECIPE_KINDS[recipe] != "distributed")
+        except ValueError as err:
+            problems.append(str(err))
         if not problems:
             # The values torchtune hands to the datasets library (source, split, column_map): as the
             # recipe builds the data before reading weights. A Hub dataset is not downloaded for this.

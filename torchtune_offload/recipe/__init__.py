@@ -25,6 +25,7 @@ from torchtune_offload.recipe.divergence import TrainingDivergedError
 from torchtune_offload.recipe.file_checks import check_files
 from torchtune_offload.recipe.interrupt import interrupt_reported
 from torchtune_offload.recipe.host_preflight import HostMemoryNeed, check_host_memory, host_memory_need
+from torchtune_offload.recipe.preflight import preflight
 from torchtune_offload.recipe.grad_math import loss_scale, sum_over_ranks
 from torchtune_offload.recipe.memory import (
     MemoryMonitor,
@@ -84,6 +85,7 @@ __all__ = [
     "loss_ignore_index",
     "loss_of_logits",
     "loss_scale",
+    "preflight",
     "read_disk_log",
     "resolve_optimizer_component",
     "run_output_dir",
