@@ -41,8 +41,14 @@ def _copy_project(dst: Path) -> None:
         tar.extractall(dst, filter="data")
 
 
+def _pip_into(python: Path) -> list:
+    """``pip install`` into the environment of ``python``, run by this interpreter's pip (``--python``):
+    a venv made without pip is made in a fraction of a second, against seconds for ensurepip."""
+    return [sys.executable, "-m", "pip", "--python", str(python), "install"]
+
+
 def _venv_with_decoy(path: Path) -> Path:
-    venv.EnvBuilder(with_pip=True).create(path)
+    venv.EnvBuilder(with_pip=False).create(path)  # this interpreter's pip installs into it
     python = path / "bin" / "python"
     purelib = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -62,7 +68,7 @@ def test_tune_run_finds_our_recipes_after_install(editable, tmp_path):
     # The venv's own setuptools may predate pyproject's minimum; lend it this interpreter's (on
     # PYTHONPATH, whose .pth files are not run, so this interpreter's hook cannot leak in).
     build_env = {"PYTHONPATH": str(Path(setuptools.__file__).parents[1]), "PATH": "/usr/bin:/bin"}
-    install = [python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
+    install = [*_pip_into(python), "-q", "--no-deps", "--no-build-isolation", "--no-index"]
     result = subprocess.run(
         install + (["-e", "."] if editable else ["."]),
         cwd=project, env=build_env, capture_output=True, text=True, timeout=300,
@@ -108,7 +114,7 @@ def _venv_on_these_dependencies(path: Path) -> Path:
     registry instead would take minutes and a network; the dependency pins are still checked
     against these installed versions by pip.
     """
-    venv.EnvBuilder(with_pip=True).create(path)
+    venv.EnvBuilder(with_pip=False).create(path)  # this interpreter's pip installs into it
     python = path / "bin" / "python"
     purelib = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -148,7 +154,7 @@ def test_tune_offload_from_an_empty_directory_after_install(editable, tmp_path):
     # predate pyproject's minimum), and every dependency must already be satisfied here.
     build_env = {"PYTHONPATH": str(Path(setuptools.__file__).parents[1]), "PATH": "/usr/bin:/bin"}
     result = subprocess.run(
-        [python, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-index"] + (["-e"] if editable else [])
+        [*_pip_into(python), "-q", "--no-build-isolation", "--no-index"] + (["-e"] if editable else [])
         + [str(clone)], cwd=tmp_path, env=build_env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
