@@ -20,6 +20,8 @@ from torchtune_offload.bench import sweep
 from torchtune_offload.recipe.memory import EXPANDABLE_SEGMENTS
 from torchtune_offload.bench.sweep import (
     OFFLOAD_ONLY_KEYS,
+    VARIANTS,
+    VariantResult,
     diverged,
     log_to_wandb,
     markdown_table,
@@ -131,6 +133,28 @@ def test_a_diverging_variant_is_reported_diverged_not_ok(tiny_assets, tmp_path, 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
     log_to_wandb([result], project="p", group="g", config={})
     assert summaries[0].summary["status"] == summaries[0].config["status"] == "diverged"
+    # What the variant is, in the run's config: a W&B chart can group by the optimizer it set.
+    assert summaries[0].config["variant_optimizer"] == {
+        "_component_": "torchtune_offload.OffloadOptimizer", "optimizer_class": "torch.optim.AdamW",
+        "update_on": "device"}
+    assert summaries[0].config["description"] == VARIANTS["offload_device_update"][2]
+    assert summaries[0].summary["wall_s"] == result.seconds
+
+
+def test_a_variant_stepping_in_backward_names_that_in_its_wandb_config(monkeypatch):
+    runs = []
+
+    def init(**kwargs):
+        runs.append(kwargs)
+        return types.SimpleNamespace(id="r", name=kwargs["name"], group=kwargs["group"], summary={},
+                                     finish=lambda: None)
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    log_to_wandb([VariantResult(name="paged_adamw8bit_in_bwd", status="out of memory", seconds=3.0, output_dir="x")],
+                 project="p", group="g", config={"overrides": "device=cpu"})
+    assert runs[0]["config"]["variant_optimizer"] == {"_component_": "bitsandbytes.optim.PagedAdamW8bit"}
+    assert runs[0]["config"]["variant_overrides"] == "optimizer_in_bwd=True"
+    assert runs[0]["config"]["overrides"] == "device=cpu"  # the sweep's own, given to every variant
 
 
 def test_a_run_that_logged_a_nonfinite_loss_or_norm_diverged():

@@ -295,7 +295,9 @@ def log_to_wandb(
     """One W&B run per variant in ``group``: its logged steps replayed, peaks and tok/s in the summary.
 
     The runs log what the recipe wrote to its DiskLogger file, after the fact, so the sweep's
-    timings are not disturbed by W&B. ``WANDB_MODE=offline`` keeps them on disk.
+    timings are not disturbed by W&B. ``WANDB_MODE=offline`` keeps them on disk. Each run's config
+    also says what its variant is (``description``), the optimizer keys it sets
+    (``variant_optimizer.*``, which W&B can filter and group by) and its other overrides.
 
     Returns:
         Per run: its ``id``, ``name`` and ``group``.
@@ -306,11 +308,13 @@ def log_to_wandb(
 
     ids = []
     for r in results:
+        keys, others, description = VARIANTS[r.name]
         run = wandb.init(project=project, group=group, name=r.name, job_type="sweep", reinit="create_new",
-                         config={**config, "variant": r.name, "status": r.status})
+                         config={**config, "variant": r.name, "status": r.status, "description": description,
+                                 "variant_optimizer": dict(keys), "variant_overrides": " ".join(others)})
         for row in read_disk_log(r.output_dir) if r.steps else []:
             run.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
-        run.summary.update({"status": r.status, "tokens_per_second_median": r.tokens_per_second,
+        run.summary.update({"status": r.status, "tokens_per_second_median": r.tokens_per_second, "wall_s": r.seconds,
                             **{f"{k}_gib": v for k, v in r.peaks_gib.items()}})
         ids.append({"id": run.id, "name": run.name, "group": run.group})
         run.finish()
