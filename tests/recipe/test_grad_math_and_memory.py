@@ -156,6 +156,19 @@ def test_read_disk_log_of_an_output_dir_takes_the_newest_file(tmp_path):
         read_disk_log(tmp_path / "elsewhere")
 
 
+def test_a_sweeps_output_dir_given_for_a_run_names_the_runs_inside(tmp_path):
+    for variant in ("offload", "adamw"):
+        _log_run(tmp_path / "sweep" / variant / "logs", [2.0], filename="log_1.txt")
+    (tmp_path / "sweep" / "results.md").write_text("")
+    with pytest.raises(FileNotFoundError) as err:
+        read_disk_log(tmp_path / "sweep")
+    assert str(err.value) == (f"no DiskLogger file (logs/log_*.txt) under {tmp_path / 'sweep'}; it holds runs in "
+                              f"{tmp_path / 'sweep' / 'adamw'}, {tmp_path / 'sweep' / 'offload'}")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="under .*empty: did the run start"):
+        read_disk_log(tmp_path / "empty")
+
+
 def test_compare_runs_puts_runs_side_by_side(tmp_path):
     _log_run(tmp_path / "a" / "logs", [3.0, 2.0, 1.0], filename="log_1.txt")
     _log_run(tmp_path / "b" / "logs", [3.0, 2.5, 1.5], filename="log_1.txt")

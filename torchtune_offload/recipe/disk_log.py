@@ -26,7 +26,10 @@ def read_disk_log(path: Union[str, Path]) -> List[Dict[str, float]]:
     if path.is_dir():
         files = sorted((path / "logs").glob("log_*.txt"), key=lambda p: (p.stat().st_mtime, p.name))
         if not files:
-            raise FileNotFoundError(f"no DiskLogger file (logs/log_*.txt) under {path}: did the run start?")
+            # A sweep's output directory holds one run per variant: name them, as a user meant one.
+            runs = sorted(d.name for d in path.iterdir() if any((d / "logs").glob("log_*.txt")))
+            inside = f"; it holds runs in {', '.join(f'{path / r}' for r in runs)}" if runs else ": did the run start?"
+            raise FileNotFoundError(f"no DiskLogger file (logs/log_*.txt) under {path}{inside}")
         path = files[-1]
     rows = []
     for line in path.read_text().splitlines():
