@@ -14,7 +14,8 @@ results.md, results.json and results.png (tok/s against peak memory, and the los
 matplotlib) under the output directory, and each variant's log to <variant>/run.log. With --wandb,
 each variant becomes one W&B run in one group, its steps and peaks included (WANDB_MODE=offline
 keeps them on disk). An output directory that holds an earlier sweep's results is refused unless
---force, which replaces them.
+--force, which replaces them. A problem of the config or of the overrides after `--` that every
+variant's config check refuses (a misspelt key, a missing checkpoint) stops the sweep before it runs.
 """
 
 import argparse
@@ -27,7 +28,17 @@ from pathlib import Path
 import torch
 
 from torchtune_offload.bench.ballast import GpuBallast
-from torchtune_offload.bench.sweep import VARIANTS, device_name, log_to_wandb, run_variant, write_plot, write_results
+from torchtune_offload.bench.sweep import (
+    VARIANTS,
+    device_name,
+    log_to_wandb,
+    run_variant,
+    variant_overrides,
+    write_plot,
+    write_results,
+)
+from torchtune_offload.plan.planner import load_config
+from torchtune_offload.recipe import check_files, check_recipe_config
 
 OPTIONS = {
     "--config": dict(required=True, help="a full fine-tune config"),
@@ -69,6 +80,9 @@ def main() -> None:
         parser.error("--gpu-memory-gib needs a CUDA device")
     if args.wandb and importlib.util.find_spec("wandb") is None:
         parser.error("--wandb needs wandb, an optional dependency: pip install 'torchtune-offload[wandb]'")
+    problem = _shared_config_problem(args, names, extra)
+    if problem:
+        parser.error(f"every variant's config check refuses the config with these overrides:\n{problem}")
 
     device = device_name()
     output_dir = Path(args.output_dir)
@@ -99,6 +113,26 @@ def main() -> None:
                             config={"config": args.config, "steps": args.steps, "device": device,
                                     "gpu_memory_gib": args.gpu_memory_gib, "overrides": " ".join(extra)})
         print(f"[sweep] W&B project {args.wandb}, group {group}: {len(runs)} runs")
+
+
+def _shared_config_problem(args: argparse.Namespace, names: list, extra: list) -> str:
+    """The first variant's refusal, when each variant's config check (as the recipe makes it, before
+    it loads anything) refuses: then the problem is the config's or the shared overrides', and each
+    variant would start a process only to fail on it. Empty when a variant passes (a refusal of some
+    variants only is theirs: the sweep reports it and goes on). The device is not checked: that would
+    start CUDA in this process, which holds no memory on the GPU during the runs."""
+    first = ""
+    for name in names:
+        try:  # torchtune's merge refuses an override that is not key=value with a ValueError too
+            cfg = load_config(args.config, variant_overrides(name=name, config=args.config, steps=args.steps,
+                                                             output_dir=Path(args.output_dir), extra=extra))
+            check_recipe_config(cfg, recipe="full", device_present=False)
+            check_files(cfg, step_resume=True)
+        except ValueError as err:
+            first = first or str(err)
+            continue
+        return ""
+    return first
 
 
 def _output_dir_problem(output_dir: Path, names: list, *, force: bool) -> str:

@@ -174,6 +174,25 @@ def test_sweep_refuses_wandb_logging_without_wandb_before_running(monkeypatch, c
     assert "--wandb needs wandb" in capsys.readouterr().err
 
 
+def test_a_problem_every_variant_has_stops_the_sweep_before_any_run(tiny_assets, tmp_path, monkeypatch, capsys):
+    """A misspelt shared override used to start one process per variant, each failing on it."""
+    script = runpy.run_path(str(REPO / "scripts" / "benchmark_sweep.py"), run_name="benchmark_sweep")
+    monkeypatch.chdir(REPO)
+    extra = [o for o in tiny_asset_overrides(tiny_assets) if not o.startswith("dataset.")] + SYNTHETIC
+    out = tmp_path / "sweep"
+    monkeypatch.setattr(sys, "argv", ["benchmark_sweep.py", "--config", CONFIG, "--steps", "11", "--variants",
+                                      "adamw,offload", "--output-dir", str(out), "--", *extra, "batch_sise=2"])
+    with pytest.raises(SystemExit) as exit_:
+        script["main"]()
+    assert exit_.value.code == 2 and not out.exists()
+    assert "batch_sise: unknown config key" in capsys.readouterr().err
+
+    # A refusal of some variants only is theirs: the sweep runs the others and reports it.
+    args = types.SimpleNamespace(config=CONFIG, steps=11, output_dir=str(out))
+    assert "clip_grad_norm" in script["_shared_config_problem"](args, ["paged_adamw8bit_in_bwd"], extra)
+    assert script["_shared_config_problem"](args, ["paged_adamw8bit_in_bwd", "adamw"], extra) == ""
+
+
 def test_grad_probe_records_the_global_norm_per_step(tmp_path, monkeypatch):
     path = tmp_path / "probe.jsonl"
     monkeypatch.setenv(ENV, str(path))

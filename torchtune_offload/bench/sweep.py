@@ -174,6 +174,15 @@ def variant_environment() -> Dict[str, str]:
     return env
 
 
+def variant_overrides(*, name: str, config: str, steps: int, output_dir: Path, extra: Sequence[str]) -> List[str]:
+    """The ``key=value`` overrides variant ``name`` runs ``config`` with: its optimizer's, the sweep's
+    own, then ``extra`` (the user's, given to every variant)."""
+    return [*overrides_for(config, name), f"max_steps_per_epoch={steps}", "epochs=1",
+            f"output_dir={output_dir / name}", "log_peak_memory_stats=True", "log_every_n_steps=1",
+            # Benchmarks keep no checkpoint worth protecting: variants may share a checkpoint folder.
+            "overwrite_checkpoints=True", *extra]
+
+
 def run_variant(
     *, name: str, config: str, steps: int, output_dir: Path, extra: Sequence[str], timeout_s: Optional[float]
 ) -> VariantResult:
@@ -181,10 +190,7 @@ def run_variant(
     out = output_dir / name
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", RECIPE, "--config", config,
-           *overrides_for(config, name), f"max_steps_per_epoch={steps}", "epochs=1", f"output_dir={out}",
-           "log_peak_memory_stats=True", "log_every_n_steps=1",
-           # Benchmarks keep no checkpoint worth protecting: variants may share a checkpoint folder.
-           "overwrite_checkpoints=True", *extra]
+           *variant_overrides(name=name, config=config, steps=steps, output_dir=output_dir, extra=extra)]
     log_path = out / "run.log"
     baseline = _nvml_used_bytes()
     start = time.perf_counter()
