@@ -69,6 +69,9 @@ def main() -> None:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # a second run would replace the first's folder and log
+        parser.error(f"--variants names {', '.join(twice)} more than once: name each variant once")
     if not Path(args.config).is_file():
         parser.error(f"--config {args.config}: no such file (give the path of a full fine-tune config)")
     if args.timeout_s is not None and not (math.isfinite(args.timeout_s) and args.timeout_s > 0):

@@ -187,6 +187,11 @@ def test_a_problem_every_variant_has_stops_the_sweep_before_any_run(tiny_assets,
     assert exit_.value.code == 2 and not out.exists()
     assert "batch_sise: unknown config key" in capsys.readouterr().err
 
+    monkeypatch.setattr(sys, "argv", ["benchmark_sweep.py", "--config", CONFIG, "--variants", "adamw,offload,adamw"])
+    with pytest.raises(SystemExit):
+        script["main"]()
+    assert "--variants names adamw more than once" in capsys.readouterr().err
+
     # A refusal of some variants only is theirs: the sweep runs the others and reports it.
     args = types.SimpleNamespace(config=CONFIG, steps=11, output_dir=str(out))
     assert "clip_grad_norm" in script["_shared_config_problem"](args, ["paged_adamw8bit_in_bwd"], extra)
