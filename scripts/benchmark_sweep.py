@@ -123,7 +123,7 @@ def _shared_config_problem(args: argparse.Namespace, names: list, extra: list) -
     it loads anything) refuses: then the problem is the config's or the shared overrides', and each
     variant would start a process only to fail on it. Empty when a variant passes (a refusal of some
     variants only is theirs: the sweep reports it and goes on). The device is not checked: that would
-    start CUDA in this process, which holds no memory on the GPU during the runs."""
+    start CUDA here, and this process should hold no GPU memory while the variants run."""
     first = ""
     for name in names:
         try:  # torchtune's merge refuses an override that is not key=value with a ValueError too
