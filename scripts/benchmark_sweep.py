@@ -83,6 +83,14 @@ def main() -> None:
         parser.error("--gpu-memory-gib needs a CUDA device")
     if args.wandb and importlib.util.find_spec("wandb") is None:
         parser.error("--wandb needs wandb, an optional dependency: pip install 'torchtune-offload[wandb]'")
+    # A shared override of a key the sweep or a variant sets would run every variant under one label's name.
+    owned = {o.split("=", 1)[0].lstrip("~+") for n in names
+             for o in variant_overrides(name=n, config=args.config, steps=args.steps, output_dir=Path("."), extra=[])}
+    owned.add("metric_logger._component_")  # the sweep reads each variant's DiskLogger file
+    taken = [o for o in extra if o.split("=", 1)[0].lstrip("~+") in owned]
+    if taken:
+        parser.error(f"overrides after -- set keys the sweep or a variant sets: {' '.join(taken)}. "
+                     "Choose variants with --variants, the step count with --steps and W&B with --wandb instead.")
     problem = _shared_config_problem(args, names, extra)
     if problem:
         parser.error(f"every variant's config check refuses the config with these overrides:\n{problem}")

@@ -192,6 +192,15 @@ def test_a_problem_every_variant_has_stops_the_sweep_before_any_run(tiny_assets,
         script["main"]()
     assert "--variants names adamw more than once" in capsys.readouterr().err
 
+    # A shared override of a key a variant sets would have run SGD under the name adamw.
+    for taken in ("optimizer._component_=torch.optim.SGD", "max_steps_per_epoch=3", f"output_dir={tmp_path}",
+                  "metric_logger._component_=torchtune.training.metric_logging.WandBLogger"):
+        monkeypatch.setattr(sys, "argv", ["benchmark_sweep.py", "--config", CONFIG, "--variants", "adamw,offload",
+                                          "--output-dir", str(out), "--", *extra, taken])
+        with pytest.raises(SystemExit):
+            script["main"]()
+        assert f"set keys the sweep or a variant sets: {taken}" in capsys.readouterr().err and not out.exists()
+
     # A refusal of some variants only is theirs: the sweep runs the others and reports it.
     args = types.SimpleNamespace(config=CONFIG, steps=11, output_dir=str(out))
     assert "clip_grad_norm" in script["_shared_config_problem"](args, ["paged_adamw8bit_in_bwd"], extra)
