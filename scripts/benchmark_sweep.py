@@ -38,7 +38,7 @@ from torchtune_offload.bench.sweep import (
     write_results,
 )
 from torchtune_offload.plan.planner import load_config
-from torchtune_offload.recipe import check_files, check_recipe_config
+from torchtune_offload.recipe import preflight
 
 OPTIONS = {
     "--config": dict(required=True, help="a full fine-tune config"),
@@ -137,8 +137,7 @@ def _shared_config_problem(args: argparse.Namespace, names: list, extra: list) -
         try:  # torchtune's merge refuses an override that is not key=value with a ValueError too
             cfg = load_config(args.config, variant_overrides(name=name, config=args.config, steps=args.steps,
                                                              output_dir=Path(args.output_dir), extra=extra))
-            check_recipe_config(cfg, recipe="full", device_present=False)
-            check_files(cfg, step_resume=True)
+            preflight(cfg, recipe="full", device_present=False)
         except ValueError as err:
             first = first or str(err)
             continue

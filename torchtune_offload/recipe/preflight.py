@@ -21,7 +21,8 @@ HostCheck = Callable[[RecipeSettings], Optional[HostMemoryNeed]]
 
 
 def preflight(cfg: DictConfig, *, recipe: str, check_host: Optional[HostCheck] = None, step_resume: bool = True,
-              world_size: Optional[int] = None) -> Tuple[RecipeSettings, Optional[HostMemoryNeed]]:
+              world_size: Optional[int] = None,
+              device_present: bool = True) -> Tuple[RecipeSettings, Optional[HostMemoryNeed]]:
     """Checks ``cfg`` for ``recipe``, the host's memory for it and the files it names.
 
     Args:
@@ -31,6 +32,8 @@ def preflight(cfg: DictConfig, *, recipe: str, check_host: Optional[HostCheck] =
             it (``tune-offload validate`` checks a config, not this machine).
         step_resume: as for :func:`~torchtune_offload.recipe.file_checks.check_files`.
         world_size: as for :func:`~torchtune_offload.recipe.file_checks.check_files`.
+        device_present: as for :func:`~torchtune_offload.recipe.config.check_recipe_config` (the
+            sweep passes False: its own process must not start CUDA).
 
     Returns:
         The settings the config check read and the host-memory need (None when not checked).
@@ -41,7 +44,7 @@ def preflight(cfg: DictConfig, *, recipe: str, check_host: Optional[HostCheck] =
     errors: List[str] = []
     settings = need = None
     try:
-        settings = check_recipe_config(cfg, recipe=recipe)
+        settings = check_recipe_config(cfg, recipe=recipe, device_present=device_present)
     except ConfigError as err:
         errors.append(str(err))
     if settings is not None and check_host is not None:
