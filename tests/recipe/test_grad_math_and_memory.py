@@ -156,6 +156,29 @@ def test_read_disk_log_of_an_output_dir_takes_the_newest_file(tmp_path):
         read_disk_log(tmp_path / "elsewhere")
 
 
+def _log_steps(log_file, steps):
+    logger = DiskLogger(log_dir=str(log_file.parent), filename=log_file.name)
+    for step, loss in steps.items():
+        logger.log_dict({"loss": loss, "tokens_per_second": 100.0}, step=step)
+    logger.close()
+    time.sleep(0.01)  # the files are ordered by modification time
+
+
+def test_an_output_dir_of_a_resumed_run_reads_across_its_log_files(tmp_path):
+    """kill -9 at step 5 with a checkpoint at step 3, then two resumes (the first killed before it
+    logged): the steps the resumed run logged again replace the first file's."""
+    logs = tmp_path / "logs"
+    _log_steps(logs / "log_1.txt", {1: 4.0, 2: 3.0, 3: 2.0, 4: 1.5, 5: 1.25})
+    _log_steps(logs / "log_2.txt", {})
+    _log_steps(logs / "log_3.txt", {4: 1.0, 5: 0.5, 6: 0.25})
+    assert [(r["step"], r["loss"]) for r in read_disk_log(tmp_path)] == [
+        (1, 4.0), (2, 3.0), (3, 2.0), (4, 1.0), (5, 0.5), (6, 0.25)]
+    assert [r["step"] for r in read_disk_log(logs / "log_3.txt")] == [4, 5, 6]  # a file is read as it is
+    # The run started afresh in the same output_dir (with --force, say) is read alone.
+    _log_steps(logs / "log_4.txt", {1: 9.0, 2: 8.0})
+    assert [r["loss"] for r in read_disk_log(tmp_path)] == [9.0, 8.0]
+
+
 def test_a_sweeps_output_dir_given_for_a_run_names_the_runs_inside(tmp_path):
     for variant in ("offload", "adamw"):
         _log_run(tmp_path / "sweep" / variant / "logs", [2.0], filename="log_1.txt")

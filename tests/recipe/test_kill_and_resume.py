@@ -144,6 +144,11 @@ def test_sigkill_at_a_random_step_then_resume_is_exact(case, straight_runs, tiny
     assert killed == {s: straight[s] for s in killed}
     output = _finish(_tune_run(kind, tiny_assets, out, [*extra, "resume_from_checkpoint=True"], "resumed.txt"))
     _assert_resumed_like_straight(kind, out, straight_runs[case], output)
+    # Under DiskLogger's own names (renaming keeps their times), the output_dir reads as the whole
+    # run, as `tune-offload compare` shows it: the killed run's steps before the resumed ones.
+    for name in ("killed.txt", "resumed.txt"):
+        (out / "logs" / name).rename(out / "logs" / f"log_{name}")
+    assert {row["step"]: row["loss"] for row in read_disk_log(out)} == straight
     # keep_last_n_checkpoints=2 held throughout: only the newest two remain.
     assert len(list((out / "checkpoints").glob("step_*"))) == 2
 

@@ -383,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     probe.set_defaults(func=_probe)
     compare = verbs.add_parser(
         "compare", help="loss curves, tok/s and peak memory of finished runs, side by side",
-        description="Reads each run's metric log (OUTPUT_DIR/logs/log_*.txt, the newest if several) and prints "
+        description="Reads each run's metric log (OUTPUT_DIR/logs/log_*.txt: the newest, after the earlier ones "
+        "of the run it resumed from a step checkpoint) and prints "
         "the losses of the steps every run logged, the largest difference between them, and each run's median "
         "tok/s (after its first step) and peak memory figures.")
     compare.add_argument("runs", nargs="+", metavar="NAME=OUTPUT_DIR", help="a name for each run and its output_dir")

@@ -1,7 +1,8 @@
 """Reading the metrics a run wrote with torchtune's ``DiskLogger``.
 
 The logger writes one line per logged step, ``Step <N> | key:value key:value ...``, to
-``<output_dir>/logs/<filename>`` (``log_<unix time>.txt`` unless the config names the file).
+``<output_dir>/logs/<filename>`` (``log_<unix time>.txt`` unless the config names the file). A run
+resumed from a step checkpoint starts a new file there, from the step after the checkpoint's.
 """
 
 import re
@@ -15,7 +16,11 @@ def read_disk_log(path: Union[str, Path]) -> List[Dict[str, float]]:
     """The metrics of every logged step, in order, each a dict with its ``step``.
 
     Args:
-        path: a DiskLogger file, or a run's ``output_dir``, whose newest ``logs/log_*.txt`` is read.
+        path: a DiskLogger file, or a run's ``output_dir``. Of an ``output_dir``, the newest
+            ``logs/log_*.txt`` is read, after the steps of the earlier files it resumed: a file
+            whose first step is later than an earlier file's first step continues that run (the
+            earlier file's steps from the resumed one on, which the resumed run logged again, are
+            left out); a file that starts where the earlier one did is a new run.
 
     Raises:
         FileNotFoundError: if ``path`` does not exist, or is a directory without a DiskLogger file.
@@ -30,7 +35,24 @@ def read_disk_log(path: Union[str, Path]) -> List[Dict[str, float]]:
             runs = sorted(d.name for d in path.iterdir() if any((d / "logs").glob("log_*.txt")))
             inside = f"; it holds runs in {', '.join(f'{path / r}' for r in runs)}" if runs else ": did the run start?"
             raise FileNotFoundError(f"no DiskLogger file (logs/log_*.txt) under {path}{inside}")
-        path = files[-1]
+        return _resumed_run(files)
+    return _rows(path)
+
+
+def _resumed_run(files: List[Path]) -> List[Dict[str, float]]:
+    """The rows of the newest of ``files`` (oldest first), preceded by those of the runs it resumed."""
+    rows = _rows(files[-1])
+    for earlier in reversed(files[:-1]):
+        before = _rows(earlier)
+        if not before:
+            continue  # a run stopped before its first logged step
+        if not rows or rows[0]["step"] <= before[0]["step"]:
+            break  # the later file is a run of its own (or logged nothing yet)
+        rows = [r for r in before if r["step"] < rows[0]["step"]] + rows
+    return rows
+
+
+def _rows(path: Path) -> List[Dict[str, float]]:
     rows = []
     for line in path.read_text().splitlines():
         m = _STEP_LINE.match(line.strip())
