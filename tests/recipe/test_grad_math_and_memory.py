@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from torchao.dtypes.nf4tensor import NF4Tensor
 from torchtune import config, training
-from torchtune.training.metric_logging import DiskLogger
+from torchtune.training.metric_logging import DiskLogger, WandBLogger
 
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.recipe import (
@@ -27,7 +27,14 @@ from torchtune_offload.recipe import (
 )
 from torchtune_offload.recipe.config import check_recipe_config
 from torchtune_offload.recipe.memory import GIB, check_lora_model_fits_device, check_weights_fit_device
-from torchtune_offload.recipe.run_report import compare_runs, median_tokens_per_second, run_summary
+from torchtune_offload.recipe.run_report import (
+    NVML_NOTE,
+    compare_runs,
+    median_tokens_per_second,
+    run_figures,
+    run_summary,
+    summarise_in_wandb,
+)
 from tests.conftest import REPO_ROOT as REPO
 
 
@@ -243,6 +250,51 @@ def test_compare_runs_of_one_run_without_shared_steps_and_of_a_diverged_run(tmp_
     assert next(line for line in text.splitlines() if line.strip().startswith("b:")).endswith("!")
     assert next(line for line in text.split("Summary")[1].splitlines() if line.strip().startswith("b ")).split()[1] \
         == "90"
+
+
+def test_compare_widens_for_long_names_names_where_a_run_diverged_and_says_what_nvml_counts(tmp_path):
+    long = "offload_grads_overlap_device_sums"
+    ok = DiskLogger(log_dir=str(tmp_path / "a" / "logs"), filename="log_1.txt")
+    gone = DiskLogger(log_dir=str(tmp_path / "b" / "logs"), filename="log_1.txt")
+    for step in (1, 2, 3):
+        ok.log_dict({"loss": 3.0, "tokens_per_second": 10.0, "nvml_device_used_peak": 2.0, "optimizer_pinned": 0.25},
+                    step=step)
+        gone.log_dict({"loss": 3.0, "grad_norm": float("inf") if step == 2 else 1.0, "tokens_per_second": 10.0},
+                      step=step)
+    ok.close()
+    gone.close()
+    text = compare_runs({long: tmp_path / "a", "b": tmp_path / "b"})
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("step  "))
+    assert header.split() == ["step", long, "b"] and len(header) == len(next(l for l in lines if l.startswith("   1")))
+    summary = text.split("Summary")[1].splitlines()
+    assert next(l for l in summary if l.strip().startswith(long)).split()[-1] == "0.2500"  # optimizer_pinned
+    assert "b diverged: grad_norm inf at step 2" in lines and f"{long} diverged" not in text
+    assert lines[-1] == NVML_NOTE
+    assert NVML_NOTE not in compare_runs({"b": tmp_path / "b"})  # shown only beside the figure
+
+
+def test_an_output_dir_a_run_logged_to_wandb_only_says_so(tmp_path):
+    (tmp_path / "run" / "logs" / "wandb").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"logged to W&B only \(logs/wandb\). Compare it in W&B, or run it "
+                       r"again with metric_logger._component_=torchtune.training.metric_logging.DiskLogger"):
+        read_disk_log(tmp_path / "run")
+
+
+def test_a_wandb_runs_summary_gets_the_median_speed_and_the_peaks_over_the_run(monkeypatch, tmp_path):
+    rows = [{"step": 1, "loss": 3.0, "tokens_per_second": 10.0, "host_rss_peak": 2.0},
+            {"step": 2, "loss": 2.0, "tokens_per_second": 30.0, "host_rss_peak": 1.5},
+            {"step": 3, "loss": 1.0, "tokens_per_second": 20.0, "host_rss_peak": 1.0}]
+    assert run_figures(rows) == {"tokens_per_second_median": 25.0, "host_rss_peak_gib": 2.0}
+    run = types.SimpleNamespace(summary={})
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(run=run))
+    summarise_in_wandb(DiskLogger(log_dir=str(tmp_path)), rows)  # not a W&B run: nothing to do
+    assert run.summary == {}
+    summarise_in_wandb(WandBLogger.__new__(WandBLogger), rows)
+    assert run.summary == run_figures(rows)
+    # Logged with W&B only, a run's closing line does not point at compare, which reads DiskLogger files.
+    assert run_summary(rows, disk_log=False).endswith("host_rss_peak 2.00.")
+    assert "tune-offload compare" in run_summary(rows)
 
 
 def test_the_median_speed_leaves_out_the_warm_up_and_the_profiled_steps():

@@ -529,6 +529,27 @@ def test_tune_run_with_offload_from_command_line(kind, overrides, tiny_assets, t
         assert (tmp_path / "epoch_0" / "adapter_model.safetensors").is_file()
 
 
+def test_a_run_logged_to_wandb_gets_its_median_speed_and_peaks_in_the_run_summary(tiny_assets, tmp_path):
+    """W&B's own summary holds each key's last value: one step's tok/s, the last line's peaks."""
+    pytest.importorskip("wandb")
+    cmd = [*TUNE, "run", "recipes/full_finetune_single_device.py", "--config", "configs/tiny/full.yaml",
+           f"output_dir={tmp_path}", *tiny_asset_overrides(tiny_assets), "max_steps_per_epoch=3",
+           "metric_logger._component_=torchtune.training.metric_logging.WandBLogger", "metric_logger.project=p"]
+    env = working_tree_env(TIKTOKEN_CACHE_DIR="", WANDB_MODE="offline", WANDB_SILENT="false")
+    result = zygote.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    finished = re.search(r"Finished: ([0-9.]+) tok/s .*host_rss_peak ([0-9.]+)\.$", out, re.MULTILINE)
+    assert finished, out[-3000:]  # no pointer to compare: it reads DiskLogger files, and there are none
+    summary = out.split("Run summary:")[1]
+    assert float(re.search(r"tokens_per_second_median ([0-9.]+)", summary).group(1)) == pytest.approx(
+        float(finished.group(1)), abs=0.06)
+    assert float(re.search(r"host_rss_peak_gib ([0-9.]+)", summary).group(1)) == pytest.approx(
+        float(finished.group(2)), abs=0.006)
+    with pytest.raises(FileNotFoundError, match="logged to W&B only"):
+        read_disk_log(tmp_path)
+
+
 # ------------------------------------------------------------------------------- bad configs
 
 

@@ -8,7 +8,6 @@ A variant whose training diverged (the recipe stopped at a nan or inf loss or gr
 """
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from omegaconf import OmegaConf
 from torchtune_offload.recipe.disk_log import read_disk_log
 from torchtune_offload.recipe.divergence import TrainingDivergedError
 from torchtune_offload.recipe.memory import EXPANDABLE_SEGMENTS
-from torchtune_offload.recipe.run_report import cell, median_tokens_per_second, peak
+from torchtune_offload.recipe.run_report import cell, first_nonfinite, median_tokens_per_second, peak
 
 RECIPE = "recipes/full_finetune_single_device.py"
 _ADAMW = "torch.optim.AdamW"
@@ -154,9 +153,9 @@ def _failure(log_text: str, returncode: int) -> str:
     return "failed: " + " ".join(message)[:400]
 
 
-def diverged(rows: Sequence[Dict[str, float]]) -> bool:
+def diverged(rows: List[Dict[str, float]]) -> bool:
     """A logged loss or gradient norm is nan or inf (a run that went on after it still diverged)."""
-    return any(not math.isfinite(r[k]) for r in rows for k in ("loss", "grad_norm") if k in r)
+    return first_nonfinite(rows) is not None
 
 
 def variant_environment() -> Dict[str, str]:

@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 from typing import Dict, List, Union
 
+#: The metric logger whose files are read here (the configs' default).
+DISK_LOGGER = "torchtune.training.metric_logging.DiskLogger"
 _STEP_LINE = re.compile(r"^Step (\d+) \| (.*)$")
 
 
@@ -33,7 +35,13 @@ def read_disk_log(path: Union[str, Path]) -> List[Dict[str, float]]:
         if not files:
             # A sweep's output directory holds one run per variant: name them, as a user meant one.
             runs = sorted(d.name for d in path.iterdir() if any((d / "logs").glob("log_*.txt")))
-            inside = f"; it holds runs in {', '.join(f'{path / r}' for r in runs)}" if runs else ": did the run start?"
+            if runs:
+                inside = f"; it holds runs in {', '.join(f'{path / r}' for r in runs)}"
+            elif (path / "logs" / "wandb").is_dir():  # torchtune's WandBLogger writes its files there
+                inside = (": the run logged to W&B only (logs/wandb). Compare it in W&B, or run it again with "
+                          f"metric_logger._component_={DISK_LOGGER}")
+            else:
+                inside = f": did the run start, with metric_logger._component_={DISK_LOGGER}?"
             raise FileNotFoundError(f"no DiskLogger file (logs/log_*.txt) under {path}{inside}")
         return _resumed_run(files)
     return _rows(path)

@@ -16,6 +16,7 @@ import torch
 from torch.profiler import ProfilerAction
 from torchtune import training, utils
 from torchtune.training.lr_schedulers import get_lr
+from torchtune.training.metric_logging import DiskLogger
 from tqdm import tqdm
 
 from torchtune_offload.recipe.config import RecipeSettings
@@ -24,7 +25,7 @@ from torchtune_offload.recipe.grad_math import loss_scale, sum_over_ranks
 from torchtune_offload.recipe.memory import MemoryMonitor
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.run_optimizer import RunOptimizer
-from torchtune_offload.recipe.run_report import run_summary
+from torchtune_offload.recipe.run_report import run_summary, summarise_in_wandb
 
 log = utils.get_logger("INFO")
 
@@ -256,4 +257,5 @@ class TrainLoop:
         self.optimizer.synchronize()
         self.profiler.stop()
         if self.is_rank_zero:
-            log.info(run_summary(self.logged))
+            log.info(run_summary(self.logged, disk_log=isinstance(self.metric_logger, DiskLogger)))
+            summarise_in_wandb(self.metric_logger, self.logged)
