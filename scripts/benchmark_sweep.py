@@ -12,9 +12,10 @@ steps after the first (warm-up). `--gpu-memory-gib N` leaves only N GiB of the G
 ballast process, so bitsandbytes' unified memory is limited as on a smaller card. Writes
 results.md, results.json and results.png (tok/s against peak memory, and the loss curves; needs
 matplotlib) under the output directory, and each variant's log to <variant>/run.log. With --wandb,
-each variant becomes one W&B run in one group, its steps and peaks included (WANDB_MODE=offline
-keeps them on disk). An output directory that holds an earlier sweep's results is refused unless
---force, which replaces them. A problem of the config or of the overrides after `--` that every
+each variant becomes one W&B run in one group, its steps and peaks included, its resolved config in
+`recipe_config` (WANDB_MODE=offline keeps them on disk; online, an API key is checked for first).
+An output directory that holds an earlier sweep's results is refused unless --force, which
+replaces them. A problem of the config or of the overrides after `--` that every
 variant's config check refuses (a misspelt key, a missing checkpoint) stops the sweep before it runs.
 """
 
@@ -26,6 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from torchtune_offload.bench.ballast import GpuBallast
 from torchtune_offload.bench.sweep import (
@@ -81,8 +83,10 @@ def main() -> None:
         parser.error(problem)
     if args.gpu_memory_gib is not None and not torch.cuda.is_available():
         parser.error("--gpu-memory-gib needs a CUDA device")
-    if args.wandb and importlib.util.find_spec("wandb") is None:
-        parser.error("--wandb needs wandb, an optional dependency: pip install 'torchtune-offload[wandb]'")
+    if args.wandb:
+        problem = _wandb_problem()
+        if problem:
+            parser.error(problem)
     # A shared override of a key the sweep or a variant sets would run every variant under one label's name.
     owned = {o.split("=", 1)[0].lstrip("~+") for n in names
              for o in variant_overrides(name=n, config=args.config, steps=args.steps, output_dir=Path("."), extra=[])}
@@ -108,7 +112,9 @@ def main() -> None:
             r = run_variant(name=name, config=args.config, steps=args.steps, output_dir=output_dir,
                             extra=extra, timeout_s=args.timeout_s)
             tps = f", {r.tokens_per_second:.0f} tok/s" if r.tokens_per_second else ""
-            print(f"[sweep] {i}/{len(names)} {name}: {r.status} in {r.seconds:.0f} s{tps}", flush=True)
+            short = r.status == "ok" and r.steps < r.steps_requested  # one epoch of the data ended first
+            short = f", {r.steps} of {r.steps_requested} steps (the data ran out)" if short else ""
+            print(f"[sweep] {i}/{len(names)} {name}: {r.status} in {r.seconds:.0f} s{tps}{short}", flush=True)
             results.append(r)
             write_results(results, output_dir=output_dir, header=_header(device, limit, args, extra))
     header = _header(device, limit, args, extra)
@@ -120,10 +126,29 @@ def main() -> None:
         print("[sweep] no plot: matplotlib is not installed (pip install 'torchtune-offload[bench]')")
     if args.wandb:
         group = args.wandb_group or output_dir.resolve().name
-        runs = log_to_wandb(results, project=args.wandb, group=group,
+        recipe_configs = {n: OmegaConf.to_container(load_config(args.config, variant_overrides(
+            name=n, config=args.config, steps=args.steps, output_dir=output_dir, extra=extra)), resolve=True)
+            for n in names}
+        runs = log_to_wandb(results, project=args.wandb, group=group, recipe_configs=recipe_configs,
                             config={"config": args.config, "steps": args.steps, "device": device,
                                     "gpu_memory_gib": args.gpu_memory_gib, "overrides": " ".join(extra)})
         print(f"[sweep] W&B project {args.wandb}, group {group}: {len(runs)} runs")
+
+
+def _wandb_problem() -> str:
+    """Why the runs could not be logged to W&B at the sweep's end, found before any variant runs: wandb
+    is missing, or W&B would go online without an API key (``wandb.init`` would then fail, or ask
+    for one, after the last variant)."""
+    if importlib.util.find_spec("wandb") is None:
+        return "--wandb needs wandb, an optional dependency: pip install 'torchtune-offload[wandb]'"
+    import wandb  # optional dependency
+
+    if wandb.setup().settings.mode in ("offline", "dryrun", "disabled"):
+        return ""
+    if not wandb.login(prompt=False, verify=False):
+        return ("--wandb: W&B has no API key here. Run `wandb login` (or set WANDB_API_KEY), or set "
+                "WANDB_MODE=offline to keep the runs on disk and `wandb sync` them later")
+    return ""
 
 
 def _shared_config_problem(args: argparse.Namespace, names: list, extra: list) -> str:

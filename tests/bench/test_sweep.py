@@ -87,6 +87,7 @@ def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, mo
     assert [r["name"] for r in json.loads((tmp_path / "results.json").read_text())] == [
         "adamw", "offload", "paged_adamw8bit_in_bwd"]
     assert markdown_table(results).count("\n") == 4
+    assert "| 11 | " in text and adamw.steps_requested == 11  # the steps it asked for, all logged
 
     # The plot: a PNG with both panels, the refused variant named in its title.
     pytest.importorskip("matplotlib")
@@ -97,7 +98,8 @@ def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, mo
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    runs = log_to_wandb(results, project="tiny-sweep", group="g1", config={"config": CONFIG})
+    runs = log_to_wandb(results, project="tiny-sweep", group="g1", config={"config": CONFIG},
+                        recipe_configs={r.name: {"batch_size": 2} for r in results})
     assert [r["name"] for r in runs] == ["adamw", "offload", "paged_adamw8bit_in_bwd"]
     assert {r["group"] for r in runs} == {"g1"}
     offline = sorted((tmp_path / "wandb").glob("offline-run-*"))
@@ -122,17 +124,23 @@ def test_a_diverging_variant_is_reported_diverged_not_ok(tiny_assets, tmp_path, 
     assert json.loads((tmp_path / "results.json").read_text())[0]["status"] == "diverged"
 
     # W&B: the run's summary and config say so too (a stand-in module records what it is given).
-    summaries = []
+    summaries, logged, metrics = [], [], []
 
     def init(**kwargs):
         run = types.SimpleNamespace(id="r1", name=kwargs["name"], group=kwargs["group"], summary={},
-                                    log=lambda *a, **k: None, finish=lambda: None, config=kwargs["config"])
+                                    log=lambda row, **k: logged.append((row, k)), finish=lambda: None,
+                                    config=kwargs["config"], define_metric=lambda *a, **k: metrics.append((a, k)))
         summaries.append(run)
         return run
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
     log_to_wandb([result], project="p", group="g", config={})
     assert summaries[0].summary["status"] == summaries[0].config["status"] == "diverged"
+    # Steps on torchtune's WandBLogger's x-axis, global_step, so the runs overlay recipe runs logged to W&B.
+    assert metrics == [(("global_step",), {}), (("*",), {"step_metric": "global_step", "step_sync": True})]
+    assert [(row["global_step"], k) for row, k in logged] == [(1, {}), (2, {})]
+    assert logged[0][0]["loss"] == result.first_loss and "step" not in logged[0][0]
+    assert "recipe_config" not in summaries[0].config  # none given
     # What the variant is, in the run's config: a W&B chart can group by the optimizer it set.
     assert summaries[0].config["variant_optimizer"] == {
         "_component_": "torchtune_offload.OffloadOptimizer", "optimizer_class": "torch.optim.AdamW",
@@ -147,11 +155,13 @@ def test_a_variant_stepping_in_backward_names_that_in_its_wandb_config(monkeypat
     def init(**kwargs):
         runs.append(kwargs)
         return types.SimpleNamespace(id="r", name=kwargs["name"], group=kwargs["group"], summary={},
-                                     finish=lambda: None)
+                                     finish=lambda: None, define_metric=lambda *a, **k: None)
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
     log_to_wandb([VariantResult(name="paged_adamw8bit_in_bwd", status="out of memory", seconds=3.0, output_dir="x")],
-                 project="p", group="g", config={"overrides": "device=cpu"})
+                 project="p", group="g", config={"overrides": "device=cpu"},
+                 recipe_configs={"paged_adamw8bit_in_bwd": {"optimizer_in_bwd": True}})
+    assert runs[0]["config"]["recipe_config"] == {"optimizer_in_bwd": True}
     assert runs[0]["config"]["variant_optimizer"] == {"_component_": "bitsandbytes.optim.PagedAdamW8bit"}
     assert runs[0]["config"]["variant_overrides"] == "optimizer_in_bwd=True"
     assert runs[0]["config"]["overrides"] == "device=cpu"  # the sweep's own, given to every variant
@@ -172,6 +182,42 @@ def test_sweep_refuses_wandb_logging_without_wandb_before_running(monkeypatch, c
     with pytest.raises(SystemExit):
         script["main"]()
     assert "--wandb needs wandb" in capsys.readouterr().err
+
+
+def test_sweep_refuses_wandb_online_without_an_api_key_before_running(monkeypatch, capsys):
+    """wandb.init would fail (or ask for a key) only at the end, after every variant ran."""
+    script = runpy.run_path(str(REPO / "scripts" / "benchmark_sweep.py"), run_name="benchmark_sweep")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "wandb" else find_spec(name, *a))
+    logins = []
+
+    def stand_in(mode: str, has_key: bool) -> types.SimpleNamespace:
+        settings = types.SimpleNamespace(mode=mode)
+        return types.SimpleNamespace(setup=lambda: types.SimpleNamespace(settings=settings),
+                                     login=lambda **kw: logins.append(kw) or has_key)
+
+    monkeypatch.setitem(sys.modules, "wandb", stand_in("online", False))
+    monkeypatch.setattr(sys, "argv", ["benchmark_sweep.py", "--config", CONFIG, "--wandb", "p"])
+    with pytest.raises(SystemExit):
+        script["main"]()
+    assert "--wandb: W&B has no API key here" in capsys.readouterr().err
+    assert logins == [{"prompt": False, "verify": False}]  # no prompt, no network
+    for mode, has_key in (("offline", False), ("disabled", False), ("online", True)):
+        monkeypatch.setitem(sys.modules, "wandb", stand_in(mode, has_key))
+        assert script["_wandb_problem"]() == ""
+
+
+def test_a_variant_that_wrote_no_disk_log_is_reported_failed_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep.subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=0))
+    result = run_variant(name="adamw", config=CONFIG, steps=11, output_dir=tmp_path, extra=[], timeout_s=None)
+    assert result.status.startswith("failed: no DiskLogger file (logs/log_*.txt) under") and result.steps == 0
+
+
+def test_a_variant_that_logged_fewer_steps_than_asked_says_so_in_the_table():
+    short = VariantResult(name="adamw", status="ok", seconds=5.0, output_dir="x", tokens_per_second=9.0,
+                          first_loss=2.0, last_loss=1.0, steps=8, steps_requested=20)
+    assert "| 2.0000 -> 1.0000 | 8 of 20 | 5 |" in markdown_table([short])
 
 
 def test_a_problem_every_variant_has_stops_the_sweep_before_any_run(tiny_assets, tmp_path, monkeypatch, capsys):

@@ -92,6 +92,9 @@ class VariantResult:
     last_loss: Optional[float] = None
     steps: int = 0
     peaks_gib: Dict[str, float] = field(default_factory=dict)
+    #: The steps the sweep asked for; ``steps`` (those logged) is fewer where one epoch of the data
+    #: ended first, or the run stopped.
+    steps_requested: int = 0
 
 
 def overrides_for(config: str, name: str) -> List[str]:
@@ -204,14 +207,17 @@ def run_variant(
     seconds = time.perf_counter() - start
     text = log_path.read_text()
     if returncode is None:
-        return VariantResult(name, f"timed out after {timeout_s:.0f} s", seconds, str(out))
+        return VariantResult(name, f"timed out after {timeout_s:.0f} s", seconds, str(out), steps_requested=steps)
     status = "ok" if returncode == 0 else _failure(text, returncode)
     if status not in ("ok", DIVERGED):
-        return VariantResult(name, status, seconds, str(out))
-    rows = read_disk_log(out)
+        return VariantResult(name, status, seconds, str(out), steps_requested=steps)
+    try:
+        rows = read_disk_log(out)
+    except FileNotFoundError as err:  # the config logs elsewhere (one of --'s overrides, say)
+        return VariantResult(name, f"failed: {err}", seconds, str(out), steps_requested=steps)
     if diverged(rows):
         status = DIVERGED
-    result = VariantResult(name, status, seconds, str(out), steps=len(rows))
+    result = VariantResult(name, status, seconds, str(out), steps=len(rows), steps_requested=steps)
     if not rows:
         if status == "ok":
             result.status = "failed: no step logged"
@@ -232,17 +238,19 @@ def markdown_table(results: Sequence[VariantResult]) -> str:
     """The results as a markdown table (memory in GiB, peaks over the run)."""
     lines = [
         "| variant | status | tok/s (median) | allocator peak | reserved peak | NVML peak (run) | host RSS peak "
-        "| loss first -> last | wall s |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|",
+        "| loss first -> last | steps | wall s |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in results:
         p = r.peaks_gib
         loss = "-" if r.first_loss is None else f"{r.first_loss:.4f} -> {r.last_loss:.4f}"
+        # Fewer than asked: an epoch of the data ended first, or the run stopped (its status says which).
+        steps = f"{r.steps} of {r.steps_requested}" if r.steps < r.steps_requested else str(r.steps)
         lines.append(
             f"| {r.name} | {r.status.replace('|', '/')} | {cell(r.tokens_per_second, '.0f')} "
             f"| {cell(p.get('peak_memory_alloc'), '.2f')} | {cell(p.get('peak_memory_reserved'), '.2f')} "
             f"| {cell(p.get('nvml_run_peak'), '.2f')} | {cell(p.get('host_rss_peak'), '.2f')} "
-            f"| {loss} | {r.seconds:.0f} |"
+            f"| {loss} | {steps} | {r.seconds:.0f} |"
         )
     return "\n".join(lines)
 
@@ -295,14 +303,22 @@ def write_plot(results: Sequence[VariantResult], *, path: Path, title: str) -> P
 
 
 def log_to_wandb(
-    results: Sequence[VariantResult], *, project: str, group: str, config: Dict[str, object]
+    results: Sequence[VariantResult],
+    *,
+    project: str,
+    group: str,
+    config: Dict[str, object],
+    recipe_configs: Optional[Dict[str, Dict[str, object]]] = None,
 ) -> List[Dict[str, str]]:
     """One W&B run per variant in ``group``: its logged steps replayed, peaks and tok/s in the summary.
 
     The runs log what the recipe wrote to its DiskLogger file, after the fact, so the sweep's
-    timings are not disturbed by W&B. ``WANDB_MODE=offline`` keeps them on disk. Each run's config
-    also says what its variant is (``description``), the optimizer keys it sets
-    (``variant_optimizer.*``, which W&B can filter and group by) and its other overrides.
+    timings are not disturbed by W&B. ``WANDB_MODE=offline`` keeps them on disk. Each step is logged
+    with its ``global_step``, W&B's x-axis for it, as torchtune's WandBLogger logs a recipe run, so
+    the sweep's runs and recipe runs logged to W&B overlay step for step. Each run's config also
+    says what its variant is (``description``), the optimizer keys it sets (``variant_optimizer.*``,
+    which W&B can filter and group by), its other overrides and, where given, the config its recipe
+    ran (``recipe_config``, from ``recipe_configs`` by variant name).
 
     Returns:
         Per run: its ``id``, ``name`` and ``group``.
@@ -316,9 +332,12 @@ def log_to_wandb(
         keys, others, description = VARIANTS[r.name]
         run = wandb.init(project=project, group=group, name=r.name, job_type="sweep", reinit="create_new",
                          config={**config, "variant": r.name, "status": r.status, "description": description,
-                                 "variant_optimizer": dict(keys), "variant_overrides": " ".join(others)})
+                                 "variant_optimizer": dict(keys), "variant_overrides": " ".join(others),
+                                 **({"recipe_config": recipe_configs[r.name]} if recipe_configs else {})})
+        run.define_metric("global_step")
+        run.define_metric("*", step_metric="global_step", step_sync=True)
         for row in read_disk_log(r.output_dir) if r.steps else []:
-            run.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+            run.log({**{k: v for k, v in row.items() if k != "step"}, "global_step": int(row["step"])})
         run.summary.update({"status": r.status, "tokens_per_second_median": r.tokens_per_second, "wall_s": r.seconds,
                             **{f"{k}_gib": v for k, v in r.peaks_gib.items()}})
         ids.append({"id": run.id, "name": run.name, "group": run.group})
