@@ -72,7 +72,17 @@ def main() -> None:
     plans, results = _read(parser, args.plan_json, "plans"), _read(parser, args.results_json, None)
     plans = {p["name"]: p for p in plans["plans"]}
     results = {r["name"]: r for r in results}
+    measured = [n for n, r in results.items() if r.get("peaks_gib")]
+    both = [n for n in plans if n in measured]
+    if not both:
+        parser.error(f"no variant is in both files with measured peaks: the plan has {', '.join(plans) or 'none'}, "
+                     f"the sweep measured {', '.join(measured) or 'none'}. Plan the sweep's variants "
+                     "(--variants) on its config and overrides.")
     print(table(plans, results))
+    left = [f"{n} (not in the sweep)" if n not in results else f"{n} ({results[n].get('status', 'no peaks')})"
+            for n in plans if n not in both]
+    if left:
+        print(f"\nNot compared: {', '.join(left)}.")
 
 
 if __name__ == "__main__":

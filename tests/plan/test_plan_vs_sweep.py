@@ -36,3 +36,12 @@ def test_rows_join_by_variant_and_give_relative_errors(tmp_path):
     assert offload[6] == "-12.0%" and offload[9].rstrip(" |") == "-10.0%"
     paged = rows[1].split(" | ")
     assert paged[2] == "2.00" and paged[6] == "-20.0%" and paged[9].rstrip(" |") == "-25.0%"
+    assert out.stdout.rstrip().endswith("Not compared: not_swept (not in the sweep).")
+
+    # No variant in both: an error naming each file's, not an empty table.
+    (tmp_path / "results.json").write_text(json.dumps(results[2:]))
+    out = zygote.run([sys.executable, "scripts/plan_vs_sweep.py", str(tmp_path / "plan.json"),
+                      str(tmp_path / "results.json")], cwd=REPO, env=working_tree_env(),
+                     capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no variant is in both files with measured peaks: the plan has offload, " \
+        "paged_adamw8bit, not_swept, the sweep measured none" in out.stderr, out.stderr

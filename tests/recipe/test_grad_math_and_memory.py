@@ -181,6 +181,7 @@ def test_an_output_dir_of_a_resumed_run_reads_across_its_log_files(tmp_path):
     assert [(r["step"], r["loss"]) for r in read_disk_log(tmp_path)] == [
         (1, 4.0), (2, 3.0), (3, 2.0), (4, 1.0), (5, 0.5), (6, 0.25)]
     assert [r["step"] for r in read_disk_log(logs / "log_3.txt")] == [4, 5, 6]  # a file is read as it is
+    assert read_disk_log(logs) == read_disk_log(tmp_path)  # the logs folder given for the output_dir
     # The run started afresh in the same output_dir (with --force, say) is read alone.
     _log_steps(logs / "log_4.txt", {1: 9.0, 2: 8.0})
     assert [r["loss"] for r in read_disk_log(tmp_path)] == [9.0, 8.0]

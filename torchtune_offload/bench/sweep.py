@@ -287,7 +287,7 @@ def write_plot(results: Sequence[VariantResult], *, path: Path, title: str) -> P
                           xytext=(4, 4), textcoords="offset points")
         rows = read_disk_log(r.output_dir)
         ax_loss.plot([row["step"] for row in rows], [row["loss"] for row in rows], label=r.name)
-    ax_speed.set(xlabel=label, ylabel="tok/s (median)", title="speed against device memory")
+    ax_speed.set(xlabel=label, ylabel="tok/s (median)", title=f"speed against {label.split(',')[0]}")
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
     if ran:
         ax_loss.legend(fontsize=8)

@@ -18,7 +18,7 @@ def read_disk_log(path: Union[str, Path]) -> List[Dict[str, float]]:
     """The metrics of every logged step, in order, each a dict with its ``step``.
 
     Args:
-        path: a DiskLogger file, or a run's ``output_dir``. Of an ``output_dir``, the newest
+        path: a DiskLogger file, or a run's ``output_dir`` (or its ``logs`` folder). Of a folder, the newest
             ``logs/log_*.txt`` is read, after the steps of the earlier files it resumed: a file
             whose first step is later than an earlier file's first step continues that run (the
             earlier file's steps from the resumed one on, which the resumed run logged again, are
@@ -31,7 +31,9 @@ def read_disk_log(path: Union[str, Path]) -> List[Dict[str, float]]:
     if not path.exists():
         raise FileNotFoundError(f"no DiskLogger file at {path}: is it the run's output_dir or its log file?")
     if path.is_dir():
-        files = sorted((path / "logs").glob("log_*.txt"), key=lambda p: (p.stat().st_mtime, p.name))
+        # The run's output_dir, or its logs folder itself.
+        files = list((path / "logs").glob("log_*.txt")) or list(path.glob("log_*.txt"))
+        files.sort(key=lambda p: (p.stat().st_mtime, p.name))
         if not files:
             # A sweep's output directory holds one run per variant: name them, as a user meant one.
             runs = sorted(d.name for d in path.iterdir() if any((d / "logs").glob("log_*.txt")))
