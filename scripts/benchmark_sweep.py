@@ -184,8 +184,11 @@ def _output_dir_problem(output_dir: Path, names: list, *, force: bool) -> str:
 
 
 def _header(device: str, limit: str, args: argparse.Namespace, extra: list) -> str:
+    # Without CUDA, bitsandbytes keeps the paged optimizers' states in ordinary memory: nothing pages.
+    paged = device == "CPU" and any(n.startswith("paged_") for n in args.variants.split(","))
     return (f"Device: {device}{limit}. Config {args.config}, {args.steps} steps per variant, "
-            f"overrides: `{' '.join(extra) or 'none'}`. Memory in GiB.")
+            f"overrides: `{' '.join(extra) or 'none'}`. Memory in GiB."
+            + (" On the CPU the paged_* variants page nothing (no CUDA unified memory)." if paged else ""))
 
 
 if __name__ == "__main__":

@@ -347,3 +347,13 @@ def test_the_nvml_baseline_is_read_from_the_gpu_the_variants_train_on(monkeypatc
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     assert sweep._nvml_used_bytes() == 3 and looked_up[-1] == expected
+
+
+def test_the_header_says_paged_variants_page_nothing_on_the_cpu():
+    """bitsandbytes falls back to ordinary states without CUDA: a CPU sweep's paged rows are not paging."""
+    header = runpy.run_path(str(REPO / "scripts" / "benchmark_sweep.py"), run_name="benchmark_sweep")["_header"]
+    args = types.SimpleNamespace(config="c.yaml", steps=11, variants="adamw,paged_adamw8bit")
+    assert header("CPU", "; whole device", args, []).endswith("page nothing (no CUDA unified memory).")
+    assert "page nothing" not in header("NVIDIA H100", "; whole device", args, [])
+    assert "page nothing" not in header("CPU", "; whole device", types.SimpleNamespace(
+        config="c.yaml", steps=11, variants="adamw,offload"), [])
