@@ -352,8 +352,17 @@ def test_compare_puts_finished_runs_side_by_side_and_refuses_bad_pairs(capsys, t
     code, out, err = _cli(capsys, "compare", f"plain={tmp_path / 'plain'}", f"offload={tmp_path / 'offload'}")
     assert code == 0, err
     assert "largest loss difference from plain: 0.5" in out and "host_rss_peak" in out
-    for argv, said in ((["plain"], "'plain': give NAME=OUTPUT_DIR"),
+    # A folder alone: a run's (named by its folder), or one holding runs, as a sweep's does (each variant).
+    code, alone, err = _cli(capsys, "compare", str(tmp_path / "plain"), f"other={tmp_path / 'offload'}")
+    assert code == 0 and "largest loss difference from plain: 0.5" in alone and "other: " in alone, err
+    code, swept, err = _cli(capsys, "compare", str(tmp_path))
+    assert code == 0 and "largest loss difference from offload: 0.5" in swept, err  # by name: offload, plain
+    (tmp_path / "empty").mkdir()
+    for argv, said in ((["=x"], "'=x': give NAME=OUTPUT_DIR"),
+                       ([str(tmp_path / "nothing")], "no such folder. Give a run's or a sweep's output folder"),
+                       ([str(tmp_path / "empty")], "no DiskLogger file (logs/log_*.txt) in it or in its folders"),
                        ([f"a={tmp_path / 'plain'}", f"a={tmp_path / 'offload'}"], "'a' is named twice"),
+                       ([str(tmp_path), str(tmp_path / "plain")], "'plain' is named twice"),
                        ([f"a={tmp_path / 'nothing'}"], "no DiskLogger file at")):
         code, out, err = _cli(capsys, "compare", *argv)
         assert code == 2 and said in err and out == "", err

@@ -36,6 +36,7 @@ from torchtune_offload.recipe.component_options import (
     unchecked_options,
 )
 from torchtune_offload.recipe.dataset_build import dataset_build_problems
+from torchtune_offload.recipe.disk_log import DISK_LOGGER, has_disk_log, runs_inside
 from torchtune_offload.recipe.run_report import compare_runs
 from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root, torchtune_config
 
@@ -253,17 +254,36 @@ def _probe(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     runs = {}
     for spec in args.runs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise UsageError(f"{spec!r}: give NAME=OUTPUT_DIR, e.g. offload=runs/offload")
-        if name in runs:
-            raise UsageError(f"{name!r} is named twice: give each run its own name")
-        runs[name] = path
+        for name, path in _named_runs(spec):
+            if name in runs:
+                raise UsageError(f"{name!r} is named twice: give each run its own name (NAME=OUTPUT_DIR)")
+            runs[name] = path
     try:
         print(compare_runs(runs))
     except FileNotFoundError as err:  # no log file where a run should have written one
         raise UsageError(str(err)) from err
     return 0
+
+
+def _named_runs(spec: str) -> List[Tuple[str, str]]:
+    """The runs ``compare`` reads for one argument: NAME=OUTPUT_DIR, or a folder alone: a run's
+    output_dir (named by its folder) or a sweep's (each of its variants, named as the sweep names them)."""
+    name, sep, path = spec.partition("=")
+    if sep:
+        if not name or not path:
+            raise UsageError(f"{spec!r}: give NAME=OUTPUT_DIR, e.g. offload=runs/offload")
+        return [(name, path)]
+    folder = Path(spec)
+    if not folder.is_dir():
+        raise UsageError(f"{spec!r}: no such folder. Give a run's or a sweep's output folder, or NAME=OUTPUT_DIR, "
+                         "e.g. offload=runs/offload")
+    if has_disk_log(folder):
+        return [(folder.resolve().name, spec)]
+    inside = runs_inside(folder)
+    if not inside:
+        raise UsageError(f"{spec!r}: no DiskLogger file (logs/log_*.txt) in it or in its folders: did the runs log "
+                         f"with metric_logger._component_={DISK_LOGGER}?")
+    return [(run.name, str(run)) for run in inside]
 
 
 # --- run, download -----------------------------------------------------------------------------
@@ -387,7 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
         "of the run it resumed from a step checkpoint) and prints "
         "the losses of the steps every run logged, the largest difference between them, and each run's median "
         "tok/s (after its first step) and peak memory figures.")
-    compare.add_argument("runs", nargs="+", metavar="NAME=OUTPUT_DIR", help="a name for each run and its output_dir")
+    compare.add_argument("runs", nargs="+", metavar="NAME=OUTPUT_DIR",
+                         help="a name for each run and its output_dir; or a folder alone: a run's output_dir, named "
+                              "by its folder, or a sweep's output folder, which gives each of its variants")
     compare.set_defaults(func=_compare)
     return parser
 

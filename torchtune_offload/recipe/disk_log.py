@@ -31,14 +31,12 @@ def read_disk_log(path: Union[str, Path]) -> List[Dict[str, float]]:
     if not path.exists():
         raise FileNotFoundError(f"no DiskLogger file at {path}: is it the run's output_dir or its log file?")
     if path.is_dir():
-        # The run's output_dir, or its logs folder itself.
-        files = list((path / "logs").glob("log_*.txt")) or list(path.glob("log_*.txt"))
-        files.sort(key=lambda p: (p.stat().st_mtime, p.name))
+        files = _log_files(path)
         if not files:
             # A sweep's output directory holds one run per variant: name them, as a user meant one.
-            runs = sorted(d.name for d in path.iterdir() if any((d / "logs").glob("log_*.txt")))
+            runs = runs_inside(path)
             if runs:
-                inside = f"; it holds runs in {', '.join(f'{path / r}' for r in runs)}"
+                inside = f"; it holds runs in {', '.join(map(str, runs))}"
             elif (path / "logs" / "wandb").is_dir():  # torchtune's WandBLogger writes its files there
                 inside = (": the run logged to W&B only (logs/wandb). Compare it in W&B, or run it again with "
                           f"metric_logger._component_={DISK_LOGGER}")
@@ -47,6 +45,23 @@ def read_disk_log(path: Union[str, Path]) -> List[Dict[str, float]]:
             raise FileNotFoundError(f"no DiskLogger file (logs/log_*.txt) under {path}{inside}")
         return _resumed_run(files)
     return _rows(path)
+
+
+def has_disk_log(path: Union[str, Path]) -> bool:
+    """``path`` is a run's ``output_dir`` (or its ``logs`` folder) with a DiskLogger file."""
+    return bool(_log_files(Path(path)))
+
+
+def runs_inside(path: Union[str, Path]) -> List[Path]:
+    """The folders in ``path`` that are runs with a DiskLogger file (a sweep's variants), by name."""
+    return sorted(d for d in Path(path).iterdir() if d.is_dir() and has_disk_log(d))
+
+
+def _log_files(path: Path) -> List[Path]:
+    """The DiskLogger files of the run in folder ``path`` (its output_dir, or its logs folder itself),
+    oldest first."""
+    files = list((path / "logs").glob("log_*.txt")) or list(path.glob("log_*.txt"))
+    return sorted(files, key=lambda p: (p.stat().st_mtime, p.name))
 
 
 def _resumed_run(files: List[Path]) -> List[Dict[str, float]]:
