@@ -120,6 +120,8 @@ def main() -> None:
     header = _header(device, limit, args, extra)
     md = write_results(results, output_dir=output_dir, header=header)
     print(md.read_text())
+    if any(r.steps for r in results):
+        print(f"[sweep] each step's loss, side by side: tune-offload compare {output_dir}")
     try:
         print(f"[sweep] plot: {write_plot(results, path=output_dir / 'results.png', title=header)}")
     except ImportError:

@@ -27,7 +27,6 @@ from torchtune_offload.bench.sweep import (
     markdown_table,
     overrides_for,
     run_variant,
-    write_plot,
     write_results,
 )
 
@@ -67,43 +66,48 @@ def test_every_option_of_our_optimizer_is_dropped_for_a_plain_one():
     assert own and set(own) <= set(OFFLOAD_ONLY_KEYS)
 
 
-def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, monkeypatch):
+def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, monkeypatch, capsys):
+    """The script end to end: three variants, one refused by its config check, then the table, the
+    JSON, the plot and (where wandb is installed) one offline W&B run per variant."""
+    script = runpy.run_path(str(REPO / "scripts" / "benchmark_sweep.py"), run_name="benchmark_sweep")
     monkeypatch.chdir(REPO)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     # Data only from the synthetic dataset: the tiny data file is not named.
     extra = [o for o in tiny_asset_overrides(tiny_assets) if not o.startswith("dataset.")] + SYNTHETIC
-    results = [run_variant(name=n, config=CONFIG, steps=11, output_dir=tmp_path, extra=extra, timeout_s=300)
-               for n in ("adamw", "offload", "paged_adamw8bit_in_bwd")]
+    out = tmp_path / "sweep"
+    wandb = ["--wandb", "tiny-sweep"] if importlib.util.find_spec("wandb") else []
+    monkeypatch.setattr(sys, "argv", ["benchmark_sweep.py", "--config", CONFIG, "--steps", "11", "--variants",
+                                      "adamw,offload,paged_adamw8bit_in_bwd", "--output-dir", str(out), *wandb,
+                                      "--", *extra])
+    script["main"]()
+    printed = capsys.readouterr().out
+    results = [VariantResult(**r) for r in json.loads((out / "results.json").read_text())]
+    assert [r.name for r in results] == ["adamw", "offload", "paged_adamw8bit_in_bwd"]
     adamw, offload, in_bwd = results
-    assert adamw.status == offload.status == "ok" and adamw.steps == offload.steps == 11
+    assert adamw.status == offload.status == "ok" and adamw.steps == offload.steps == adamw.steps_requested == 11
     # Same math: the tiny model's losses agree (fp32, host against device order of operations).
     assert offload.first_loss == pytest.approx(adamw.first_loss, rel=1e-6)
     assert offload.last_loss == pytest.approx(adamw.last_loss, rel=1e-5)
     assert adamw.tokens_per_second > 0 and adamw.peaks_gib["host_rss_peak"] > 0
     # optimizer_in_bwd with the config's clip_grad_norm is refused by the config check, and said so.
     assert in_bwd.status.startswith("failed") and "clip_grad_norm" in in_bwd.status
-    md = write_results(results, output_dir=tmp_path, header="tiny")
-    text = md.read_text()
+    text = (out / "results.md").read_text()
+    assert text.startswith("Device: CPU; whole device. Config") and text in printed
     assert "| adamw | ok |" in text and "| paged_adamw8bit_in_bwd | failed" in text
-    assert [r["name"] for r in json.loads((tmp_path / "results.json").read_text())] == [
-        "adamw", "offload", "paged_adamw8bit_in_bwd"]
-    assert markdown_table(results).count("\n") == 4
-    assert "| 11 | " in text and adamw.steps_requested == 11  # the steps it asked for, all logged
+    assert markdown_table(results).count("\n") == 4 and "| 11 | " in text  # the steps asked for, all logged
+    assert f"[sweep] each step's loss, side by side: tune-offload compare {out}" in printed
 
     # The plot: a PNG with both panels, the refused variant named in its title.
-    pytest.importorskip("matplotlib")
-    png = write_plot(results, path=tmp_path / "results.png", title="tiny")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    if importlib.util.find_spec("matplotlib"):
+        png = out / "results.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
-    # W&B: one offline run per variant, all in one group.
-    pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    runs = log_to_wandb(results, project="tiny-sweep", group="g1", config={"config": CONFIG},
-                        recipe_configs={r.name: {"batch_size": 2} for r in results})
-    assert [r["name"] for r in runs] == ["adamw", "offload", "paged_adamw8bit_in_bwd"]
-    assert {r["group"] for r in runs} == {"g1"}
-    offline = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(offline) == 3 and all(any(d.glob("*.wandb")) for d in offline)
+    # W&B: one offline run per variant, all in one group (the output folder's name).
+    if wandb:
+        assert "[sweep] W&B project tiny-sweep, group sweep: 3 runs" in printed
+        offline = sorted((tmp_path / "wandb").glob("offline-run-*"))
+        assert len(offline) == 3 and all(any(d.glob("*.wandb")) for d in offline)
 
 
 def test_a_diverging_variant_is_reported_diverged_not_ok(tiny_assets, tmp_path, monkeypatch):
