@@ -53,3 +53,21 @@ def test_a_cpu_run_gets_no_update_on_advice_and_says_why_it_has_no_speed():
     on_cpu = format_plans([device, host], device="cpu", **common, speeds={}, machine="m")
     assert "Where the update runs:" not in on_cpu
     assert "Speed on m (docs/planner.md#how-fast). No speed for a CPU run: the model predicts a GPU's step" in on_cpu
+
+
+def test_a_note_every_variant_has_is_said_once_and_the_host_budget_says_where_it_is_from():
+    shared, own = "checkpoint files not found", "device_weights: the model loads in bf16 first"
+    plans = [VariantPlan(name="offload", description="", device_bytes=GIB, host_bytes=GIB, notes=[shared]),
+             VariantPlan(name="refused", description="", problem="clip_grad_norm is set"),
+             VariantPlan(name="fp8", description="", device_bytes=GIB, host_bytes=GIB, notes=[own, shared])]
+    text = format_plans(plans, device="cuda", device_budget=24 * GIB, host_budget=64 * GIB, config_path="c.yaml",
+                        seq_len_note="batch 1", host_budget_note="what this machine has available")
+    assert "host budget 64.0 GiB (what this machine has available)." in text
+    assert text.count(shared) == 1
+    assert text.split("Notes on every variant below:\n")[1].startswith(f"  note: {shared}\n\noffload:")
+    assert text.split("\nfp8:\n")[1].splitlines()[2] == f"  note: {own}"
+    # One variant planned: its notes stay with it.
+    alone = format_plans(plans[:1], device="cuda", device_budget=24 * GIB, host_budget=64 * GIB,
+                         config_path="c.yaml", seq_len_note="batch 1")
+    assert "Notes on every variant" not in alone and alone.endswith(f"  note: {shared}")
+    assert "host budget 64.0 GiB." in alone

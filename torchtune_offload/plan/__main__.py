@@ -163,6 +163,8 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
     device = torch.device(str(cfg.device))
     baseline, baseline_notes = process_baseline(cfg, device=device)  # before anything is traced
     host_budget = int(args.host_gib * GIB) if args.host_gib is not None else default_host_budget()
+    # Said: a plan for a --machine preset is otherwise read against another machine's host memory.
+    host_note = "" if args.host_gib is not None else "what this machine has available; --host-gib to change it"
     budget_note = ""
     if args.device_gib is not None:
         device_budget = int(args.device_gib * GIB)
@@ -203,7 +205,8 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
     print(format_plans(plans, device=str(device), device_budget=device_budget, host_budget=host_budget,
                        config_path=str(args.config), seq_len_note=seq_note, fine_tunes=_fine_tune_block(
                            fine, cfg, device_budget=device_budget, host_budget=host_budget),
-                       speeds=speeds, machine=machine.name if machine else "", device_budget_note=budget_note))
+                       speeds=speeds, machine=machine.name if machine else "", device_budget_note=budget_note,
+                       host_budget_note=host_note))
     if args.json:
         entries = [asdict(p) for p in plans]
         if speeds is not None:

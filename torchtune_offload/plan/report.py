@@ -95,7 +95,7 @@ def update_on_advice(plans: List[VariantPlan], *, device_budget: Optional[int], 
 def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Optional[int], host_budget: int,
                  config_path: str, seq_len_note: str, fine_tunes: str = "",
                  speeds: Optional[Dict[str, Optional[Speed]]] = None, machine: str = "",
-                 device_budget_note: str = "") -> str:
+                 device_budget_note: str = "", host_budget_note: str = "") -> str:
     """A markdown table of the plans, with the budgets and a verdict per variant.
 
     Args:
@@ -106,6 +106,7 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
         machine: the machine the speeds are for, named in the header.
         device_budget_note: where the device budget comes from, where not from the flag or this
             machine's device (a ``--machine`` file's or preset's memory).
+        host_budget_note: where the host budget comes from, shown beside it.
     """
     def verdict(n: Optional[int], budget: Optional[int]) -> str:
         if n is None:
@@ -117,7 +118,7 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
     lines = [f"Plan for {config_path} ({seq_len_note}); device {device}, budget "
              f"{'unknown (give --device-gib)' if device_budget is None else f'{device_budget / GIB:.1f} GiB'}"
              f"{f' ({device_budget_note})' if device_budget_note else ''}; "
-             f"host budget {host_budget / GIB:.1f} GiB.", "",
+             f"host budget {host_budget / GIB:.1f} GiB{f' ({host_budget_note})' if host_budget_note else ''}.", "",
              "| variant | device peak GiB | + paged GiB | fits device | host peak GiB | fits host |"
              + (" s/step | tok/s | bound | overlap hides at batch |" if speeds is not None else "") + " what |",
              "|---|---:|---:|:---:|---:|:---:|" + ("---:|---:|---|---:|" if speeds is not None else "") + "---|"]
@@ -143,14 +144,18 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
         lines += ["", advice]
     if fine_tunes:
         lines += ["", fine_tunes]
-    for p in plans:
-        if p.problem:
-            continue
+    planned = [p for p in plans if not p.problem]
+    # A note every variant has (the checkpoint not found, the allocator's rounding) is said once.
+    shared = [n for n in planned[0].notes if all(n in p.notes for p in planned)] if len(planned) > 1 else []
+    if shared:
+        lines += ["", "Notes on every variant below:", *(f"  note: {note}" for note in shared)]
+    for p in planned:
         lines.append(f"\n{p.name}:")
         lines.append("  device: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.device_parts.items()))
         lines.append("  host:   " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.host_parts.items()))
         for note in p.notes:
-            lines.append(f"  note: {note}")
+            if note not in shared:
+                lines.append(f"  note: {note}")
     return "\n".join(lines)
 
 
