@@ -13,7 +13,8 @@ ballast process, so bitsandbytes' unified memory is limited as on a smaller card
 results.md, results.json and results.png (tok/s against peak memory, and the loss curves; needs
 matplotlib) under the output directory, and each variant's log to <variant>/run.log. With --wandb,
 each variant becomes one W&B run in one group, its steps and peaks included, its resolved config in
-`recipe_config` (WANDB_MODE=offline keeps them on disk; online, an API key is checked for first).
+`recipe_config` (WANDB_MODE=offline keeps them on disk, in <output-dir>/wandb unless WANDB_DIR is
+set; online, an API key is checked for first).
 An output directory that holds an earlier sweep's results is refused unless --force, which
 replaces them. A problem of the config or of the overrides after `--` that every
 variant's config check refuses (a misspelt key, a missing checkpoint) stops the sweep before it runs.
@@ -23,6 +24,7 @@ import argparse
 import contextlib
 import importlib.util
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -132,9 +134,11 @@ def main() -> None:
             name=n, config=args.config, steps=args.steps, output_dir=output_dir, extra=extra)), resolve=True)
             for n in names}
         runs = log_to_wandb(results, project=args.wandb, group=group, recipe_configs=recipe_configs,
+                            directory=output_dir,
                             config={"config": args.config, "steps": args.steps, "device": device,
                                     "gpu_memory_gib": args.gpu_memory_gib, "overrides": " ".join(extra)})
-        print(f"[sweep] W&B project {args.wandb}, group {group}: {len(runs)} runs")
+        files = Path(os.environ.get("WANDB_DIR") or output_dir) / "wandb"
+        print(f"[sweep] W&B project {args.wandb}, group {group}: {len(runs)} runs (W&B's files: {files})")
 
 
 def _wandb_problem() -> str:

@@ -72,7 +72,7 @@ def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, mo
     script = runpy.run_path(str(REPO / "scripts" / "benchmark_sweep.py"), run_name="benchmark_sweep")
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.delenv("WANDB_DIR", raising=False)  # then W&B's files go in the sweep's folder
     # Data only from the synthetic dataset: the tiny data file is not named.
     extra = [o for o in tiny_asset_overrides(tiny_assets) if not o.startswith("dataset.")] + SYNTHETIC
     out = tmp_path / "sweep"
@@ -105,8 +105,8 @@ def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, mo
 
     # W&B: one offline run per variant, all in one group (the output folder's name).
     if wandb:
-        assert "[sweep] W&B project tiny-sweep, group sweep: 3 runs" in printed
-        offline = sorted((tmp_path / "wandb").glob("offline-run-*"))
+        assert f"[sweep] W&B project tiny-sweep, group sweep: 3 runs (W&B's files: {out / 'wandb'})" in printed
+        offline = sorted((out / "wandb").glob("offline-run-*"))
         assert len(offline) == 3 and all(any(d.glob("*.wandb")) for d in offline)
 
 

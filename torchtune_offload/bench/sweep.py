@@ -309,6 +309,7 @@ def log_to_wandb(
     group: str,
     config: Dict[str, object],
     recipe_configs: Optional[Dict[str, Dict[str, object]]] = None,
+    directory: Optional[Path] = None,
 ) -> List[Dict[str, str]]:
     """One W&B run per variant in ``group``: its logged steps replayed, peaks and tok/s in the summary.
 
@@ -318,7 +319,9 @@ def log_to_wandb(
     the sweep's runs and recipe runs logged to W&B overlay step for step. Each run's config also
     says what its variant is (``description``), the optimizer keys it sets (``variant_optimizer.*``,
     which W&B can filter and group by), its other overrides and, where given, the config its recipe
-    ran (``recipe_config``, from ``recipe_configs`` by variant name).
+    ran (``recipe_config``, from ``recipe_configs`` by variant name). ``directory`` is where W&B
+    writes its files (its ``wandb`` folder), unless ``WANDB_DIR`` says elsewhere; the working
+    directory without either.
 
     Returns:
         Per run: its ``id``, ``name`` and ``group``.
@@ -330,7 +333,8 @@ def log_to_wandb(
     ids = []
     for r in results:
         keys, others, description = VARIANTS[r.name]
-        run = wandb.init(project=project, group=group, name=r.name, job_type="sweep", reinit="create_new",
+        where = {} if directory is None or os.environ.get("WANDB_DIR") else {"dir": str(directory)}
+        run = wandb.init(project=project, group=group, name=r.name, job_type="sweep", reinit="create_new", **where,
                          config={**config, "variant": r.name, "status": r.status, "description": description,
                                  "variant_optimizer": dict(keys), "variant_overrides": " ".join(others),
                                  **({"recipe_config": recipe_configs[r.name]} if recipe_configs else {})})
