@@ -355,6 +355,8 @@ def test_compare_puts_finished_runs_side_by_side_and_refuses_bad_pairs(capsys, t
     # A folder alone: a run's (named by its folder), or one holding runs, as a sweep's does (each variant).
     code, alone, err = _cli(capsys, "compare", str(tmp_path / "plain"), f"other={tmp_path / 'offload'}")
     assert code == 0 and "largest loss difference from plain: 0.5" in alone and "other: " in alone, err
+    code, files, err = _cli(capsys, "compare", str(tmp_path / "plain" / "logs" / "log_1.txt"))
+    assert code == 0 and "log_1: " in files, err  # a DiskLogger file, named by the file
     code, swept, err = _cli(capsys, "compare", str(tmp_path))
     assert code == 0 and "largest loss difference from offload: 0.5" in swept, err  # by name: offload, plain
     (tmp_path / "empty").mkdir()

@@ -266,14 +266,17 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _named_runs(spec: str) -> List[Tuple[str, str]]:
-    """The runs ``compare`` reads for one argument: NAME=OUTPUT_DIR, or a folder alone: a run's
-    output_dir (named by its folder) or a sweep's (each of its variants, named as the sweep names them)."""
+    """The runs ``compare`` reads for one argument: NAME=OUTPUT_DIR, or a path alone: a run's
+    output_dir (named by its folder), a sweep's (each of its variants, named as the sweep names
+    them) or a DiskLogger file (named by the file)."""
     name, sep, path = spec.partition("=")
     if sep:
         if not name or not path:
             raise UsageError(f"{spec!r}: give NAME=OUTPUT_DIR, e.g. offload=runs/offload")
         return [(name, path)]
     folder = Path(spec)
+    if folder.is_file():  # a DiskLogger file itself
+        return [(folder.stem, spec)]
     if not folder.is_dir():
         raise UsageError(f"{spec!r}: no such folder. Give a run's or a sweep's output folder, or NAME=OUTPUT_DIR, "
                          "e.g. offload=runs/offload")
@@ -408,8 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the losses of the steps every run logged, the largest difference between them, and each run's median "
         "tok/s (after its first step) and peak memory figures.")
     compare.add_argument("runs", nargs="+", metavar="NAME=OUTPUT_DIR",
-                         help="a name for each run and its output_dir; or a folder alone: a run's output_dir, named "
-                              "by its folder, or a sweep's output folder, which gives each of its variants")
+                         help="a name for each run and its output_dir; or a path alone: a run's output_dir, named "
+                              "by its folder, a sweep's output folder, which gives each of its variants, or a "
+                              "DiskLogger file")
     compare.set_defaults(func=_compare)
     return parser
 
