@@ -357,8 +357,11 @@ def test_compare_puts_finished_runs_side_by_side_and_refuses_bad_pairs(capsys, t
     assert code == 0 and "largest loss difference from plain: 0.5" in alone and "other: " in alone, err
     code, files, err = _cli(capsys, "compare", str(tmp_path / "plain" / "logs" / "log_1.txt"))
     assert code == 0 and "log_1: " in files, err  # a DiskLogger file, named by the file
+    (tmp_path / "refused").mkdir()
+    (tmp_path / "refused" / "run.log").write_text("ValueError: clip_grad_norm ...")  # a sweep's failed variant
     code, swept, err = _cli(capsys, "compare", str(tmp_path))
     assert code == 0 and "largest loss difference from offload: 0.5" in swept, err  # by name: offload, plain
+    assert f"{tmp_path}: not compared, no step logged (see their run.log): refused" in err
     (tmp_path / "empty").mkdir()
     for argv, said in ((["=x"], "'=x': give NAME=OUTPUT_DIR"),
                        ([str(tmp_path / "nothing")], "no such folder. Give a run's or a sweep's output folder"),

@@ -286,6 +286,10 @@ def _named_runs(spec: str) -> List[Tuple[str, str]]:
     if not inside:
         raise UsageError(f"{spec!r}: no DiskLogger file (logs/log_*.txt) in it or in its folders: did the runs log "
                          f"with metric_logger._component_={DISK_LOGGER}?")
+    # A sweep's variant that did not train has its run.log and no metrics: said, not left out unseen.
+    untrained = sorted(d.name for d in folder.iterdir() if (d / "run.log").is_file() and d not in inside)
+    if untrained:
+        print(f"{spec}: not compared, no step logged (see their run.log): {', '.join(untrained)}", file=sys.stderr)
     return [(run.name, str(run)) for run in inside]
 
 
