@@ -149,12 +149,19 @@ def _wandb_problem() -> str:
         return "--wandb needs wandb, an optional dependency: pip install 'torchtune-offload[wandb]'"
     import wandb  # optional dependency
 
-    if wandb.setup().settings.mode in ("offline", "dryrun", "disabled"):
+    try:
+        if wandb.setup().settings.mode in ("offline", "dryrun", "disabled"):
+            return ""
+        if not wandb.login(prompt=False, verify=False):
+            return ("--wandb: W&B has no API key here. Run `wandb login` (or set WANDB_API_KEY), or set "
+                    "WANDB_MODE=offline to keep the runs on disk and `wandb sync` them later")
         return ""
-    if not wandb.login(prompt=False, verify=False):
-        return ("--wandb: W&B has no API key here. Run `wandb login` (or set WANDB_API_KEY), or set "
-                "WANDB_MODE=offline to keep the runs on disk and `wandb sync` them later")
-    return ""
+    except ValueError as err:  # W&B's settings refuse a value (WANDB_MODE=onlin, say)
+        return f"--wandb: W&B refuses its settings: {' '.join(str(err).split())[:300]}"
+    finally:
+        # wandb.setup() starts W&B's service process and names it in WANDB_SERVICE, which every
+        # variant's environment would inherit: the sweep needs neither until its end.
+        wandb.teardown()
 
 
 def _shared_config_problem(args: argparse.Namespace, names: list, extra: list) -> str:

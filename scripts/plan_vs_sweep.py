@@ -79,7 +79,7 @@ def main() -> None:
                      f"the sweep measured {', '.join(measured) or 'none'}. Plan the sweep's variants "
                      "(--variants) on its config and overrides.")
     print(table(plans, results))
-    left = [f"{n} (not in the sweep)" if n not in results else f"{n} ({results[n].get('status', 'no peaks')})"
+    left = [f"{n} (not in the sweep)" if n not in results else f"{n} ({results[n].get('status', '')}{'; ' if results[n].get('status') else ''}no peaks measured)"
             for n in plans if n not in both]
     if left:
         print(f"\nNot compared: {', '.join(left)}.")

@@ -357,15 +357,29 @@ def test_compare_puts_finished_runs_side_by_side_and_refuses_bad_pairs(capsys, t
     assert code == 0 and "largest loss difference from plain: 0.5" in alone and "other: " in alone, err
     code, files, err = _cli(capsys, "compare", str(tmp_path / "plain" / "logs" / "log_1.txt"))
     assert code == 0 and "log_1: " in files, err  # a DiskLogger file, named by the file
+    # A sweep's variant refused before training, and one out of memory after DiskLogger made its file.
     (tmp_path / "refused").mkdir()
-    (tmp_path / "refused" / "run.log").write_text("ValueError: clip_grad_norm ...")  # a sweep's failed variant
+    (tmp_path / "refused" / "run.log").write_text("ValueError: clip_grad_norm ...")
+    (tmp_path / "oom" / "logs").mkdir(parents=True)
+    (tmp_path / "oom" / "logs" / "log_1.txt").write_text("")
+    (tmp_path / "oom" / "run.log").write_text("torch.OutOfMemoryError: ...")
     code, swept, err = _cli(capsys, "compare", str(tmp_path))
     assert code == 0 and "largest loss difference from offload: 0.5" in swept, err  # by name: offload, plain
-    assert f"{tmp_path}: not compared, no step logged (see their run.log): refused" in err
+    assert f"{tmp_path}: not compared, no step logged (see their run.log): oom, refused" in err
+    # A run's logs folder is named by the run; a path holding '=' is a path.
+    code, out, err = _cli(capsys, "compare", str(tmp_path / "plain" / "logs"), f"x={tmp_path / 'offload'}")
+    assert code == 0 and "plain: " in out, err
+    (tmp_path / "a=b").mkdir()
+    shutil.copytree(tmp_path / "plain" / "logs", tmp_path / "a=b" / "logs")
+    code, out, err = _cli(capsys, "compare", str(tmp_path / "a=b"))
+    assert code == 0 and "a=b: " in out, err
+    (tmp_path / "wandb_only" / "logs" / "wandb").mkdir(parents=True)
+    code, out, err = _cli(capsys, "compare", str(tmp_path / "wandb_only"))
+    assert code == 2 and "the run logged to W&B only (logs/wandb)" in err, err
     (tmp_path / "empty").mkdir()
     for argv, said in ((["=x"], "'=x': give NAME=OUTPUT_DIR"),
                        ([str(tmp_path / "nothing")], "no such folder. Give a run's or a sweep's output folder"),
-                       ([str(tmp_path / "empty")], "no DiskLogger file (logs/log_*.txt) in it or in its folders"),
+                       ([str(tmp_path / "empty")], f"no DiskLogger file (logs/log_*.txt) under {tmp_path / 'empty'}: did the run start"),
                        ([f"a={tmp_path / 'plain'}", f"a={tmp_path / 'offload'}"], "'a' is named twice"),
                        ([str(tmp_path), str(tmp_path / "plain")], "'plain' is named twice"),
                        ([f"a={tmp_path / 'nothing'}"], "no DiskLogger file at")):

@@ -199,7 +199,7 @@ def test_sweep_refuses_wandb_online_without_an_api_key_before_running(monkeypatc
     def stand_in(mode: str, has_key: bool) -> types.SimpleNamespace:
         settings = types.SimpleNamespace(mode=mode)
         return types.SimpleNamespace(setup=lambda: types.SimpleNamespace(settings=settings),
-                                     login=lambda **kw: logins.append(kw) or has_key)
+                                     login=lambda **kw: logins.append(kw) or has_key, teardown=lambda: None)
 
     monkeypatch.setitem(sys.modules, "wandb", stand_in("online", False))
     monkeypatch.setattr(sys, "argv", ["benchmark_sweep.py", "--config", CONFIG, "--wandb", "p"])
@@ -212,7 +212,22 @@ def test_sweep_refuses_wandb_online_without_an_api_key_before_running(monkeypatc
         assert script["_wandb_problem"]() == ""
 
 
+def test_the_wandb_check_leaves_no_wandb_service_to_the_variants(monkeypatch):
+    """With the real wandb: wandb.setup() starts W&B's service and names it in WANDB_SERVICE, which
+    every variant would inherit, so the check tears it down; a bad setting is an error, not a traceback."""
+    pytest.importorskip("wandb")
+    check = runpy.run_path(str(REPO / "scripts" / "benchmark_sweep.py"), run_name="benchmark_sweep")["_wandb_problem"]
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert check() == "" and "WANDB_SERVICE" not in os.environ
+    monkeypatch.setenv("WANDB_MODE", "onlin")
+    assert check().startswith("--wandb: W&B refuses its settings: ") and "onlin" in check()
+
+
 def test_a_variant_that_wrote_no_disk_log_is_reported_failed_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    # An earlier sweep's log of the variant (replaced with --force) is not read as this run's.
+    (tmp_path / "adamw" / "logs").mkdir(parents=True)
+    (tmp_path / "adamw" / "logs" / "log_1.txt").write_text("Step 1 | loss:2.0 tokens_per_second:9.0\n")
     monkeypatch.setattr(sweep.subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=0))
     result = run_variant(name="adamw", config=CONFIG, steps=11, output_dir=tmp_path, extra=[], timeout_s=None)
     assert result.status.startswith("failed: no DiskLogger file (logs/log_*.txt) under") and result.steps == 0

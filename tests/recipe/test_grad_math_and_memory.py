@@ -187,6 +187,20 @@ def test_an_output_dir_of_a_resumed_run_reads_across_its_log_files(tmp_path):
     assert [r["loss"] for r in read_disk_log(tmp_path)] == [9.0, 8.0]
 
 
+def test_a_named_log_file_that_a_resumed_run_appended_to_reads_as_one_run(tmp_path):
+    """DiskLogger appends to a file the config names (metric_logger.filename), and to the same
+    log_<second>.txt for two runs started within one second: the step going back splits them."""
+    logger = DiskLogger(log_dir=str(tmp_path), filename="run.txt")
+    for step, loss in ((1, 4.0), (2, 3.0), (3, 2.0), (2, 1.0), (3, 0.5), (4, 0.25)):  # resumed from step 1
+        logger.log_dict({"loss": loss}, step=step)
+    logger.close()
+    assert [(r["step"], r["loss"]) for r in read_disk_log(tmp_path / "run.txt")] == [
+        (1, 4.0), (2, 1.0), (3, 0.5), (4, 0.25)]
+    with open(tmp_path / "run.txt", "a") as f:  # then a new run from step 1 in the same file
+        f.write("Step 1 | loss:7.0 \n")
+    assert read_disk_log(tmp_path / "run.txt") == [{"step": 1, "loss": 7.0}]
+
+
 def test_a_sweeps_output_dir_given_for_a_run_names_the_runs_inside(tmp_path):
     for variant in ("offload", "adamw"):
         _log_run(tmp_path / "sweep" / variant / "logs", [2.0], filename="log_1.txt")

@@ -9,6 +9,7 @@ A variant whose training diverged (the recipe stopped at a nan or inf loss or gr
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -188,8 +189,14 @@ def variant_overrides(*, name: str, config: str, steps: int, output_dir: Path, e
 def run_variant(
     *, name: str, config: str, steps: int, output_dir: Path, extra: Sequence[str], timeout_s: Optional[float]
 ) -> VariantResult:
-    """Runs one variant to completion (or failure) and reads back its DiskLogger metrics."""
+    """Runs one variant to completion (or failure) and reads back its DiskLogger metrics.
+
+    An earlier run's metric logs in the variant's folder are removed first (the sweep script
+    replaces an earlier sweep's results only with ``--force``): a run that fails before it logs
+    would otherwise be read, and compared, as the earlier one.
+    """
     out = output_dir / name
+    shutil.rmtree(out / "logs", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", RECIPE, "--config", config,
            *variant_overrides(name=name, config=config, steps=steps, output_dir=output_dir, extra=extra)]

@@ -36,7 +36,7 @@ from torchtune_offload.recipe.component_options import (
     unchecked_options,
 )
 from torchtune_offload.recipe.dataset_build import dataset_build_problems
-from torchtune_offload.recipe.disk_log import DISK_LOGGER, has_disk_log, runs_inside
+from torchtune_offload.recipe.disk_log import has_disk_log, read_disk_log, runs_inside
 from torchtune_offload.recipe.run_report import compare_runs
 from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root, torchtune_config
 
@@ -267,30 +267,37 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _named_runs(spec: str) -> List[Tuple[str, str]]:
     """The runs ``compare`` reads for one argument: NAME=OUTPUT_DIR, or a path alone: a run's
-    output_dir (named by its folder), a sweep's (each of its variants, named as the sweep names
-    them) or a DiskLogger file (named by the file)."""
+    output_dir or logs folder (named by the run's folder), a sweep's output folder (each of its
+    variants that logged a step, named as the sweep names them) or a DiskLogger file (named by the file)."""
+    given = Path(spec)
     name, sep, path = spec.partition("=")
-    if sep:
+    if sep and not given.exists():  # a path may hold '=' too
         if not name or not path:
             raise UsageError(f"{spec!r}: give NAME=OUTPUT_DIR, e.g. offload=runs/offload")
         return [(name, path)]
-    folder = Path(spec)
-    if folder.is_file():  # a DiskLogger file itself
-        return [(folder.stem, spec)]
-    if not folder.is_dir():
+    if given.is_file():  # a DiskLogger file itself
+        return [(given.stem, spec)]
+    if not given.is_dir():
         raise UsageError(f"{spec!r}: no such folder. Give a run's or a sweep's output folder, or NAME=OUTPUT_DIR, "
                          "e.g. offload=runs/offload")
-    if has_disk_log(folder):
-        return [(folder.resolve().name, spec)]
-    inside = runs_inside(folder)
+    if has_disk_log(given):
+        run = given.resolve()
+        return [((run.parent if run.name == "logs" else run).name, spec)]
+    inside = runs_inside(given)
     if not inside:
-        raise UsageError(f"{spec!r}: no DiskLogger file (logs/log_*.txt) in it or in its folders: did the runs log "
-                         f"with metric_logger._component_={DISK_LOGGER}?")
-    # A sweep's variant that did not train has its run.log and no metrics: said, not left out unseen.
-    untrained = sorted(d.name for d in folder.iterdir() if (d / "run.log").is_file() and d not in inside)
+        try:
+            read_disk_log(given)  # raises, naming what the folder holds instead (a W&B-only run, say)
+        except FileNotFoundError as err:
+            raise UsageError(str(err)) from err
+    # A sweep's variant that did not train has its run.log and no step logged (its log file, if the
+    # recipe got as far as making one, is empty): said, not left out unseen.
+    logged = [run for run in inside if read_disk_log(run)]
+    untrained = sorted(d.name for d in given.iterdir() if d not in logged and (d / "run.log").is_file())
     if untrained:
         print(f"{spec}: not compared, no step logged (see their run.log): {', '.join(untrained)}", file=sys.stderr)
-    return [(run.name, str(run)) for run in inside]
+    if not logged:
+        raise UsageError(f"{spec!r}: none of its runs logged a step")
+    return [(run.name, str(run)) for run in logged]
 
 
 # --- run, download -----------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Reading the metrics a run wrote with torchtune's ``DiskLogger``.
 
 The logger writes one line per logged step, ``Step <N> | key:value key:value ...``, to
-``<output_dir>/logs/<filename>`` (``log_<unix time>.txt`` unless the config names the file). A run
-resumed from a step checkpoint starts a new file there, from the step after the checkpoint's.
+``<output_dir>/logs/<filename>`` (``log_<unix time>.txt`` unless the config names the file; a named
+file, or a second run within the same second, is appended to). A run resumed from a step checkpoint
+logs again from the step after the checkpoint's: in a new file, or after the earlier run's lines in
+a named one.
 """
 
 import re
@@ -15,14 +17,21 @@ _STEP_LINE = re.compile(r"^Step (\d+) \| (.*)$")
 
 
 def read_disk_log(path: Union[str, Path]) -> List[Dict[str, float]]:
-    """The metrics of every logged step, in order, each a dict with its ``step``.
+    """The metrics of every logged step of one run, in step order, each a dict with its ``step``.
+
+    A run resumed from a step checkpoint is read whole. Its lines (in a later file of the folder, or
+    later in the same file) start at a later step than the run it resumed started at; they replace
+    that run's lines from that step on, which the resumed run logged again. Lines that start at or
+    before the earlier run's first step are a new run, read alone. This assumes the runs of a folder
+    log at the same interval (``log_every_n_steps``): a new run logging every 5 steps after one
+    logging every step would be read as its resumption.
 
     Args:
-        path: a DiskLogger file, or a run's ``output_dir`` (or its ``logs`` folder). Of a folder, the newest
-            ``logs/log_*.txt`` is read, after the steps of the earlier files it resumed: a file
-            whose first step is later than an earlier file's first step continues that run (the
-            earlier file's steps from the resumed one on, which the resumed run logged again, are
-            left out); a file that starts where the earlier one did is a new run.
+        path: a DiskLogger file, or a run's ``output_dir`` (or its ``logs`` folder), whose
+            ``logs/log_*.txt`` files are read oldest first, the newest run's steps returned.
+
+    Returns:
+        The rows, empty where the run logged no step yet.
 
     Raises:
         FileNotFoundError: if ``path`` does not exist, or is a directory without a DiskLogger file.
@@ -30,6 +39,7 @@ def read_disk_log(path: Union[str, Path]) -> List[Dict[str, float]]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no DiskLogger file at {path}: is it the run's output_dir or its log file?")
+    files = [path]
     if path.is_dir():
         files = _log_files(path)
         if not files:
@@ -43,17 +53,36 @@ def read_disk_log(path: Union[str, Path]) -> List[Dict[str, float]]:
             else:
                 inside = f": did the run start, with metric_logger._component_={DISK_LOGGER}?"
             raise FileNotFoundError(f"no DiskLogger file (logs/log_*.txt) under {path}{inside}")
-        return _resumed_run(files)
-    return _rows(path)
+    rows: List[Dict[str, float]] = []
+    for segment in (segment for f in files for segment in _segments(f)):
+        if rows and segment[0]["step"] > rows[0]["step"]:  # a resumption of the run so far
+            rows = [r for r in rows if r["step"] < segment[0]["step"]] + segment
+        else:  # the first run, or a new one
+            rows = segment
+    return rows
 
 
 def has_disk_log(path: Union[str, Path]) -> bool:
-    """``path`` is a run's ``output_dir`` (or its ``logs`` folder) with a DiskLogger file."""
+    """Whether a folder holds a run's DiskLogger file (which may hold no step yet).
+
+    Args:
+        path: a folder: a run's ``output_dir``, or its ``logs`` folder.
+
+    Returns:
+        True where ``path`` has a ``logs/log_*.txt`` or a ``log_*.txt`` file.
+    """
     return bool(_log_files(Path(path)))
 
 
 def runs_inside(path: Union[str, Path]) -> List[Path]:
-    """The folders in ``path`` that are runs with a DiskLogger file (a sweep's variants), by name."""
+    """The runs in a folder of runs, as a sweep's output folder holds one per variant.
+
+    Args:
+        path: a folder.
+
+    Returns:
+        Its sub-folders for which :func:`has_disk_log` holds, sorted by name.
+    """
     return sorted(d for d in Path(path).iterdir() if d.is_dir() and has_disk_log(d))
 
 
@@ -64,24 +93,16 @@ def _log_files(path: Path) -> List[Path]:
     return sorted(files, key=lambda p: (p.stat().st_mtime, p.name))
 
 
-def _resumed_run(files: List[Path]) -> List[Dict[str, float]]:
-    """The rows of the newest of ``files`` (oldest first), preceded by those of the runs it resumed."""
-    rows = _rows(files[-1])
-    for earlier in reversed(files[:-1]):
-        before = _rows(earlier)
-        if not before:
-            continue  # a run stopped before its first logged step
-        if not rows or rows[0]["step"] <= before[0]["step"]:
-            break  # the later file is a run of its own (or logged nothing yet)
-        rows = [r for r in before if r["step"] < rows[0]["step"]] + rows
-    return rows
-
-
-def _rows(path: Path) -> List[Dict[str, float]]:
-    rows = []
+def _segments(path: Path) -> List[List[Dict[str, float]]]:
+    """The rows of DiskLogger file ``path``, split where the step goes back (a run appended after
+    another: resumed, or new). Each segment is non-empty."""
+    segments: List[List[Dict[str, float]]] = []
     for line in path.read_text().splitlines():
         m = _STEP_LINE.match(line.strip())
         if m:
             metrics = (item.split(":", 1) for item in m.group(2).split())
-            rows.append({"step": int(m.group(1)), **{k: float(v) for k, v in metrics}})
-    return rows
+            row = {"step": int(m.group(1)), **{k: float(v) for k, v in metrics}}
+            if not segments or row["step"] <= segments[-1][-1]["step"]:
+                segments.append([])
+            segments[-1].append(row)
+    return segments

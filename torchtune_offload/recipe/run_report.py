@@ -84,9 +84,15 @@ def run_summary(rows: List[Dict[str, float]], *, disk_log: bool = True) -> str:
 
 
 def summarise_in_wandb(metric_logger: Any, rows: List[Dict[str, float]]) -> None:
-    """Puts :func:`run_figures` in the W&B run's summary where ``metric_logger`` is torchtune's
-    WandBLogger with a run: W&B's own summary holds each key's last logged value, which for
-    tok/s is one step's and for the memory peaks the last log line's (they are reset at each)."""
+    """Puts :func:`run_figures` in the W&B run's summary: W&B's own summary holds each key's last
+    logged value, which for tok/s is one step's and for the memory peaks the last log line's (they
+    are reset at each).
+
+    Args:
+        metric_logger: the run's metric logger; nothing is done unless it is torchtune's
+            WandBLogger with a run (rank 0's).
+        rows: the metrics the run logged, one dict a logged step.
+    """
     if not isinstance(metric_logger, WandBLogger):
         return
     import wandb  # optional dependency; WandBLogger has imported it already
@@ -96,8 +102,15 @@ def summarise_in_wandb(metric_logger: Any, rows: List[Dict[str, float]]) -> None
 
 
 def first_nonfinite(rows: List[Dict[str, float]]) -> Optional[str]:
-    """Where a run diverged: the first logged step whose loss or gradient norm is nan or inf, as
-    ``"loss nan at step 8"``, or None."""
+    """Where a run diverged.
+
+    Args:
+        rows: the metrics the run logged, one dict a logged step.
+
+    Returns:
+        The first logged step whose loss or gradient norm is nan or inf, as ``"loss nan at step 8"``;
+        None where every one is finite.
+    """
     for row in rows:
         for key in ("loss", "grad_norm"):
             if key in row and not math.isfinite(row[key]):
