@@ -88,6 +88,10 @@ def test_the_machine_is_the_planners_device_budget_unless_the_flag_says_otherwis
     stdout, _ = _plan_cli(tmp_path, *common)
     assert "budget 16.0 GiB (rtx4070tisuper_ddr5's device_memory_gib; --device-gib to change it)" in stdout
     assert json.loads((tmp_path / "plan.json").read_text())["device_budget"] == 16 * 2**30
+    # The answer under the table, and in the JSON: the one variant planned fits and is the fastest.
+    assert "Fastest that fits both budgets (device 16.0 GiB, host 64.0 GiB)" in stdout
+    assert "\n- adamw: " in stdout and "- with AdamW's full-precision steps" not in stdout
+    assert json.loads((tmp_path / "plan.json").read_text())["fastest"] == {"overall": "adamw", "exact": "adamw"}
     stdout, _ = _plan_cli(tmp_path, *common, "--device-gib", "1")
     assert "budget 1.0 GiB; " in stdout
     assert json.loads((tmp_path / "plan.json").read_text())["device_budget"] == 2**30

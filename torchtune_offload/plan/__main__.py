@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from torchtune_offload.bench.arguments import check_output_file
 from torchtune_offload.bench.sweep import VARIANTS
+from torchtune_offload.plan.fastest import fastest_fitting, math_change
 from torchtune_offload.plan.planner import (
     GIB,
     VariantPlan,
@@ -39,6 +40,7 @@ from torchtune_offload.plan.planner import (
     plan_variant,
     process_baseline,
     step_requests,
+    variant_config,
 )
 from torchtune_offload.plan.report import format_fine_tunes, format_plans
 from torchtune_offload.plan.speed import DEVICE_MEMORY_KEY, load_machine, preset_names
@@ -202,11 +204,14 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
     seq_note = f"batch {cfg.batch_size} x {seq_len} tokens"
     speeds = None if machine is None else {
         p.name: plan_speed(p, machine, device_budget=device_budget) for p in plans}
+    given = OmegaConf.to_container(cfg, resolve=True)
+    math_changes = {p.name: math_change(OmegaConf.to_container(variant_config(
+        str(args.config), args.overrides, p.name), resolve=True), config=given) for p in plans}
     print(format_plans(plans, device=str(device), device_budget=device_budget, host_budget=host_budget,
                        config_path=str(args.config), seq_len_note=seq_note, fine_tunes=_fine_tune_block(
                            fine, cfg, device_budget=device_budget, host_budget=host_budget),
                        speeds=speeds, machine=machine.name if machine else "", device_budget_note=budget_note,
-                       host_budget_note=host_note))
+                       host_budget_note=host_note, math_changes=math_changes))
     if args.json:
         entries = [asdict(p) for p in plans]
         if speeds is not None:
@@ -217,6 +222,9 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
                                          "machine": None if machine is None else {"name": machine.name,
                                                                                   **machine.as_dict()},
                                          "plans": entries,
+                                         "fastest": None if speeds is None or str(device) == "cpu" else asdict(
+                                             fastest_fitting(plans, speeds, device_budget=device_budget,
+                                                             host_budget=host_budget, math_changes=math_changes)),
                                          "fine_tunes": [asdict(p) for p in fine]}, indent=1))
     refused = next((p.problem for p in plans if p.name == "config" and p.problem is not None), None)
     if refused is not None:

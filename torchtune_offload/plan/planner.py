@@ -93,7 +93,10 @@ def load_config(config_path: str, overrides: Sequence[str]) -> DictConfig:
     return _merge_yaml_and_cli_args(yaml_args, list(overrides))
 
 
-def _variant_cfg(config_path: str, overrides: Sequence[str], name: str) -> DictConfig:
+def variant_config(config_path: str, overrides: Sequence[str], name: str) -> DictConfig:
+    """The config variant ``name`` (``config``: the config as given, or a sweep variant) is planned
+    with: the config and ``overrides``, then the variant's optimizer keys, and for the variant
+    stepping in backward no clipping and no accumulation, which torchtune refuses with it."""
     extra: List[str] = []
     if name != "config":
         extra = overrides_for(config_path, name)
@@ -197,7 +200,7 @@ def plan_variant(config_path: str, overrides: Sequence[str], name: str, *, recip
         UntraceableModelError: the configured model cannot be built or traced.
     """
     description = "the config as given" if name == "config" else VARIANTS[name][2]
-    return plan_config(_variant_cfg(config_path, overrides, name), VariantPlan(name=name, description=description),
+    return plan_config(variant_config(config_path, overrides, name), VariantPlan(name=name, description=description),
                        recipe=recipe, seq_len=seq_len, baseline=baseline, traces=traces)
 
 
@@ -292,7 +295,7 @@ def step_requests(config_path: str, overrides: Sequence[str], names: Sequence[st
         config, a model without a builder) is left out, for the plan to meet again and report.
     """
     names = [*names, "config"] if with_fine_tunes and "config" not in names else list(names)
-    configs = [(_variant_cfg(config_path, overrides, name), recipe) for name in names]
+    configs = [(variant_config(config_path, overrides, name), recipe) for name in names]
     if with_fine_tunes:
         cfg = load_config(config_path, overrides)
         mine = configured_fine_tune(cfg.model)

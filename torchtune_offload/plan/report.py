@@ -1,8 +1,9 @@
 """The planner's report: the variants' table with a verdict against each budget, the full/LoRA/QLoRA
 block, and the advice on where the update runs (``python -m torchtune_offload.plan`` prints it)."""
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Mapping, Optional
 
+from torchtune_offload.plan.fastest import fastest_block
 from torchtune_offload.plan.planner import GIB, VariantPlan
 from torchtune_offload.plan.recorded_runs import known_gaps_block
 from torchtune_offload.plan.speed import Speed, sums_elsewhere_block
@@ -95,7 +96,8 @@ def update_on_advice(plans: List[VariantPlan], *, device_budget: Optional[int], 
 def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Optional[int], host_budget: int,
                  config_path: str, seq_len_note: str, fine_tunes: str = "",
                  speeds: Optional[Dict[str, Optional[Speed]]] = None, machine: str = "",
-                 device_budget_note: str = "", host_budget_note: str = "") -> str:
+                 device_budget_note: str = "", host_budget_note: str = "",
+                 math_changes: Optional[Mapping[str, Optional[str]]] = None) -> str:
     """A markdown table of the plans, with the budgets and a verdict per variant.
 
     Args:
@@ -107,6 +109,9 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
         device_budget_note: where the device budget comes from, where not from the flag or this
             machine's device (a ``--machine`` file's or preset's memory).
         host_budget_note: where the host budget comes from, shown beside it.
+        math_changes: each variant's :func:`~torchtune_offload.plan.fastest.math_change`, by name:
+            with ``speeds`` (and a device that is not the CPU), the fastest variant that fits is
+            named under the table, and the fastest without such a change where that is another.
     """
     def verdict(n: Optional[int], budget: Optional[int]) -> str:
         if n is None:
@@ -137,6 +142,9 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
         lines.append(f"| {p.name} | {gib(p.device_bytes)} | {paged} | {device_verdict(p, device_budget)} | "
                      f"{gib(p.host_bytes)} | {verdict(p.host_bytes, host_budget)} |{speed} {what} |")
     predicted = {p.name: speeds[p.name] for p in plans if speeds and speeds.get(p.name)}
+    if speeds is not None and math_changes is not None and device != "cpu":
+        lines += fastest_block(plans, speeds, device_budget=device_budget, host_budget=host_budget,
+                               math_changes=math_changes)
     lines += known_gaps_block(predicted) + sums_elsewhere_block(predicted)
     # update_on=device moves the update to an accelerator; a CPU run has none to move it to.
     advice = None if device == "cpu" else update_on_advice(plans, device_budget=device_budget, host_budget=host_budget)

@@ -1,0 +1,116 @@
+"""Which planned variant is fastest among those that fit both budgets: the planner's answer to
+"which setting should I run on my machine", with and without a change to the optimizer's math."""
+
+from dataclasses import dataclass
+from typing import Any, List, Mapping, Optional
+
+from torchtune_offload.plan.planner import GIB, VariantPlan
+from torchtune_offload.plan.speed import Speed
+
+
+#: Keys of the config a variant may set otherwise than the config as given (the one stepping in
+#: backward runs without clipping or accumulation), which changes what its steps compute.
+_TRAINING_KEYS = ("clip_grad_norm", "gradient_accumulation_steps")
+
+
+def math_change(variant: Mapping[str, Any], *, config: Mapping[str, Any]) -> Optional[str]:
+    """How a variant's steps differ by design from full-precision AdamW's on the config as given.
+
+    Args:
+        variant: the config the variant runs (``planner.variant_config``), as a mapping.
+        config: the config as given, as a mapping.
+
+    Returns:
+        What differs, joined by "and": ``8-bit optimizer states``, ``FP8 layer weights``, and any of
+        clipping or accumulation set otherwise than in the config (as ``clip_grad_norm=None
+        instead of 1.0``); None where nothing does. fp32 master weights and bitsandbytes' 32-bit
+        states are not counted: they are not less precise than plain AdamW's bf16 states.
+    """
+    optimizer = variant.get("optimizer") or {}
+    names = f"{optimizer.get('_component_', '')} {optimizer.get('optimizer_class', '')}".lower()
+    changes = ["8-bit optimizer states"] if "8bit" in names else []
+    if str(optimizer.get("device_weights", "")).lower() == "fp8":
+        changes.append("FP8 layer weights")
+    changes += [f"{key}={variant.get(key)} instead of {config.get(key)}" for key in _TRAINING_KEYS
+                if variant.get(key) != config.get(key)]
+    return " and ".join(changes) or None
+
+
+@dataclass(frozen=True)
+class Fastest:
+    """The fastest variants that fit, by expected tok/s (see :func:`fastest_fitting`).
+
+    Attributes:
+        overall: the fastest of all that fit; None where none fits.
+        exact: the fastest without a :func:`math_change`; None where none fits.
+    """
+
+    overall: Optional[str]
+    exact: Optional[str]
+
+
+def expected_tokens_per_second(speed: Speed) -> float:
+    """The predicted tok/s, times the middle of its kind's known gap where it has one (the lowest
+    middle where several): a prediction the recorded runs of its kind fell short of ranks by what
+    they made of it, not by the model's figure alone."""
+    middles = [(lo + hi) / 2 for _, lo, hi in speed.known_gaps]
+    return speed.tokens_per_second * min(middles, default=1.0)
+
+
+def fastest_fitting(plans: List[VariantPlan], speeds: Mapping[str, Optional[Speed]], *,
+                    device_budget: Optional[int], host_budget: int,
+                    math_changes: Mapping[str, Optional[str]]) -> Fastest:
+    """The fastest variants that fit both budgets, by :func:`expected_tokens_per_second`.
+
+    Args:
+        plans: the planned variants.
+        speeds: each variant's predicted step, by name (None where it has none).
+        device_budget: device bytes (None: unknown, so nothing is known to fit).
+        host_budget: host bytes.
+        math_changes: each variant's :func:`math_change`, by name.
+
+    Returns:
+        The fastest overall and the fastest without a change to the optimizer's math.
+    """
+    def fits(p: VariantPlan) -> bool:
+        return (p.problem is None and p.device_bytes is not None and device_budget is not None
+                and p.device_need <= device_budget and p.host_bytes is not None and p.host_bytes <= host_budget)
+
+    ranked = sorted((p.name for p in plans if fits(p) and speeds.get(p.name) is not None),
+                    key=lambda name: expected_tokens_per_second(speeds[name]), reverse=True)
+    return Fastest(overall=next(iter(ranked), None),
+                   exact=next((name for name in ranked if not math_changes.get(name)), None))
+
+
+def fastest_block(plans: List[VariantPlan], speeds: Mapping[str, Optional[Speed]], *,
+                  device_budget: Optional[int], host_budget: int,
+                  math_changes: Mapping[str, Optional[str]]) -> List[str]:
+    """Lines for under the planner's table: the fastest variant that fits, and the fastest with
+    the optimizer's math unchanged where that is another one.
+
+    Args:
+        plans, speeds, device_budget, host_budget, math_changes: as for :func:`fastest_fitting`.
+    """
+    best = fastest_fitting(plans, speeds, device_budget=device_budget, host_budget=host_budget,
+                           math_changes=math_changes)
+    budgets = (f"device {'?' if device_budget is None else f'{device_budget / GIB:.1f}'} GiB, "
+               f"host {host_budget / GIB:.1f} GiB")
+    if best.overall is None:
+        return ["", f"No planned variant fits both budgets ({budgets})."]
+
+    def line(name: str) -> str:
+        s = speeds[name]
+        text = f"{name}: {s.tokens_per_second:.0f} tok/s predicted, {s.step_seconds:.3g} s a step"
+        if s.known_gaps:
+            expected = expected_tokens_per_second(s)
+            text += f" (about {expected:.0f} by what recorded runs of its kind made of such predictions)"
+        change = math_changes.get(name)
+        return text + (f"; its steps differ from AdamW's full-precision steps on the config: {change}"
+                       if change else "")
+
+    lines = ["", f"Fastest that fits both budgets ({budgets}), by predicted tok/s, times the middle of its "
+                 "kind's known gap where it has one:", f"- {line(best.overall)}"]
+    if best.exact != best.overall:
+        lines.append("- with AdamW's full-precision steps on the config's clipping and accumulation: "
+                     + (line(best.exact) if best.exact else "none fits"))
+    return lines
