@@ -79,7 +79,8 @@ def main() -> None:
                      f"the sweep measured {', '.join(measured) or 'none'}. Plan the sweep's variants "
                      "(--variants) on its config and overrides.")
     print(table(plans, results))
-    left = [f"{n} (not in the sweep)" if n not in results else f"{n} ({results[n].get('status', '')}{'; ' if results[n].get('status') else ''}no peaks measured)"
+    status = {n: r.get("status") for n, r in results.items()}
+    left = [f"{n} (not in the sweep)" if n not in results else f"{n} ({status[n] + '; ' if status[n] else ''}no peaks)"
             for n in plans if n not in both]
     if left:
         print(f"\nNot compared: {', '.join(left)}.")
