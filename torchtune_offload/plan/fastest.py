@@ -72,11 +72,8 @@ def fastest_fitting(plans: List[VariantPlan], speeds: Mapping[str, Optional[Spee
     Returns:
         The fastest overall and the fastest without a change to the optimizer's math.
     """
-    def fits(p: VariantPlan) -> bool:
-        return (p.problem is None and p.device_bytes is not None and device_budget is not None
-                and p.device_need <= device_budget and p.host_bytes is not None and p.host_bytes <= host_budget)
-
-    ranked = sorted((p.name for p in plans if fits(p) and speeds.get(p.name) is not None),
+    ranked = sorted((p.name for p in plans
+                     if p.fits(device_budget=device_budget, host_budget=host_budget) and speeds.get(p.name)),
                     key=lambda name: expected_tokens_per_second(speeds[name]), reverse=True)
     return Fastest(overall=next(iter(ranked), None),
                    exact=next((name for name in ranked if not math_changes.get(name)), None))

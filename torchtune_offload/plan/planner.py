@@ -86,6 +86,21 @@ class VariantPlan:
         """What the device must hold at the run's tightest moment: the step peak or the load."""
         return max(self.device_bytes or 0, self.load_bytes or 0)
 
+    def fits(self, *, device_budget: Optional[int], host_budget: int) -> bool:
+        """Whether the variant runs within both budgets.
+
+        Args:
+            device_budget: device bytes; None (unknown) fits nothing.
+            host_budget: host bytes.
+
+        Returns:
+            True where it is planned (no problem), its :attr:`device_need` is within the device's
+            budget and its host peak within the host's.
+        """
+        return (self.problem is None and self.device_bytes is not None and self.host_bytes is not None
+                and device_budget is not None and self.device_need <= device_budget
+                and self.host_bytes <= host_budget)
+
 
 def load_config(config_path: str, overrides: Sequence[str]) -> DictConfig:
     """The config with command-line overrides applied as ``tune run`` applies them (``~key`` deletes)."""

@@ -72,7 +72,7 @@ def update_on_advice(plans: List[VariantPlan], *, device_budget: Optional[int], 
         return None
 
     def fits(p: VariantPlan) -> bool:
-        return p.device_need <= device_budget and p.host_bytes <= host_budget
+        return p.fits(device_budget=device_budget, host_budget=host_budget)
 
     def figures(p: VariantPlan) -> str:
         return f"{p.name}: {p.device_bytes / GIB:.2f} GiB device, {p.host_bytes / GIB:.2f} GiB host"
