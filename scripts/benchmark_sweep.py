@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from torchtune_offload.bench.ballast import GpuBallast
 from torchtune_offload.bench.sweep import (
@@ -130,9 +130,7 @@ def main() -> None:
         print("[sweep] no plot: matplotlib is not installed (pip install 'torchtune-offload[bench]')")
     if args.wandb:
         group = args.wandb_group or output_dir.resolve().name
-        recipe_configs = {n: OmegaConf.to_container(load_config(args.config, variant_overrides(
-            name=n, config=args.config, steps=args.steps, output_dir=output_dir, extra=extra)), resolve=True)
-            for n in names}
+        recipe_configs = {n: OmegaConf.to_container(_variant_config(args, n, extra), resolve=True) for n in names}
         runs = log_to_wandb(results, project=args.wandb, group=group, recipe_configs=recipe_configs,
                             directory=output_dir,
                             config={"config": args.config, "steps": args.steps, "device": device,
@@ -164,6 +162,12 @@ def _wandb_problem() -> str:
         wandb.teardown()
 
 
+def _variant_config(args: argparse.Namespace, name: str, extra: list) -> DictConfig:
+    """The config variant ``name`` runs, as its ``tune run`` merges it."""
+    return load_config(args.config, variant_overrides(name=name, config=args.config, steps=args.steps,
+                                                      output_dir=Path(args.output_dir), extra=extra))
+
+
 def _shared_config_problem(args: argparse.Namespace, names: list, extra: list) -> str:
     """The first variant's refusal, when each variant's config check (as the recipe makes it, before
     it loads anything) refuses: then the problem is the config's or the shared overrides', and each
@@ -173,9 +177,7 @@ def _shared_config_problem(args: argparse.Namespace, names: list, extra: list) -
     first = ""
     for name in names:
         try:  # torchtune's merge refuses an override that is not key=value with a ValueError too
-            cfg = load_config(args.config, variant_overrides(name=name, config=args.config, steps=args.steps,
-                                                             output_dir=Path(args.output_dir), extra=extra))
-            preflight(cfg, recipe="full", device_present=False)
+            preflight(_variant_config(args, name, extra), recipe="full", device_present=False)
         except ValueError as err:
             first = first or str(err)
             continue
