@@ -3,6 +3,7 @@
 # bit for bit with tests/recipe/golden_losses.json: what an AVX2-only desktop would log.
 #
 # Usage:  bash scripts/golden_on_emulated_cpus.sh [QEMU_CPU_MODEL...]     (default: Haswell EPYC-Milan)
+#         PYTHON=<venv>/bin/python bash scripts/golden_on_emulated_cpus.sh   (a venv, activated or not)
 #
 # Needs QEMU's user-mode emulator (Debian: apt-get install qemu-user). Each model runs the whole
 # replay in one emulated process (about 5 minutes on 2 cores): cpuid then reports that model, so
@@ -18,7 +19,11 @@ command -v qemu-x86_64 >/dev/null || { echo "needs qemu-x86_64 (Debian: apt-get 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 $PY -m torchtune_offload.assets --output-dir "$work/assets" >/dev/null
-real_py=$($PY -c "import os, sys; print(os.path.realpath(sys.executable))")
+# The interpreter as $PY names it, not the file a virtual environment's symlink leads to: QEMU runs the
+# binary the path leads to, while Python finds its environment (pyvenv.cfg, site-packages) from the
+# path it was started by, so the resolved path would be the base interpreter without the venv's packages.
+emulated_py=$($PY -c "import sys; print(sys.executable)")
+host_prefix=$($PY -c "import sys; print(sys.prefix)")
 cases=$($PY -c "from tests.recipe.golden_runs import RUNS, OVERLAPPED, case_id
 print(' '.join([case_id(n, False) for n in RUNS] + [case_id(n, True) for n in OVERLAPPED]))")
 pinned=$($PY -c "from tests.recipe.golden_runs import PINNED_ENV; print(' '.join(f'{k}={v}' for k, v in PINNED_ENV.items()))")
@@ -33,8 +38,13 @@ status=0
 for model in "${models[@]}"; do
   case $model in EPYC-Milan*) march=znver3 ;; EPYC-Rome*) march=znver2 ;; EPYC*) march=znver1 ;; *) march=haswell ;; esac
   echo "=== $model (C passes built with -march=$march)"
+  prefix=$(qemu-x86_64 -cpu "$model" "$emulated_py" -c "import sys; print(sys.prefix)") || prefix="(it did not start)"
+  if [ "$prefix" != "$host_prefix" ]; then
+    echo "under QEMU $emulated_py runs in $prefix, not in $host_prefix as on this machine: set PYTHON to an interpreter binary or a venv's python" >&2
+    status=1; continue
+  fi
   env $pinned TIKTOKEN_CACHE_DIR= PYTHONPATH="$PWD" CC="$work/cc" QEMU_MARCH=$march \
-    qemu-x86_64 -cpu "$model" "$real_py" -m tests.recipe.golden_runs --replay "$work/assets" "$work/$model.json" $cases \
+    qemu-x86_64 -cpu "$model" "$emulated_py" -m tests.recipe.golden_runs --replay "$work/assets" "$work/$model.json" $cases \
     > "$work/$model.log" 2>&1 || { echo "the replay failed:"; tail -20 "$work/$model.log"; status=1; continue; }
   $PY - "$work/$model.json" <<'CMP' || status=1
 import json, sys

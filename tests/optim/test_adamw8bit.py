@@ -1,6 +1,7 @@
 """AdamW8bit: the C pass against the pure-torch reference, against bitsandbytes' AdamW8bit, and as
 the offload engine's base optimizer against itself without offload."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,8 +9,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+from tests import zygote
+from tests.optim import float_range
 from tests.optim.side_by_side import assert_same_params, batches, through_a_file, tiny_model, twin
 from tests.optim.test_overlap import train_windows
+from tests.recipe_harness import REPO, working_tree_env
 from torchtune_offload import AdamW8bit, OffloadOptimizer
 from torchtune_offload.optim import adamw8bit, fused_step
 from torchtune_offload.optim.host_memory import optimizer_state_bytes
@@ -139,6 +143,104 @@ def test_ties_and_near_ties_get_the_references_codes():
         assert torch.equal(p, p_ref)
         for key in expected:
             assert torch.equal(state[key], expected[key]), key
+
+
+@needs_cc
+@pytest.mark.streams_as_is  # the passes run in child processes
+def test_every_build_over_the_float_range():
+    """tests/optim/float_range.py's cases (gradients from 0 through the subnormal range to 1e30, zero
+    blocks, single infinities and NaNs, partial blocks, both dtypes, clipping, absmax exactly at
+    2**-126 and 2**-128) in child processes, on every build this CPU runs and on debug builds that
+    check every table index: the reference's bits (NaN in the same places), no crash."""
+    failures = float_range.run_in_children("adamw8bit")
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+
+
+@needs_cc
+@pytest.mark.streams_as_is  # the passes run in child processes
+def test_the_avx512_loop_compiles_where_this_cpu_cannot_run_it():
+    """Where the CPU lacks AVX-512 (so the float-range test cannot run that loop), it is at least
+    compiled, with the instruction sets it needs, so that a change that breaks it fails here too."""
+    _, not_here = float_range.builds("adamw8bit")
+    if not any("AVX-512" in reason for reason in not_here):
+        pytest.skip("this CPU runs the AVX-512 loop: test_every_build_over_the_float_range covers it")
+    library = adamw8bit.bind_kernel(fused_step.build_library(
+        adamw8bit.SOURCE, flags=("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vbmi", "-mavx512bf16")))
+    assert "AVX-512" in adamw8bit.build_paths(library)  # returns a constant: no AVX-512 instruction runs
+
+
+#: One step of a 48-layer stack of bf16 Linear(1024, 1024) layers on the mean of its output: some
+#: blocks of its gradients are so small that their second moments' absmax is below 2**-128. Before the block
+#: scale was raised to bitsandbytes' 1e-38 clamp, the AVX-512 loop indexed its table with the
+#: infinite scale's garbage and the process died (exit status 139).
+DEEP_STACK = """
+import copy
+import torch
+from torchtune_offload import AdamW8bit
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(48)]).bfloat16()
+ref = copy.deepcopy(model)
+x = torch.randn(8, 1024).bfloat16()
+states = []
+for m, fused in ((model, None), (ref, False)):
+    m(x).float().mean().backward()
+    opt = AdamW8bit(m.parameters(), fused=fused)
+    opt.step()
+    states.append(list(opt.state.values()))
+smallest = min(float(st["absmax2"].min()) for st in states[1] if "absmax2" in st)
+assert 0 < smallest < 2.0**-128, smallest  # blocks whose 1 / absmax overflows float32
+assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+assert all(torch.equal(a[k], b[k]) for a, b in zip(*states) for k in a if k != "step")
+n = 4096 * 1024
+for scale in (1e-20, 1e-40, 1e30):
+    start, g = torch.randn(n).bfloat16(), (torch.randn(n) * scale).bfloat16()
+    params = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    opts = [AdamW8bit([p], fused=f) for p, f in zip(params, (None, False))]
+    for p, opt in zip(params, opts):
+        p.grad = g.clone()
+        opt.step()
+    assert torch.equal(params[0], params[1]), scale
+    for key in ("state1", "state2", "absmax1", "absmax2"):
+        a, b = opts[0].state[params[0]][key], opts[1].state[params[1]][key]
+        assert torch.equal(a, b) or torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()]), key
+print("stepped")
+"""
+
+
+@needs_cc
+@pytest.mark.streams_as_is  # the passes run in child processes
+def test_the_deep_stack_and_tiny_gradients_step_as_the_reference():
+    """The reproductions of the crash (a 48-layer bf16 stack; one 4096 x 1024 parameter with
+    gradients of randn times 1e-20, 1e-40 and 1e30) step in a child process with the reference's bits."""
+    done = zygote.run([sys.executable, "-c", DEEP_STACK], cwd=REPO, env=working_tree_env(), capture_output=True,
+                      text=True, timeout=300)
+    assert done.returncode == 0 and "stepped" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+def test_tiny_blocks_are_scaled_as_bitsandbytes_clamps_them():
+    """A block whose absmax is below 1e-38 keeps its true absmax but is scaled by 1e38 (its
+    reciprocal would overflow below about 2**-128 and code every element at the end of the map):
+    at 2**-126 the largest element still codes as 1, at 2**-128 as the code nearest 2**-128 * 1e38
+    (about 0.029); zeros stay zero, NaN codes 255, and every value dequantizes no larger than it was."""
+    q1, q2 = adamw8bit.quantization_maps()
+    for largest, code_of_largest in ((2.0**-126, 1.0), (2.0**-128, 2.0**-128 * 1e38), (1e-45, 1e-45 * 1e38)):
+        values = torch.zeros(2, 256)
+        values[:, 1:] = torch.rand(2, 255, generator=torch.Generator().manual_seed(0)) * largest
+        values[:, 0] = largest
+        values[1] = -values[1]
+        values[:, 2] = 0.0
+        for code, block in ((q1, values), (q2, values.abs()[:1])):
+            codes, absmax = adamw8bit.quantize(block, code)
+            assert torch.equal(absmax, block.abs().amax(dim=1))
+            nearest = (code - code_of_largest).abs().argmin()
+            assert int(codes[0, 0]) == int(nearest), (largest, int(codes[0, 0]), int(nearest))
+            assert float(code[codes[0, 2].long()]) == 0.0
+            back = adamw8bit.dequantize(codes, absmax, code)
+            assert (back.abs() <= block.abs() * 1.0001 + 1e-45).all() or largest == 2.0**-126
+    nan_block = torch.zeros(1, 256)
+    nan_block[0, 5] = float("nan")
+    codes, absmax = adamw8bit.quantize(nan_block, q1)
+    assert absmax.isnan().all() and (codes == adamw8bit.NAN_CODE).all()
 
 
 def _train_three(steps: int, dtype: torch.dtype, *, grads=None):

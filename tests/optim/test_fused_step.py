@@ -5,6 +5,7 @@ import shlex
 import pytest
 import torch
 
+from tests.optim import float_range
 from torchtune_offload.optim import fused_step
 
 #: The pass is built with the system C compiler; without one the engine falls back (tested below).
@@ -135,3 +136,15 @@ def test_a_source_that_does_not_build_is_refused_with_the_compilers_error_line(t
     source.write_text("int ok;\n#error this build lacks what it needs\n")
     with pytest.raises(RuntimeError, match=r"broken\.c:2:\d+: error: .*this build lacks what it needs$"):
         fused_step.build_library(source)
+
+
+@needs_compiler
+@pytest.mark.streams_as_is  # the passes run in child processes
+def test_every_build_over_the_float_range():
+    """tests/optim/float_range.py's cases (gradients from 0 through the subnormal range to 1e30, zero
+    blocks, single infinities and NaNs, lengths off the vector widths, bf16 and fp32, clipping, zero
+    gradients after) in child processes, on every build this CPU runs: no crash, and torch's AdamW
+    within this file's tolerance (its absolute part scaled with the gradients), NaN and infinities in
+    the same places."""
+    failures = float_range.run_in_children("fused_adamw")
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.optim import float_range
 from torchtune_offload.bench.machine import cpu_flags
 from torchtune_offload.optim import host_add, stream_check
 from torchtune_offload.optim.fused_step import build_library, c_compiler
@@ -135,3 +136,24 @@ def test_without_a_compiler_it_warns_once_and_adds_with_torch(monkeypatch, tmp_p
         assert torch.equal(dst[~ref.isnan()], ref.add_(src)[~ref.isnan()])
     finally:
         host_add._library.cache_clear()
+
+
+@needs_compiler
+@pytest.mark.streams_as_is  # the passes run in child processes
+def test_every_build_over_the_float_range():
+    """tests/optim/float_range.py's cases (operands from 0 through the subnormal range to 1e30, zero
+    blocks, single infinities and NaNs, lengths off the vector widths, bf16 and fp32) in child
+    processes, on every build this CPU runs: torch's bits, NaN in the same places, no crash."""
+    failures = float_range.run_in_children("host_add")
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+
+
+@needs_compiler
+@pytest.mark.streams_as_is  # the passes run in child processes
+def test_a_crash_in_a_child_is_a_failure_naming_its_case_and_the_cases_after_it_still_run():
+    runnable, _ = float_range.builds("host_add")
+    if len(runnable) < 2:
+        pytest.skip("one build here: the injected crash needs a second one")
+    failures = float_range.run_in_children("host_add", end_case=4, env={"FLOAT_RANGE_CRASH_AT": "2"})
+    assert len(failures) == 1 and failures[0].startswith(f"crash (exit status -6) in case 2 ["), failures
+    assert f"build {runnable[1][0]}:" in failures[0]

@@ -88,12 +88,32 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor) ->
     return _blocks(code[codes.reshape(-1).long()]) * absmax[:, None]
 
 
+#: A block's absmax is raised to this before its reciprocal scales the block, as bitsandbytes'
+#: blockwise quantization does: below about 2**-128 the reciprocal of a subnormal absmax would
+#: overflow float32 and code every element of the block at the end of the map.
+SMALLEST_ABSMAX = 1e-38
+#: The code of a NaN: the last one, where ``torch.bucketize`` puts a NaN (past every midpoint).
+NAN_CODE = 255
+
+
 def quantize(values: torch.Tensor, code: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(codes, absmax) of float32 ``values`` shaped (blocks, BLOCK_SIZE): each block scaled by the
-    reciprocal of its absolute maximum and each element sent to its nearest code."""
+    reciprocal of its absolute maximum and each element sent to its nearest code.
+
+    The edges of the float range (docs/adamw8bit.md, "Tiny, huge and non-finite values"):
+
+    - an all-zero block stores absmax 0 and code 0 everywhere (any code dequantizes to 0);
+    - a block whose absmax is below :data:`SMALLEST_ABSMAX` (1e-38, subnormal) stores its true
+      absmax but is scaled by 1e38, bitsandbytes' clamp: its elements code towards zero, so it
+      dequantizes smaller than it was (a moment that small changes no update: ``eps`` dominates);
+    - a NaN anywhere in a block makes its absmax NaN (torch's ``amax``), and the whole block
+      dequantizes to NaN; an infinite element makes it infinite, and the block's finite elements
+      code as 0, which dequantizes to NaN (0 times infinity) at the next step.
+    """
     absmax = values.abs().amax(dim=1)
-    scaled = values * absmax.reciprocal()[:, None]
+    scaled = values * absmax.clamp(min=SMALLEST_ABSMAX).reciprocal()[:, None]
     codes = torch.bucketize(scaled, _midpoints(code))
+    codes = torch.where(scaled.isnan(), NAN_CODE, codes)
     # An all-zero block has no scale; bitsandbytes writes code 0 there (any code dequantizes to 0).
     codes = torch.where((absmax == 0)[:, None], 0, codes)
     return codes.to(torch.uint8), absmax
@@ -144,6 +164,9 @@ def reference_step_8bit(param: torch.Tensor, grad: torch.Tensor, state: Dict[str
     p = p + (m / denom) * s["neg_step_size"]
     n = param.numel()
     param.copy_(p.reshape(-1)[:n].view_as(param))
+    # The padding of a partial last block is not part of it (its dequantized zeros times an
+    # infinite absmax are NaN): zeros again, so that the block's new absmax is its elements' alone.
+    m.view(-1)[n:], v.view(-1)[n:] = 0.0, 0.0
     for key, values, code in (("1", m, qmap1), ("2", v, qmap2)):
         codes, absmax = quantize(values, code)
         state["state" + key].copy_(codes.reshape(-1)[:n].view_as(param))
@@ -174,6 +197,16 @@ def bind_kernel(library: ctypes.CDLL) -> ctypes.CDLL:
     kernel.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
                        + [ctypes.c_float] * 8 + [ctypes.c_int, ctypes.c_float, ctypes.c_int])
     return library
+
+
+#: What each bit of the pass's ``adamw8bit_paths()`` says a build compiled in.
+PATH_NAMES = {1: "AVX-512", 2: "AVX2 quantizer", 4: "AVX512_BF16", 8: "table checks"}
+
+
+def build_paths(library: ctypes.CDLL) -> Tuple[str, ...]:
+    """The loops a build of :data:`SOURCE` compiled in, by name (none: the portable loop alone)."""
+    paths = library.adamw8bit_paths()
+    return tuple(name for bit, name in PATH_NAMES.items() if paths & bit)
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,6 +25,40 @@
 
 #define FLOAT_AS_IS(x) (x)
 
+/* Built with -DTABLE_CHECKS (the float-range tests' debug build), every table index computed from
+ * data is checked before use and the process aborts on one out of range, which a test then reports
+ * as a crash: an out-of-range read that lands in mapped memory would otherwise go unseen. Without
+ * it the checks compile to nothing. */
+#ifdef TABLE_CHECKS
+/* Each of the COUNT lanes of a vector, stored into lanes[] by STORE, checked as an index. */
+#define CHECK_LANES(TYPE, COUNT, STORE, size)                                                            \
+    do {                                                                                                   \
+        TYPE lanes[COUNT];                                                                                 \
+        STORE;                                                                                             \
+        for (int lane = 0; lane < (COUNT); lane++) CHECK_INDEX(lanes[lane], size);                        \
+    } while (0)
+#include <stdio.h>
+#include <stdlib.h>
+#define CHECK_INDEX(i, size)                                                                              \
+    do {                                                                                                   \
+        if ((int64_t)(i) < 0 || (int64_t)(i) >= (int64_t)(size)) {                                         \
+            fprintf(stderr, "fused_adamw8bit.c:%d: table index %lld outside [0, %lld)\n", __LINE__,         \
+                    (long long)(i), (long long)(size));                                                    \
+            abort();                                                                                       \
+        }                                                                                                  \
+    } while (0)
+#else
+#define CHECK_INDEX(i, size) ((void)0)
+#endif
+
+/* The factor a block's moments are scaled by before coding: 1 / absmax, with absmax raised to
+ * 1e-38 first, as bitsandbytes' blockwise quantization computes it (so that a block whose absmax
+ * is subnormal has a finite scale: below about 2^-128, 1 / absmax overflows float32). Its values
+ * are then at most 1e38 * absmax, under 1, and code towards zero. A NaN absmax gives a NaN scale
+ * (every element codes as NaN does, see quantize_one), an infinite one 0. */
+#define SMALLEST_ABSMAX 1e-38f
+static inline float block_scale(float absmax) { return 1.0f / (absmax < SMALLEST_ABSMAX ? SMALLEST_ABSMAX : absmax); }
+
 typedef struct {
     float beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps, decay, neg_step_size;
     float grad_scale; /* the clipping factor, where scaled */
@@ -102,6 +136,7 @@ static void build_table(const float *code, int is_signed, QuantTable *t) {
  * y: the reference counts midpoints strictly below x, so a tie goes to the larger magnitude). */
 static int32_t exact_position(const QuantTable *t, float y, int32_t j, int negative) {
 #define PAST(mid) (negative ? (mid) <= y : (mid) < y)
+    CHECK_INDEX(j, t->positions);
     while (j > 0 && !PAST(t->midpoint[j - 1])) j--;
     while (j < t->positions - 1 && PAST(t->midpoint[j])) j++;
 #undef PAST
@@ -113,19 +148,26 @@ static inline uint8_t code_index(const QuantTable *t, int32_t j, int negative) {
     return (uint8_t)(negative ? 127 - (j > 127 ? 127 : j) : 127 + j);
 }
 
+/* The code of x (a moment times its block's scale): the nearest code, as the reference finds it.
+ * A NaN gets the last code, 255, where torch.bucketize puts it (past every midpoint), and an
+ * infinity the code at its end of the map; neither reaches the float-to-int conversion below,
+ * whose result would be undefined. */
 static inline uint8_t quantize_one(const QuantTable *t, float x) {
+    const int negative = t->is_signed && x < 0.0f;
+    if (x != x) return (uint8_t)(CODES - 1);
     float y = fabsf(x);
+    if (y > FLT_MAX) return code_index(t, t->positions - 1, negative);
     uint32_t bits;
     memcpy(&bits, &y, sizeof bits);
     int32_t b = (int32_t)(bits >> 23) - FIRST_EXPONENT;
     b = b < 0 ? 0 : (b > BINADES - 1 ? BINADES - 1 : b);
     const int32_t g = t->group_below[b] + (t->boundary[b] < y);
+    CHECK_INDEX(g, GROUPS);
     const float kf = y * t->scale[g] + t->offset[g];
     int32_t k = (int32_t)kf;
     k = k < 0 ? 0 : (k > t->last[g] ? t->last[g] : k);
     int32_t j = t->first[g] + k;
     const float frac = kf - floorf(kf);
-    const int negative = t->is_signed && x < 0.0f;
     if (frac < NEAR || frac > 1.0f - NEAR) j = exact_position(t, y, j, negative);
     return code_index(t, j, negative);
 }
@@ -136,7 +178,7 @@ static void quantize_block(const float *values, int64_t len, float absmax, const
         memset(out, 0, (size_t)len);
         return;
     }
-    const float inv = 1.0f / absmax;
+    const float inv = block_scale(absmax);
     for (int64_t i = 0; i < len; i++) out[i] = quantize_one(t, values[i] * inv);
 }
 #endif
@@ -181,6 +223,9 @@ static inline __m256i quantize8_avx2(__m256 x, const QuantTable *t, const Avx2Ta
     __m256i g = _mm256_setzero_si256();
     for (int k = 0; k < GROUPS - 2; k++) /* a true comparison is -1: subtracting it counts the bound */
         g = _mm256_sub_epi32(g, _mm256_castps_si256(_mm256_cmp_ps(v->bound[k], y, _CMP_LT_OQ)));
+#ifdef TABLE_CHECKS
+    CHECK_LANES(int32_t, 8, _mm256_storeu_si256((__m256i *)lanes, g), GROUPS - 1);
+#endif
     const __m256 top = _mm256_cmp_ps(v->bound[GROUPS - 2], y, _CMP_LT_OQ);
     const __m256 kf = _mm256_add_ps(_mm256_mul_ps(y, _mm256_permutevar8x32_ps(v->scale, g)),
                                     _mm256_permutevar8x32_ps(v->offset, g));
@@ -208,7 +253,7 @@ static void quantize_block_avx2(const float *values, int64_t len, float absmax, 
     }
     Avx2Table v;
     build_avx2_table(t, &v);
-    const float inv = 1.0f / absmax;
+    const float inv = block_scale(absmax);
     const __m256 inv8 = _mm256_set1_ps(inv);
     int64_t i = 0;
     for (; i + 8 <= len; i += 8) {
@@ -234,7 +279,8 @@ static void quantize_block_avx2(const float *values, int64_t len, float absmax, 
         float m[BLOCK], v[BLOCK];                                                                      \
         const float a1 = *absmax1, a2 = *absmax2;                                                      \
         float max1 = 0.0f, max2 = 0.0f;                                                                \
-        _Pragma("omp simd reduction(max:max1,max2)")                                                   \
+        int nan1 = 0, nan2 = 0; /* a NaN moment makes its absmax NaN, as torch's amax does */          \
+        _Pragma("omp simd reduction(max:max1,max2) reduction(|:nan1,nan2)")                            \
         for (int64_t i = 0; i < len; i++) {                                                            \
             float g = GRAD_TO_FLOAT(grad[i]);                                                          \
             if (s->scaled) g = GRAD_SCALED(g, s->grad_scale);                                          \
@@ -250,7 +296,11 @@ static void quantize_block_avx2(const float *values, int64_t len, float absmax, 
             v[i] = vi;                                                                                 \
             max1 = fabsf(mi) > max1 ? fabsf(mi) : max1;                                                \
             max2 = fabsf(vi) > max2 ? fabsf(vi) : max2;                                                \
+            nan1 |= mi != mi;                                                                          \
+            nan2 |= vi != vi;                                                                          \
         }                                                                                              \
+        if (nan1) max1 = NAN;                                                                          \
+        if (nan2) max2 = NAN;                                                                          \
         *absmax1 = max1;                                                                               \
         *absmax2 = max2;                                                                               \
         QUANTIZE_BLOCK(m, len, max1, t1, q1);                                                          \
@@ -311,8 +361,14 @@ static void build_vec_table(const QuantTable *t, VecTable *v) {
 static __attribute__((noinline)) __m512i settle(__mmask16 near, __m512i fixed, __m512 x, __m512 y, __m512i b,
                                                 const VecTable *t) {
     const __mmask16 negative = _mm512_movepi32_mask(_mm512_castps_si512(x));
-    const __m512i j = _mm512_srli_epi32(
+    __m512i j = _mm512_srli_epi32(
         _mm512_add_epi32(fixed, _mm512_set1_epi32((1 << (FRACTION_BITS - 1)) - NEAR_UNITS)), FRACTION_BITS);
+#ifdef TABLE_CHECKS
+    CHECK_LANES(int32_t, 16, _mm512_storeu_si512(lanes, _mm512_maskz_mov_epi32(near, j)), CODES + 2);
+#endif
+    /* Finite lanes of a finite block give j in range (its callers send any other block to
+     * quantize_one); the cap keeps the gather inside the table whatever reaches it. */
+    j = _mm512_min_epu32(j, _mm512_set1_epi32(CODES + 1));
     const __m512 mid = _mm512_mask_i32gather_ps(y, near, j, t->below, 4);
     const __mmask16 past = _mm512_mask_cmp_ps_mask(near & ~negative, y, mid, _CMP_GT_OQ) |
                            _mm512_mask_cmp_ps_mask(near & negative, y, mid, _CMP_GE_OQ);
@@ -344,6 +400,10 @@ static inline __m512i quantize16(__m512 x, int is_signed, int exact, __mmask16 *
     /* |x| raised to tiny in one instruction (imm 0x0b: larger magnitude, sign cleared). */
     const __m512 y = is_signed ? _mm512_range_ps(x, tiny, 0x0b) : _mm512_max_ps(x, tiny);
     __m512i b = _mm512_srli_epi32(_mm512_castps_si512(y), 23);
+#ifdef TABLE_CHECKS /* the tables are read by the exponent's low five bits: it must lie in their 32 binades */
+    CHECK_LANES(int32_t, 16, _mm512_storeu_si512(lanes, _mm512_sub_epi32(b, _mm512_set1_epi32(FIRST_EXPONENT))),
+                BINADES);
+#endif
     const __mmask16 above = _mm512_cmp_ps_mask(y, _mm512_permutex2var_ps(bound[0], b, bound[1]), _CMP_GT_OQ);
     b = _mm512_mask_add_epi32(b, above, b, _mm512_set1_epi32(1));
     __m512i fixed = _mm512_cvttps_epi32(_mm512_fmadd_ps(y, _mm512_permutex2var_ps(scale[0], b, scale[1]),
@@ -392,14 +452,22 @@ static __attribute__((noinline)) void quantize64_exact(const float *values, __m5
     quantize64(values, inv, is_signed, 1, t, out);
 }
 
-/* quantize_block for the pair-order block at values. */
+/* quantize_block for the pair-order block at values. A block whose absmax is infinite or NaN (a
+ * moment overflowed, or a gradient held a NaN) has infinite or NaN values, which the vector
+ * quantizer's tables cannot index: quantize_one codes it, element by element. */
 static inline void quantize_block_avx512(const float *values, float absmax, int is_signed, const VecTable *t,
-                                         uint8_t *out) {
+                                         const QuantTable *scalar, uint8_t *out) {
     if (absmax == 0.0f) { /* no scale: bitsandbytes writes code 0 */
         memset(out, 0, BLOCK);
         return;
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / absmax);
+    if (!(absmax <= FLT_MAX)) {
+        const float scale = block_scale(absmax);
+        for (int i = 0; i < BLOCK; i++)
+            out[(i / 64) * 64 + PAIR_ELEMENT((i % 64) / 16, i % 16)] = quantize_one(scalar, values[i] * scale);
+        return;
+    }
+    const __m512 inv = _mm512_set1_ps(block_scale(absmax));
     unsigned redo = 0; /* the chunks to settle, after the loop: a call inside it costs registers */
     for (int i = 0; i < BLOCK / 64; i++) redo |= (unsigned)!quantize64(values + 64 * i, inv, is_signed, 0, t, out + 64 * i) << i;
     for (int i = 0; redo; i++, redo >>= 1)
@@ -532,7 +600,8 @@ static inline void store64(void *base, int is_bf16, int64_t i, const __m512 x[4]
  * operations in the same order; the moments wait in m and v (pair order, in L1) for the absmax. */
 static void block_avx512(void *param, int param_bf16, const void *grad, int grad_bf16, uint8_t *q1, uint8_t *q2,
                          float *absmax1, float *absmax2, const ByteTable *code1, const ByteTable *code2,
-                         const VecTable *t1, const VecTable *t2, const Scalars *s) {
+                         const VecTable *t1, const VecTable *t2, const QuantTable *s1, const QuantTable *s2,
+                         const Scalars *s) {
     float m[BLOCK], v[BLOCK];
     const __m512 old1 = _mm512_set1_ps(*absmax1), old2 = _mm512_set1_ps(*absmax2);
     const __m512 beta1 = _mm512_set1_ps(s->beta1), omb1 = _mm512_set1_ps(s->one_minus_beta1);
@@ -540,6 +609,7 @@ static void block_avx512(void *param, int param_bf16, const void *grad, int grad
     const __m512 c2 = _mm512_set1_ps(s->inv_bias_correction2_sqrt), eps = _mm512_set1_ps(s->eps);
     const __m512 decay = _mm512_set1_ps(s->decay), step = _mm512_set1_ps(s->neg_step_size);
     __m512 max1 = _mm512_setzero_ps(), max2 = _mm512_setzero_ps();
+    __mmask16 nan1 = 0, nan2 = 0; /* the max instructions drop NaNs; torch's amax keeps them */
     for (int64_t i = 0; i < BLOCK; i += 64) {
         __m512 mi[4], vi[4], g[4], p[4];
         dequantize64(q1 + i, code1, old1, mi);
@@ -557,14 +627,16 @@ static void block_avx512(void *param, int param_bf16, const void *grad, int grad
             _mm512_storeu_ps(v + i + 16 * k, vi[k]);
             max1 = _mm512_range_ps(max1, mi[k], 0x0b); /* max(max1, |m|) in one instruction (max1 >= 0) */
             max2 = _mm512_max_ps(max2, vi[k]); /* v >= +0: v and g * g are */
+            nan1 |= _mm512_cmp_ps_mask(mi[k], mi[k], _CMP_UNORD_Q);
+            nan2 |= _mm512_cmp_ps_mask(vi[k], vi[k], _CMP_UNORD_Q);
         }
         store64(param, param_bf16, i, p);
     }
-    const float new1 = _mm512_reduce_max_ps(max1), new2 = _mm512_reduce_max_ps(max2);
+    const float new1 = nan1 ? NAN : _mm512_reduce_max_ps(max1), new2 = nan2 ? NAN : _mm512_reduce_max_ps(max2);
     *absmax1 = new1;
     *absmax2 = new2;
-    quantize_block_avx512(m, new1, 1, t1, q1);
-    quantize_block_avx512(v, new2, 0, t2, q2);
+    quantize_block_avx512(m, new1, 1, t1, s1, q1);
+    quantize_block_avx512(v, new2, 0, t2, s2, q2);
 }
 #define HAVE_AVX512_BLOCK 1
 #endif
@@ -609,7 +681,7 @@ void adamw8bit_step(void *param, const void *grad, uint8_t *state1, uint8_t *sta
 #ifdef HAVE_AVX512_BLOCK
         if (len == BLOCK) {
             block_avx512((char *)param + start * (param_dtype ? 2 : 4), param_dtype, (const char *)grad + start * (grad_dtype ? 2 : 4),
-                         grad_dtype, q1, q2, a1, a2, &b1, &b2, &v1, &v2, &s);
+                         grad_dtype, q1, q2, a1, a2, &b1, &b2, &v1, &v2, &t1, &t2, &s);
             continue;
         }
 #endif
@@ -626,4 +698,23 @@ void adamw8bit_step(void *param, const void *grad, uint8_t *state1, uint8_t *sta
             block_bf16_bf16((uint16_t *)param + start, (const uint16_t *)grad + start, q1, q2, a1, a2, code1,
                             code2, &t1, &t2, len, &s);
     }
+}
+
+/* The loops this build compiled in, for the tests that run every build (adamw8bit.build_paths):
+ * 1 the AVX-512 block loop, 2 the AVX2 quantizer, 4 AVX512_BF16's conversion, 8 the table checks. */
+int adamw8bit_paths(void) {
+    int paths = 0;
+#ifdef HAVE_AVX512_BLOCK
+    paths |= 1;
+#if defined(__AVX512BF16__)
+    paths |= 4;
+#endif
+#endif
+#ifdef HAVE_AVX2_QUANTIZE
+    paths |= 2;
+#endif
+#ifdef TABLE_CHECKS
+    paths |= 8;
+#endif
+    return paths;
 }

@@ -93,6 +93,17 @@ def build_library(source: Path, *, flags: Sequence[str] = ()) -> ctypes.CDLL:
         return _compile(directory, source, flags)  # loaded before the directory goes
 
 
+def bind_kernels(library: ctypes.CDLL) -> ctypes.CDLL:
+    """``library`` (built from :data:`SOURCE`, e.g. ``build_library(SOURCE, flags=("-mno-avx2",))``)
+    with its kernels' argument types set, ready for :func:`fused_adamw_step`."""
+    pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    for name in _KERNELS.values():
+        kernel = getattr(library, name)
+        kernel.restype = None
+        kernel.argtypes = [pointer] * 5 + [i64, i32] + [f32] * 8 + [i32, f32, i32]
+    return library
+
+
 @functools.lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
     """The compiled pass, built once per process; None (and one warning) where it cannot be built."""
@@ -103,12 +114,7 @@ def _library() -> Optional[ctypes.CDLL]:
         warnings.warn(f"the fused master-weight AdamW step could not be built ({type(err).__name__}: {err}); "
                       "using the unfused step (widen, torch's AdamW, round)", stacklevel=3)
         return None
-    pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-    for name in _KERNELS.values():
-        kernel = getattr(library, name)
-        kernel.restype = None
-        kernel.argtypes = [pointer] * 5 + [i64, i32] + [f32] * 8 + [i32, f32, i32]
-    return library
+    return bind_kernels(library)
 
 
 #: Dtypes of a clipping factor whose every value float32 holds exactly: ``grad.mul_(factor)`` of a
@@ -171,7 +177,7 @@ def _state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Dict[str, A
 
 
 def fused_adamw_step(optimizer: torch.optim.Optimizer, grad: torch.Tensor, out: torch.Tensor, *,
-                     grad_scale: Optional[torch.Tensor] = None) -> bool:
+                     grad_scale: Optional[torch.Tensor] = None, library: Optional[ctypes.CDLL] = None) -> bool:
     """Steps the single parameter of ``optimizer`` on ``grad`` and writes its bf16 rounding into ``out``.
 
     Args:
@@ -181,12 +187,13 @@ def fused_adamw_step(optimizer: torch.optim.Optimizer, grad: torch.Tensor, out: 
         grad_scale: a clipping factor (see :func:`scale_value`): the step uses ``grad.mul(grad_scale)``,
             each element rounded as ``grad.mul_(grad_scale)`` rounds it, computed in registers (one
             pass over the gradient instead of two); ``grad`` itself is left unscaled.
+        library: a build from :func:`bind_kernels`; default: the pass, built at first use.
 
     Returns:
         True when stepped; False when the pass cannot be built here (nothing was changed then,
         and every later call returns False at once).
     """
-    library = _library()
+    library = library if library is not None else _library()
     if library is None:
         return False
     group = optimizer.param_groups[0]
