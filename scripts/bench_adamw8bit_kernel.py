@@ -68,7 +68,7 @@ _ESTIMATE_ONLY = [
 ABLATIONS: Dict[str, List[Tuple[str, str]]] = {
     "the pass": [],
     "without the requantization (codes left as they were)": [
-        ("    quantize_block_avx512(m, new1, 1, t1, q1);\n    quantize_block_avx512(v, new2, 0, t2, q2);\n", ""),
+        ("    quantize_block_avx512(m, new1, 1, t1, s1, q1);\n    quantize_block_avx512(v, new2, 0, t2, s2, q2);\n", ""),
     ],
     "without the square root and the division": _NO_DIVIDER,
     "requantization without the near-midpoint check": [_NO_NEAR_CHECK],
