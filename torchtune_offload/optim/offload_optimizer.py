@@ -33,7 +33,7 @@ from torchtune_offload.optim.param_table import (
 )
 from torchtune_offload.optim.slot_step import SlotStepper
 from torchtune_offload.optim.state_streamer import StateStreamer, plan_streamed_memory
-from torchtune_offload.optim.step_timings import StepTimings, profiled
+from torchtune_offload.optim.step_timings import StepTimings
 from torchtune_offload.optim.transfer import TransferEngine
 
 __all__ = ["OffloadOptimizer", "STATE_DICT_FORMAT"]
@@ -155,15 +155,14 @@ class OffloadOptimizer(Optimizer):
         return _plan_host_memory(named_groups(params), resolve_optimizer_class(optimizer_class), own, kwargs,
                                  device=device, gradient_accumulation_steps=gradient_accumulation_steps)
 
-    @torch.no_grad()
     def _on_grad(self, param: torch.Tensor) -> None:
-        """Backward hook: a parameter's gradient for this backward is complete."""
-        slot = self._table.slot_of[param]
+        """Backward hook: counted; its group is handed over once complete (``optim/handoff.py``)."""
         if param.grad is not None:
-            with profiled("gradient hook"):
-                self._scheduler.before_backward_grad(slot)
-                self._grads.on_backward(slot, param.grad, in_window=self._scheduler.window is not None)
-                self._scheduler.after_backward_grad(slot)
+            self._scheduler.on_backward_grad(self._table.slot_of[param])
+
+    def handoff_count(self) -> int:
+        """How many groups of gradients the engine has taken from backward (``optim/handoff.py``)."""
+        return self._scheduler.handoff.count
 
     def synchronize(self) -> None:
         """Waits for every queued host step and upload (errors raised in a worker are raised here)
@@ -290,6 +289,7 @@ class OffloadOptimizer(Optimizer):
         Raises:
             RuntimeError: between :meth:`expect_final_backward` and ``step()``.
         """
+        self._scheduler.handoff.flush()  # a backward that raised may have left gradients collected
         if self._scheduler.window is not None:
             raise RuntimeError("zero_grad() after expect_final_backward() and before step(): the "
                                "window's gradients are with the host steps; call step() first.")

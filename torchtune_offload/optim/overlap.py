@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 import torchtune_offload.optim.stream_check as stream_check
+from torchtune_offload.optim.handoff import layer_prefix
 
 
 class HostWorkers:
@@ -110,8 +111,15 @@ def _wait_for(wait: Callable[[Any], None], slots: List[Any], _module: torch.nn.M
 
 def register_module_waits(model: torch.nn.Module, own: Callable[[torch.nn.Parameter], Optional[Any]],
                           wait: Callable[[Any], None], synchronize: Callable[[], None]) -> Tuple[List[Any], List[Any]]:
-    """Makes each module of ``model`` call ``wait(slot)`` for its own parameters' slots right before
-    its forward, and ``model.state_dict()`` call ``synchronize()`` first.
+    """Makes each transformer layer of ``model`` (a module named ``...layers.<i>``) call ``wait(slot)``
+    for all its parameters' slots right before its forward, each other module for its own
+    parameters' slots, and ``model.state_dict()`` call ``synchronize()`` first.
+
+    One wait per layer, on the outermost module of that name: with torchtune's activation
+    checkpointing that is the checkpoint wrapper, outside the layer that ``compile: True`` compiles,
+    so the wait breaks no compiled graph; without it, the compiled layer's own hook, before any of
+    its ops (a break there leaves the layer's ops in one graph). Waits on the layer's inner modules
+    (its projections) would split its graph, and change its kernels.
 
     Args:
         model: the model whose forward needs the results.
@@ -124,8 +132,13 @@ def register_module_waits(model: torch.nn.Module, own: Callable[[torch.nn.Parame
         ``model.modules()``, the forward's for torchtune's models).
     """
     handles, ordered = [], []
-    for module in model.modules():
-        slots = [slot for slot in map(own, module.parameters(recurse=False)) if slot is not None]
+    layer = None  # the name of the layer being walked, whose modules its own wait covers
+    for name, module in model.named_modules():
+        if layer is not None and name.startswith(layer + "."):
+            continue
+        layer = name if name and layer_prefix(name) == name else None
+        params = module.parameters(recurse=layer is not None)
+        slots = [slot for slot in map(own, params) if slot is not None]
         if slots:
             ordered.extend(slots)
             handles.append(module.register_forward_pre_hook(functools.partial(_wait_for, wait, slots)))

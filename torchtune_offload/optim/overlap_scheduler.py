@@ -12,12 +12,13 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from torchtune_offload.optim.grad_norm import clip_, clip_coefficient, combine_norms
+from torchtune_offload.optim.handoff import BackwardHandoff, handoff_groups
 from torchtune_offload.optim.host_grads import HostGradients
 from torchtune_offload.optim.overlap import (HostWorkers, Window, changed_hyperparameters, hyperparameters,
                                              register_module_waits)
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.slot_step import SlotStepper
-from torchtune_offload.optim.step_timings import StepTimings
+from torchtune_offload.optim.step_timings import StepTimings, profiled
 from torchtune_offload.optim.transfer import TransferEngine
 
 
@@ -58,6 +59,10 @@ class OverlapScheduler:
         self.workers: Optional[HostWorkers] = None
         self.forward_waits = False
         self._hooks: List[Any] = []
+        #: Collects the backward's gradients per layer or bucket and hands each group to take_backward_grads.
+        self.handoff = BackwardHandoff(
+            handoff_groups([s.key for s in table.slots], [s.param.numel() * s.param.element_size() for s in table.slots]),
+            self.take_backward_grads)
 
     def pending(self, slot: Slot) -> Optional[concurrent.futures.Future]:
         """The slot's queued host step, if any (for tests and diagnostics)."""
@@ -75,6 +80,36 @@ class OverlapScheduler:
         if not clipping:
             self._stepper.sync_hyperparameters(param_groups)
 
+    def on_backward_grad(self, slot: Slot) -> None:
+        """The per-parameter backward hook's whole work: a second backward in an announced window
+        is refused at its first gradient, before its accumulations race with the window's copies;
+        else the gradient is counted towards its group's hand-off."""
+        if self.window is not None and slot.index in self.window.seen:
+            self._second_backward(slot)
+        self.handoff.on_grad(slot.index)
+
+    @staticmethod
+    def _second_backward(slot: Slot) -> None:
+        raise RuntimeError(
+            f"{slot.key}: a second backward after expect_final_backward(); call it before "
+            "the last backward of the window only, then step()."
+        )
+
+    @torch.no_grad()
+    def take_backward_grads(self, indices: List[int]) -> None:
+        """A group's gradients for this backward are complete (``optim/handoff.py``): each measured,
+        sent towards the host and, in an announced window, queued for the host workers, in the
+        order they arrived."""
+        with profiled("gradient hook"):  # the range's name as trace summaries read it
+            in_window = self.window is not None
+            for index in indices:
+                slot = self._table.slots[index]
+                if slot.param.grad is None:  # freed meanwhile (zero_grad after a backward that raised)
+                    continue
+                self.before_backward_grad(slot)
+                self._grads.on_backward(slot, slot.param.grad, in_window=in_window)
+                self.after_backward_grad(slot)
+
     def before_backward_grad(self, slot: Slot) -> None:
         """The backward hook's first act: the previous window's work on the slot is finished (by
         now, unless no forward ran) and the slot joins the open window's record."""
@@ -83,10 +118,7 @@ class OverlapScheduler:
         if window is None:
             return
         if slot.index in window.seen:
-            raise RuntimeError(
-                f"{slot.key}: a second backward after expect_final_backward(); call it before "
-                "the last backward of the window only, then step()."
-            )
+            self._second_backward(slot)
         window.seen.add(slot.index)
         window.order.append(slot.index)
 
@@ -120,6 +152,7 @@ class OverlapScheduler:
     def _land_stragglers(self, window: Window) -> None:
         """Hands over the gradients of parameters the final backward did not reach (used only in
         earlier micro-batches), so that the window's record is complete."""
+        self.handoff.flush()  # what a backward that raised left collected, first
         for slot in self._table.slots:
             if slot.index in window.seen or not self._grads.straggler(slot):
                 continue
@@ -219,7 +252,9 @@ class OverlapScheduler:
                 self._result(queued.landed, f"{slot.key}: the landing of its gradient")
 
     def synchronize(self) -> None:
-        """Waits for every queued host step and upload; errors raised in a worker are raised here."""
+        """Hands over what is collected from a backward, then waits for every queued host step and
+        upload; errors raised in a worker are raised here."""
+        self.handoff.flush()
         for slot in self._table.slots:
             self.wait_done(slot)
             self.wait_landed(slot)

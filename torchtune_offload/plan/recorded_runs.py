@@ -97,7 +97,7 @@ _GAP_PASSES = Gap("accumulation with the sums on the device",
     "(kernels start 1-2 microseconds after launch): a forward took 0.41-0.54 s for 0.067 s of GPU work, a "
     "backward 0.64-0.95 s for 0.20 s, 0.12-0.33 s of it the engine's gradient hooks; the model counts the "
     "GPU's 0.42 s a pass, about 3.5 s a step less than the four passes took. Neither the model's eager "
-    "dispatch (0.13-0.16 s a pass for the 8B architecture on the 2-core CPU, scripts/bench_eager_dispatch.py) "
+    "dispatch (0.13-0.16 s a pass for the 8B architecture on the 2-core CPU) "
     "nor its op count (the 1B runs, with about the same matmul work and ops a layer at batch 4, kept pace with the GPU) explains it: each op cost "
     "the launching thread 2-3 times what the 1B runs allow, for a reason the trace does not record (re-read "
     "in the seventh session of 2026-11-27, gpu_results.md). A lead, measured on the CPU only: the passes ran "

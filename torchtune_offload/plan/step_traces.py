@@ -19,12 +19,13 @@ import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as connection_wait
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
+from torchtune_offload.optim.offload_optimizer import OffloadOptimizer
 from torchtune_offload.optim.optimizer_class import split_options
 from torchtune_offload.plan.fine_tunes import configured_fine_tune
 from torchtune_offload.plan.trace import StepTrace, trace_training_step
@@ -136,8 +137,16 @@ class StepRequest:
         return out
 
 
-def _frees_gradients(settings: RecipeSettings) -> bool:
-    return settings.offload_gradients or settings.optimizer_in_bwd
+def _frees_gradients(settings: RecipeSettings) -> Union[bool, str]:
+    """How the step's optimizer frees the gradients (:func:`trace_training_step`'s ``free_gradients``):
+    torchtune's in-backward steps and torchao's offloader each gradient as it is made, this
+    project's engine once its hand-off group (a layer) is complete."""
+    if settings.optimizer_in_bwd:
+        return True
+    if settings.offload_gradients:
+        engine = isinstance(settings.optimizer_class, type) and issubclass(settings.optimizer_class, OffloadOptimizer)
+        return "per group" if engine else True
+    return False
 
 
 def step_request(cfg: DictConfig, settings: RecipeSettings, *, recipe: str, seq_len: int) -> StepRequest:

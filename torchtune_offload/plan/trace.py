@@ -33,7 +33,7 @@ from collections import Counter
 from copy import deepcopy
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple, Union
 
 import torch
 from omegaconf import DictConfig
@@ -46,6 +46,7 @@ from torchtune import modules, training
 from torchtune.config._utils import _get_component_from_path
 
 from torchtune_offload.optim.fp8_weights import fp8_candidates, hold_in_fp8, image_bytes
+from torchtune_offload.optim.handoff import BackwardHandoff, handoff_groups
 from torchtune_offload.recipe import RecipeSettings, build_loss, loss_of_logits
 from torchtune_offload.recipe.host_preflight import meta_model
 from torchtune_offload.recipe.meta_nf4 import copy_meta_model
@@ -94,7 +95,7 @@ def trace_training_step(
     *,
     seq_len: int,
     mark_trainable: Optional[Callable[[nn.Module], Any]] = None,
-    free_gradients: bool = False,
+    free_gradients: Union[bool, str] = False,
     make_optimizer: Optional[Callable[[list], torch.optim.Optimizer]] = None,
     fp8_weights: Optional[Tuple[int, bool]] = None,
 ) -> StepTrace:
@@ -109,8 +110,11 @@ def trace_training_step(
         settings: its checked settings (batch size, dtype, accumulation, checkpointing).
         seq_len: tokens per sample.
         mark_trainable: sets ``requires_grad`` as the recipe will (LoRA: the adapters).
-        free_gradients: each gradient is freed as soon as backward has produced it (an
-            optimizer that offloads gradients, or steps inside backward).
+        free_gradients: each gradient is freed as soon as backward has produced it (True: an
+            optimizer that frees each gradient in its hook, or steps inside backward), or
+            ``"per group"``: once its hand-off group is complete, as ``OffloadOptimizer`` hands
+            gradients over (``optim/handoff.py``: a transformer layer, or a bucket of other
+            parameters), so that a layer's gradients are on the device together.
         make_optimizer: builds the optimizer whose step is traced too, from the trainable
             parameters; ``None`` when its state is not on the device. The result then also holds
             the step without it (``without_optimizer``): the optimizer's state is made before the
@@ -173,7 +177,31 @@ class _Traced:
     before_step: Optional["_Traced"] = None
 
 
-def _traced_step(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *, seq_len: int, free_gradients: bool,
+def _freeing_hooks(model: nn.Module, free_gradients: Union[bool, str]) -> List[Any]:
+    """The hooks that free the trainable parameters' gradients as the optimizer will (see
+    :func:`trace_training_step`'s ``free_gradients``)."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not free_gradients:
+        return []
+    if free_gradients == "per group":
+        groups = handoff_groups([n for n, _ in named], [p.numel() * p.element_size() for _, p in named])
+    else:
+        groups = range(len(named))
+
+    def free(indices: List[int]) -> None:
+        for i in indices:
+            named[i][1].grad = None
+
+    handoff = BackwardHandoff(groups, free)
+
+    def hook(index: int, _param: torch.Tensor) -> None:
+        handoff.on_grad(index)
+
+    return [p.register_post_accumulate_grad_hook(partial(hook, i)) for i, (_, p) in enumerate(named)]
+
+
+def _traced_step(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *, seq_len: int,
+                 free_gradients: Union[bool, str],
                  make_optimizer: Optional[Callable[[list], torch.optim.Optimizer]],
                  fp8_weights: Optional[Tuple[int, bool]], record: bool) -> _Traced:
     """Traces one step of the meta ``model`` (its trainable parameters marked), as
@@ -199,11 +227,7 @@ def _traced_step(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *,
         raise UntraceableModelError(_component(cfg), f"cannot be set up for a training step as the recipe sets "
                                     f"it up ({type(err).__name__}: {one_line(err)})") from err
     trainable = [p for p in model.parameters() if p.requires_grad]
-    hooks = []
-    if free_gradients:
-        def free(param: torch.Tensor) -> None:
-            param.grad = None
-        hooks = [p.register_post_accumulate_grad_hook(free) for p in trainable]
+    hooks = _freeing_hooks(model, free_gradients)
     vocab = _vocab_size(cfg, model)
     layers = getattr(model, "layers", None)
     with mode, warnings.catch_warnings():

@@ -1,0 +1,259 @@
+"""The launching thread's cost of each engine mode against plain AdamW, side by side in one run.
+
+Usage: python scripts/bench_launching_thread.py [--model 8B] [--rounds 5] [--steps 4] [--accum 4]
+       [--modes KEY,KEY...] [--compiled] [--per-parameter] [--json FILE]
+
+The model is a real architecture (``torchtune_offload.models.narrow``: llama3_1 8B's 32 layers and
+parameter tensors by default) narrowed to width 64, in bf16, with activation checkpointing on every
+layer as the recipes set it: its arithmetic is negligible, so a step's time is what the thread that
+launches the ops spends, the floor of a micro-batch on a GPU that keeps pace with its launches.
+Every mode trains its own copy of the model (same weights) on the same micro-batches of 1 x 16
+tokens, ``--accum`` micro-batches a step, clipping at 1.0 as the recipes clip, ``minimal_size=0``
+so every parameter is the engine's.
+
+The modes are interleaved: each of ``--rounds`` rounds runs ``--steps`` timed steps of every mode,
+one mode after the other, so a drift of the machine touches all of them alike; a mode's ratio is the
+median over rounds of its median step time over plain AdamW's in the same round. With
+``--compiled`` every mode's layers are compiled as torchtune's ``compile: True`` compiles them
+(``training.compile_model``), and the ratios are to compiled plain AdamW.
+
+Per step it reports seconds, the aten ops the training thread dispatches (a dispatch mode, which
+is thread-local: the engine's worker threads are not counted), and the engine's hand-offs in
+backward (one per transformer layer or bucket of other parameters a micro-batch; with
+``--per-parameter`` also each hooked mode with one per parameter, side by side). Prints a markdown table naming the CPU.
+"""
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torchtune import training
+
+from torchtune_offload import AdamW8bit, OffloadOptimizer
+from torchtune_offload.bench.machine import cpu_name
+from torchtune_offload.optim.handoff import BackwardHandoff
+from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, checkpointed_llama, chosen_models
+from torchtune_offload.recipe.run_optimizer import HoldingOptimizer, OptimizerKind, RunOptimizer
+
+WIDTH, TOKENS, WARMUP, CLIP, LR = 64, 16, 2, 1.0, 1e-5
+
+#: Each engine mode by its ``--modes`` key: its row's name and OffloadOptimizer's options (the base
+#: is torch's AdamW unless named).
+ENGINE_MODES: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "host-ring": ("offload_gradients (host ring)", dict(offload_gradients=True)),
+    "device-sums": ("offload_gradients, device sums", dict(offload_gradients=True, grad_sum_on="device")),
+    "overlap": ("offload_gradients, overlap", dict(offload_gradients=True, overlap=True)),
+    "overlap-device-sums": ("offload_gradients, overlap, device sums",
+                            dict(offload_gradients=True, overlap=True, grad_sum_on="device")),
+    "overlap-only": ("overlap (gradients on the device)", dict(overlap=True)),
+    "offload-only": ("offload (gradients on the device)", dict()),
+    "8bit": ("AdamW8bit base, offload_gradients", dict(optimizer_class=AdamW8bit, offload_gradients=True)),
+    "fp32-masters": ("fp32 masters, offload_gradients", dict(offload_gradients=True, master_dtype="fp32")),
+    "fp8": ("device_weights: fp8, offload_gradients", dict(offload_gradients=True, device_weights="fp8")),
+    "update-on-device": ("update_on: device, overlap", dict(update_on="device", overlap=True)),
+}
+PLAIN = "plain AdamW"
+#: torchao's wrapper's ``--modes`` key and row name.
+TORCHAO, TORCHAO_NAME = "torchao", "torchao's CPUOffloadOptimizer"
+#: The suffix of a mode run with the backward hand-off per parameter (``--per-parameter``), as the
+#: engine handed gradients over before it grouped them per layer.
+PER_PARAMETER = ", hand-off per parameter"
+
+
+def _hooked(options: Dict[str, Any]) -> bool:
+    """Whether the engine takes gradients from backward hooks in this mode."""
+    return options.get("update_on", "host") == "host" and (options.get("offload_gradients") or options.get("overlap"))
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched on the thread that enters it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Trainee:
+    """One mode's model, optimizer (as the recipes adapt it) and step."""
+
+    def __init__(self, key: str, base: torch.nn.Module, *, accum: int, compiled: bool) -> None:
+        self.name = row_name(key)
+        self.model = copy.deepcopy(base)
+        if compiled:
+            training.compile_model(self.model, verbose=False)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if key == PLAIN:
+            self.run = RunOptimizer(torch.optim.AdamW(params, lr=LR), params=params, clip_grad_norm=CLIP,
+                                    kind=OptimizerKind.PLAIN)
+        elif key == TORCHAO:
+            from torchao.optim import CPUOffloadOptimizer  # optional: where torchao's offloader runs
+
+            self.run = RunOptimizer(CPUOffloadOptimizer(params, torch.optim.AdamW, lr=LR), params=params,
+                                    clip_grad_norm=CLIP, kind=OptimizerKind.TORCHAO_OFFLOAD)
+        else:
+            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]  # as the recipes pass them
+            engine = OffloadOptimizer(named, minimal_size=0, lr=LR, **ENGINE_MODES[key.removesuffix(PER_PARAMETER)][1])
+            if key.endswith(PER_PARAMETER):
+                scheduler = engine._scheduler
+                scheduler.handoff = BackwardHandoff(range(len(named)), scheduler.take_backward_grads)
+            self.run = HoldingOptimizer(engine, model=self.model, clip_grad_norm=CLIP)
+        self.accum = accum
+        gen = torch.Generator().manual_seed(0)
+        self.batches = [torch.randint(0, VOCAB_SIZE, (1, TOKENS + 1), generator=gen) for _ in range(accum)]
+
+    def step(self) -> None:
+        for i, batch in enumerate(self.batches):
+            if i == self.accum - 1:
+                self.run.before_final_backward()
+            logits = self.model(batch[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()) / self.accum
+            loss.backward()
+        self.run.step()
+
+    def handoffs(self) -> Optional[int]:
+        """The engine's hand-offs in backward so far (None for the other optimizers)."""
+        engine = self.run.optimizer
+        return engine.handoff_count() if isinstance(engine, OffloadOptimizer) else None
+
+    def close(self) -> None:
+        self.run.synchronize()
+        self.run.close()
+
+
+def row_name(key: str) -> str:
+    """The table's name of a ``--modes`` key (or of plain AdamW, or a key with :data:`PER_PARAMETER`)."""
+    if key == PLAIN:
+        return PLAIN
+    if key == TORCHAO:
+        return TORCHAO_NAME
+    return ENGINE_MODES[key.removesuffix(PER_PARAMETER)][0] + (PER_PARAMETER if key.endswith(PER_PARAMETER) else "")
+
+
+def build(keys: List[str], *, model: str, accum: int, compiled: bool) -> Dict[str, Any]:
+    """Each mode's :class:`Trainee` by its row name, or the reason it does not run here."""
+    base = checkpointed_llama(model, width=WIDTH, max_seq_len=TOKENS)
+    out: Dict[str, Any] = {}
+    for key in keys:
+        name = row_name(key)
+        try:
+            out[name] = Trainee(key, base, accum=accum, compiled=compiled)
+            for _ in range(WARMUP):  # compiles, allocates the engine's buffers
+                out[name].step()
+            out[name].run.synchronize()
+        except Exception as err:  # noqa: BLE001 - a mode that cannot run here is reported, not fatal
+            out[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
+    return out
+
+
+def timed_steps(trainee: Trainee, steps: int) -> List[float]:
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        trainee.step()
+        seconds.append(time.perf_counter() - start)
+    trainee.run.synchronize()
+    return seconds
+
+
+def counted_step(trainee: Trainee) -> Dict[str, Optional[int]]:
+    """One step's aten ops on this thread and the engine's hand-offs."""
+    before = trainee.handoffs()
+    with OpCounter() as counter:
+        trainee.step()
+    trainee.run.synchronize()
+    after = trainee.handoffs()
+    return {"ops": counter.ops, "handoffs": None if before is None else after - before}
+
+
+def measure(trainees: Dict[str, Any], *, rounds: int, steps: int, log: Callable[[str], None]) -> Dict[str, Dict]:
+    runnable = {n: t for n, t in trainees.items() if isinstance(t, Trainee)}
+    per_round: Dict[str, List[float]] = {n: [] for n in runnable}
+    ratios: Dict[str, List[float]] = {n: [] for n in runnable}
+    for r in range(rounds):
+        for name, trainee in runnable.items():
+            per_round[name].append(statistics.median(timed_steps(trainee, steps)))
+        for name in runnable:
+            ratios[name].append(per_round[name][-1] / per_round[PLAIN][-1])
+        log(f"round {r + 1} of {rounds}: " + ", ".join(f"{n} {per_round[n][-1]:.3f} s" for n in runnable))
+    counts = {name: counted_step(trainee) for name, trainee in runnable.items()}
+    return {name: {"seconds": statistics.median(per_round[name]), "ratio": statistics.median(ratios[name]),
+                   "ratios": ratios[name], **counts[name]} for name in runnable}
+
+
+def table(results: Dict[str, Dict], skipped: Dict[str, str], *, header: str) -> str:
+    plain_ops = results[PLAIN]["ops"]
+    lines = [header, "", "| mode | s/step | x plain (median of rounds) | aten ops/step | x plain | engine hand-offs/step |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        handoffs = "" if r["handoffs"] is None else str(r["handoffs"])
+        lines.append(f"| {name} | {r['seconds']:.3f} | {r['ratio']:.2f} | {r['ops']} | {r['ops'] / plain_ops:.2f} | "
+                     f"{handoffs} |")
+    for name, why in skipped.items():
+        lines.append(f"| {name} | does not run here: {why} | | | | |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="8B", help="one of " + ", ".join(NARROW_MODELS))
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps of each mode per round (default 4)")
+    parser.add_argument("--accum", type=int, default=4, help="micro-batches per step (default 4)")
+    parser.add_argument("--modes", default=None,
+                        help=f"comma-separated, of {', '.join([*ENGINE_MODES, TORCHAO])} (default: all); "
+                        "plain AdamW always runs")
+    parser.add_argument("--compiled", action="store_true", help="compile every layer, as compile: True does")
+    parser.add_argument("--per-parameter", action="store_true",
+                        help="also run each engine mode whose backward hooks work with the hand-off per parameter")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args(argv)
+    try:
+        chosen_models(args.model)
+    except ValueError as err:
+        parser.error(str(err))
+    for key in ("rounds", "steps", "accum"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key} must be at least 1")
+    keys = [*ENGINE_MODES, TORCHAO] if args.modes is None else args.modes.split(",")
+    unknown = [k for k in keys if k not in ENGINE_MODES and k != TORCHAO]
+    if unknown:
+        parser.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join([*ENGINE_MODES, TORCHAO])}")
+    if args.per_parameter:
+        keys += [k + PER_PARAMETER for k in keys if k in ENGINE_MODES and _hooked(ENGINE_MODES[k][1])]
+    keys = [PLAIN, *keys]
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"building {len(keys)} modes ({'compiled' if args.compiled else 'eager'}) ...")
+    trainees = build(keys, model=args.model, accum=args.accum, compiled=args.compiled)
+    if not isinstance(trainees[PLAIN], Trainee):
+        sys.exit(f"plain AdamW does not run: {trainees[PLAIN]}")
+    skipped = {n: t for n, t in trainees.items() if not isinstance(t, Trainee)}
+    try:
+        results = measure(trainees, rounds=args.rounds, steps=args.steps, log=log)
+    finally:
+        for t in trainees.values():
+            if isinstance(t, Trainee):
+                t.close()
+    header = (f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+              f"{NARROW_MODELS[args.model][0]} at width {WIDTH}, bf16, activation checkpointing, "
+              f"{'compiled layers' if args.compiled else 'eager'}; {args.accum} micro-batches of 1 x {TOKENS} "
+              f"tokens a step, clip {CLIP}; {args.rounds} interleaved rounds of {args.steps} steps after {WARMUP} "
+              "warm-up")
+    print(table(results, skipped, header=header))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": header, "results": results, "skipped": skipped}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The backward hand-off per group: the groups, when each is handed over, and the engine's results
+against a hand-off per parameter."""
+
+import torch
+from torchtune.models.llama3_2 import llama3_2
+
+from torchtune_offload import OffloadOptimizer
+from torchtune_offload.optim.handoff import BUCKET_BYTES, BackwardHandoff, handoff_groups, layer_prefix
+
+
+def test_layer_prefix():
+    assert layer_prefix("layers.3.attn.q_proj.weight") == "layers.3"
+    assert layer_prefix("model.layers.12.mlp.w1.weight") == "model.layers.12"
+    assert layer_prefix("layers.3") == "layers.3"
+    assert layer_prefix("layers.3._checkpoint_wrapped_module.attn") == "layers.3"
+    assert layer_prefix("tok_embeddings.weight") == layer_prefix("layers") == layer_prefix("extra_layers.1x") == ""
+
+
+def test_a_group_per_layer_and_buckets_of_the_rest():
+    names = ["tok_embeddings.weight", "layers.0.a", "layers.0.b", "layers.1.a", "norm.scale", "output.weight",
+             "extra.small"]
+    sizes = [4, 10, 10, 10, 4, BUCKET_BYTES + 1, 4]
+    groups = handoff_groups(names, sizes)
+    assert groups[1] == groups[2] != groups[3]
+    # The embedding and the norm are not neighbours (layers between); output is over the bucket alone.
+    assert len({groups[0], groups[4], groups[5], groups[6]}) == 4
+    assert handoff_groups(["a", "b", "c"], [4, 4, 4], bucket_bytes=8) == [0, 0, 1]
+    assert handoff_groups(["a", "layers.0.w", "b"], [4, 4, 4]) == [0, 1, 2]
+
+
+def test_a_group_is_handed_over_when_complete_and_the_rest_at_the_end_of_backward():
+    handed = []
+    handoff = BackwardHandoff([0, 0, 1, 1], handed.append)
+    a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    a.register_post_accumulate_grad_hook(lambda _: handoff.on_grad(0))
+    b.register_post_accumulate_grad_hook(lambda _: handoff.on_grad(2))
+
+    def check_on_hook(_):  # neither group is complete during the backward
+        assert handed == [] and handoff.collected >= 1
+
+    a.register_post_accumulate_grad_hook(check_on_hook)
+    ((a * 2).sum() + (b * 3).sum()).backward()
+    # Neither group was complete (indices 1 and 3 never arrived): both went at the end of the backward.
+    assert sorted(map(sorted, handed)) == [[0], [2]] and handoff.count == 2 and handoff.collected == 0
+    handed.clear()
+    handoff.on_grad(1)  # outside a backward: handed over at once
+    assert handed == [[1]]
+
+
+def _llama():
+    torch.manual_seed(0)
+    return llama3_2(vocab_size=128, num_layers=3, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=16,
+                    intermediate_dim=64)
+
+
+def test_the_engine_hands_over_once_per_layer_and_bucket():
+    model = _llama()
+    opt = OffloadOptimizer(model.named_parameters(), minimal_size=0, offload_gradients=True, lr=1e-3)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    for micro_batch in range(2):
+        before = opt.handoff_count()
+        model(tokens).float().mean().backward()
+        # 3 layers, and the embedding, the final norm and the output projection in one bucket or two
+        assert 3 < opt.handoff_count() - before <= 3 + 4
+    opt.step()
+    opt.zero_grad()
+    opt.close()
