@@ -1,7 +1,7 @@
 """The launching thread's cost of each engine mode against plain AdamW, side by side in one run.
 
 Usage: python scripts/bench_launching_thread.py [--model 8B] [--rounds 5] [--steps 4] [--accum 4]
-       [--modes KEY,KEY...] [--compiled] [--per-parameter] [--json FILE]
+       [--modes KEY,KEY...] [--compiled] [--per-parameter] [--device cpu|cuda] [--json FILE]
 
 The model is a real architecture (``torchtune_offload.models.narrow``: llama3_1 8B's 32 layers and
 parameter tensors by default) narrowed to width 64, in bf16, with activation checkpointing on every
@@ -15,7 +15,9 @@ The modes are interleaved: each of ``--rounds`` rounds runs ``--steps`` timed st
 one mode after the other, so a drift of the machine touches all of them alike; a mode's ratio is the
 median over rounds of its median step time over plain AdamW's in the same round. With
 ``--compiled`` every mode's layers are compiled as torchtune's ``compile: True`` compiles them
-(``training.compile_model``), and the ratios are to compiled plain AdamW.
+(``training.compile_model``), and the ratios are to compiled plain AdamW. With ``--device cuda`` the
+models train on the GPU (each step ends with a synchronization), where the launching thread's work
+is what keeps the GPU waiting.
 
 Per step it reports seconds, the aten ops the training thread dispatches (a dispatch mode, which
 is thread-local: the engine's worker threads are not counted), and the engine's hand-offs in
@@ -87,9 +89,10 @@ class OpCounter(TorchDispatchMode):
 class Trainee:
     """One mode's model, optimizer (as the recipes adapt it) and step."""
 
-    def __init__(self, key: str, base: torch.nn.Module, *, accum: int, compiled: bool) -> None:
+    def __init__(self, key: str, base: torch.nn.Module, *, accum: int, compiled: bool, device: torch.device) -> None:
         self.name = row_name(key)
-        self.model = copy.deepcopy(base)
+        self.device = device
+        self.model = copy.deepcopy(base).to(device)
         if compiled:
             training.compile_model(self.model, verbose=False)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -110,7 +113,7 @@ class Trainee:
             self.run = HoldingOptimizer(engine, model=self.model, clip_grad_norm=CLIP)
         self.accum = accum
         gen = torch.Generator().manual_seed(0)
-        self.batches = [torch.randint(0, VOCAB_SIZE, (1, TOKENS + 1), generator=gen) for _ in range(accum)]
+        self.batches = [torch.randint(0, VOCAB_SIZE, (1, TOKENS + 1), generator=gen).to(device) for _ in range(accum)]
 
     def step(self) -> None:
         for i, batch in enumerate(self.batches):
@@ -120,6 +123,8 @@ class Trainee:
             loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()) / self.accum
             loss.backward()
         self.run.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def handoffs(self) -> Optional[int]:
         """The engine's hand-offs in backward so far (None for the other optimizers)."""
@@ -140,14 +145,14 @@ def row_name(key: str) -> str:
     return ENGINE_MODES[key.removesuffix(PER_PARAMETER)][0] + (PER_PARAMETER if key.endswith(PER_PARAMETER) else "")
 
 
-def build(keys: List[str], *, model: str, accum: int, compiled: bool) -> Dict[str, Any]:
+def build(keys: List[str], *, model: str, accum: int, compiled: bool, device: torch.device) -> Dict[str, Any]:
     """Each mode's :class:`Trainee` by its row name, or the reason it does not run here."""
     base = checkpointed_llama(model, width=WIDTH, max_seq_len=TOKENS)
     out: Dict[str, Any] = {}
     for key in keys:
         name = row_name(key)
         try:
-            out[name] = Trainee(key, base, accum=accum, compiled=compiled)
+            out[name] = Trainee(key, base, accum=accum, compiled=compiled, device=device)
             for _ in range(WARMUP):  # compiles, allocates the engine's buffers
                 out[name].step()
             out[name].run.synchronize()
@@ -216,12 +221,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--compiled", action="store_true", help="compile every layer, as compile: True does")
     parser.add_argument("--per-parameter", action="store_true",
                         help="also run each engine mode whose backward hooks work with the hand-off per parameter")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the models train (default cpu)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
     try:
         chosen_models(args.model)
     except ValueError as err:
         parser.error(str(err))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
     for key in ("rounds", "steps", "accum"):
         if getattr(args, key) < 1:
             parser.error(f"--{key} must be at least 1")
@@ -234,7 +242,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     keys = [PLAIN, *keys]
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     log(f"building {len(keys)} modes ({'compiled' if args.compiled else 'eager'}) ...")
-    trainees = build(keys, model=args.model, accum=args.accum, compiled=args.compiled)
+    device = torch.device(args.device)
+    trainees = build(keys, model=args.model, accum=args.accum, compiled=args.compiled, device=device)
     if not isinstance(trainees[PLAIN], Trainee):
         sys.exit(f"plain AdamW does not run: {trainees[PLAIN]}")
     skipped = {n: t for n, t in trainees.items() if not isinstance(t, Trainee)}
@@ -244,7 +253,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         for t in trainees.values():
             if isinstance(t, Trainee):
                 t.close()
-    header = (f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+    where = torch.cuda.get_device_name(device) + ", " if device.type == "cuda" else ""
+    header = (f"{where}{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
               f"{NARROW_MODELS[args.model][0]} at width {WIDTH}, bf16, activation checkpointing, "
               f"{'compiled layers' if args.compiled else 'eager'}; {args.accum} micro-batches of 1 x {TOKENS} "
               f"tokens a step, clip {CLIP}; {args.rounds} interleaved rounds of {args.steps} steps after {WARMUP} "

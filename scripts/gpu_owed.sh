@@ -4,6 +4,10 @@
 # brings back. Run it on the lent machine after the wheels' install line of ../shared/gpu/README.md.
 #
 # Usage (from the repository root): BUDGET_S=540 bash scripts/gpu_owed.sh OUT_DIR [STEP...]
+#   launching    scripts/bench_launching_thread.py on the GPU: the narrowed 8B's step with every engine mode against
+#                plain AdamW, the hand-off per layer and per parameter side by side, eager then compiled
+#   8b-b1-compiled  8b-b1 (below) with compile=True: each layer compiled as torchtune compiles it
+#   8b-a8        8b-b1 with 8 micro-batches a step: whether the host step hides behind a longer window
 #   tests        pytest -m gpu, all of it but the overlap stress test, the files the tenth session of 2026-11-27
 #                did not reach first (its 64 tests passed at 2d796b6 in 178 s; 105 s for 70 in the sixth session)
 #   probe        tune-offload probe: the speed model's machine keys on this machine, and how the GPU step's rate
@@ -27,8 +31,8 @@
 #                torchao's wrapper and the first offload_gradients path measured before each step, each beside
 #                torch's one-optimizer step, all cores; then the host sums' 2-norms one after another against
 #                side by side (scripts/bench_host_norms.py)
-# Without STEP arguments every step runs, in the order probe, contention, 8b-b1, sanitizer, tests, 8b-b2, 1b-profiles,
-# hoststep.
+# Without STEP arguments every step runs, in the order launching, 8b-b1, 8b-b1-compiled, 8b-a8, probe, contention,
+# sanitizer, tests, 8b-b2, 1b-profiles, hoststep.
 #
 # Each step gets its cap (below) or the time left of BUDGET_S (counted from this script's start, default 540: a
 # call of 600 s less the wheels' install and a margin), whichever is less, and is skipped, saying so, when less
@@ -54,7 +58,8 @@ export PYTHON=$PY
 # the 8B profile: the gap they are for is the largest, and in the tenth session of 2026-11-27 the cap stopped the
 # profile before its trace came back. The tests passed at 2d796b6 as far as they ran (that session) and the engine
 # has not changed since; the sanitizer's sets are those not yet seen passing under it.
-steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(probe contention 8b-b1 sanitizer tests 8b-b2 1b-profiles hoststep)
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(launching 8b-b1 8b-b1-compiled 8b-a8 probe contention sanitizer tests 8b-b2
+                                              1b-profiles hoststep)
 log=$out/owed.log
 
 #: step -> "cap minimum" in seconds. An 8B step writes its random-init checkpoint first (65-108 s, once per
@@ -65,7 +70,8 @@ log=$out/owed.log
 #: sweep runs 11 steps at least (scripts/gpu_results.sh), and a cap that stops it after the trace keeps the trace.
 #: A 1B variant loads, runs its 11 steps and saves in more than 96 s (the sixth session of 2026-11-27 gave torchao's
 #: 96 s after the 1B checkpoint's 14 s of writing, and it had not finished): 1b-profiles gives each 100 s.
-declare -A CAPS=([tests]="170 60" [probe]="70 40" [contention]="60 30" [sanitizer]="150 40" [8b-b1]="430 300"
+declare -A CAPS=([launching]="240 120" [8b-b1-compiled]="480 330" [8b-a8]="480 360"
+                 [tests]="170 60" [probe]="70 40" [contention]="60 30" [sanitizer]="150 40" [8b-b1]="430 300"
                  [8b-b2]="330 280" [1b-profiles]="430 130" [hoststep]="150 60")
 for step in "${steps[@]}"; do
   [ -n "${CAPS[$step]:-}" ] || { echo "unknown step $step (steps: ${!CAPS[*]})" >&2; exit 2; }
@@ -105,6 +111,15 @@ command_of() {
   local device_sums=(VARIANTS=offload_grads_overlap_device_sums ACCUMULATION=4 OVERRIDES=clip_grad_norm=1.0
                      VARIANT_TIMEOUT_S=$((seconds - 45)))
   case $1 in
+    launching)
+      cmd=(bash -c '"$0" scripts/bench_launching_thread.py --device cuda --model 8B --rounds 5 --steps 3 --per-parameter \
+                      --json "$1/launching-eager.json" || exit
+                    "$0" scripts/bench_launching_thread.py --device cuda --model 8B --rounds 5 --steps 3 --per-parameter \
+                      --compiled --json "$1/launching-compiled.json"' "$PY" "$work") ;;
+    8b-b1-compiled) cmd=("${sweep_8b[@]}" BATCH_SIZE=1 TAG=b1-compiled "${device_sums[@]}"
+                         OVERRIDES="clip_grad_norm=1.0 compile=True" bash scripts/gpu_results.sh "$work/8b-b1-compiled" sweep:8B:24) ;;
+    8b-a8) cmd=("${sweep_8b[@]}" BATCH_SIZE=1 TAG=a8 "${device_sums[@]}" ACCUMULATION=8
+                bash scripts/gpu_results.sh "$work/8b-a8" sweep:8B:24) ;;
     tests)
       # pytest orders what it collects by folder and file, whatever the order of its arguments: the tests not
       # reached last time run in a pytest of their own first, then the rest without them.

@@ -191,3 +191,18 @@ def test_the_tests_step_runs_the_unreached_tests_first_and_the_others_after(tmp_
     for other in ("tests/optim/test_fp8_weights.py::", "tests/optim/test_gpu_offload.py::test_sums_added",
                   "tests/distributed/test_distributed_recipe.py::"):
         assert any(t.startswith(other) for t in rest), other
+
+
+def test_the_launching_thread_steps_run_the_benchmark_and_the_8b_run_compiled_and_at_accumulation_8(tmp_path):
+    r = _run(tmp_path, "launching", "8b-b1-compiled", "8b-a8", budget=2000)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    bench = [c for c in calls if "bench_launching_thread.py" in c]
+    assert len(bench) == 2 and all("--device cuda --model 8B --rounds 5 --steps 3 --per-parameter" in c for c in bench)
+    assert "--compiled" not in bench[0] and "--compiled" in bench[1]
+    compiled, accum8 = [c for c in calls if "benchmark_sweep.py" in c]
+    assert "compile=True" in compiled and "gradient_accumulation_steps=4 " in compiled
+    assert "compile=True" not in accum8 and "gradient_accumulation_steps=8 " in accum8
+    for sweep in (compiled, accum8):
+        assert "--variants offload_grads_overlap_device_sums" in sweep and "clip_grad_norm=1.0" in sweep
+        assert "batch_size=1 " in sweep and "profiler.enabled=True" in sweep

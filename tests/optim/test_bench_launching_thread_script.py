@@ -29,3 +29,8 @@ def test_prints_each_mode_against_plain_adamw_with_ops_and_handoffs(tmp_path):
 def test_an_unknown_mode_is_refused_naming_the_choices():
     out = zygote.run_script("bench_launching_thread.py", "--modes", "overlap,fast")
     assert out.returncode == 2 and "--modes: unknown fast; choose from host-ring, device-sums, overlap" in out.stderr
+
+
+def test_a_cuda_run_without_cuda_is_refused():
+    out = zygote.run_script("bench_launching_thread.py", "--device", "cuda")
+    assert out.returncode == 2 and "--device cuda: no CUDA device here" in out.stderr
