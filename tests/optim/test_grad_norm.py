@@ -66,3 +66,16 @@ def test_an_error_in_a_norm_thread_reaches_the_caller(monkeypatch):
     monkeypatch.setattr(grad_norm, "tensor_norm", broken)
     with pytest.raises(RuntimeError, match="norm failed"):
         host_norms(_grads())
+
+
+def test_the_norms_of_a_group_are_each_tensors_own_bits():
+    """tensor_norms takes a hand-off group's norms in one call: on the CPU each is vector_norm's, bit
+    for bit (bf16 and fp32, contiguous or not, empty, subnormal, non-finite)."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(300, generator=gen).bfloat16(), torch.randn(17, 9, generator=gen).t(),
+             torch.randn(5000, generator=gen) * 1e-39, torch.tensor([1.0, float("inf")]), torch.tensor([float("nan")]),
+             torch.empty(0), torch.randn(64, generator=gen).bfloat16() * 1e30]
+    for got, grad in zip(grad_norm.tensor_norms(grads), grads):
+        want = torch.linalg.vector_norm(grad, 2.0)
+        assert got.dtype == want.dtype and (torch.equal(got, want) or (got.isnan() and want.isnan()))
+    assert grad_norm.tensor_norms([]) == []

@@ -65,6 +65,16 @@ def tensor_norm(grad: torch.Tensor, *, norm_type: Union[float, str] = 2.0) -> to
     return torch.linalg.vector_norm(grad, float(norm_type))
 
 
+def tensor_norms(grads: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """:func:`tensor_norm` (the 2-norm) of each of ``grads``, each where it lives: on the CPU in one
+    ``torch._foreach_norm`` call, which there takes each tensor's ``vector_norm`` (the same bits, one
+    dispatch from Python); elsewhere one ``vector_norm`` each, since a device's multi-tensor kernel
+    reduces in another order than ``vector_norm``, whose bits the engine's norms keep."""
+    if grads and all(g.device.type == "cpu" for g in grads):
+        return list(torch._foreach_norm(list(grads), 2.0))
+    return [tensor_norm(g) for g in grads]
+
+
 def host_norms(grads: Sequence[torch.Tensor], *, norm_type: Union[float, str] = 2.0) -> List[torch.Tensor]:
     """:func:`tensor_norm` of each of ``grads`` (host tensors), in order, on several threads at once.
 

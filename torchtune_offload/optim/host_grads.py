@@ -18,7 +18,8 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from torchtune_offload.optim.grad_norm import check_scale_factor, clip_, combine_norms, host_norms, tensor_norm
+from torchtune_offload.optim.grad_norm import (check_scale_factor, clip_, combine_norms, host_norms, tensor_norm,
+                                               tensor_norms)
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.staging import DeviceSumRing, StagingRing
 from torchtune_offload.optim.step_timings import StepTimings, profiled
@@ -95,33 +96,44 @@ class HostGradients:
 
     # ------------------------------------------------------------------------- training thread
 
-    def on_backward(self, slot: Slot, grad: torch.Tensor, *, in_window: bool) -> None:
-        """A backward completed ``grad`` for ``slot``: measure it where the next step's whole
-        gradient is still on the device, and send it to the host where it goes there now."""
-        record = self._records[slot.index]
-        if in_window or self.summed_on_host(slot):
-            # Measured on the device before it leaves, serial offload_gradients too, so that serial
-            # and overlapped clip alike to the bit (a device and the host reduce in different orders).
-            # A later micro-batch's sum is measured where it is added: on the host once it lands, or
-            # by the device ring below.
-            summed = self.summed_on_host(slot) and record.state is not GradState.EMPTY
-            record.norm = None if summed else tensor_norm(grad)
-        if self.summed_on_host(slot):
-            record.staged = None
-            if record.state is GradState.EMPTY:
-                record.event = self._transfer.to_host(slot.host_grad, grad, release_source=True)
-            elif self.staging.on_device:
-                # A later micro-batch, added into the sum on the device, which measures the new sum
-                # as it goes: no pass over the host sum when it lands.
-                record.staged, record.norm = self.staging.add_and_measure(slot.host_grad, grad, after=record.event)
-            else:
-                # A later micro-batch: through the bounded staging ring into the sum.
-                record.staged = self.staging.add_into(slot.host_grad, grad, after=record.event)
-            record.state = GradState.ARRIVING
-            slot.param.grad = None
-        elif in_window and slot.offloaded:
-            # The device copy stays (offload_gradients=False); the host gets the window's sum now.
-            self._send_device_grad(slot, release_source=True)
+    def on_backward_group(self, slots: List[Slot], *, in_window: bool) -> None:
+        """A backward completed the gradients of ``slots`` (a hand-off group, in arrival order):
+        each measured where the next step's whole gradient is still on the device, and sent to the
+        host where it goes there now. The group's norms are taken in one call (:func:`tensor_norms`)
+        and the copies that send a gradient down whole (a window's first micro-batch, or a window's
+        device gradients) are issued together, under one event.
+
+        A gradient is measured on the device before it leaves, with serial ``offload_gradients``
+        too, so that serial and overlapped windows clip alike to the bit (a device and the host
+        reduce in different orders). A later micro-batch's sum is measured where it is added: on the
+        host once it lands (the host ring), or by the device ring as it adds."""
+        measured = [slot for slot in slots if (in_window or self.summed_on_host(slot))
+                    and not (self.summed_on_host(slot) and self.holds(slot))]
+        for slot, norm in zip(measured, tensor_norms([slot.param.grad for slot in measured])):
+            self._records[slot.index].norm = norm
+        copies: List[Tuple[Slot, torch.Tensor]] = []
+        for slot in slots:
+            record, grad = self._records[slot.index], slot.param.grad
+            if self.summed_on_host(slot):
+                if record.state is GradState.EMPTY:
+                    copies.append((slot, grad))
+                    record.staged = None
+                elif self.staging.on_device:
+                    record.staged, record.norm = self.staging.add_and_measure(slot.host_grad, grad, after=record.event)
+                else:
+                    record.norm = None
+                    record.staged = self.staging.add_into(slot.host_grad, grad, after=record.event)
+                record.state = GradState.ARRIVING
+                slot.param.grad = None  # held in copies until its copy is issued
+            elif in_window and slot.offloaded:
+                copies.append((slot, grad))
+                record.staged = None
+                record.state = GradState.ARRIVING
+        if copies:
+            event = self._transfer.to_host_many([slot.host_grad for slot, _ in copies], [g for _, g in copies],
+                                                release_source=True)
+            for slot, _ in copies:
+                self._records[slot.index].event = event
 
     def send_for_step(self, slot: Slot) -> None:
         """Serial step without ``offload_gradients``: copies the device gradient to the host buffer."""

@@ -101,13 +101,12 @@ class OverlapScheduler:
         sent towards the host and, in an announced window, queued for the host workers, in the
         order they arrived."""
         with profiled("gradient hook"):  # the range's name as trace summaries read it
-            in_window = self.window is not None
-            for index in indices:
-                slot = self._table.slots[index]
-                if slot.param.grad is None:  # freed meanwhile (zero_grad after a backward that raised)
-                    continue
+            # A gradient freed meanwhile (zero_grad after a backward that raised) is not taken.
+            slots = [self._table.slots[i] for i in indices if self._table.slots[i].param.grad is not None]
+            for slot in slots:
                 self.before_backward_grad(slot)
-                self._grads.on_backward(slot, slot.param.grad, in_window=in_window)
+            self._grads.on_backward_group(slots, in_window=self.window is not None)
+            for slot in slots:
                 self.after_backward_grad(slot)
 
     def before_backward_grad(self, slot: Slot) -> None:

@@ -15,7 +15,7 @@ the time they take is summed per direction for the engine's step timings.
 import threading
 import time
 from contextlib import nullcontext
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -98,11 +98,22 @@ class TransferEngine:
         Returns:
             An event to wait on before reading ``dst``, or ``None`` when the copy is complete.
         """
+        return self.to_host_many([dst], [src], release_source=release_source)
+
+    def to_host_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *,
+                     release_source: bool = False) -> Optional[object]:
+        """:meth:`to_host` of each ``srcs[i]`` into ``dsts[i]``, issued together (a hand-off group's
+        gradients): one wait of the download stream for the compute stream and one event for all.
+
+        Returns:
+            The event that ends the last copy, or ``None`` when the copies are complete.
+        """
         if self.streams is not None:
             self.stream.wait_stream(self.streams.current_stream(self.device))
-        end = self.timed_copy(dst, src, kind="grad", stream=self.stream)
+        end = self.timed_copies(dsts, srcs, kind="grad", stream=self.stream)
         if release_source and self.streams is not None:
-            self.record_stream(src, self.stream)
+            for src in srcs:
+                self.record_stream(src, self.stream)
         return end
 
     def record_stream(self, tensor: torch.Tensor, stream: object) -> None:
@@ -128,15 +139,22 @@ class TransferEngine:
         Returns:
             The event that ends the copy on an accelerator, else ``None`` (the copy is complete).
         """
+        return self.timed_copies([dst], [src], kind=kind, stream=stream)
+
+    def timed_copies(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, kind: str,
+                     stream: Optional[object]) -> Optional[object]:
+        """:meth:`timed_copy` of each pair in turn, timed together (one pair of events)."""
         if self.streams is None:
             start = time.perf_counter()
-            dst.copy_(src)
+            for dst, src in zip(dsts, srcs):
+                dst.copy_(src)
             self._add_seconds(kind, time.perf_counter() - start)
             return None
         begin, end = self._timing_event(), self._timing_event()
         with self._side_stream(stream):
             begin.record()
-            dst.copy_(src, non_blocking=True)
+            for dst, src in zip(dsts, srcs):
+                dst.copy_(src, non_blocking=True)
             end.record()
         with self._lock:
             self._timed.append((kind, begin, end))
