@@ -19,8 +19,9 @@ median over rounds of its median step time over plain AdamW's in the same round.
 models train on the GPU (each step ends with a synchronization), where the launching thread's work
 is what keeps the GPU waiting.
 
-Per step it reports seconds, the aten ops the training thread dispatches (a dispatch mode, which
-is thread-local: the engine's worker threads are not counted), and the engine's hand-offs in
+Per step it reports seconds, the aten ops the training thread dispatches (from a profile of one
+more step: the ops no other aten op called, on that thread alone, so that the engine's worker
+threads are not counted and a compiled graph counts as no op), and the engine's hand-offs in
 backward (one per transformer layer or bucket of other parameters a micro-batch; with
 ``--per-parameter`` also each hooked mode with one per parameter, side by side). Prints a markdown table naming the CPU.
 """
@@ -35,7 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.profiler import ProfilerActivity, profile, record_function
 from torchtune import training
 
 from torchtune_offload import AdamW8bit, OffloadOptimizer
@@ -62,6 +63,8 @@ ENGINE_MODES: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "update-on-device": ("update_on: device, overlap", dict(update_on="device", overlap=True)),
 }
 PLAIN = "plain AdamW"
+#: The profiled range of the counted step, which names the training thread in the profile.
+STEP_RANGE = "bench_launching_thread: step"
 #: torchao's wrapper's ``--modes`` key and row name.
 TORCHAO, TORCHAO_NAME = "torchao", "torchao's CPUOffloadOptimizer"
 #: The suffix of a mode run with the backward hand-off per parameter (``--per-parameter``), as the
@@ -74,16 +77,14 @@ def _hooked(options: Dict[str, Any]) -> bool:
     return options.get("update_on", "host") == "host" and (options.get("offload_gradients") or options.get("overlap"))
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched on the thread that enters it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
+def _nested(event: Any) -> bool:
+    """Whether a profiled aten op was called by another aten op (not dispatched by the thread itself)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 class Trainee:
@@ -172,13 +173,19 @@ def timed_steps(trainee: Trainee, steps: int) -> List[float]:
 
 
 def counted_step(trainee: Trainee) -> Dict[str, Optional[int]]:
-    """One step's aten ops on this thread and the engine's hand-offs."""
+    """One step's aten ops dispatched by this (the training) thread, from a profile of it (a
+    compiled graph's kernels are no aten op; a dispatch mode would make dynamo run the graph's ops
+    one by one), and the engine's hand-offs."""
     before = trainee.handoffs()
-    with OpCounter() as counter:
-        trainee.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function(STEP_RANGE):
+            trainee.step()
     trainee.run.synchronize()
     after = trainee.handoffs()
-    return {"ops": counter.ops, "handoffs": None if before is None else after - before}
+    events = prof.events()
+    training = next(e.thread for e in events if e.name == STEP_RANGE)
+    ops = sum(1 for e in events if e.thread == training and e.name.startswith("aten::") and not _nested(e))
+    return {"ops": ops, "handoffs": None if before is None else after - before}
 
 
 def measure(trainees: Dict[str, Any], *, rounds: int, steps: int, log: Callable[[str], None]) -> Dict[str, Dict]:

@@ -3,6 +3,8 @@
 import json
 import re
 
+import pytest
+
 from tests import zygote
 
 
@@ -26,11 +28,10 @@ def test_prints_each_mode_against_plain_adamw_with_ops_and_handoffs(tmp_path):
     assert re.search(r"^\| torchao's CPUOffloadOptimizer \| does not run here: .*CUDA", out.stdout, flags=re.M)
 
 
-def test_an_unknown_mode_is_refused_naming_the_choices():
-    out = zygote.run_script("bench_launching_thread.py", "--modes", "overlap,fast")
-    assert out.returncode == 2 and "--modes: unknown fast; choose from host-ring, device-sums, overlap" in out.stderr
-
-
-def test_a_cuda_run_without_cuda_is_refused():
-    out = zygote.run_script("bench_launching_thread.py", "--device", "cuda")
-    assert out.returncode == 2 and "--device cuda: no CUDA device here" in out.stderr
+@pytest.mark.parametrize("args, message", [
+    (["--modes", "overlap,fast"], "--modes: unknown fast; choose from host-ring, device-sums, overlap"),
+    (["--device", "cuda"], "--device cuda: no CUDA device here"),
+])
+def test_bad_arguments_are_refused_naming_the_fix(args, message):
+    out = zygote.run_script("bench_launching_thread.py", *args)
+    assert out.returncode == 2 and message in out.stderr

@@ -231,6 +231,10 @@ def test_full_offload_matches_plain_adamw(runs, tiny_assets, offload_gradients, 
     report = off.recipe._optimizer.memory_report()
     assert report.num_offloaded > 0 and report.num_on_device > 0  # both step paths are exercised
     assert off.recipe._optimizer.optimizer.offload_gradients is offload_gradients
+    if offload_gradients or overlap:
+        # The recipe passes named parameters: one hand-off per layer (2) and per bucket of the others
+        # (the embedding, the final norm, the output) a micro-batch (5 steps of 3).
+        assert 15 * 2 < off.recipe._optimizer.optimizer.handoff_count() <= 15 * (2 + 4)
     assert len(plain.losses) == len(off.losses) == 5
     torch.testing.assert_close(torch.tensor(off.losses), torch.tensor(plain.losses), **FP32)
     # The clip bites (norm above 0.5) in every step, so equal norms and losses mean equal clipping.
