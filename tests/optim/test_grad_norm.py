@@ -1,6 +1,7 @@
 """``grad_norm.host_norms``: host gradients measured on several threads, with the serial loop's bits."""
 
 import threading
+from unittest import mock
 
 import pytest
 import torch
@@ -79,3 +80,7 @@ def test_the_norms_of_a_group_are_each_tensors_own_bits():
         want = torch.linalg.vector_norm(grad, 2.0)
         assert got.dtype == want.dtype and (torch.equal(got, want) or (got.isnan() and want.isnan()))
     assert grad_norm.tensor_norms([]) == []
+    # Off the CPU (a GPU's tensors; meta ones here) each is its own vector_norm, not the foreach kernel's.
+    with mock.patch.object(torch, "_foreach_norm", side_effect=AssertionError("a multi-tensor kernel")):
+        on_meta = grad_norm.tensor_norms([torch.empty(3, device="meta"), torch.empty(2, 2, device="meta").bfloat16()])
+    assert [(n.device.type, n.dtype, n.shape) for n in on_meta] == [("meta", torch.float32, ()), ("meta", torch.bfloat16, ())]

@@ -116,10 +116,10 @@ def register_module_waits(model: torch.nn.Module, own: Callable[[torch.nn.Parame
     parameters' slots, and ``model.state_dict()`` call ``synchronize()`` first.
 
     One wait per layer, on the outermost module of that name: with torchtune's activation
-    checkpointing that is the checkpoint wrapper, outside the layer that ``compile: True`` compiles,
-    so the wait breaks no compiled graph; without it, the compiled layer's own hook, before any of
-    its ops (a break there leaves the layer's ops in one graph). Waits on the layer's inner modules
-    (its projections) would split its graph, and change its kernels.
+    checkpointing that is the checkpoint wrapper, outside the layer that ``compile: True`` compiles;
+    without it, the compiled layer's own pre-hook, which dynamo runs without a graph break
+    (tests/recipe/test_compile.py). Waits on the layer's inner modules (its projections) would split
+    its graph, and change its kernels.
 
     Args:
         model: the model whose forward needs the results.
