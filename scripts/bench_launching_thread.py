@@ -67,8 +67,8 @@ PLAIN = "plain AdamW"
 STEP_RANGE = "bench_launching_thread: step"
 #: torchao's wrapper's ``--modes`` key and row name.
 TORCHAO, TORCHAO_NAME = "torchao", "torchao's CPUOffloadOptimizer"
-#: The suffix of a mode run with the backward hand-off per parameter (``--per-parameter``), as the
-#: engine handed gradients over before it grouped them per layer.
+#: The suffix of a mode run with the backward hand-off per parameter (``--per-parameter``): what the
+#: hand-off per layer and bucket is measured against.
 PER_PARAMETER = ", hand-off per parameter"
 
 
