@@ -64,7 +64,7 @@ ENGINE_TEST_FILES = (
     "tests/optim/test_staging.py", "tests/optim/test_update_on_device.py", "tests/optim/test_adamw8bit.py",
     "tests/optim/test_transfer_and_capabilities.py", "tests/optim/test_host_arena.py",
     "tests/optim/test_llama_width.py", "tests/optim/test_fused_step.py", "tests/optim/test_host_add.py",
-    "tests/optim/test_fp8_weights.py", "tests/optim/test_slot_step.py",
+    "tests/optim/test_fp8_weights.py", "tests/optim/test_slot_step.py", "tests/optim/test_handoff.py",
 )
 _PLAIN, _CHECKED = "plain", "checked"
 

@@ -1,9 +1,11 @@
 """The backward hand-off per group: the groups, when each is handed over, and the engine's results
 against a hand-off per parameter."""
 
+import pytest
 import torch
 from torchtune.models.llama3_2 import llama3_2
 
+from tests.optim.side_by_side import assert_same_params, batches, tiny_model, twin
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim.handoff import BUCKET_BYTES, BackwardHandoff, handoff_groups, layer_prefix
 
@@ -64,4 +66,36 @@ def test_the_engine_hands_over_once_per_layer_and_bucket():
         assert 3 < opt.handoff_count() - before <= 3 + 4
     opt.step()
     opt.zero_grad()
+    opt.close()
+
+
+def _raise(_grad):
+    raise RuntimeError("a backward that stops half way")
+
+
+def test_gradients_collected_by_a_backward_that_raises_are_stepped_as_plain_adamw_steps_them():
+    """A backward that raises ends neither its incomplete group nor itself (no end-of-backward
+    hand-off): the gradients it completed are handed over when the optimizer next reads them, so
+    none is lost, and the step is plain AdamW's on the same partial gradients."""
+    base = tiny_model()
+    (x, y), (x2, y2) = batches(num=2)
+    ref, model = twin(base), twin(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = OffloadOptimizer(model.named_parameters(), minimal_size=0, offload_gradients=True, lr=1e-2,
+                           weight_decay=0.1)
+    for m in (ref, model):
+        hidden = m[1](m[0](x))
+        hidden.register_hook(_raise)  # the first layer's gradients are never made
+        with pytest.raises(RuntimeError, match="half way"):
+            ((m[2:](hidden) - y) ** 2).sum().backward()
+    assert model[0].weight.grad is None and opt._scheduler.handoff.collected == 4  # layers 2 and 4, unhanded
+    for o in (ref_opt, opt):
+        o.step()
+        o.zero_grad()
+    assert_same_params(ref, model)
+    for m, o in ((ref, ref_opt), (model, opt)):  # and training goes on as before
+        ((m(x2) - y2) ** 2).sum().backward()
+        o.step()
+        o.zero_grad()
+    assert_same_params(ref, model)
     opt.close()
