@@ -108,13 +108,14 @@ def gradients(case: Case, seed: int) -> List[torch.Tensor]:
     return grads
 
 
+def _factor(clip: Optional[float]) -> Optional[torch.Tensor]:
+    """The clipping factor the C passes take (``grad_scale``)."""
+    return None if clip is None else torch.tensor(clip)
+
+
 def _scaled(grad: torch.Tensor, clip: Optional[float]) -> torch.Tensor:
     """The gradient the references step on: ``grad.mul_(factor)`` as clipping leaves it."""
-    return grad if clip is None else grad.clone().mul_(torch.tensor(clip))
-
-
-def _factor(clip: Optional[float]) -> Optional[torch.Tensor]:
-    return None if clip is None else torch.tensor(clip)
+    return grad if clip is None else grad.clone().mul_(_factor(clip))
 
 
 def same_bits(ours: torch.Tensor, ref: torch.Tensor) -> str:

@@ -2,7 +2,6 @@
 the offload engine's base optimizer against itself without offload."""
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -73,20 +72,13 @@ def test_fused_pass_matches_the_reference(param_dtype, grad_dtype, numel):
 
 
 def _every_build():
-    """Every build of the pass this CPU runs: the AVX-512 loop (also without AVX512_BF16's
-    conversion where the CPU has it), the portable loop with the AVX2 quantizer, and the portable
-    loop without either (x86 only: the flags are GCC's and clang's x86 ones)."""
-    flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").is_file() else ""
-    builds = []
-    if "avx512vbmi" in flags:
-        builds.append([])
-        if "avx512_bf16" in flags:
-            builds.append(["-mno-avx512bf16"])
-    if " avx2" in flags:
-        builds += [["-mno-avx512f"], ["-mno-avx2"]]
+    """Every build of the pass this CPU runs (``float_range.builds``: the AVX-512 loop, also without
+    AVX512_BF16's conversion, the portable loop with the AVX2 quantizer, and without either), its
+    table-check builds left to the float-range test."""
+    builds = [extra for name, extra in float_range.builds("adamw8bit")[0] if "table checks" not in name]
     if len(builds) < 2:
         pytest.skip("this CPU runs only the portable loop: nothing to compare it with")
-    return [adamw8bit.bind_kernel(fused_step.build_library(adamw8bit.SOURCE, flags=extra)) for extra in builds]
+    return [float_range.load("adamw8bit", extra) for extra in builds]
 
 
 @needs_cc

@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from tests.optim import float_range
-from torchtune_offload.bench.machine import cpu_flags
 from torchtune_offload.optim import host_add, stream_check
-from torchtune_offload.optim.fused_step import build_library, c_compiler
+from torchtune_offload.optim.fused_step import c_compiler
 
 needs_compiler = pytest.mark.skipif(c_compiler() is None, reason="no C compiler here")
 
@@ -39,17 +38,12 @@ def test_same_bits_as_torch_add(dst_dtype, src_dtype, n):
 
 
 def _every_build():
-    """Every build of the loop this CPU runs: with AVX512_BF16's rounding where the CPU has it,
-    and without it (x86 only: the flags are GCC's and clang's x86 ones)."""
-    flags = cpu_flags()
-    builds = [[]]
-    if "avx512_bf16" in flags:
-        builds.append(["-mno-avx512bf16"])
-    if "avx2" in flags and "avx512f" in flags:
-        builds.append(["-mno-avx512f"])
+    """Every build of the loop this CPU runs (``float_range.builds``: with AVX512_BF16's rounding
+    where the CPU has it, without it, and the AVX2 and portable loops)."""
+    builds = [extra for _, extra in float_range.builds("host_add")[0]]
     if len(builds) < 2:
         pytest.skip("this CPU runs only the portable loop: nothing to compare it with")
-    return [host_add.bind_kernels(build_library(host_add.SOURCE, flags=extra)) for extra in builds]
+    return [float_range.load("host_add", extra) for extra in builds]
 
 
 @needs_compiler

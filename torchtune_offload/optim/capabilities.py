@@ -45,6 +45,10 @@ class OptimizerCapabilities:
             through ``expect_final_backward(clipping=...)`` which backward ends a window, through
             ``register_forward_waits(model)`` that the next forward waits per module, and
             ``synchronize()`` before the weights are read.
+        hands_over_per_group: takes the gradients backward makes once per transformer layer or
+            bucket of other parameters (``optim/handoff.py``), so that with ``offload_gradients``
+            a layer's gradients stay on the device until its last one is made; an optimizer that
+            offloads gradients without it frees each one as it is made.
         scales_gradients_in_step: its ``step(grad_scale=...)`` takes a clipping factor and steps as
             after ``p.grad.mul_(grad_scale)``, to the bit, leaving the gradients unscaled (where its
             pass can, it multiplies as it reads them, sparing a pass of their own).
@@ -62,6 +66,7 @@ class OptimizerCapabilities:
     precision_policy: bool = False
     step_timings: bool = False
     overlaps_host_step: bool = False
+    hands_over_per_group: bool = False
     scales_gradients_in_step: bool = False
     elementwise_update: bool = False
     kernels_on_current_stream: bool = True
@@ -85,6 +90,7 @@ ENGINE_CAPABILITIES = OptimizerCapabilities(
     precision_policy=True,
     step_timings=True,
     overlaps_host_step=True,
+    hands_over_per_group=True,
     reasons={
         "runs_under_fsdp2": "its state lives in per-parameter base optimizers over host copies of "
         "each rank's shards, which torch's distributed state-dict API (used to gather a full "

@@ -85,15 +85,11 @@ class OverlapScheduler:
         is refused at its first gradient, before its accumulations race with the window's copies;
         else the gradient is counted towards its group's hand-off."""
         if self.window is not None and slot.index in self.window.seen:
-            self._second_backward(slot)
+            raise RuntimeError(
+                f"{slot.key}: a second backward after expect_final_backward(); call it before "
+                "the last backward of the window only, then step()."
+            )
         self.handoff.on_grad(slot.index)
-
-    @staticmethod
-    def _second_backward(slot: Slot) -> None:
-        raise RuntimeError(
-            f"{slot.key}: a second backward after expect_final_backward(); call it before "
-            "the last backward of the window only, then step()."
-        )
 
     @torch.no_grad()
     def take_backward_grads(self, indices: List[int]) -> None:
@@ -110,19 +106,18 @@ class OverlapScheduler:
                 self.after_backward_grad(slot)
 
     def before_backward_grad(self, slot: Slot) -> None:
-        """The backward hook's first act: the previous window's work on the slot is finished (by
-        now, unless no forward ran) and the slot joins the open window's record."""
+        """The hand-off's first act on a slot: the previous window's work on it is finished (by
+        now, unless no forward ran) and it joins the open window's record (a second backward was
+        refused by :meth:`on_backward_grad`)."""
         self.wait_done(slot)
         window = self.window
         if window is None:
             return
-        if slot.index in window.seen:
-            self._second_backward(slot)
         window.seen.add(slot.index)
         window.order.append(slot.index)
 
     def after_backward_grad(self, slot: Slot) -> None:
-        """The backward hook's last act: an offloaded window gradient goes to the host workers."""
+        """The hand-off's last act on a slot: an offloaded window gradient goes to the host workers."""
         if self.window is not None and slot.offloaded:
             self._hand_over(slot)
 

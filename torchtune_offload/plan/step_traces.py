@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from torchtune_offload.optim.offload_optimizer import OffloadOptimizer
+from torchtune_offload.optim.capabilities import capabilities_of
 from torchtune_offload.optim.optimizer_class import split_options
 from torchtune_offload.plan.fine_tunes import configured_fine_tune
 from torchtune_offload.plan.trace import StepTrace, trace_training_step
@@ -139,13 +139,12 @@ class StepRequest:
 
 def _frees_gradients(settings: RecipeSettings) -> Union[bool, str]:
     """How the step's optimizer frees the gradients (:func:`trace_training_step`'s ``free_gradients``):
-    torchtune's in-backward steps and torchao's offloader each gradient as it is made, this
-    project's engine once its hand-off group (a layer) is complete."""
+    torchtune's in-backward steps and torchao's offloader each gradient as it is made, an optimizer
+    that declares ``hands_over_per_group`` (this project's engine) once its group is complete."""
     if settings.optimizer_in_bwd:
         return True
     if settings.offload_gradients:
-        engine = isinstance(settings.optimizer_class, type) and issubclass(settings.optimizer_class, OffloadOptimizer)
-        return "per group" if engine else True
+        return "per group" if capabilities_of(settings.optimizer_class).hands_over_per_group else True
     return False
 
 

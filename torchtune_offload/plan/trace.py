@@ -180,9 +180,9 @@ class _Traced:
 def _freeing_hooks(model: nn.Module, free_gradients: Union[bool, str]) -> List[Any]:
     """The hooks that free the trainable parameters' gradients as the optimizer will (see
     :func:`trace_training_step`'s ``free_gradients``)."""
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if not free_gradients:
         return []
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if free_gradients == "per group":
         groups = handoff_groups([n for n, _ in named], [p.numel() * p.element_size() for _, p in named])
     else:
