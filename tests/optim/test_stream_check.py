@@ -280,29 +280,29 @@ def test_the_engine_on_virtual_streams_gives_the_emulation_results_bit_for_bit(s
 #: Every wait of the engine's ordering code: (file, the call's source text) -> a scenario whose
 #: checked run fails without it. docs/stream_check.md lists the same table.
 WAITS = {
-    ("transfer.py", "self.stream.wait_stream(self.streams.current_stream(self.device))"): "serial offload_gradients",
-    ("transfer.py", "self.record_stream(src, self.stream)"): "serial offload_gradients",
-    ("transfer.py", "self.streams.current_stream(self.device).wait_event(event)"): "overlap offload_gradients",
-    ("transfer.py", "wait_stream(self.h2d_stream)"): "serial",
-    ("transfer.py", "event.synchronize()"): "serial offload_gradients",
+    ("transfer.py", "self.order.wait_stream(self.stream, self.order.current())"): "serial offload_gradients",
+    ("transfer.py", "self.order.keep_for(src, self.stream)"): "serial offload_gradients",
+    ("transfer.py", "self.order.wait_event(self.order.current(), event)"): "overlap offload_gradients",
+    ("transfer.py", "self.order.wait_stream(compute, self.h2d_stream)"): "serial",
+    ("transfer.py", "self.order.host_waits(event)"): "serial offload_gradients",
     ("staging.py", "self._transfer.wait(event)"): "serial offload_gradients",
     ("staging.py", "pending[1].result()"): "serial offload_gradients",
     ("grad_norm.py", "norms[i] = future.result()"): "serial offload_gradients",
     ("staging.py", "self._transfer.uploads_wait_for_compute()"): "serial sums on the device",
-    ("staging.py", "transfer.h2d_stream.wait_event(event)"): "serial sums on the device",
-    ("staging.py", "transfer.stream.wait_stream(streams.current_stream(self._device))"): "overlap sums on the device",
-    ("staging.py", "transfer.h2d_stream.wait_event(self._read_down[index])"): "serial sums on the device",
-    ("staging.py", "transfer.stream.wait_event(uploaded)"): "overlap sums on the device",
-    ("staging.py", "transfer.record_stream(read, transfer.stream)"): "serial sums on the device",
+    ("staging.py", "order.wait_event(up, event)"): "serial sums on the device",
+    ("staging.py", "order.wait_stream(down, order.current())"): "overlap sums on the device",
+    ("staging.py", "order.wait_event(up, self._read_down[index])"): "serial sums on the device",
+    ("staging.py", "order.wait_event(down, order.record(up))"): "overlap sums on the device",
+    ("staging.py", "order.keep_for(read, down)"): "serial sums on the device",
     ("staging.py", "self._transfer.wait(newest[1])"): "overlap sums on the device",
-    ("state_streamer.py", "self._up.wait_event(self._buffer_free[index])"): "device update",
-    ("state_streamer.py", "stream.wait_event(self._buffer_free[index])"): "device update",
-    ("state_streamer.py", "stream.wait_event(uploaded)"): "device update",
-    ("state_streamer.py", "self._down.wait_event(computed)"): "device update",
-    ("state_streamer.py", "self._update_stream.wait_stream(self._current_stream())"): "device update overlap",
-    ("state_streamer.py", "self._transfer.record_stream(grad, self._update_stream)"): "device update overlap",
-    ("state_streamer.py", "self._current_stream().wait_event(queued)"): "device update overlap",
-    ("state_streamer.py", "self._down.synchronize()"): "device update",
+    ("state_streamer.py", "order.wait_event(self._up, self._buffer_free[index])"): "device update",
+    ("state_streamer.py", "order.wait_event(stream, self._buffer_free[index])"): "device update",
+    ("state_streamer.py", "order.wait_event(stream, uploaded)"): "device update",
+    ("state_streamer.py", "order.wait_event(self._down, computed)"): "device update",
+    ("state_streamer.py", "self._streams.wait_stream(self._update_stream, self._streams.current())"): "device update overlap",
+    ("state_streamer.py", "self._streams.keep_for(grad, self._update_stream)"): "device update overlap",
+    ("state_streamer.py", "self._streams.wait_event(self._streams.current(), self._pending.pop(slot.index))"): "device update overlap",
+    ("state_streamer.py", "self._streams.host_waits_stream(self._down)"): "device update",
     ("overlap_scheduler.py", "self._result(queued.landed,"): "overlap offload_gradients",
     ("overlap_scheduler.py", "self._transfer.compute_waits_for(queued.param_event)"): "overlap",
 }
@@ -310,17 +310,17 @@ WAITS = {
 
 #: Waits no checked run needs, each with the reason (docs/stream_check.md says the same).
 UNSEEN = {
-    ("state_streamer.py", "self._up.wait_event(self._downloaded[slot.index])"):
+    ("state_streamer.py", "self._streams.wait_event(self._up, self._downloaded.get(slot.index))"):
         "step() synchronizes first: StateStreamer.synchronize() blocks the host on the download stream",
     ("overlap_scheduler.py", "self._result(queued.done,"):
         "it orders Python state (the upload's event is read after it), not memory: the upload's event orders the forward",
-    ("transfer.py", "self.streams.current_stream(self.device).wait_stream(self.stream)"):
+    ("transfer.py", "self.order.wait_stream(compute, self.stream)"):
         "every gradient copied down is freed with record_stream or never written again on the compute stream",
-    ("transfer.py", "self.stream.synchronize()"):
+    ("transfer.py", "self.order.host_waits_stream(self.stream)"):
         "host readers of host memory are ordered by the waits above in every configuration",
-    ("transfer.py", "self.h2d_stream.synchronize()"):
+    ("transfer.py", "self.order.host_waits_stream(self.h2d_stream)"):
         "host readers of host memory are ordered by the waits above in every configuration",
-    ("staging.py", "transfer.record_stream(norm, streams.current_stream(self._device))"):
+    ("staging.py", "order.keep_for(norm, order.current())"):
         "each checked run reads the clipped total norm (float()) before a sum's norm is dropped, which orders "
         "the compute stream's read of it before its free",
 }
@@ -343,7 +343,7 @@ def test_the_engines_profiler_ranges_order_nothing():
 
 
 def test_the_staging_race_the_h100_showed_is_caught_with_its_fix_undone():
-    fix = ("state_streamer.py", "stream.wait_event(self._buffer_free[index])")
+    fix = ("state_streamer.py", "order.wait_event(stream, self._buffer_free[index])")
     with pytest.raises(StreamOrderError, match="state_streamer.py"):
         _run("device update", drop=[fix])
 

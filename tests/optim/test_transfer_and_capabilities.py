@@ -10,21 +10,24 @@ from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer
 from torchtune_offload.optim import OptimizerCapabilities, capabilities_of
 from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES
 from torchtune_offload.optim.param_table import ParameterTable
+from torchtune_offload.optim.stream_order import InOrderStream
 from torchtune_offload.optim.transfer import TransferEngine
 
 
-@pytest.mark.streams_as_is  # the CPU path without streams, copies synchronous
+@pytest.mark.streams_as_is  # the CPU path without the checker: stand-in streams, copies synchronous
 def test_cpu_transfer_copies_synchronously_into_separate_unpinned_buffers():
     engine = TransferEngine(torch.device("cpu"))
-    assert not engine.is_accelerator and engine.stream is None
+    assert not engine.is_accelerator and isinstance(engine.stream, InOrderStream) and engine.order.in_order
     src = torch.randn(3, 5)
     host = engine.host_empty_like(src)
     assert host.shape == src.shape and host.dtype == src.dtype and not host.is_pinned()
     assert host.data_ptr() != src.data_ptr()
     event = engine.to_host(host, src, release_source=True)
-    assert event is None  # complete on return: nothing to wait for
-    engine.wait(event)
+    # Complete on return: the host reads it before any wait.
     torch.testing.assert_close(host, src, rtol=0, atol=0)
+    assert event.query()
+    engine.wait(event)
+    assert engine.copy_seconds()["grad"] >= 0
     dst = torch.zeros_like(src)
     engine.to_device(dst, host * 2)
     engine.compute_waits_for_copies()

@@ -113,7 +113,7 @@ class OffloadOptimizer(Optimizer):
             grad_sum_dtype=opts.grad_sum_dtype, pinning=pinning_of(self.device), update_on=opts.update_on,
         )
         self._timings = StepTimings(streams_states=opts.update_on == "device")
-        self._streamer = StateStreamer(self._table, self._transfer, self._timings,
+        self._streamer = StateStreamer(self._table, self._transfer,
                                        staging_bytes=opts.device_staging_bytes, overlap=opts.overlap)
         self._grads = HostGradients(self._table, self._transfer, self._timings,
                                     offload_gradients=opts.offload_gradients, sum_on=opts.grad_sum_on)

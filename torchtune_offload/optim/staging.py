@@ -118,8 +118,7 @@ class _ChunkRing:
         """Seconds the host's cores spent adding, since the ring was made (cumulative; complete for
         the additions finished by a :meth:`drain`): :class:`StagingRing`'s adder thread, the host
         work of a later micro-batch, which on an accelerator overlaps the device's (the copies are
-        DMA there); none for :class:`DeviceSumRing` on an accelerator, and on a CPU-only machine
-        the additions its ``add_into`` caller runs itself."""
+        DMA there); none for :class:`DeviceSumRing`, whose additions are the device's."""
         return self._added_seconds
 
     @property
@@ -307,10 +306,9 @@ class DeviceSumRing(_ChunkRing):
     def _chunk(self, index: int) -> torch.Tensor:
         while len(self._chunks) <= index:
             self._chunks.append(torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self._device))
-            if self._transfer.streams is not None:
-                # Allocated on the compute stream, whose queued kernels may still use the memory
-                # the allocator hands out: the upload that first writes it comes after them.
-                self._transfer.uploads_wait_for_compute()
+            # Allocated on the compute stream, whose queued kernels may still use the memory
+            # the allocator hands out: the upload that first writes it comes after them.
+            self._transfer.uploads_wait_for_compute()
         return self._chunks[index]
 
     @torch.no_grad()
@@ -357,15 +355,14 @@ class DeviceSumRing(_ChunkRing):
 
     def _add_into(self, dst: torch.Tensor, src: torch.Tensor, after: Optional[object], *,
                   measure: bool) -> Tuple[int, Optional[torch.Tensor]]:
-        transfer, streams = self._transfer, self._transfer.streams
+        transfer, order = self._transfer, self._transfer.order
+        up, down = transfer.h2d_stream, transfer.stream
         dst_flat, src_flat = dst.view(-1), src.reshape(-1)
-        if streams is not None:
-            # The sum's last writers, before its first chunk goes up.
-            for event in (after, self._written.get(dst.data_ptr())):
-                if event is not None:
-                    transfer.h2d_stream.wait_event(event)
-            # The gradient is made on the compute stream.
-            transfer.stream.wait_stream(streams.current_stream(self._device))
+        # The sum's last writers, before its first chunk goes up.
+        for event in (after, self._written.get(dst.data_ptr())):
+            order.wait_event(up, event)
+        # The gradient is made on the compute stream.
+        order.wait_stream(down, order.current())
         end = None
         parts: List[torch.Tensor] = []
         norm = None
@@ -375,41 +372,27 @@ class DeviceSumRing(_ChunkRing):
             # The last piece's norm completes the sum's, before that piece's download: the event the
             # host waits for in drain_until comes after it.
             whole, last = length == src.numel(), start + length == src.numel()
-            if streams is None:  # a CPU-only machine: every step completes at once, in order
-                begun = time.perf_counter()
-                with profiled("sum: add"):
-                    chunk.copy_(host)
-                    chunk.add_(src_flat[start : start + length])
-                    if measure:
-                        norm = self._measure(chunk, parts, whole=whole, last=last, dtype=dst.dtype)
-                    host.copy_(chunk)
-                self._added_seconds += time.perf_counter() - begun
-            else:
-                if self._read_down[index] is not None:
-                    # The chunk's previous download must have read it before this upload overwrites it.
-                    transfer.h2d_stream.wait_event(self._read_down[index])
-                with streams.stream(transfer.h2d_stream):
-                    chunk.copy_(host, non_blocking=True)
-                    uploaded = streams.Event()
-                    uploaded.record()
-                transfer.stream.wait_event(uploaded)
-                with streams.stream(transfer.stream):
-                    chunk.add_(src_flat[start : start + length])
-                    if measure:
-                        norm = self._measure(chunk, parts, whole=whole, last=last, dtype=dst.dtype)
-                end = transfer.timed_copy(host, chunk, kind="grad", stream=transfer.stream)
-                self._read_down[index] = end
+            # The chunk's previous download must have read it before this upload overwrites it.
+            order.wait_event(up, self._read_down[index])
+            with order.on(up):
+                chunk.copy_(host, non_blocking=True)
+            order.wait_event(down, order.record(up))
+            with order.on(down), profiled("sum: add"):
+                chunk.add_(src_flat[start : start + length])
+                if measure:
+                    norm = self._measure(chunk, parts, whole=whole, last=last, dtype=dst.dtype)
+            end = transfer.timed_copy(host, chunk, kind="grad", stream=down)
+            self._read_down[index] = end
             self._pending.append((self._issued, end))
-        if streams is not None:
-            self._written[dst.data_ptr()] = end
-            # The caller drops the gradient (and src_flat is a copy of it where it was not
-            # contiguous): keep the memory the additions read until they have read it.
-            for read in (src, src_flat):
-                transfer.record_stream(read, transfer.stream)
-            if norm is not None:
-                # Made on the download stream, read on the compute stream (clipping): its memory
-                # waits for that reader before the allocator hands it out again.
-                transfer.record_stream(norm, streams.current_stream(self._device))
+        self._written[dst.data_ptr()] = end
+        # The caller drops the gradient (and src_flat is a copy of it where it was not
+        # contiguous): keep the memory the additions read until they have read it.
+        for read in (src, src_flat):
+            order.keep_for(read, down)
+        if norm is not None:
+            # Made on the download stream, read on the compute stream (clipping): its memory
+            # waits for that reader before the allocator hands it out again.
+            order.keep_for(norm, order.current())
         return self._issued, norm
 
     @staticmethod

@@ -24,12 +24,10 @@ the step, and keeps the scalars of the last slice: every slice sees the same ste
 
 Ordering. Without ``overlap`` (or without forward waits) every update runs in ``step()``, on the
 compute stream. With ``overlap`` and ``register_forward_waits`` they run in the next forward's order:
-on an accelerator on a side stream, each module's forward waiting only for its own parameters'
-updates; on a CPU-only machine (the exact emulation) each update runs when the forward of the
-module that owns it is about to, so the tests check the wait of every module.
+on a side stream, each module's forward waiting only for its own parameters' updates (on a CPU the
+stand-in streams of ``stream_order`` run them in ``step()``, and the stream checker checks each wait).
 """
 
-import contextlib
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -40,7 +38,6 @@ from torchtune_offload.optim.host_arena import ALLOCATOR, NONE, PageLockError, b
 from torchtune_offload.optim.host_memory import HostMemoryPlan, offloads, probe_state
 from torchtune_offload.optim.overlap import register_module_waits
 from torchtune_offload.optim.param_table import ParameterTable, Slot
-from torchtune_offload.optim.step_timings import StepTimings
 from torchtune_offload.optim.transfer import TransferEngine
 
 #: Slices are whole multiples of this many elements (2 KiB of fp32, a multiple of any vector width).
@@ -231,7 +228,6 @@ class StateStreamer:
     Args:
         table: the slots (built with ``update_on="device"``).
         transfer: copies and their timings.
-        timings: where the training thread's waits for updates are counted.
         staging_bytes: the bound on the device staging area (two buffers of half of it).
         overlap: run updates in the next forward's order, with forward waits (see module docs).
 
@@ -239,11 +235,10 @@ class StateStreamer:
         ValueError: if a base optimizer's state cannot be planned, or the bound is too small.
     """
 
-    def __init__(self, table: ParameterTable, transfer: TransferEngine, timings: StepTimings, *,
+    def __init__(self, table: ParameterTable, transfer: TransferEngine, *,
                  staging_bytes: int, overlap: bool) -> None:
         self._table = table
         self._transfer = transfer
-        self._timings = timings
         self.overlap = overlap
         self._plans: Dict[int, _Plan] = {}
         cache: Dict[tuple, Tuple[Layout, List[str]]] = {}
@@ -261,21 +256,19 @@ class StateStreamer:
         device = transfer.device
         # Two buffers, each as large as the largest slice needs and never above half the bound.
         self._buffers = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(2 if largest else 0)]
-        # Streams where the device has them (virtual ones while streams are checked on the CPU).
-        module = transfer.streams if self._plans else None
-        self._module = module
-        self._up = module.Stream(device=device) if module is not None else None
-        self._down = module.Stream(device=device) if module is not None else None
-        self._update_stream = module.Stream(device=device) if module is not None and overlap else None
+        # Uploads, downloads, and (with overlap) the queued updates each have a stream.
+        self._streams = transfer.order
+        self._up = self._streams.new_stream()
+        self._down = self._streams.new_stream()
+        self._update_stream = self._streams.new_stream()
         for stream in (self._up, self._down, self._update_stream):
-            for buffer in self._buffers if stream is not None else ():
+            for buffer in self._buffers:
                 # Freed with the streamer, the buffers wait for every side stream's use of them.
-                transfer.record_stream(buffer, stream)
+                self._streams.keep_for(buffer, stream)
         self._buffer_free: List[Optional[object]] = [None, None]
         self._downloaded: Dict[int, Optional[object]] = {}
         self._next_buffer = 0
-        # Queued updates (overlap with forward waits): slot index -> its gradient (CPU), or the
-        # event that ends its update (accelerator).
+        # Queued updates (overlap with forward waits): slot index -> the event that ends its update.
         self._pending: Dict[int, Any] = {}
         self._order: Dict[int, int] = {}
         self.forward_waits = False
@@ -360,17 +353,16 @@ class StateStreamer:
         tensor = self._host[slot.index][key]
         return tensor if self._plans[slot.index].whole else tensor.view(-1)[start:stop]
 
-    def _run(self, slot: Slot, grad: torch.Tensor, stream: Optional[object]) -> Optional[object]:
+    def _run(self, slot: Slot, grad: torch.Tensor, stream: object) -> Optional[object]:
         """Updates ``slot`` on the device with ``grad``, slice by slice, on ``stream`` (the compute
-        or update stream; None on a CPU-only machine). Returns the event that ends its last update."""
+        or update stream). Returns the event that ends its last update."""
         plan = self._plans[slot.index]
         opt = slot.optimizer
         param = slot.param
         host_state = opt.state.get(param, {})
         scalars = {k: host_state[k] for k in plan.scalars if k in host_state}
-        if self._up is not None and self._downloaded.get(slot.index) is not None:
-            # The previous step's downloads of this slot must be in host memory before uploads read it.
-            self._up.wait_event(self._downloaded[slot.index])
+        # The previous step's downloads of this slot must be in host memory before uploads read it.
+        self._streams.wait_event(self._up, self._downloaded.get(slot.index))
         computed, new_scalars, done = None, scalars, False
         try:
             for start, stop in plan.slices:
@@ -387,36 +379,34 @@ class StateStreamer:
         self._initialised[slot.index] = True
         return computed
 
-    def _run_slice(self, slot: Slot, grad: torch.Tensor, stream: Optional[object], start: int, stop: int,
+    def _run_slice(self, slot: Slot, grad: torch.Tensor, stream: object, start: int, stop: int,
                    scalars: Dict[str, Any]) -> Tuple[Optional[object], Dict[str, Any]]:
         """One slice of :meth:`_run`: upload, update, download. Returns the update's event and the
         scalar states after it."""
         plan = self._plans[slot.index]
         opt = slot.optimizer
         initialised = self._initialised[slot.index]
+        order = self._streams
         staged: Dict[str, torch.Tensor] = {}
         index = None
         if plan.layout:  # a base optimizer without array states (SGD without momentum) stages nothing
             index = self._next_buffer
             self._next_buffer ^= 1
             staged = self._staged_views(self._buffers[index], plan, start, stop)
-            if self._up is not None and self._buffer_free[index] is not None:
-                self._up.wait_event(self._buffer_free[index])
-                if not initialised and stream is not None:
-                    # A slot's first step writes the buffer on the update's own stream, with no
-                    # upload to order it after the download that last read this buffer.
-                    stream.wait_event(self._buffer_free[index])
+            order.wait_event(self._up, self._buffer_free[index])
+            if not initialised:
+                # A slot's first step writes the buffer on the update's own stream, with no
+                # upload to order it after the download that last read this buffer.
+                order.wait_event(stream, self._buffer_free[index])
         if initialised:
             uploaded = None
             for key, view in staged.items():
                 uploaded = self._transfer.timed_copy(view, self._host_slice(slot, key, start, stop),
                                                      kind="state_up", stream=self._up)
-            if stream is not None and uploaded is not None:
-                stream.wait_event(uploaded)
+            order.wait_event(stream, uploaded)
         view = slot.param.detach() if plan.whole else slot.param.detach().view(-1)[start:stop]
         view.grad = grad if plan.whole else grad.view(-1)[start:stop]
-        computed = None
-        with self._stream(stream):
+        with order.on(stream):
             # Every slice starts from the scalars before the step (each takes one step); a scalar
             # on the device (a fused kernel's step count) is copied on the update's stream.
             state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
@@ -434,15 +424,12 @@ class StateStreamer:
                 # freed on this stream right away: the device never holds more than one slice of them.
                 for key, target in staged.items():
                     target.copy_(result[key])
-            if stream is not None:
-                computed = self._module.Event()
-                computed.record(stream)
+            computed = order.record(stream)
         view.grad = None
         new_scalars = {k: result[k] for k in plan.scalars if k in result}
         if index is None:
             return computed, new_scalars
-        if self._down is not None:
-            self._down.wait_event(computed)
+        order.wait_event(self._down, computed)
         freed = None
         for key, target in staged.items():
             freed = self._transfer.timed_copy(self._host_slice(slot, key, start, stop), target,
@@ -451,9 +438,6 @@ class StateStreamer:
         self._downloaded[slot.index] = freed
         return computed, new_scalars
 
-    def _stream(self, stream):
-        return self._module.stream(stream) if stream is not None else contextlib.nullcontext()
-
     # -------------------------------------------------------------------------- queueing
 
     def update(self, slots: List[Slot]) -> None:
@@ -461,48 +445,34 @@ class StateStreamer:
         finished, as ``OffloadOptimizer.step`` does first) now, or queues those a
         registered module's forward waits for (``overlap`` with forward waits; on an accelerator
         only for base optimizers whose kernels run on torch's current stream)."""
-        queue = self.overlap and self.forward_waits and (self._update_stream is None or self._side_stream_safe)
+        queue = self.overlap and self.forward_waits and self._side_stream_safe
         queued = sorted((s for s in slots if queue and s.index in self._order), key=lambda s: self._order[s.index])
         waiting = {s.index for s in queued}
         for slot in slots:
             if slot.index not in waiting:  # nothing would wait for it: now, on the compute stream
-                self._run(slot, slot.param.grad, self._current_stream())
-        if self._update_stream is None:
-            for slot in queued:  # CPU emulation: each update waits for the forward that needs it
-                self._pending[slot.index] = slot.param.grad
-            return
+                self._run(slot, slot.param.grad, self._streams.current())
         if queued:
-            # Accelerator: the updates run on a side stream, in the next forward's order.
-            self._update_stream.wait_stream(self._current_stream())
+            # The updates run on a side stream, in the next forward's order.
+            self._streams.wait_stream(self._update_stream, self._streams.current())
         for slot in queued:
             grad = slot.param.grad
-            self._transfer.record_stream(grad, self._update_stream)
+            self._streams.keep_for(grad, self._update_stream)
             self._pending[slot.index] = self._run(slot, grad, self._update_stream)
 
-    def _current_stream(self) -> Optional[object]:
-        return self._module.current_stream(self._transfer.device) if self._module is not None else None
-
     def wait(self, slot: Slot) -> None:
-        """Orders what comes next after the slot's queued update (running it now on a CPU-only machine)."""
-        if slot.index not in self._pending:
-            return
-        queued = self._pending.pop(slot.index)
-        if self._update_stream is None:
-            with self._timings.waiting("queued update"), torch.no_grad():
-                self._run(slot, queued, None)
-        elif queued is not None:
-            self._current_stream().wait_event(queued)
+        """Orders what comes next on the compute stream after the slot's queued update."""
+        if slot.index in self._pending:
+            self._streams.wait_event(self._streams.current(), self._pending.pop(slot.index))
 
     def wait_pending(self) -> None:
-        """Orders what comes next after every queued update (running them on a CPU-only machine)."""
+        """Orders what comes next on the compute stream after every queued update."""
         for index in sorted(self._pending, key=lambda i: self._order[i]):
             self.wait(self._table.slots[index])
 
     def synchronize(self) -> None:
         """Finishes every queued update, and waits until the states are back in host memory."""
         self.wait_pending()
-        if self._down is not None:
-            self._down.synchronize()
+        self._streams.host_waits_stream(self._down)
 
     def register_forward_waits(self, model: torch.nn.Module) -> None:
         """Each module of ``model`` waits, right before its forward, for its own parameters'

@@ -131,8 +131,7 @@ class StepTimings:
         the host step the training thread did not wait for. With overlap the host work of a window
         finishes during the next one, so the figures describe the steady state over steps, not
         one window. With ``update_on="device"``, ``state_upload_s`` / ``state_download_s``: the
-        streamed states' copies (on an accelerator, counted once they have finished), and on a
-        CPU-only machine ``offload_wait_s`` includes the queued updates the forward ran. With
+        streamed states' copies (on an accelerator, counted once they have finished). With
         ``offload_gradients``, the gradient sums of the micro-batches after a window's first:
         ``grad_sum_wait_s``, the backward hooks' waits inside the staging ring (for its lock, or
         a chunk still being added; on an accelerator, time the backward stopped launching

@@ -95,8 +95,8 @@ def checked_streams(*, drop_waits: Sequence[Tuple[str, str]] = ()) -> Iterator[V
 
 def device_module(device: torch.device) -> Optional[Any]:
     """The module whose streams and events order work on ``device``: torch's for an accelerator,
-    the virtual device on the CPU inside :func:`checked_streams`, else None (no streams: every
-    copy completes at once)."""
+    the virtual device on the CPU inside :func:`checked_streams`, else None (``stream_order`` then
+    runs the work in program order)."""
     if device.type != "cpu":
         return torch.get_device_module(device)
     return _ACTIVE.device if _ACTIVE is not None else None
