@@ -19,7 +19,11 @@ from tests.recipe_harness import tiny_asset_overrides
 from torchtune_offload.cli.main import main as tune_offload
 from torchtune_offload.optim import fused_step
 from torchtune_offload.plan import planner
+from torchtune_offload.models import tiny_llama
+from torchtune_offload.models.narrow import narrow_llama
+from torchtune_offload.optim.handoff import handoff_groups
 from torchtune_offload.plan import probe as probe_module
+from torchtune_offload.plan.launch import COUNT_WIDTH, narrowed_ops_per_micro_batch
 from torchtune_offload.plan.__main__ import main as plan_main
 from torchtune_offload.plan.recorded_runs import (LLAMA3_1_8B, LLAMA3_2_1B, LLAMA3_2_3B, TENSORS, TOLERANCE, calibrate,
                                                   calibration_table, known_gaps, recorded_runs)
@@ -31,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: Round rates, so each part of a step is a number of seconds one can work out by hand.
 ROUND = {"gpu_bf16_tflops": 1.0, "pcie_h2d_gbs": 1.0, "pcie_d2h_gbs": 1.0, "host_copy_gbs": 6.0,
          "host_adamw_bf16_mparams": 1000.0, "host_adamw8bit_mparams": 2000.0, "host_adamw_master_mparams": 400.0,
-         "host_cores": 4, "device_sync_us": 500.0}
+         "host_cores": 4, "device_sync_us": 500.0, "launch_us_per_op": 10.0, "handoff_us": 100.0}
 
 
 def test_a_machine_names_every_missing_unknown_and_bad_key_at_once():
@@ -117,7 +121,7 @@ def test_the_arithmetic_of_a_known_step():
     # Serial host engine: the GPU, then the copies down, the steps and the copies up as one pipeline (2 s).
     host = predict(replace(work, update="host"), machine)
     assert host.step_seconds == pytest.approx(10)
-    assert host.parts == pytest.approx({"gpu": 8, "pcie": 4, "host_step": 1, "host_sums": 0, "syncs": 0})
+    assert host.parts == pytest.approx({"gpu": 8, "launch": 0, "pcie": 4, "host_step": 1, "host_sums": 0, "syncs": 0})
     # Overlapped: the 2 s pipeline hides behind the share of the 6 s backward.
     overlap = predict(replace(work, update="host", overlap=True), machine, samples_per_micro_batch=1)
     assert overlap.step_seconds == pytest.approx(8 + max(0.0, 2 - OVERLAP_HIDDEN_SHARE * 6))
@@ -199,6 +203,59 @@ def test_the_arithmetic_of_a_known_step():
         pytest.approx(4, rel=1e-6)
     with pytest.raises(ValueError, match="update"):
         StepWork(params=1, trainable=1, tokens=1, update="gpu")
+
+
+def test_a_launching_thread_slower_than_the_gpus_work_bounds_the_passes():
+    machine = Machine.from_dict(ROUND, name="round")
+    # The known step's passes: 8 s of GPU work a micro-batch (2 forward, 6 backward).
+    work = StepWork(params=10**9, trainable=10**9, tokens=1000, micro_batches=2)
+    assert predict(work, machine).step_seconds == pytest.approx(16)
+    # Operators and hand-offs launched faster than the GPU works: nothing changes but the part.
+    quick = predict(replace(work, ops_per_micro_batch=100_000, handoffs_per_micro_batch=10_000), machine)
+    assert quick.step_seconds == pytest.approx(16) and quick.bound == "GPU compute"
+    assert quick.parts["launch"] == pytest.approx(2 * (100_000 * 10e-6 + 10_000 * 100e-6))  # 2 x 2 s
+    # 1,000,000 operators at 10 us: 10 s a micro-batch, so the GPU waits for the launches.
+    slow = predict(replace(work, ops_per_micro_batch=1_000_000), machine)
+    assert slow.step_seconds == pytest.approx(20) and slow.bound == "launching thread"
+    assert slow.parts["gpu"] == pytest.approx(16) and slow.parts["launch"] == pytest.approx(20)
+    # The engine's hand-offs add to it: 20,000 at 100 us, 2 s more a micro-batch.
+    hooked = predict(replace(work, update="host", overlap=True, ops_per_micro_batch=1_000_000,
+                             handoffs_per_micro_batch=20_000), machine)
+    assert hooked.parts["launch"] == pytest.approx(24)
+    # The stretched backward (6 x 12/8 s) hides the overlapped host pipeline (2 s) as the GPU's would.
+    assert hooked.step_seconds == pytest.approx(24 + max(0.0, 2 - OVERLAP_HIDDEN_SHARE * 9))
+    # A batch whose GPU work is smaller than its launches is hidden behind by the launches: at 0.5
+    # GB/s the pipeline (4 s) needs two samples' backwards of GPU work (0.35 x 12 s), or one sample
+    # whose passes take 16 s of launching (backward 12 s); 14 s (backward 10.5 s) is not enough.
+    slow_bus = Machine.from_dict({**ROUND, "pcie_h2d_gbs": 0.5, "pcie_d2h_gbs": 0.5}, name="slow")
+    one = replace(work, update="host", overlap=True, micro_batches=1)
+    assert predict(one, slow_bus, samples_per_micro_batch=1).hides_at_batch == 2
+    assert predict(replace(one, ops_per_micro_batch=1_400_000), slow_bus, samples_per_micro_batch=1).hides_at_batch == 2
+    assert predict(replace(one, ops_per_micro_batch=1_600_000), slow_bus, samples_per_micro_batch=1).hides_at_batch == 1
+    with pytest.raises(ValueError, match="ops_per_micro_batch and handoffs_per_micro_batch"):
+        StepWork(params=1, trainable=1, tokens=1, handoffs_per_micro_batch=-1)
+
+
+def test_the_launch_probe_measures_operators_and_hand_offs_here():
+    costs = probe_module.launch_costs(device=torch.device("cpu"), model="1B", repeats=2)
+    assert costs.ops == narrowed_ops_per_micro_batch("1B") and costs.us_per_op > 0 and costs.handoff_us >= 0.1
+    # One hand-off per layer, and one per bucket of the other parameters: the tied embedding before
+    # the layers, the last norm after them.
+    model = narrow_llama("1B", width=COUNT_WIDTH)
+    names = [n for n, _ in model.named_parameters()]
+    assert costs.handoffs == len(set(handoff_groups(names, [p.numel() * 2 for p in model.parameters()]))) == 16 + 2
+    assert probe_module.launch_note(costs, model="1B").startswith(
+        f"launch_us_per_op, handoff_us: the narrowed 1B's micro-batch, {costs.ops} operators, and under the engine "
+        f"{costs.handoffs} hand-offs")
+
+
+def test_the_recorded_runs_count_their_models_operators_and_the_hooks_they_ran():
+    for run in recorded_runs():
+        work = run.work
+        assert work.ops_per_micro_batch == narrowed_ops_per_micro_batch({LLAMA3_2_1B: "1B", LLAMA3_2_3B: "3B",
+                                                                         LLAMA3_1_8B: "8B"}[work.params])
+        hooked = work.update == "host" and (work.offload_gradients or work.overlap)
+        assert work.handoffs_per_micro_batch == (TENSORS[work.params] if hooked else 0), run.name
 
 
 def test_sums_added_on_the_device_cost_the_link_both_ways_and_the_hosts_memory_twice():
@@ -286,14 +343,16 @@ def test_the_probe_measures_the_host_here_and_names_the_gpu_keys_to_take_from_a_
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     small = {"copy_bytes": 1 << 20, "step_params": 1 << 16, "pcie_bytes": 1 << 20}
     measured, missing, notes = probe_module.probe(sizes=small)
-    assert notes == [] and missing == ["gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us"]
+    assert notes == [] and missing == list(probe_module.GPU_KEYS) == [
+        "gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us", "launch_us_per_op", "handoff_us"]
     assert set(measured) == set(MACHINE_KEYS) - set(missing)
     assert all(v > 0 for v in measured.values()) and measured["host_cores"] == probe_module.host_cores()
     # The verb writes what it measured; the planner then names the keys still missing.
     monkeypatch.setattr(probe_module, "FULL_SIZES", small)
     out = tmp_path / "machine.json"
     assert tune_offload(["probe", "--output", str(out)]) == 0
-    with pytest.raises(ValueError, match="missing gpu_bf16_tflops, pcie_h2d_gbs, pcie_d2h_gbs, device_sync_us"):
+    with pytest.raises(ValueError, match="missing gpu_bf16_tflops, pcie_h2d_gbs, pcie_d2h_gbs, device_sync_us, "
+                                         "launch_us_per_op, handoff_us"):
         load_machine(out)
     out.write_text(json.dumps({**json.loads(out.read_text()), **{k: 1.0 for k in missing}}))
     assert load_machine(out).host_cores == measured["host_cores"]
@@ -308,7 +367,7 @@ def test_the_probe_takes_the_gpu_keys_from_a_preset_where_asked_and_writes_a_who
     assert tune_offload(["probe", "--output", str(out), "--gpu-from", "rtx4090_ddr5"]) == 0
     report = capsys.readouterr().out
     machine, preset = load_machine(out).as_dict(), load_machine("rtx4090_ddr5").as_dict()
-    gpu_keys = ["gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us"]
+    gpu_keys = list(probe_module.GPU_KEYS)
     for key in gpu_keys:
         assert machine[key] == preset[key] and f"{key} = {preset[key]} (from the preset rtx4090_ddr5)" in report
     # The host keys are this machine's own, the file's keys in their order, and the preset's
@@ -397,6 +456,14 @@ def test_the_planner_adds_speed_to_each_variant(tiny_assets, tmp_path):
     tensors = plans["paged_adamw8bit"]["work"]["device_syncs"] - 1
     assert tensors > 1 and plans["paged_adamw8bit_in_bwd"]["work"]["device_syncs"] == 2 * tensors
     assert [plans[v]["work"]["device_syncs"] for v in ("adamw", "offload", "torchao")] == [0, 0, 0]
+    # Every variant's passes dispatch the same operators (the trace's count); only this project's
+    # engine hands gradients over in backward: per layer, and per bucket of the other parameters.
+    assert len({plan["work"]["ops_per_micro_batch"] for plan in plans.values()}) == 1
+    assert plans["adamw"]["work"]["ops_per_micro_batch"] > 100
+    layers = len(tiny_llama().layers)
+    for name, plan in plans.items():
+        engine = name in ("offload", "offload_grads_overlap")
+        assert plan["work"]["handoffs_per_micro_batch"] == (layers + 2 if engine else 0), name
     assert plans["offload_grads_overlap"]["speed"]["hides_at_batch"] >= 1
     # Where overlap would hide the offload variants' work; nothing to hide for the others.
     assert plans["offload"]["speed"]["hides_at_batch"] >= 1
@@ -522,8 +589,9 @@ def test_the_probe_measures_the_gpu_keys_where_cuda_is():
                                                                         "batches": (1, 2), "seq_len": 256,
                                                                         "vocab": 1024}, repeats=2,
                                              sync_probe={"tensors": 8})
-    assert len(notes) == 1 and notes[0].startswith("gpu_bf16_tflops: a training step of batch ")
-    assert set(measured) == {"gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us"}
+    assert len(notes) == 2 and notes[0].startswith("gpu_bf16_tflops: a training step of batch ")
+    assert notes[1].startswith("launch_us_per_op, handoff_us: the narrowed 8B's micro-batch, ")
+    assert set(measured) == set(probe_module.GPU_KEYS)
     assert all(v > 0 for v in measured.values())
 
 
@@ -554,7 +622,8 @@ def test_the_plan_prices_a_master_step_that_amsgrad_keeps_out_of_the_fused_pass(
     assert fused["work"]["fused_master"] is (fused_step.c_compiler() is not None)
     assert amsgrad["work"]["fused_master"] is False
     if fused["work"]["fused_master"]:
-        assert amsgrad["speed"]["step_seconds"] > fused["speed"]["step_seconds"]
+        # Priced slower (the tiny model's passes are the launching thread's, which hides either step).
+        assert amsgrad["speed"]["parts"]["host_step"] > fused["speed"]["parts"]["host_step"]
 
 
 def test_the_probe_refuses_an_output_it_would_lose_or_overwrite_before_measuring(monkeypatch, tmp_path, capsys):
@@ -574,7 +643,8 @@ def test_the_probe_refuses_an_output_it_would_lose_or_overwrite_before_measuring
 def test_where_cuda_is_present_the_probe_writes_the_gpus_memory_rounded_down(monkeypatch):
     # The CUDA branch on the CPU: the GPU's rates given, its total_memory read as torch reports it.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    gpu = {"gpu_bf16_tflops": 100.0, "pcie_h2d_gbs": 20.0, "pcie_d2h_gbs": 20.0, "device_sync_us": 100.0}
+    gpu = {"gpu_bf16_tflops": 100.0, "pcie_h2d_gbs": 20.0, "pcie_d2h_gbs": 20.0, "device_sync_us": 100.0,
+           "launch_us_per_op": 8.0, "handoff_us": 90.0}
     monkeypatch.setattr(probe_module, "probe_gpu", lambda **kwargs: (dict(gpu), ["a note"]))
     total = int(23.99 * 2**30)  # an RTX 4090's total_memory is about this
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"total_memory": total})())

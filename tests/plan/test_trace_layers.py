@@ -49,6 +49,10 @@ def test_the_extrapolated_step_is_the_whole_models_byte_for_byte(monkeypatch, co
     reduced, whole, model = _traces(monkeypatch, config, overrides, recipe=recipe, seq_len=2,
                                     free_gradients=free_gradients, with_optimizer=with_optimizer)
     assert (reduced.peak_bytes, reduced.by_kind) == (whole.peak_bytes, whole.by_kind)
+    # The operators of a micro-batch, extrapolated from the reduced traces as the peak is: the whole model's.
+    assert reduced.ops_per_micro_batch == whole.ops_per_micro_batch > 0
+    if reduced.without_optimizer is not None:
+        assert reduced.without_optimizer.ops_per_micro_batch == reduced.ops_per_micro_batch
     # The weights at the peak are the whole model's, NF4 storage and adapters included.
     assert reduced.by_kind["Parameter"] == sum(
         sum(t.numel() * t.element_size() for t in _storages(p)) for p in model.parameters())

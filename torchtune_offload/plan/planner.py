@@ -33,6 +33,7 @@ from torchtune.modules.loss import CEWithChunkedOutputLoss
 
 from torchtune_offload.bench.sweep import VARIANTS, overrides_for
 from torchtune_offload.optim import fused_step
+from torchtune_offload.optim.handoff import handoff_groups
 from torchtune_offload.optim.host_memory import offloads, optimizer_state_bytes
 from torchtune_offload.optim.offload_options import device_staging_bytes, precision_option
 from torchtune_offload.optim.optimizer_class import resolve_optimizer_class, split_options
@@ -170,8 +171,10 @@ def _options_of(cfg: DictConfig) -> Dict[str, Any]:
     return {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
 
 
-def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module, tokens: int) -> StepWork:
-    """What one optimizer step of ``cfg``'s run does, as the speed model reads it."""
+def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module, tokens: int, *,
+               ops: int) -> StepWork:
+    """What one optimizer step of ``cfg``'s run does, as the speed model reads it (``ops``: the
+    operators of one micro-batch, from its trace)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     update, own, base, options = "device", {}, None, {}
     caps = settings.optimizer_capabilities
@@ -190,6 +193,10 @@ def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module
     state_bytes = 4.0
     if base is not None and n_trainable:
         state_bytes = optimizer_state_bytes(base, trainable, options)[0] / n_trainable
+    handoffs = 0
+    if caps.hands_over_per_group:  # this project's engine: one hand-off per group in each backward
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        handoffs = len(set(handoff_groups([n for n, _ in named], [p.numel() * p.element_size() for _, p in named])))
     return StepWork(params=sum(p.numel() for p in model.parameters()), trainable=max(1, n_trainable), tokens=tokens,
                     micro_batches=settings.gradient_accumulation_steps,
                     activation_checkpointing=settings.enable_activation_checkpointing,
@@ -201,7 +208,7 @@ def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module
                     fused_master=_fused_master(own, base, options, dtype=settings.dtype),
                     grad_sum_size=_grad_sum_size(own),
                     sums_on_device=own.get("grad_sum_on") == "device", state_bytes=state_bytes,
-                    device_syncs=syncs)
+                    device_syncs=syncs, ops_per_micro_batch=ops, handoffs_per_micro_batch=handoffs)
 
 
 def plan_variant(config_path: str, overrides: Sequence[str], name: str, *, recipe: str, seq_len: Optional[int],
@@ -269,7 +276,7 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     plan.device_bytes = sum(plan.device_parts.values())
     plan.batch_size = settings.batch_size
     if settings.device.type != "cpu":
-        plan.work = _step_work(settings, cfg, model, settings.batch_size * length)
+        plan.work = _step_work(settings, cfg, model, settings.batch_size * length, ops=trace.ops_per_micro_batch)
     if fp8 is not None:
         plan.load_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         plan.notes.append(f"device_weights: the model loads in {settings.dtype} on the device before the optimizer "

@@ -12,6 +12,7 @@ present. Elsewhere the result names the GPU keys to take from a preset
 import json
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -20,13 +21,18 @@ import torch
 from torchtune import modules, training
 from torchtune.models.llama3 import llama3
 
-from torchtune_offload.optim import fused_step
+from torchtune_offload.models.narrow import checkpointed_llama, one_sequence
+from torchtune_offload.optim import OffloadOptimizer, fused_step
 from torchtune_offload.optim.adamw8bit import AdamW8bit
 from torchtune_offload.optim.optimizer_class import resolve_optimizer
+from torchtune_offload.plan.launch import COUNT_TOKENS, COUNT_WIDTH, count_ops, micro_batch
 from torchtune_offload.plan.speed import (DEVICE_MEMORY_KEY, MACHINE_KEYS, bitsandbytes_syncs_per_step, load_machine,
                                           preset_about, preset_names)
 
-GPU_KEYS = ("gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us")
+GPU_KEYS = ("gpu_bf16_tflops", "pcie_h2d_gbs", "pcie_d2h_gbs", "device_sync_us", "launch_us_per_op", "handoff_us")
+#: The narrowed architecture (``models.narrow``) whose passes :func:`launch_costs` times: llama3_1
+#: 8B's 32 layers and tensors at width 64, so that the launching thread, not the arithmetic, is the pass.
+LAUNCH_PROBE = {"model": "8B", "repeats": 7}
 #: Sizes of a full probe: well past the caches, and done in well under a minute on a desktop.
 FULL_SIZES = {"copy_bytes": 1 << 30, "step_params": 1 << 26, "pcie_bytes": 1 << 30}
 #: The Llama 3 whose training step :func:`step_tflops` times: 4 layers of the 1B's width, batches of
@@ -226,6 +232,71 @@ def sync_call_us(*, device: torch.device, tensors: int, numel: int, repeats: int
     return seconds / bitsandbytes_syncs_per_step(tensors=tensors, paged=True, in_backward=False) * 1e6
 
 
+class LaunchCosts(NamedTuple):
+    """What :func:`launch_costs` measured."""
+
+    #: The launching thread's microseconds per aten operator of the passes.
+    us_per_op: float
+    #: Its microseconds per hand-off of the engine, beyond the model's operators (at least 0.1).
+    handoff_us: float
+    #: The operators of one plain micro-batch, and the engine's hand-offs in one backward.
+    ops: int
+    handoffs: int
+
+
+def launch_costs(*, device: torch.device, model: str, repeats: int) -> LaunchCosts:
+    """The launching thread's cost per operator and per engine hand-off, on ``device``.
+
+    The narrowed ``model`` (``models.narrow``; its arithmetic negligible) runs micro-batches
+    (:func:`~torchtune_offload.plan.launch.micro_batch`) timed until ``backward()`` returns, before
+    the device is synchronized: the launching thread's seconds. Plain micro-batches, over the
+    operators one dispatches (counted in a run of its own, as the planner counts them), give the cost
+    per operator; micro-batches of a copy under this project's engine (``offload_gradients``, the
+    sums of later micro-batches on the device, as the 8B configs run), their extra seconds over the
+    engine's hand-offs, the cost per hand-off. The two take turns, ``repeats`` times each; the
+    medians count.
+    """
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    plain = checkpointed_llama(model, width=COUNT_WIDTH, max_seq_len=COUNT_TOKENS).to(device)
+    hooked = checkpointed_llama(model, width=COUNT_WIDTH, max_seq_len=COUNT_TOKENS).to(device)
+    engine = OffloadOptimizer(list(hooked.named_parameters()), minimal_size=0, lr=1e-5, offload_gradients=True,
+                              grad_sum_on="device")
+    tokens = one_sequence(COUNT_TOKENS).to(device)
+
+    def timed(net: torch.nn.Module) -> float:
+        sync()
+        start = time.perf_counter()
+        micro_batch(net, tokens)
+        seconds = time.perf_counter() - start
+        sync()
+        return seconds
+
+    def step_engine() -> None:
+        engine.step()
+        engine.zero_grad()
+
+    try:
+        for net in (plain, hooked):  # first-use costs kept out
+            timed(net)
+        plain.zero_grad(set_to_none=True)
+        step_engine()
+        ops = count_ops(lambda: micro_batch(plain, tokens))
+        plain.zero_grad(set_to_none=True)
+        before = engine.handoff_count()
+        plain_s, engine_s = [], []
+        for _ in range(repeats):
+            plain_s.append(timed(plain))
+            plain.zero_grad(set_to_none=True)
+            engine_s.append(timed(hooked))
+            step_engine()
+        handoffs = (engine.handoff_count() - before) // repeats
+    finally:
+        engine.close()
+    us_per_op = statistics.median(plain_s) / ops * 1e6
+    extra = statistics.median(engine_s) - statistics.median(plain_s)
+    return LaunchCosts(us_per_op, max(0.1, extra / max(1, handoffs) * 1e6), ops, handoffs)
+
+
 def step_note(rate: StepRate, *, seq_len: int) -> str:
     """The report's line on how :func:`step_tflops` got its rate."""
     note = (f"gpu_bf16_tflops: a training step of batch {rate.batch} x {seq_len}, its launching thread "
@@ -246,6 +317,7 @@ def probe_gpu(*, pcie_bytes: int, step: Dict[str, Any], repeats: int = 3,
     """
     device = torch.device("cuda")
     sync = torch.cuda.synchronize
+    launch = launch_costs(device=device, **LAUNCH_PROBE)
     rate = step_tflops(device=device, repeats=repeats, **step)
     torch.cuda.empty_cache()  # the step's batches gave back before the copies reserve theirs
     sync_us = sync_call_us(device=device, repeats=repeats, **{**SYNC_PROBE, **(sync_probe or {})})
@@ -254,8 +326,15 @@ def probe_gpu(*, pcie_bytes: int, step: Dict[str, Any], repeats: int = 3,
     h2d = _best_seconds(lambda: gpu.copy_(host, non_blocking=True), repeats=repeats, sync=sync)
     d2h = _best_seconds(lambda: host.copy_(gpu, non_blocking=True), repeats=repeats, sync=sync)
     keys = {"gpu_bf16_tflops": rate.tflops, "pcie_h2d_gbs": pcie_bytes / h2d / 1e9,
-            "pcie_d2h_gbs": pcie_bytes / d2h / 1e9, "device_sync_us": sync_us}
-    return keys, [step_note(rate, seq_len=step["seq_len"])]
+            "pcie_d2h_gbs": pcie_bytes / d2h / 1e9, "device_sync_us": sync_us,
+            "launch_us_per_op": launch.us_per_op, "handoff_us": launch.handoff_us}
+    return keys, [step_note(rate, seq_len=step["seq_len"]), launch_note(launch, model=LAUNCH_PROBE["model"])]
+
+
+def launch_note(launch: LaunchCosts, *, model: str) -> str:
+    """The report's line on how :func:`launch_costs` got its figures."""
+    return (f"launch_us_per_op, handoff_us: the narrowed {model}'s micro-batch, {launch.ops} operators, and under the "
+            f"engine {launch.handoffs} hand-offs a backward")
 
 
 class Probed(NamedTuple):

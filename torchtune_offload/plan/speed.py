@@ -1,7 +1,8 @@
 """How fast? A training step's seconds from the work the plan traces and a machine's measured rates.
 
 A step costs the GPU's matmuls (about 6 x parameters x tokens FLOPs, 8 with activation
-checkpointing, which runs the forward twice), the PCIe traffic (gradients down, weights or
+checkpointing, which runs the forward twice) or, where it takes longer, the launching thread's
+dispatch of the passes' operators and the engine's hand-offs (``plan/launch.py``), the PCIe traffic (gradients down, weights or
 optimizer states up and down) and the host's work (the optimizer step, and with
 ``offload_gradients`` the sums of the micro-batches' gradients), partly overlapped. The machine
 is a handful of measured rates (:class:`Machine`): a preset from ``machines.json`` beside this
@@ -38,6 +39,12 @@ MACHINE_KEYS: Dict[str, str] = {
     "device_sync_us": "the launching thread's time for one call of an optimizer that synchronizes the device after "
                       "each parameter (bitsandbytes' step of one small parameter, its synchronization included), "
                       "during which the GPU waits (microseconds)",
+    "launch_us_per_op": "the launching thread's time per aten operator of a training step's forward and backward "
+                        "(torch's dispatch, the kernel's launch and the Python around them), operators counted as "
+                        "plan/launch.py counts them (microseconds)",
+    "handoff_us": "the launching thread's time per hand-off of this project's engine in backward (one per "
+                  "transformer layer or bucket of other parameters per micro-batch: its hooks, norms, copies and "
+                  "events), beyond the model's own operators (microseconds)",
 }
 #: The optional key of a machine file: the GPU's memory, which the planner takes as its device budget
 #: when ``--machine`` names the machine and ``--device-gib`` is not given, so that a plan for a
@@ -81,6 +88,8 @@ class Machine:
     host_adamw_master_mparams: float
     host_cores: float
     device_sync_us: float
+    launch_us_per_op: float
+    handoff_us: float
     name: str = "machine.json"
     #: :data:`DEVICE_MEMORY_KEY`, where the file gives it.
     device_memory_gib: Optional[float] = None
@@ -199,6 +208,10 @@ class StepWork:
             ways every step.
         device_syncs: for an optimizer on the device, the times a step synchronizes the device
             (:func:`bitsandbytes_syncs_per_step`): the GPU waits ``device_sync_us`` for each.
+        ops_per_micro_batch: the aten operators one micro-batch's forward and backward dispatch
+            (``plan/launch.py``); 0 where not counted (the launching thread is then not priced).
+        handoffs_per_micro_batch: this project's engine's hand-offs in one backward (its groups,
+            ``optim/handoff.py``); 0 for other optimizers.
     """
 
     params: int
@@ -219,6 +232,8 @@ class StepWork:
     state_bytes: float = 4.0
     paged_excess_bytes: int = 0
     device_syncs: int = 0
+    ops_per_micro_batch: int = 0
+    handoffs_per_micro_batch: int = 0
 
     @property
     def sum_size(self) -> int:
@@ -244,6 +259,9 @@ class StepWork:
             raise ValueError(f"StepWork needs positive params, trainable, tokens and micro_batches: {self}")
         if self.device_syncs < 0 or (self.device_syncs and self.update != "device"):
             raise ValueError(f"StepWork.device_syncs={self.device_syncs}: a count, for an optimizer on the device")
+        if min(self.ops_per_micro_batch, self.handoffs_per_micro_batch) < 0:
+            raise ValueError(f"StepWork needs counts of at least 0 for ops_per_micro_batch and handoffs_per_micro_batch: "
+                             f"{self}")
 
 
 def bitsandbytes_syncs_per_step(*, tensors: int, paged: bool, in_backward: bool) -> int:
@@ -294,7 +312,7 @@ def device_syncs(optimizer_class: type, options: Dict[str, Any], *, tensors: int
 
 
 #: The bounds a step can have, as the plan's table names them.
-BOUNDS = ("GPU compute", "PCIe", "host step", "host gradient sums", "device synchronizations")
+BOUNDS = ("GPU compute", "launching thread", "PCIe", "host step", "host gradient sums", "device synchronizations")
 
 
 @dataclass(frozen=True)
@@ -302,9 +320,9 @@ class Speed:
     """A predicted step: its seconds, tokens per second, what bounds it and the seconds of each part.
 
     Attributes:
-        parts: seconds of each resource's work in a step (``gpu``, ``pcie``, ``host_step``,
-            ``host_sums``, and ``syncs``: the GPU's waits at the optimizer's synchronizations),
-            whether or not it is hidden behind another's.
+        parts: seconds of each resource's work in a step (``gpu``, ``launch``: the launching
+            thread's for the passes, ``pcie``, ``host_step``, ``host_sums``, and ``syncs``: the GPU's
+            waits at the optimizer's synchronizations), whether or not it is hidden behind another's.
         hides_at_batch: for this project's offload variants (host engine or ``update_on=device``),
             the smallest batch per micro-batch (samples of this sequence length) at which, with
             ``overlap``, the offloaded work hides behind GPU work; None for the others, and for the
@@ -348,6 +366,22 @@ def _gpu_seconds(work: StepWork, machine: Machine, tokens: int) -> tuple:
     return forward, backward
 
 
+def launch_seconds(work: StepWork, machine: Machine) -> float:
+    """The launching thread's seconds for one micro-batch's passes: its operators at
+    ``launch_us_per_op`` and the engine's hand-offs at ``handoff_us``."""
+    return (work.ops_per_micro_batch * machine.launch_us_per_op
+            + work.handoffs_per_micro_batch * machine.handoff_us) * 1e-6
+
+
+def _pass_seconds(work: StepWork, machine: Machine, tokens: float) -> tuple:
+    """(forward, backward) seconds of one micro-batch of ``tokens`` as it runs: the GPU's work
+    (:func:`_gpu_seconds`), both stretched alike where the launching thread takes longer to launch
+    them (the GPU then waits for it)."""
+    forward, backward = _gpu_seconds(work, machine, tokens)
+    stretch = max(1.0, launch_seconds(work, machine) / (forward + backward))
+    return forward * stretch, backward * stretch
+
+
 def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Optional[int] = None) -> Speed:
     """The step's seconds on ``machine`` (see the module's docstring and docs/planner.md), and
     where the host engine sums offloaded gradients, the same step with them summed at the other
@@ -364,9 +398,11 @@ def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Option
 
 
 def _predict(work: StepWork, machine: Machine, samples_per_micro_batch: Optional[int]) -> Speed:
-    forward, backward = _gpu_seconds(work, machine, work.tokens)
+    gpu_work = work.micro_batches * sum(_gpu_seconds(work, machine, work.tokens))
+    launch = work.micro_batches * launch_seconds(work, machine)
+    forward, backward = _pass_seconds(work, machine, work.tokens)
     micro = forward + backward
-    gpu = work.micro_batches * micro
+    gpu = work.micro_batches * micro  # the passes as they run: the GPU's work, or its launching
     weight_bytes = work.trainable * work.element_size
     down = weight_bytes / (machine.pcie_d2h_gbs * 1e9)  # one gradient's copy
     up = weight_bytes / (machine.pcie_h2d_gbs * 1e9)  # the new weights
@@ -423,7 +459,8 @@ def _predict(work: StepWork, machine: Machine, samples_per_micro_batch: Optional
             step = gpu + exposed_sums + max(0.0, phase - hidden)
         else:
             step = gpu + sums + phase
-    parts = {"gpu": gpu, "pcie": pcie, "host_step": host_step, "host_sums": sums, "syncs": syncs}
+    parts = {"gpu": gpu_work, "launch": launch, "pcie": pcie, "host_step": host_step, "host_sums": sums,
+             "syncs": syncs}
     bound = max(zip(parts.values(), BOUNDS))[1]
     tokens = work.tokens * work.micro_batches
     return Speed(step_seconds=step, tokens_per_second=tokens / step, bound=bound, parts=parts, hides_at_batch=hides)
@@ -507,4 +544,11 @@ def _hides_at_batch(work: StepWork, machine: Machine, phase: float, sum_one: flo
     need = phase / (OVERLAP_HIDDEN_SHARE * backward)
     if work.offload_gradients and work.micro_batches > 1:
         need = max(need, sum_one / (forward + backward))
+    # The GPU's work alone hides it from this batch on; a launching thread slower than the GPU's
+    # work stretches the passes, so a smaller batch may do.
+    for batch in range(1, max(1, math.ceil(need - 1e-9))):
+        forward, backward = _pass_seconds(work, machine, per_sample * batch)
+        if phase <= OVERLAP_HIDDEN_SHARE * backward * (1 + 1e-9) and not (
+                work.offload_gradients and work.micro_batches > 1 and sum_one > (forward + backward) * (1 + 1e-9)):
+            return batch
     return max(1, math.ceil(need - 1e-9))

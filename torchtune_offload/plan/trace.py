@@ -80,6 +80,8 @@ class StepTrace:
             (:func:`trace_training_step`); empty where the whole model was traced.
         without_optimizer: where an optimizer's step was traced, the same step without that
             optimizer (no state, no step), as tracing it so would give; else None.
+        ops_per_micro_batch: the aten operators the first micro-batch's forward, loss and backward
+            dispatched, as ``plan/launch.py`` counts them (extrapolated to every layer with the peak).
     """
 
     peak_bytes: int
@@ -87,6 +89,7 @@ class StepTrace:
     seconds: float
     traced_layers: Tuple[int, ...] = ()
     without_optimizer: Optional["StepTrace"] = None
+    ops_per_micro_batch: int = 0
 
 
 def trace_training_step(
@@ -140,24 +143,28 @@ def trace_training_step(
     step = partial(_traced_step, cfg, settings, seq_len=seq_len, free_gradients=free_gradients,
                    make_optimizer=make_optimizer, fp8_weights=fp8_weights)
     layers = _identical_layers(model)
-    peak, peak_without, traced_layers = None, None, ()
+    peak, peak_without, traced_layers, ops = None, None, (), 0
     if layers is not None and len(layers) > sum(REDUCED_LAYERS):
         small, large = (step(_with_first_layers(model, n), record=True) for n in REDUCED_LAYERS)
         peak = _extrapolated_peak(small, large, num_layers=len(layers))
         traced_layers = REDUCED_LAYERS if peak is not None else ()
         if peak is not None and small.before_step is not None and large.before_step is not None:
             peak_without = _extrapolated_peak(small.before_step, large.before_step, num_layers=len(layers))
+        # A layer's operators run once per layer, the rest once (see _extrapolated_peak).
+        per_layer = (large.ops - small.ops) // (large.num_layers - small.num_layers)
+        ops = small.ops + per_layer * (len(layers) - small.num_layers)
     if peak is None:
         whole = step(model, record=False)
         peak, peak_without = whole.peak, whole.before_step.peak if whole.before_step is not None else None
+        ops = whole.ops
     seconds = time.perf_counter() - start
     without = None
     if peak_without is not None:
         without = StepTrace(peak_bytes=peak_without[0], by_kind=peak_without[1], seconds=0.0,
-                            traced_layers=traced_layers)
+                            traced_layers=traced_layers, ops_per_micro_batch=ops)
     total, by_kind = peak
     return StepTrace(peak_bytes=total, by_kind=by_kind, seconds=seconds, traced_layers=traced_layers,
-                     without_optimizer=without)
+                     without_optimizer=without, ops_per_micro_batch=ops)
 
 
 #: Events of a traced step: after each operator, the layers running (their roles: see
@@ -175,6 +182,8 @@ class _Traced:
     events: List[_Event]
     num_layers: int
     before_step: Optional["_Traced"] = None
+    #: The operators of the first micro-batch (:attr:`StepTrace.ops_per_micro_batch`).
+    ops: int = 0
 
 
 def _freeing_hooks(model: nn.Module, free_gradients: Union[bool, str]) -> List[Any]:
@@ -244,7 +253,7 @@ def _traced_step(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *,
         # says it will not take its fused path: a CPU speed note, nothing about the traced memory.
         warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
         tracker.track_external(model, *([optimizer] if optimizer is not None else []))
-        before_step = None
+        before_step, ops = None, 0
         try:
             with tracker:
                 state = tracker.now()[_OPT]
@@ -259,6 +268,8 @@ def _traced_step(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *,
                     loss = micro_batch_loss(model, loss_fn, tokens, labels)
                     loss.backward()
                     del loss
+                    if not micro_batch:
+                        ops = tracker.ops
                 if optimizer is not None:
                     before_step = (tracker.peak(), len(tracker.events), tracker.now()[_OPT])
                     optimizer.step()
@@ -272,7 +283,7 @@ def _traced_step(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *,
     # parameters, not them): a constant added to every event.
     events = [(label, (*kinds, images)) for label, kinds in tracker.events]
     num_layers = len(layers) if layers is not None else 0
-    traced = _Traced(peak=_peak_of(tracker.peak(), images), events=events, num_layers=num_layers)
+    traced = _Traced(peak=_peak_of(tracker.peak(), images), events=events, num_layers=num_layers, ops=ops)
     if before_step is not None:
         peak, count, state_at_step = before_step
         earlier = events[:count]
@@ -508,8 +519,11 @@ class _PeakTracker(MemTracker):
         self._roles: Optional[Dict[str, Any]] = None
         self._before = 0
         self.events: List[_Event] = []
+        #: Operators dispatched so far, counted as ``plan/launch.py`` counts them.
+        self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
         if self._layers is not None:
             self._before = self._total()
         return super().__torch_dispatch__(func, types, args, kwargs)
