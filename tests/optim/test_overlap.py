@@ -19,6 +19,7 @@ from tests.concurrency import FirstWaitsForASecond
 from tests.optim.side_by_side import assert_same_params, batches, through_a_file, tiny_model, twin
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim import host_grads
+from torchtune_offload.optim.overlap import HostWorkers
 from torchtune_offload.optim.transfer import TransferEngine
 from torchtune_offload.optim.slot_step import SlotStepper
 
@@ -486,3 +487,39 @@ def test_compiled_modules_wait_for_their_parameters():
         train_windows(model, opt, data, grad_accum=2, clip=0.5)
         opt.close()
     assert_same_params(serial, overlapped, rtol=0, atol=0)  # bit-identical
+
+
+class _Layered(nn.Module):
+    """Three transformer-like layers (each its own hand-off group) and an output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 24)) for _ in range(3))
+        self.out = nn.Linear(24, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_the_host_steps_of_a_hand_off_group_are_one_job_of_the_step_thread(clip, monkeypatch):
+    """Each window queues one step job a group (three layers and the output's bucket: four), not
+    one a parameter (fourteen), and trains as plain AdamW does, bit for bit."""
+    jobs = []
+    step = HostWorkers.step
+    monkeypatch.setattr(HostWorkers, "step", lambda self, fn, *args: jobs.append(args[0]) or step(self, fn, *args))
+    model, ref = _Layered(), _Layered()
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", overlap=True, offload_gradients=True,
+                           minimal_size=0, lr=1e-2)
+    opt.register_forward_waits(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    data = [(torch.randn(4, 24), torch.randn(4, 8)) for _ in range(6)]
+    norms = train_windows(model, opt, data, grad_accum=2, clip=clip)
+    assert train_windows(ref, ref_opt, data, grad_accum=2, clip=clip) == norms
+    opt.synchronize()
+    assert len(jobs) == 3 * 4 and all(len(slots) in (2, 4) for slots in jobs)
+    assert_same_params(model, ref)
+    opt.close()

@@ -51,6 +51,59 @@ def test_ring_sums_equal_in_order_adds_bit_for_bit(dtype, sum_dtype, fused_add, 
     assert ring.nbytes == 3 * chunk_bytes  # however many elements went through
 
 
+@pytest.mark.parametrize("chunk_bytes", [64, 200, 2**20])
+def test_a_group_added_at_once_packs_its_pieces_into_chunks_and_sums_the_same_bits(chunk_bytes, monkeypatch):
+    """add_many: a hand-off group's gradients (mixed dtypes and sizes) packed into chunks, each at a
+    16-byte boundary, one copy call and one adder job a chunk; the sums are add_'s, bit for bit,
+    and each pair's token is that of the chunk holding its last piece."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [((7, 5), torch.bfloat16), ((300,), torch.float32), ((3,), torch.bfloat16), ((1,), torch.float32),
+              ((129,), torch.bfloat16)]
+    transfer = TransferEngine(torch.device("cpu"))
+    copy_calls = []
+    to_host_many = transfer.to_host_many
+    monkeypatch.setattr(transfer, "to_host_many", lambda dsts, srcs, **kw: copy_calls.append(
+        sum(s.numel() * s.element_size() for s in srcs)) or to_host_many(dsts, srcs, **kw))
+    ring = StagingRing(transfer, chunk_bytes=chunk_bytes, num_chunks=3)
+    sums = [stream_check.host_tensor(torch.randn(s, generator=g).to(d)) for s, d in shapes]
+    expected = [t.clone() for t in sums]
+    for _ in range(3):
+        grads = [torch.randn(s, generator=g).to(d) for s, d in shapes]
+        for e, grad in zip(expected, grads):
+            e.add_(grad)
+        before = ring.issued
+        tokens = ring.add_many(list(zip(sums, grads)))
+        # Packed: each chunk holds at most chunk_bytes, pieces at 16-byte boundaries.
+        assert ring.issued - before == len(copy_calls) and all(c <= chunk_bytes for c in copy_calls)
+        if chunk_bytes == 2**20:
+            assert copy_calls == [sum(t.numel() * t.element_size() for t in grads)]  # the whole group, once
+        assert tokens == sorted(tokens) and tokens[-1] == ring.issued
+        ring.drain_until(tokens[0])
+        torch.testing.assert_close(sums[0], expected[0], rtol=0, atol=0)
+        copy_calls.clear()
+    ring.drain()
+    for e, got in zip(expected, sums):
+        torch.testing.assert_close(got, e, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"into"):
+        ring.add_many([(sums[0], torch.zeros(3))])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_engine_adds_a_later_micro_batchs_group_through_the_ring_at_once(overlap):
+    """Each later micro-batch hands the host ring its group's gradients together, packed into chunks
+    (one copy call and one adder job each): the tiny model's six tensors make one group of 76,832
+    bytes, two chunks of the ring's size (its largest tensor, 61,440 bytes), not one job a tensor."""
+    model = tiny_model()
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", offload_gradients=True, overlap=overlap,
+                           minimal_size=0, lr=1e-2)
+    assert set(opt._scheduler.handoff._group_of) == {0}
+    train(model, opt, batches(num=3), grad_accum=3, clip=None, scale_grads=opt.scale_grads_,
+          clip_grads=opt.clip_grad_norm_)
+    assert opt._staging.chunk_bytes == 96 * 160 * 4
+    assert opt._staging.issued == 2 * 2  # micro-batches 2 and 3, two chunks each (one job a tensor: 2 x 6)
+    opt.close()
+
+
 def test_ring_times_its_additions_on_its_own_thread(monkeypatch):
     """``added_seconds`` is the time inside the additions (what bench_accumulation.py reports as the
     host's work per micro-batch), cumulative, complete after a drain; ``waited_seconds`` the caller's

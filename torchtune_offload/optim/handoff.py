@@ -116,6 +116,10 @@ class BackwardHandoff:
             group = next(iter(self._collected))
             self._run(self._collected.pop(group))
 
+    def group_of(self, index: int) -> int:
+        """The hand-off group of the parameter at ``index``."""
+        return self._group_of[index]
+
     @property
     def collected(self) -> int:
         """How many parameters are collected and not yet handed over."""

@@ -112,6 +112,7 @@ class HostGradients:
         for slot, norm in zip(measured, tensor_norms([slot.param.grad for slot in measured])):
             self._records[slot.index].norm = norm
         copies: List[Tuple[Slot, torch.Tensor]] = []
+        added: List[Tuple[Slot, torch.Tensor]] = []  # into their host sums through the host's ring
         for slot in slots:
             record, grad = self._records[slot.index], slot.param.grad
             if self.summed_on_host(slot):
@@ -122,13 +123,17 @@ class HostGradients:
                     record.staged, record.norm = self.staging.add_and_measure(slot.host_grad, grad, after=record.event)
                 else:
                     record.norm = None
-                    record.staged = self.staging.add_into(slot.host_grad, grad, after=record.event)
+                    added.append((slot, grad))
                 record.state = GradState.ARRIVING
                 slot.param.grad = None  # held in copies until its copy is issued
             elif in_window and slot.offloaded:
                 copies.append((slot, grad))
                 record.staged = None
                 record.state = GradState.ARRIVING
+        if added:
+            tokens = self.staging.add_many([(slot.host_grad, grad) for slot, grad in added])
+            for (slot, _), token in zip(added, tokens):
+                self._records[slot.index].staged = token
         if copies:
             event = self._transfer.to_host_many([slot.host_grad for slot, _ in copies], [g for _, g in copies],
                                                 release_source=True)

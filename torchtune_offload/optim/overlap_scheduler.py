@@ -7,6 +7,7 @@ was waiting for, instead of hanging on a stuck worker.
 """
 
 import concurrent.futures
+import itertools
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -102,8 +103,8 @@ class OverlapScheduler:
             for slot in slots:
                 self.before_backward_grad(slot)
             self._grads.on_backward_group(slots, in_window=self.window is not None)
-            for slot in slots:
-                self.after_backward_grad(slot)
+            if self.window is not None:
+                self._hand_over([slot for slot in slots if slot.offloaded])
 
     def before_backward_grad(self, slot: Slot) -> None:
         """The hand-off's first act on a slot: the previous window's work on it is finished (by
@@ -116,32 +117,38 @@ class OverlapScheduler:
         window.seen.add(slot.index)
         window.order.append(slot.index)
 
-    def after_backward_grad(self, slot: Slot) -> None:
-        """The hand-off's last act on a slot: an offloaded window gradient goes to the host workers."""
-        if self.window is not None and slot.offloaded:
-            self._hand_over(slot)
-
-    def _hand_over(self, slot: Slot) -> None:
-        """Queues a window gradient's landing, and without clipping its step too."""
+    def _hand_over(self, slots: List[Slot]) -> None:
+        """Queues the landing of each of a group's offloaded window gradients (the landing threads
+        share them out), and without clipping the group's steps, one job for the step thread."""
+        if not slots:
+            return
         if self.workers is None:
             self.workers = HostWorkers()
-        queued = self._queued[slot.index]
-        queued.landed = self.workers.land(self._land, slot)
+        for slot in slots:
+            self._queued[slot.index].landed = self.workers.land(self._land, slot)
         if not self.window.clipping:
-            queued.done = self.workers.step(self._host_step, slot, None)
+            self._queue_steps(slots, None)
+
+    def _queue_steps(self, slots: List[Slot], coef: Optional[torch.Tensor]) -> None:
+        """Queues the host steps of ``slots`` (of one hand-off group) as one job of the step thread,
+        which each slot's forward wait waits for."""
+        done = self.workers.step(self._host_steps, slots, coef)
+        for slot in slots:
+            self._queued[slot.index].done = done
 
     @torch.no_grad()  # grad mode is per thread: the workers start in the default mode
     def _land(self, slot: Slot) -> None:
         self._grads.land(slot)
 
     @torch.no_grad()
-    def _host_step(self, slot: Slot, coef: Optional[torch.Tensor]) -> None:
-        """Step thread: steps one landed slot on the host and sends its new weights up."""
-        self._result(self._queued[slot.index].landed, f"{slot.key}: the landing of its gradient")
-        # The clipping factor goes with the step, which scales the gradient or has its pass do it as it reads.
-        self._queued[slot.index].param_event = self._stepper.host_step(slot, waited=False, grad_scale=coef)
-        # The window's sum is consumed: the next backward starts a fresh one.
-        self._grads.consumed(slot)
+    def _host_steps(self, slots: List[Slot], coef: Optional[torch.Tensor]) -> None:
+        """Step thread: steps each landed slot on the host, in turn, and sends its new weights up."""
+        for slot in slots:
+            self._result(self._queued[slot.index].landed, f"{slot.key}: the landing of its gradient")
+            # The clipping factor goes with the step, which scales the gradient or has its pass do it as it reads.
+            self._queued[slot.index].param_event = self._stepper.host_step(slot, waited=False, grad_scale=coef)
+            # The window's sum is consumed: the next backward starts a fresh one.
+            self._grads.consumed(slot)
 
     def _land_stragglers(self, window: Window) -> None:
         """Hands over the gradients of parameters the final backward did not reach (used only in
@@ -153,7 +160,7 @@ class OverlapScheduler:
             window.seen.add(slot.index)
             window.stragglers.append(slot.index)
             if slot.offloaded:
-                self._hand_over(slot)
+                self._hand_over([slot])
 
     def norms(self) -> List[torch.Tensor]:
         """Each window gradient's 2-norm, in slot order, once landed."""
@@ -204,11 +211,19 @@ class OverlapScheduler:
         self._stepper.step_on_device()
         if window.clipping:
             coef = None if window.coef is None else window.coef.to("cpu")
-            # The next forward uses the parameters in the reverse of backward's order.
-            for index in window.stragglers + window.order[::-1]:
-                slot = self._table.slots[index]
-                if slot.offloaded:
-                    self._queued[index].done = self.workers.step(self._host_step, slot, coef)
+            # The next forward uses the parameters in the reverse of backward's order: the
+            # stragglers one by one, then each hand-off group's run of them as one job.
+            offloaded = [self._table.slots[i] for i in window.stragglers + window.order[::-1]
+                         if self._table.slots[i].offloaded]
+            stragglers = set(window.stragglers)
+
+            def job(slot: Slot) -> tuple:
+                if slot.index in stragglers:
+                    return ("straggler", slot.index)
+                return ("group", self.handoff.group_of(slot.index))
+
+            for _, run in itertools.groupby(offloaded, key=job):
+                self._queue_steps(list(run), coef)
         self.window = None
         if not self.forward_waits:
             # Nothing makes the next forward wait per module: wait here, still after backward.

@@ -24,7 +24,7 @@ import collections
 import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,6 +37,8 @@ from torchtune_offload.optim.transfer import TransferEngine
 #: Bytes of one chunk, and how many chunks the ring holds: the bound on staging memory.
 CHUNK_BYTES = 32 * 2**20
 NUM_CHUNKS = 4
+#: Where in a chunk a piece may start: a multiple of this many bytes, so that any dtype views it.
+CHUNK_ALIGN = 16
 
 
 def device_ring_bytes(*, largest_bytes: int) -> int:
@@ -189,13 +191,14 @@ class StagingRing(_ChunkRing):
             self._chunks.append(self._transfer.host_empty_like(template))
         return self._chunks[index]
 
-    def _finish(self, dst: torch.Tensor, staged: torch.Tensor, event: object) -> None:
-        """On the adder thread: waits for the chunk's copy, then adds it into its sum."""
+    def _finish(self, pieces: List[Tuple[torch.Tensor, torch.Tensor]], event: object) -> None:
+        """On the adder thread: waits for a chunk's copy, then adds each piece it holds into its sum."""
         with profiled("sum: wait for chunk copy"):
             self._transfer.wait(event)
         start = time.perf_counter()
         with profiled("sum: add"):
-            self._add(dst, staged)
+            for dst, staged in pieces:
+                self._add(dst, staged)
         self._added_seconds += time.perf_counter() - start
 
     def _retire(self, index: int) -> None:
@@ -220,25 +223,65 @@ class StagingRing(_ChunkRing):
         Returns:
             A token for :meth:`drain_until`: the addition is complete once that returns.
         """
-        self._check(dst, src)
-        with self._locked():
-            return self._add_into(dst, src)
+        del after  # see above
+        return self.add_many([(dst, src)])[0]
 
-    def _add_into(self, dst: torch.Tensor, src: torch.Tensor) -> int:
-        dst_flat = dst.view(-1)
-        src_flat = src.reshape(-1)
-        for index, start, length in self._pieces(src, src.element_size()):
-            start_wait = time.perf_counter()
-            with profiled("sum: wait for a chunk"):
-                self._retire(index)
-            self._waited_seconds += time.perf_counter() - start_wait
-            staged = self._chunk(index).view(src.dtype)[:length]
-            event = self._transfer.to_host(staged, src_flat[start : start + length], release_source=True)
-            if self._adder is None:
-                self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-staging-add")
-            done = stream_check.submit(self._adder, self._finish, dst_flat[start : start + length], staged, event)
-            self._pending[index] = (self._issued, done)
-        return self._issued
+    @torch.no_grad()
+    def add_many(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List[int]:
+        """:meth:`add_into` of each ``(dst, src)`` (a hand-off group's gradients), packed into as
+        few chunks as they fill: per chunk one copy call, one event and one job of the adder thread,
+        under one hold of the ring's lock.
+
+        Returns:
+            Each pair's token for :meth:`drain_until`.
+        """
+        for dst, src in pairs:
+            self._check(dst, src)
+        with self._locked():
+            return self._add_many(pairs)
+
+    def _claim(self) -> int:
+        """The next chunk, once its previous addition is done (the wait counted as the caller's)."""
+        index = self._next
+        self._next = (index + 1) % self.num_chunks
+        self._issued += 1
+        start_wait = time.perf_counter()
+        with profiled("sum: wait for a chunk"):
+            self._retire(index)
+        self._waited_seconds += time.perf_counter() - start_wait
+        return index
+
+    def _issue(self, index: int, pieces: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Copies ``(host sum piece, device piece, staged view)`` pieces down into chunk ``index``
+        together, and queues their additions on the adder thread."""
+        event = self._transfer.to_host_many([staged for _, _, staged in pieces], [src for _, src, _ in pieces],
+                                            release_source=True)
+        if self._adder is None:
+            self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-staging-add")
+        done = stream_check.submit(self._adder, self._finish, [(dst, staged) for dst, _, staged in pieces], event)
+        self._pending[index] = (self._issued, done)
+
+    def _add_many(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List[int]:
+        tokens: List[int] = []
+        index, used = None, 0
+        pieces: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for dst, src in pairs:
+            dst_flat, src_flat = dst.view(-1), src.reshape(-1)
+            size, start = src.element_size(), 0
+            while start < src.numel():
+                offset = -(-used // CHUNK_ALIGN) * CHUNK_ALIGN  # any dtype views a piece
+                if index is None or offset + size > self.chunk_bytes:
+                    if pieces:
+                        self._issue(index, pieces)
+                    index, offset, pieces = self._claim(), 0, []
+                length = min((self.chunk_bytes - offset) // size, src.numel() - start)
+                staged = self._chunk(index)[offset : offset + length * size].view(src.dtype)
+                pieces.append((dst_flat[start : start + length], src_flat[start : start + length], staged))
+                used, start = offset + length * size, start + length
+            tokens.append(self._issued)
+        if pieces:
+            self._issue(index, pieces)
+        return tokens
 
     def drain_until(self, token: Optional[int]) -> None:
         """Finishes the additions started up to the one :meth:`add_into` returned ``token`` for
