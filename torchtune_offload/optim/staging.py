@@ -70,6 +70,8 @@ class _ChunkRing:
         self.num_chunks = num_chunks
         # Allocated on first use: a run without accumulation never needs them.
         self._chunks: List[torch.Tensor] = []
+        # Each chunk viewed as each dtype a piece of it was staged in (see _typed).
+        self._views: Dict[Tuple[int, torch.dtype], torch.Tensor] = {}
         self._next = 0
         self._issued = 0
         # Seconds the add_into caller was held up inside it (the ring's lock, a chunk still being
@@ -145,6 +147,20 @@ class _ChunkRing:
             self._issued += 1
             yield index, start, min(per_chunk, src.numel() - start)
 
+    def _chunk(self, index: int) -> torch.Tensor:
+        """Chunk ``index``, allocated on first use; each ring says where."""
+        raise NotImplementedError
+
+    def _typed(self, index: int, dtype: torch.dtype) -> torch.Tensor:
+        """Chunk ``index`` viewed as ``dtype`` (its whole elements), made once: a piece staged in it
+        is one slice of this, fewer ops on the launching thread than a view of the bytes."""
+        typed = self._views.get((index, dtype))
+        if typed is None:
+            chunk = self._chunk(index)
+            whole = chunk.numel() // dtype.itemsize * dtype.itemsize
+            typed = self._views[index, dtype] = chunk[:whole].view(dtype)
+        return typed
+
     def drain(self) -> None:
         """Finishes every addition started."""
         self.drain_until(None)
@@ -190,6 +206,8 @@ class StagingRing(_ChunkRing):
             template = torch.empty(self.chunk_bytes, dtype=torch.uint8)
             self._chunks.append(self._transfer.host_empty_like(template))
         return self._chunks[index]
+
+
 
     def _finish(self, pieces: List[Tuple[torch.Tensor, torch.Tensor]], event: object) -> None:
         """On the adder thread: waits for a chunk's copy, then adds each piece it holds into its sum."""
@@ -266,17 +284,20 @@ class StagingRing(_ChunkRing):
         index, used = None, 0
         pieces: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for dst, src in pairs:
-            dst_flat, src_flat = dst.view(-1), src.reshape(-1)
-            size, start = src.element_size(), 0
-            while start < src.numel():
+            size, start, numel = src.element_size(), 0, src.numel()
+            while start < numel:
                 offset = -(-used // CHUNK_ALIGN) * CHUNK_ALIGN  # any dtype views a piece
                 if index is None or offset + size > self.chunk_bytes:
                     if pieces:
                         self._issue(index, pieces)
                     index, offset, pieces = self._claim(), 0, []
-                length = min((self.chunk_bytes - offset) // size, src.numel() - start)
-                staged = self._chunk(index)[offset : offset + length * size].view(src.dtype)
-                pieces.append((dst_flat[start : start + length], src_flat[start : start + length], staged))
+                length = min((self.chunk_bytes - offset) // size, numel - start)
+                staged = self._typed(index, src.dtype)[offset // size : offset // size + length]
+                if length == numel:  # whole: the tensors as they are (fewer ops on this thread)
+                    pieces.append((dst, src, staged.view(src.shape)))
+                else:
+                    pieces.append((dst.view(-1)[start : start + length], src.reshape(-1)[start : start + length],
+                                   staged))
                 used, start = offset + length * size, start + length
             tokens.append(self._issued)
         if pieces:
@@ -400,7 +421,11 @@ class DeviceSumRing(_ChunkRing):
                   measure: bool) -> Tuple[int, Optional[torch.Tensor]]:
         transfer, order = self._transfer, self._transfer.order
         up, down = transfer.h2d_stream, transfer.stream
-        dst_flat, src_flat = dst.view(-1), src.reshape(-1)
+        # A sum that fits one chunk goes as it is (fewer ops on the launching thread); a longer one in
+        # pieces of its flattened self (src_flat: a copy of a gradient that is not contiguous).
+        numel = src.numel()
+        split = numel * dst.element_size() > self.chunk_bytes
+        dst_flat, src_flat = (dst.view(-1), src.reshape(-1)) if split else (dst, src)
         # The sum's last writers, before its first chunk goes up.
         for event in (after, self._written.get(dst.data_ptr())):
             order.wait_event(up, event)
@@ -410,18 +435,19 @@ class DeviceSumRing(_ChunkRing):
         parts: List[torch.Tensor] = []
         norm = None
         for index, start, length in self._pieces(src, dst.element_size()):
-            chunk = self._chunk(index).view(dst.dtype)[:length]
-            host = dst_flat[start : start + length]
+            chunk = self._typed(index, dst.dtype)[:length]
+            chunk, host, grad = ((chunk, dst_flat[start : start + length], src_flat[start : start + length]) if split
+                                 else (chunk.view(dst.shape), dst, src))
             # The last piece's norm completes the sum's, before that piece's download: the event the
             # host waits for in drain_until comes after it.
-            whole, last = length == src.numel(), start + length == src.numel()
+            whole, last = not split, start + length == numel
             # The chunk's previous download must have read it before this upload overwrites it.
             order.wait_event(up, self._read_down[index])
             with order.on(up):
                 chunk.copy_(host, non_blocking=True)
             order.wait_event(down, order.record(up))
             with order.on(down), profiled("sum: add"):
-                chunk.add_(src_flat[start : start + length])
+                chunk.add_(grad)
                 if measure:
                     norm = self._measure(chunk, parts, whole=whole, last=last, dtype=dst.dtype)
             end = transfer.timed_copy(host, chunk, kind="grad", stream=down)
@@ -430,7 +456,7 @@ class DeviceSumRing(_ChunkRing):
         self._written[dst.data_ptr()] = end
         # The caller drops the gradient (and src_flat is a copy of it where it was not
         # contiguous): keep the memory the additions read until they have read it.
-        for read in (src, src_flat):
+        for read in (src, src_flat) if split else (src,):
             order.keep_for(read, down)
         if norm is not None:
             # Made on the download stream, read on the compute stream (clipping): its memory
@@ -473,5 +499,6 @@ class DeviceSumRing(_ChunkRing):
         self.drain()
         with self._lock:
             self._chunks.clear()
+            self._views.clear()
             self._read_down = [None] * self.num_chunks
             self._written.clear()
