@@ -70,8 +70,9 @@ class _ChunkRing:
         self.num_chunks = num_chunks
         # Allocated on first use: a run without accumulation never needs them.
         self._chunks: List[torch.Tensor] = []
-        # Each chunk viewed as each dtype a piece of it was staged in (see _typed).
-        self._views: Dict[Tuple[int, torch.dtype], torch.Tensor] = {}
+        # Views of the chunks, made once: each as each dtype a piece of it was staged in (_typed),
+        # and the device ring's whole sums by shape.
+        self._views: Dict[tuple, torch.Tensor] = {}
         self._next = 0
         self._issued = 0
         # Seconds the add_into caller was held up inside it (the ring's lock, a chunk still being
@@ -435,9 +436,11 @@ class DeviceSumRing(_ChunkRing):
         parts: List[torch.Tensor] = []
         norm = None
         for index, start, length in self._pieces(src, dst.element_size()):
-            chunk = self._typed(index, dst.dtype)[:length]
-            chunk, host, grad = ((chunk, dst_flat[start : start + length], src_flat[start : start + length]) if split
-                                 else (chunk.view(dst.shape), dst, src))
+            if split:
+                chunk = self._typed(index, dst.dtype)[:length]
+                host, grad = dst_flat[start : start + length], src_flat[start : start + length]
+            else:
+                chunk, host, grad = self._shaped(index, dst.dtype, dst.shape), dst, src
             # The last piece's norm completes the sum's, before that piece's download: the event the
             # host waits for in drain_until comes after it.
             whole, last = not split, start + length == numel
@@ -463,6 +466,14 @@ class DeviceSumRing(_ChunkRing):
             # waits for that reader before the allocator hands it out again.
             order.keep_for(norm, order.current())
         return self._issued, norm
+
+    def _shaped(self, index: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """The start of chunk ``index`` viewed as a ``dtype`` tensor of ``shape``, made once: a
+        model's sums come in a few shapes, and a view kept costs the launching thread no op."""
+        view = self._views.get((index, dtype, shape))
+        if view is None:
+            view = self._views[index, dtype, shape] = self._typed(index, dtype)[:shape.numel()].view(shape)
+        return view
 
     @staticmethod
     def _measure(chunk: torch.Tensor, parts: List[torch.Tensor], *, whole: bool, last: bool,

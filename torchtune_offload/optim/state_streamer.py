@@ -266,6 +266,8 @@ class StateStreamer:
                 # Freed with the streamer, the buffers wait for every side stream's use of them.
                 self._streams.keep_for(buffer, stream)
         self._buffer_free: List[Optional[object]] = [None, None]
+        # (buffer, slot, slice) -> the slice's staged views of its states in that buffer.
+        self._views: Dict[Tuple[int, int, int, int], Dict[str, torch.Tensor]] = {}
         self._downloaded: Dict[int, Optional[object]] = {}
         self._next_buffer = 0
         # Queued updates (overlap with forward waits): slot index -> the event that ends its update.
@@ -392,7 +394,10 @@ class StateStreamer:
         if plan.layout:  # a base optimizer without array states (SGD without momentum) stages nothing
             index = self._next_buffer
             self._next_buffer ^= 1
-            staged = self._staged_views(self._buffers[index], plan, start, stop)
+            key = (index, slot.index, start, stop)
+            staged = self._views.get(key)
+            if staged is None:  # made once: a view kept costs the launching thread no op
+                staged = self._views[key] = self._staged_views(self._buffers[index], plan, start, stop)
             order.wait_event(self._up, self._buffer_free[index])
             if not initialised:
                 # A slot's first step writes the buffer on the update's own stream, with no
