@@ -208,8 +208,6 @@ class StagingRing(_ChunkRing):
             self._chunks.append(self._transfer.host_empty_like(template))
         return self._chunks[index]
 
-
-
     def _finish(self, pieces: List[Tuple[torch.Tensor, torch.Tensor]], event: object) -> None:
         """On the adder thread: waits for a chunk's copy, then adds each piece it holds into its sum."""
         with profiled("sum: wait for chunk copy"):

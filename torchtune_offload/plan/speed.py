@@ -541,14 +541,12 @@ def _hides_at_batch(work: StepWork, machine: Machine, phase: float, sum_one: flo
         return None
     per_sample = work.tokens / samples
     forward, backward = _gpu_seconds(work, machine, per_sample)
-    need = phase / (OVERLAP_HIDDEN_SHARE * backward)
-    if work.offload_gradients and work.micro_batches > 1:
+    # At b samples a micro-batch's passes take the larger of b times one sample's GPU work and the
+    # launching thread's time (the backward its share of it): a launching thread slower than the
+    # GPU's work may hide the host's work at any batch.
+    launch = launch_seconds(work, machine)
+    launch_backward = launch * backward / (forward + backward)
+    need = 1.0 if phase <= OVERLAP_HIDDEN_SHARE * launch_backward else phase / (OVERLAP_HIDDEN_SHARE * backward)
+    if work.offload_gradients and work.micro_batches > 1 and sum_one > launch:
         need = max(need, sum_one / (forward + backward))
-    # The GPU's work alone hides it from this batch on; a launching thread slower than the GPU's
-    # work stretches the passes, so a smaller batch may do.
-    for batch in range(1, max(1, math.ceil(need - 1e-9))):
-        forward, backward = _pass_seconds(work, machine, per_sample * batch)
-        if phase <= OVERLAP_HIDDEN_SHARE * backward * (1 + 1e-9) and not (
-                work.offload_gradients and work.micro_batches > 1 and sum_one > (forward + backward) * (1 + 1e-9)):
-            return batch
     return max(1, math.ceil(need - 1e-9))
