@@ -18,9 +18,9 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
@@ -43,7 +43,7 @@ from torchtune_offload.plan.planner import (
     variant_config,
 )
 from torchtune_offload.plan.report import format_fine_tunes, format_plans
-from torchtune_offload.plan.speed import DEVICE_MEMORY_KEY, load_machine, preset_names
+from torchtune_offload.plan.speed import DEVICE_MEMORY_KEY, Machine, load_machine, preset_names
 from torchtune_offload.plan.step_traces import default_jobs, sequence_length, trace_steps
 from torchtune_offload.plan.trace import UntraceableModelError, check_builder_imports
 from torchtune_offload.recipe.component_options import component_removal_problem
@@ -84,6 +84,64 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
         their rows), 1 when the recipe refuses the config itself, 2 for bad arguments or a model
         the planner cannot build or trace.
     """
+    p = _parser(prog)
+    args, machine = _checked_args(p, argv)
+    recipe = args.recipe or _recipe_of(args.config)
+    removal = component_removal_problem(OmegaConf.to_container(OmegaConf.load(args.config)), args.overrides)
+    if removal is not None:
+        p.error(removal)
+    try:
+        cfg = load_config(str(args.config), args.overrides)
+    except ValueError as err:  # torchtune's merge: a ~key the config does not have
+        p.error(f"{' '.join(args.overrides)}: {err}")
+    # Before anything is traced: a builder that cannot be imported ends the plan (exit 2), as below, and
+    # what no variant's optimizer settings change (a misspelt key) refuses every variant alike (exit 1).
+    try:
+        check_builder_imports(cfg)
+    except UntraceableModelError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    shape = config_shape_problems(cfg, recipe=recipe)
+    try:  # every variant traces this many tokens a sample: unknown, each row would say so
+        seq_len = sequence_length(cfg, args.seq_len)
+    except ValueError as err:
+        shape.append(str(err))
+    if shape:
+        print(f"error: {args.config} is refused for every variant, so none was planned:\n  - " + "\n  - ".join(shape),
+              file=sys.stderr)
+        return 1
+    device = torch.device(str(cfg.device))
+    baseline, baseline_notes = process_baseline(cfg, device=device)  # before anything is traced
+    budgets = _Budgets.of(args, device=device, machine=machine)
+    try:
+        plans, fine = _plan_all(args, recipe=recipe, baseline=baseline, baseline_notes=baseline_notes)
+    except UntraceableModelError as err:
+        # One line, no traceback: the model is the user's to change, not a bug to debug here.
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    speeds = None if machine is None else {
+        p.name: plan_speed(p, machine, device_budget=budgets.device) for p in plans}
+    given = OmegaConf.to_container(cfg, resolve=True)
+    math_changes = {p.name: math_change(OmegaConf.to_container(variant_config(
+        str(args.config), args.overrides, p.name), resolve=True), config=given) for p in plans}
+    print(format_plans(plans, device=str(device), device_budget=budgets.device, host_budget=budgets.host,
+                       config_path=str(args.config), seq_len_note=f"batch {cfg.batch_size} x {seq_len} tokens",
+                       fine_tunes=_fine_tune_block(fine, cfg, device_budget=budgets.device, host_budget=budgets.host),
+                       speeds=speeds, machine=machine.name if machine else "", device_budget_note=budgets.device_note,
+                       host_budget_note=budgets.host_note, math_changes=math_changes))
+    if args.json:
+        _write_json(args.json, plans, fine, speeds=speeds, machine=machine, budgets=budgets, device=device,
+                    math_changes=math_changes)
+    refused = next((p.problem for p in plans if p.name == "config" and p.problem is not None), None)
+    if refused is not None:
+        # The table is printed for the variants; a script must still see that the config itself was refused.
+        print(f"error: the config as given is refused: {refused}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    """The command line of :func:`main`."""
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--config",
                    help="a recipe config: a YAML file, or a shipped config's name (tiny/full; tune-offload ls lists "
@@ -105,6 +163,13 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
                         "machine's cores; 1 traces each step in this process as it is needed)")
     p.add_argument("--machine", help="predict each variant's speed on this machine: a preset "
                    f"({', '.join(preset_names())}) or a machine.json (tune-offload probe --output machine.json)")
+    return p
+
+
+def _checked_args(p: argparse.ArgumentParser,
+                  argv: Optional[List[str]]) -> Tuple[argparse.Namespace, Optional[Machine]]:
+    """The parsed arguments, each checked (a bad one exits through ``p.error``), and the machine
+    ``--machine`` names."""
     args = p.parse_intermixed_args(argv)
     if args.config is None:
         # `plan tiny/full key=value`: the first argument that is no key=value or ~key is the config.
@@ -138,100 +203,81 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
             machine = load_machine(args.machine)
         except ValueError as err:
             p.error(str(err))
-    recipe = args.recipe or _recipe_of(args.config)
-    removal = component_removal_problem(OmegaConf.to_container(OmegaConf.load(args.config)), args.overrides)
-    if removal is not None:
-        p.error(removal)
-    try:
-        cfg = load_config(str(args.config), args.overrides)
-    except ValueError as err:  # torchtune's merge: a ~key the config does not have
-        p.error(f"{' '.join(args.overrides)}: {err}")
-    # Before anything is traced: a builder that cannot be imported ends the plan (exit 2), as below, and
-    # what no variant's optimizer settings change (a misspelt key) refuses every variant alike (exit 1).
-    try:
-        check_builder_imports(cfg)
-    except UntraceableModelError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    shape = config_shape_problems(cfg, recipe=recipe)
-    try:  # every variant traces this many tokens a sample: unknown, each row would say so
-        seq_len = sequence_length(cfg, args.seq_len)
-    except ValueError as err:
-        shape.append(str(err))
-    if shape:
-        print(f"error: {args.config} is refused for every variant, so none was planned:\n  - " + "\n  - ".join(shape),
-              file=sys.stderr)
-        return 1
-    device = torch.device(str(cfg.device))
-    baseline, baseline_notes = process_baseline(cfg, device=device)  # before anything is traced
-    host_budget = int(args.host_gib * GIB) if args.host_gib is not None else default_host_budget()
-    # Said: a plan for a --machine preset is otherwise read against another machine's host memory.
-    host_note = "" if args.host_gib is not None else "what this machine has available; --host-gib to change it"
-    budget_note = ""
-    if args.device_gib is not None:
-        device_budget = int(args.device_gib * GIB)
-    elif device.type == "cpu":
-        device_budget = host_budget  # a CPU run's device memory is the host's
-    elif machine is not None and machine.device_memory_gib:
-        # The machine the plan is for, which need not be this one.
-        device_budget = int(machine.device_memory_gib * GIB)
-        budget_note = f"{machine.name}'s {DEVICE_MEMORY_KEY}; --device-gib to change it"
-    else:
-        device_budget = default_device_budget(device)
-    try:
-        plans, fine, traces = [], [], {}
-        with_fine_tunes = args.fine_tunes and recipe in ("full", "lora")
-        requests = step_requests(str(args.config), args.overrides, args.variants.split(","), recipe=recipe,
-                                 seq_len=args.seq_len, with_fine_tunes=with_fine_tunes)
-        trace_steps(requests, traces, jobs=args.jobs)
-        for name in args.variants.split(","):
-            print(f"planning {name} ...", file=sys.stderr, flush=True)
-            plan = plan_variant(str(args.config), args.overrides, name, recipe=recipe, seq_len=args.seq_len,
-                                baseline=baseline, traces=traces)
-            plan.notes += baseline_notes if plan.problem is None else []
-            plans.append(plan)
-        if with_fine_tunes:
-            print("planning full, LoRA and QLoRA ...", file=sys.stderr, flush=True)
-            configured = next((p for p in plans if p.name == "config"), None) or plan_variant(
-                str(args.config), args.overrides, "config", recipe=recipe, seq_len=args.seq_len,
-                baseline=baseline, traces=traces)
-            fine = plan_fine_tunes(str(args.config), args.overrides, configured, seq_len=args.seq_len,
-                                   baseline=baseline, traces=traces)
-    except UntraceableModelError as err:
-        # One line, no traceback: the model is the user's to change, not a bug to debug here.
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    seq_note = f"batch {cfg.batch_size} x {seq_len} tokens"
-    speeds = None if machine is None else {
-        p.name: plan_speed(p, machine, device_budget=device_budget) for p in plans}
-    given = OmegaConf.to_container(cfg, resolve=True)
-    math_changes = {p.name: math_change(OmegaConf.to_container(variant_config(
-        str(args.config), args.overrides, p.name), resolve=True), config=given) for p in plans}
-    print(format_plans(plans, device=str(device), device_budget=device_budget, host_budget=host_budget,
-                       config_path=str(args.config), seq_len_note=seq_note, fine_tunes=_fine_tune_block(
-                           fine, cfg, device_budget=device_budget, host_budget=host_budget),
-                       speeds=speeds, machine=machine.name if machine else "", device_budget_note=budget_note,
-                       host_budget_note=host_note, math_changes=math_changes))
-    if args.json:
-        entries = [asdict(p) for p in plans]
-        if speeds is not None:
-            for entry in entries:
-                speed = speeds[entry["name"]]
-                entry["speed"] = None if speed is None else speed.summary()
-        args.json.write_text(json.dumps({"device_budget": device_budget, "host_budget": host_budget,
-                                         "machine": None if machine is None else {"name": machine.name,
-                                                                                  **machine.as_dict()},
-                                         "plans": entries,
-                                         "fastest": None if speeds is None or str(device) == "cpu" else asdict(
-                                             fastest_fitting(plans, speeds, device_budget=device_budget,
-                                                             host_budget=host_budget, math_changes=math_changes)),
-                                         "fine_tunes": [asdict(p) for p in fine]}, indent=1))
-    refused = next((p.problem for p in plans if p.name == "config" and p.problem is not None), None)
-    if refused is not None:
-        # The table is printed for the variants; a script must still see that the config itself was refused.
-        print(f"error: the config as given is refused: {refused}", file=sys.stderr)
-        return 1
-    return 0
+    return args, machine
+
+
+@dataclass(frozen=True)
+class _Budgets:
+    """The device and host memory the plan is read against, and where each came from when the
+    reader might not expect it (empty otherwise)."""
+
+    device: int
+    host: int
+    device_note: str
+    host_note: str
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, *, device: torch.device, machine: Optional[Machine]) -> "_Budgets":
+        """The budgets the flags give, else the machine file's device memory, else this machine's."""
+        host_budget = int(args.host_gib * GIB) if args.host_gib is not None else default_host_budget()
+        # Said: a plan for a --machine preset is otherwise read against another machine's host memory.
+        host_note = "" if args.host_gib is not None else "what this machine has available; --host-gib to change it"
+        budget_note = ""
+        if args.device_gib is not None:
+            device_budget = int(args.device_gib * GIB)
+        elif device.type == "cpu":
+            device_budget = host_budget  # a CPU run's device memory is the host's
+        elif machine is not None and machine.device_memory_gib:
+            # The machine the plan is for, which need not be this one.
+            device_budget = int(machine.device_memory_gib * GIB)
+            budget_note = f"{machine.name}'s {DEVICE_MEMORY_KEY}; --device-gib to change it"
+        else:
+            device_budget = default_device_budget(device)
+        return cls(device_budget, host_budget, budget_note, host_note)
+
+
+def _plan_all(args: argparse.Namespace, *, recipe: str, baseline: int,
+              baseline_notes: List[str]) -> Tuple[List[VariantPlan], List[VariantPlan]]:
+    """Each variant's plan, and the fine-tunes' where asked, their distinct steps traced first.
+
+    Raises:
+        UntraceableModelError: the model cannot be built or traced.
+    """
+    plans, fine, traces = [], [], {}
+    with_fine_tunes = args.fine_tunes and recipe in ("full", "lora")
+    requests = step_requests(str(args.config), args.overrides, args.variants.split(","), recipe=recipe,
+                             seq_len=args.seq_len, with_fine_tunes=with_fine_tunes)
+    trace_steps(requests, traces, jobs=args.jobs)
+    for name in args.variants.split(","):
+        print(f"planning {name} ...", file=sys.stderr, flush=True)
+        plan = plan_variant(str(args.config), args.overrides, name, recipe=recipe, seq_len=args.seq_len,
+                            baseline=baseline, traces=traces)
+        plan.notes += baseline_notes if plan.problem is None else []
+        plans.append(plan)
+    if with_fine_tunes:
+        print("planning full, LoRA and QLoRA ...", file=sys.stderr, flush=True)
+        configured = next((p for p in plans if p.name == "config"), None) or plan_variant(
+            str(args.config), args.overrides, "config", recipe=recipe, seq_len=args.seq_len,
+            baseline=baseline, traces=traces)
+        fine = plan_fine_tunes(str(args.config), args.overrides, configured, seq_len=args.seq_len,
+                               baseline=baseline, traces=traces)
+    return plans, fine
+
+
+def _write_json(path: Path, plans: List[VariantPlan], fine: List[VariantPlan], *, speeds: Optional[dict],
+                machine: Optional[Machine], budgets: _Budgets, device: torch.device, math_changes: dict) -> None:
+    """``--json``: the budgets, the machine, each plan with its speed, the fastest that fits, the fine-tunes."""
+    entries = [asdict(p) for p in plans]
+    if speeds is not None:
+        for entry in entries:
+            speed = speeds[entry["name"]]
+            entry["speed"] = None if speed is None else speed.summary()
+    fastest = None if speeds is None or str(device) == "cpu" else asdict(fastest_fitting(
+        plans, speeds, device_budget=budgets.device, host_budget=budgets.host, math_changes=math_changes))
+    path.write_text(json.dumps({"device_budget": budgets.device, "host_budget": budgets.host,
+                                "machine": None if machine is None else {"name": machine.name, **machine.as_dict()},
+                                "plans": entries, "fastest": fastest, "fine_tunes": [asdict(p) for p in fine]},
+                               indent=1))
 
 
 def _fine_tune_block(fine: List[VariantPlan], cfg, *, device_budget: Optional[int], host_budget: int) -> str:
