@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as connection_wait
-from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -223,6 +223,45 @@ def parallel_tracing_available() -> bool:
     return sys.platform == "linux"
 
 
+#: A running worker: its process, the step it traces, and when it must be done (``time.monotonic()``).
+_Worker = Tuple[multiprocessing.process.BaseProcess, StepRequest, float]
+
+
+def _start_worker(context: Any, request: StepRequest) -> Tuple[Connection, multiprocessing.process.BaseProcess]:
+    """A forked worker tracing ``request`` (the parent's own object, not a pickled copy), and the
+    end of the pipe its traces come back on."""
+    receive, send = context.Pipe(duplex=False)
+    worker = context.Process(target=_trace_in_worker, args=(request, send), daemon=True)
+    worker.start()
+    send.close()  # the worker holds the only sending end: its death closes the pipe
+    return receive, worker
+
+
+def _result_of(receive: Connection, worker: multiprocessing.process.BaseProcess) -> Optional[Dict[tuple, Any]]:
+    """What a finished worker sent (None if it died before sending); its pipe closed, its process joined."""
+    try:
+        result = receive.recv()
+    except (EOFError, OSError):  # the worker died before sending
+        result = None
+    receive.close()
+    worker.join()
+    return result
+
+
+def _stop_late(running: Dict[Connection, _Worker], *, timeout_s: float) -> List[StepRequest]:
+    """Stops the workers past their deadline, each named on stderr; returns their steps."""
+    now, late = time.monotonic(), []
+    for receive in [r for r, (_, _, deadline) in running.items() if deadline <= now]:
+        worker, request, _ = running.pop(receive)
+        worker.kill()
+        worker.join()
+        receive.close()
+        print(f"[plan] the trace of {request.describe()} took more than {timeout_s:.0f} s in a worker; "
+              "it is traced in this process.", file=sys.stderr, flush=True)
+        late.append(request)
+    return late
+
+
 def trace_steps(requests: Sequence[StepRequest], traces: Dict[tuple, StepTrace], *, jobs: int,
                 timeout_s: float = WORKER_TIMEOUT_S) -> int:
     """Traces the distinct steps of ``requests`` that ``traces`` lacks in forked worker processes,
@@ -264,41 +303,25 @@ def trace_steps(requests: Sequence[StepRequest], traces: Dict[tuple, StepTrace],
     # The slowest first, so that the last worker to finish started early: a QLoRA step builds its
     # model whole, quantising every weight.
     waiting = sorted(first, key=lambda r: configured_fine_tune(r.cfg.model) != "QLoRA")
-    running: Dict[Connection, Tuple[multiprocessing.process.BaseProcess, StepRequest, float]] = {}
+    running: Dict[Connection, _Worker] = {}
     traced = 0
     try:
         while waiting or running:
             while waiting and len(running) < jobs:
                 request = waiting.pop(0)
-                receive, send = context.Pipe(duplex=False)
-                # Forked: the request is the parent's own object, not a pickled copy.
-                worker = context.Process(target=_trace_in_worker, args=(request, send), daemon=True)
-                worker.start()
-                send.close()  # the worker holds the only sending end: its death closes the pipe
+                receive, worker = _start_worker(context, request)
                 running[receive] = (worker, request, time.monotonic() + timeout_s)
             next_deadline = min(deadline for _, _, deadline in running.values())
             for receive in connection_wait(list(running), timeout=max(0.0, next_deadline - time.monotonic())):
                 worker, request, _ = running.pop(receive)
-                try:
-                    result = receive.recv()
-                except (EOFError, OSError):  # the worker died before sending
-                    result = None
-                receive.close()
-                worker.join()
+                result = _result_of(receive, worker)
                 if result is not None:
                     # A step without its optimizer that no variant runs is left out.
                     result = {key: trace for key, trace in result.items() if key in wanted}
                     traces.update(result)
                     traced += len(result)
                 waiting += _not_given(later, request, traces)
-            now = time.monotonic()
-            for receive in [r for r, (_, _, deadline) in running.items() if deadline <= now]:
-                worker, request, _ = running.pop(receive)
-                worker.kill()
-                worker.join()
-                receive.close()
-                print(f"[plan] the trace of {request.describe()} took more than {timeout_s:.0f} s in a worker; "
-                      "it is traced in this process.", file=sys.stderr, flush=True)
+            for request in _stop_late(running, timeout_s=timeout_s):
                 waiting += _not_given(later, request, traces)
     except Exception as err:  # no process could be started, say: the plan traces the rest itself
         print(f"[plan] tracing in worker processes stopped ({type(err).__name__}: {err}); the rest is traced in "
