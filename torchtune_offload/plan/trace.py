@@ -209,12 +209,15 @@ def _freeing_hooks(model: nn.Module, free_gradients: Union[bool, str]) -> List[A
     return [p.register_post_accumulate_grad_hook(partial(hook, i)) for i, (_, p) in enumerate(named)]
 
 
-def _traced_step(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *, seq_len: int,
-                 free_gradients: Union[bool, str],
-                 make_optimizer: Optional[Callable[[list], torch.optim.Optimizer]],
-                 fp8_weights: Optional[Tuple[int, bool]], record: bool) -> _Traced:
-    """Traces one step of the meta ``model`` (its trainable parameters marked), as
-    :func:`trace_training_step` describes; ``record`` keeps every event for :func:`_extrapolated_peak`."""
+def _set_up(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *,
+            fp8_weights: Optional[Tuple[int, bool]]) -> Tuple[FakeTensorMode, int, Any]:
+    """Sets the meta ``model`` up as the recipe would, on fake storage: activation checkpointing,
+    FP8 layer images where asked, RoPE caches, the loss. Returns the fake mode, the FP8 images'
+    bytes and the loss.
+
+    Raises:
+        UntraceableModelError: the recipe's set-up fails on this model.
+    """
     try:
         if settings.enable_activation_checkpointing:
             training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
@@ -231,10 +234,19 @@ def _traced_step(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *,
             for module in model.modules():
                 if callable(getattr(module, "rope_init", None)):
                     module.rope_init()
-        loss_fn = build_loss(cfg.loss, model, settings, verbose=False)
+        return mode, images, build_loss(cfg.loss, model, settings, verbose=False)
     except Exception as err:  # a model that is not a torchtune decoder, or a tensor type fake storage misses
         raise UntraceableModelError(_component(cfg), f"cannot be set up for a training step as the recipe sets "
                                     f"it up ({type(err).__name__}: {one_line(err)})") from err
+
+
+def _traced_step(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *, seq_len: int,
+                 free_gradients: Union[bool, str],
+                 make_optimizer: Optional[Callable[[list], torch.optim.Optimizer]],
+                 fp8_weights: Optional[Tuple[int, bool]], record: bool) -> _Traced:
+    """Traces one step of the meta ``model`` (its trainable parameters marked), as
+    :func:`trace_training_step` describes; ``record`` keeps every event for :func:`_extrapolated_peak`."""
+    mode, images, loss_fn = _set_up(cfg, settings, model, fp8_weights=fp8_weights)
     trainable = [p for p in model.parameters() if p.requires_grad]
     hooks = _freeing_hooks(model, free_gradients)
     vocab = _vocab_size(cfg, model)
