@@ -197,8 +197,13 @@ def main() -> None:
                 runs[path].append(result)
             steps.append(opt.step_timings()["host_step_s"])
     opt.close()
+    report(runs, steps, args=args, sum_dtype=opt._slots[0].host_grad.dtype, dims=dims, num=num,
+           optimizer_class=optimizer_class)
 
-    sum_dtype = opt._slots[0].host_grad.dtype
+
+def report(runs: Dict[str, List[Dict[str, float]]], steps: List[float], *, args: argparse.Namespace,
+           sum_dtype: torch.dtype, dims: List[tuple], num: int, optimizer_class: str) -> None:
+    """Prints the table of both paths' timings (medians of ``runs``) beside the host step's (``steps``)."""
     need = host_bytes(sum_dtype=sum_dtype, master=args.master_dtype is not None,
                       eight_bit=args.optimizer == "adamw8bit")
     step_s = median(steps)
