@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -169,41 +169,56 @@ def build_assets(
     log(f"building {'tiny' if real_arch is None else real_arch} assets in {output_dir}")
 
     if real_arch is None:
-        examples = make_examples(num_examples=num_examples, seed=seed)
-        write_examples(examples=examples, path=output_dir / DATA_FILE)
-        log(f"wrote {output_dir / DATA_FILE} ({len(examples)} examples, {len(TASKS)} tasks)")
-        corpus = examples
-        if len(examples) < TOKENIZER_MIN_CORPUS:
-            corpus = make_examples(num_examples=TOKENIZER_MIN_CORPUS, seed=seed)
-        special_ids = write_tokenizer(examples=corpus, vocab_size=TINY_LLAMA_DEFAULTS["vocab_size"],
-                                      out_dir=output_dir)
-        model = build_meta_model(real_arch=None, num_layers=None)
-        config = hf_config_for(
-            model=model, real_arch=None, dtype=torch_dtype, special_ids=special_ids
-        )
-        write_checkpoint(model=model, config=config, model_type="LLAMA3", seed=seed,
-                         dtype=torch_dtype, ckpt_dir=output_dir / MODEL_DIR,
-                         init_depth=len(model.layers))
-        rel_files = [DATA_FILE, TOKENIZER_FILE, SPECIAL_TOKENS_FILE,
-                     f"{MODEL_DIR}/{CONFIG_FILE}", f"{MODEL_DIR}/{WEIGHTS_FILE}"]
-        if check:
-            check_tiny_assets(out_dir=output_dir, examples=examples)
+        rel_files = _write_tiny(output_dir, seed=seed, num_examples=num_examples, dtype=torch_dtype, check=check)
     else:
-        arch = REAL_ARCHES[real_arch]
-        model = build_meta_model(real_arch=real_arch, num_layers=None)
-        full_depth = len(model.layers)
-        if num_layers is not None:
-            model.layers = model.layers[:num_layers]
-        config = hf_config_for(model=model, real_arch=real_arch, dtype=torch_dtype)
-        write_checkpoint(model=model, config=config, model_type=arch.model_type, seed=seed,
-                         dtype=torch_dtype, ckpt_dir=output_dir, init_depth=full_depth)
-        rel_files = [CONFIG_FILE, WEIGHTS_FILE]
-        if check:
-            check_real_assets(out_dir=output_dir, real_arch=real_arch, num_layers=num_layers)
-        log(f"use with: checkpointer.checkpoint_dir={output_dir} "
-             f"checkpointer.model_type={arch.model_type}")
-        if num_layers is not None:
-            log(f"note: only a {num_layers}-layer model loads this (not {arch.builder}); "
-                 "see the torchtune_offload.assets docstring")
+        rel_files = _write_real(output_dir, real_arch=real_arch, seed=seed, dtype=torch_dtype, num_layers=num_layers,
+                                check=check)
     _write_manifest(out_dir=output_dir, stamp=stamp, rel_files=rel_files)
     return True
+
+
+def _write_tiny(output_dir: Path, *, seed: int, num_examples: int, dtype: torch.dtype, check: bool) -> List[str]:
+    """Writes the tiny assets (data, tokenizer, checkpoint), checked where asked; returns their paths."""
+    examples = make_examples(num_examples=num_examples, seed=seed)
+    write_examples(examples=examples, path=output_dir / DATA_FILE)
+    log(f"wrote {output_dir / DATA_FILE} ({len(examples)} examples, {len(TASKS)} tasks)")
+    corpus = examples
+    if len(examples) < TOKENIZER_MIN_CORPUS:
+        corpus = make_examples(num_examples=TOKENIZER_MIN_CORPUS, seed=seed)
+    special_ids = write_tokenizer(examples=corpus, vocab_size=TINY_LLAMA_DEFAULTS["vocab_size"],
+                                  out_dir=output_dir)
+    model = build_meta_model(real_arch=None, num_layers=None)
+    config = hf_config_for(
+        model=model, real_arch=None, dtype=dtype, special_ids=special_ids
+    )
+    write_checkpoint(model=model, config=config, model_type="LLAMA3", seed=seed,
+                     dtype=dtype, ckpt_dir=output_dir / MODEL_DIR,
+                     init_depth=len(model.layers))
+    rel_files = [DATA_FILE, TOKENIZER_FILE, SPECIAL_TOKENS_FILE,
+                 f"{MODEL_DIR}/{CONFIG_FILE}", f"{MODEL_DIR}/{WEIGHTS_FILE}"]
+    if check:
+        check_tiny_assets(out_dir=output_dir, examples=examples)
+    return rel_files
+
+
+def _write_real(output_dir: Path, *, real_arch: str, seed: int, dtype: torch.dtype, num_layers: Optional[int],
+                check: bool) -> List[str]:
+    """Writes a real architecture's checkpoint (its first ``num_layers`` layers where given), checked
+    where asked; returns its paths."""
+    arch = REAL_ARCHES[real_arch]
+    model = build_meta_model(real_arch=real_arch, num_layers=None)
+    full_depth = len(model.layers)
+    if num_layers is not None:
+        model.layers = model.layers[:num_layers]
+    config = hf_config_for(model=model, real_arch=real_arch, dtype=dtype)
+    write_checkpoint(model=model, config=config, model_type=arch.model_type, seed=seed,
+                     dtype=dtype, ckpt_dir=output_dir, init_depth=full_depth)
+    rel_files = [CONFIG_FILE, WEIGHTS_FILE]
+    if check:
+        check_real_assets(out_dir=output_dir, real_arch=real_arch, num_layers=num_layers)
+    log(f"use with: checkpointer.checkpoint_dir={output_dir} "
+         f"checkpointer.model_type={arch.model_type}")
+    if num_layers is not None:
+        log(f"note: only a {num_layers}-layer model loads this (not {arch.builder}); "
+             "see the torchtune_offload.assets docstring")
+    return rel_files
