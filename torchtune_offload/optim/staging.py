@@ -284,6 +284,7 @@ class StagingRing(_ChunkRing):
         pieces: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for dst, src in pairs:
             size, start, numel = src.element_size(), 0, src.numel()
+            flat: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # made once, for a split tensor only
             while start < numel:
                 offset = -(-used // CHUNK_ALIGN) * CHUNK_ALIGN  # any dtype views a piece
                 if index is None or offset + size > self.chunk_bytes:
@@ -295,8 +296,8 @@ class StagingRing(_ChunkRing):
                 if length == numel:  # whole: the tensors as they are (fewer ops on this thread)
                     pieces.append((dst, src, staged.view(src.shape)))
                 else:
-                    pieces.append((dst.view(-1)[start : start + length], src.reshape(-1)[start : start + length],
-                                   staged))
+                    flat = flat or (dst.view(-1), src.reshape(-1))
+                    pieces.append((flat[0][start : start + length], flat[1][start : start + length], staged))
                 used, start = offset + length * size, start + length
             tokens.append(self._issued)
         if pieces:

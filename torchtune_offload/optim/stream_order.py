@@ -135,10 +135,7 @@ class StreamOrder:
             timing: make it a timing event (:meth:`elapsed_ms`).
         """
         event = self._module.Event(enable_timing=timing)
-        if stream is None:
-            event.record()
-        else:
-            event.record(stream)
+        event.record(stream)  # None: the current stream, as torch's record takes it
         return event
 
     @staticmethod
