@@ -17,7 +17,7 @@ checkpoint, and never saves non-finite weights (:mod:`torchtune_offload.recipe.d
 
 import sys
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torchtune import config, training
 
 from torchtune_offload.recipe import (
@@ -72,7 +72,7 @@ class FullFinetuneRecipeSingleDevice:
         # 1. Logging first, so that the config is recorded even if a later step fails.
         self._metric_logger = build_metric_logger(cfg)
         # Before the first device allocation: offload runs free and re-make layer-sized blocks all the time.
-        allocator_note = use_expandable_segments(s.device, offloads=s.optimizer_capabilities.offloads)
+        allocator_note = use_expandable_segments(s.device, offloads=s.optimizer.kind.offloads)
         if allocator_note:
             print(f"[torchtune_offload] {allocator_note}")
         # 2. Data before any weight is read: a dataset that cannot load, or an epoch shorter than
@@ -83,7 +83,7 @@ class FullFinetuneRecipeSingleDevice:
         self._checkpointer, ckpt = load_checkpoint(cfg.checkpointer, s, progress=None)
         # Before the model is built on the device: weights it cannot hold fail here, by size.
         check_weights_fit_device(ckpt[training.MODEL_KEY], device=s.device, dtype=s.dtype,
-                                 device_weights=OmegaConf.select(cfg, "optimizer.device_weights", default=None))
+                                 device_weights=s.optimizer.device_weights)
         # 4. Model (with the trained weights when resuming), then the optimizer that copies them.
         self._model = instantiate_model(cfg.model, s)
         # pop: the loaded weights are freed before the optimizer allocates its host memory.

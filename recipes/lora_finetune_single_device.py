@@ -87,7 +87,7 @@ class LoRAFinetuneRecipeSingleDevice:
         # 1. Logging first, so that the config is recorded even if a later step fails.
         self._metric_logger = build_metric_logger(cfg)
         # Before the first device allocation: offload runs free and re-make layer-sized blocks all the time.
-        allocator_note = use_expandable_segments(s.device, offloads=s.optimizer_capabilities.offloads)
+        allocator_note = use_expandable_segments(s.device, offloads=s.optimizer.kind.offloads)
         if allocator_note:
             print(f"[torchtune_offload] {allocator_note}")
         # 2. Data before any weight is read: a dataset that cannot load, or an epoch shorter than

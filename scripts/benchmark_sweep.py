@@ -32,8 +32,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from torchtune_offload.bench.ballast import GpuBallast
+from torchtune_offload.bench.variants import VARIANTS
 from torchtune_offload.bench.sweep import (
-    VARIANTS,
     device_name,
     log_to_wandb,
     run_variant,
@@ -90,8 +90,11 @@ def main() -> None:
         if problem:
             parser.error(problem)
     # A shared override of a key the sweep or a variant sets would run every variant under one label's name.
+    # A variant's own settings (torchtune's in-backward setting: no clipping, no accumulation) win
+    # over the shared ones for that variant alone, as the planner plans it: said, not refused.
     owned = {o.split("=", 1)[0].lstrip("~+") for n in names
-             for o in variant_overrides(name=n, config=args.config, steps=args.steps, output_dir=Path("."), extra=[])}
+             for o in variant_overrides(name=n, config=args.config, steps=args.steps, output_dir=Path("."), extra=[])
+             if o not in VARIANTS[n].settings}
     owned.add("metric_logger._component_")  # the sweep reads each variant's DiskLogger file
     taken = [o for o in extra if o.split("=", 1)[0].lstrip("~+") in owned]
     if taken:

@@ -16,6 +16,8 @@ import argparse
 import json
 from typing import Any, Dict, Optional
 
+from torchtune_offload.bench.variants import legend
+
 GIB = 1024**3
 
 
@@ -79,6 +81,9 @@ def main() -> None:
                      f"the sweep measured {', '.join(measured) or 'none'}. Plan the sweep's variants "
                      "(--variants) on its config and overrides.")
     print(table(plans, results))
+    named = legend(both)
+    if named:
+        print("\nVariants (torchtune_offload/bench/variants.py):\n" + "\n".join(named))
     status = {n: r.get("status") for n, r in results.items()}
     left = [f"{n} (not in the sweep)" if n not in results else f"{n} ({status[n] + '; ' if status[n] else ''}no peaks)"
             for n in plans if n not in both]

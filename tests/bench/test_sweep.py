@@ -18,14 +18,13 @@ from torchtune_offload.bench.grad_probe import ENV, GradNormProbeAdamW, read_pro
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.bench import sweep
 from torchtune_offload.recipe.memory import EXPANDABLE_SEGMENTS
+from torchtune_offload.bench.variants import OFFLOAD_ONLY_KEYS, VARIANTS, legend
+from torchtune_offload.plan.planner import load_config, variant_config
 from torchtune_offload.bench.sweep import (
-    OFFLOAD_ONLY_KEYS,
-    VARIANTS,
     VariantResult,
     diverged,
     log_to_wandb,
     markdown_table,
-    overrides_for,
     run_variant,
     write_results,
 )
@@ -36,11 +35,18 @@ SYNTHETIC = ["dataset._component_=torchtune_offload.data.synthetic_dataset", "~d
 CONFIG = str(REPO / "configs" / "tiny" / "full.yaml")
 
 
+def overrides_for(config: str, name: str) -> list:
+    return VARIANTS[name].overrides(config)
+
+
 def test_overrides_swap_only_the_optimizer():
     assert overrides_for(CONFIG, "offload_grads") == [
         "optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW",
         "optimizer.offload_gradients=True"]
-    assert overrides_for(CONFIG, "paged_adamw8bit_in_bwd")[-1] == "optimizer_in_bwd=True"
+    # torchtune's 8B setting steps in backward, which refuses clipping and accumulation: the sweep and
+    # the planner alike run it without both.
+    assert overrides_for(CONFIG, "paged_adamw8bit_in_bwd")[-3:] == [
+        "optimizer_in_bwd=True", "clip_grad_norm=null", "gradient_accumulation_steps=1"]
     # The 8-bit offload variant (and so the planner's, which takes the sweep's) is this project's AdamW8bit.
     assert "optimizer.optimizer_class=torchtune_offload.AdamW8bit" in overrides_for(CONFIG, "offload_grads_8bit")
     fp8 = overrides_for(CONFIG, "offload_grads_8bit_fp8")
@@ -57,6 +63,22 @@ def test_overrides_swap_only_the_optimizer():
     assert "optimizer.grad_sum_on=device" in twin and "~optimizer.grad_sum_on" not in twin
     assert set(twin) - {"optimizer.grad_sum_on=device"} == set(overrides_for(engine, "offload_grads_overlap")) - {
         "~optimizer.grad_sum_on"}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_a_variant_name_means_one_config_for_the_sweep_and_the_planner(name, tmp_path):
+    """The planner plans the config the sweep runs: the same overrides, one description."""
+    swept = sweep.variant_overrides(name=name, config=CONFIG, steps=3, output_dir=tmp_path, extra=[])
+    planned = variant_config(CONFIG, [], name)
+    assert planned == load_config(CONFIG, VARIANTS[name].overrides(CONFIG))
+    assert all(o in swept for o in VARIANTS[name].overrides(CONFIG))
+    variant = VARIANTS[name]
+    if variant.optimizer["_component_"].startswith("bitsandbytes"):
+        pytest.importorskip("bitsandbytes")
+    chosen = variant.describe()
+    assert chosen.component == variant.optimizer["_component_"] and chosen.kind.offloads is ("optimizer_class" in
+                                                                                              variant.optimizer)
+    assert legend([name, "not-a-variant"]) == [f"  {name}: {variant.description}"]
 
 
 def test_every_option_of_our_optimizer_is_dropped_for_a_plain_one():
@@ -111,7 +133,7 @@ def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, mo
 
 
 def test_a_diverging_variant_is_reported_diverged_not_ok(tiny_assets, tmp_path, monkeypatch):
-    # Issue 40: update_on=device trained to nan on an H100 and the sweep said "ok". lr=1e37 moves
+    # On an H100 (2026-11-22) update_on=device trained to nan and the sweep said "ok". lr=1e37 moves
     # every weight by about 1e37 in step 1; step 2 overflows and the recipe stops with an error.
     monkeypatch.chdir(REPO)
     extra = [o for o in tiny_asset_overrides(tiny_assets) if not o.startswith("dataset.")] + SYNTHETIC + [
@@ -149,7 +171,7 @@ def test_a_diverging_variant_is_reported_diverged_not_ok(tiny_assets, tmp_path, 
     assert summaries[0].config["variant_optimizer"] == {
         "_component_": "torchtune_offload.OffloadOptimizer", "optimizer_class": "torch.optim.AdamW",
         "update_on": "device"}
-    assert summaries[0].config["description"] == VARIANTS["offload_device_update"][2]
+    assert summaries[0].config["description"] == VARIANTS["offload_device_update"].description
     assert summaries[0].summary["wall_s"] == result.seconds
 
 
@@ -167,7 +189,7 @@ def test_a_variant_stepping_in_backward_names_that_in_its_wandb_config(monkeypat
                  recipe_configs={"paged_adamw8bit_in_bwd": {"optimizer_in_bwd": True}})
     assert runs[0]["config"]["recipe_config"] == {"optimizer_in_bwd": True}
     assert runs[0]["config"]["variant_optimizer"] == {"_component_": "bitsandbytes.optim.PagedAdamW8bit"}
-    assert runs[0]["config"]["variant_overrides"] == "optimizer_in_bwd=True"
+    assert runs[0]["config"]["variant_overrides"] == "optimizer_in_bwd=True clip_grad_norm=null gradient_accumulation_steps=1"
     assert runs[0]["config"]["overrides"] == "device=cpu"  # the sweep's own, given to every variant
 
 

@@ -50,22 +50,22 @@ def test_plain_torch_optimizers_get_the_defaults():
         assert dataclasses.replace(caps, elementwise_update=False) == PLAIN_CAPABILITIES
         assert caps.elementwise_update == (cls is not torch.optim.LBFGS)
         assert caps.can_clip and caps.runs_under_fsdp2 and caps.steps_in_backward
-        assert not caps.holds_gradients and not caps.offloads and caps.device_types is None
+        assert not caps.offloads and caps.device_types is None
 
 
 def test_bitsandbytes_comes_from_the_table():
     caps = capabilities_of(bitsandbytes.optim.PagedAdamW)
     assert not caps.runs_under_fsdp2 and "DTensor" in caps.why_not("runs_under_fsdp2")
-    assert caps.can_clip and caps.steps_in_backward and not caps.holds_gradients
+    assert caps.can_clip and caps.steps_in_backward and not caps.offloads
 
 
 def test_offload_optimizers_declare_their_own():
     ours = capabilities_of(OffloadOptimizer)
     assert ours is OffloadOptimizer.capabilities
-    assert ours.offloads and ours.holds_gradients and ours.can_clip and ours.accumulates_offloaded_grads
+    assert ours.offloads and ours.can_clip and ours.accumulates_offloaded_grads
     assert not ours.runs_under_fsdp2 and not ours.steps_in_backward and ours.device_types is None
     ao = capabilities_of(CPUOffloadOptimizer)
-    assert ao.offloads and ao.holds_gradients and not ao.can_clip and not ao.accumulates_offloaded_grads
+    assert ao.offloads and not ao.can_clip and not ao.accumulates_offloaded_grads
     assert ao.device_types == ("cuda", "xpu")
     for caps in (ours, ao):
         lacking = [f for f in ("can_clip", "accumulates_offloaded_grads", "runs_under_fsdp2", "steps_in_backward")

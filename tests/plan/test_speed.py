@@ -11,6 +11,7 @@ import bitsandbytes as bnb
 import bitsandbytes.optim.optimizer as bnb_optimizer
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torchtune.models.llama3_1 import llama3_1_8b
 from torchtune.models.llama3_2 import llama3_2_1b, llama3_2_3b
 
@@ -23,6 +24,7 @@ from torchtune_offload.models import tiny_llama
 from torchtune_offload.models.narrow import narrow_llama
 from torchtune_offload.optim.handoff import handoff_groups
 from torchtune_offload.plan import probe as probe_module
+from torchtune_offload.recipe import describe_optimizer
 from torchtune_offload.plan.launch import COUNT_WIDTH, narrowed_ops_per_micro_batch
 from torchtune_offload.plan.__main__ import main as plan_main
 from torchtune_offload.plan.recorded_runs import (LLAMA3_1_8B, LLAMA3_2_1B, LLAMA3_2_3B, TENSORS, TOLERANCE, calibrate,
@@ -598,14 +600,16 @@ def test_the_probe_measures_the_gpu_keys_where_cuda_is():
 def test_the_plan_knows_where_the_fused_master_pass_cannot_step(monkeypatch):
     masters = {"master_dtype": "fp32"}
 
-    def fused(own, options, base=torch.optim.AdamW):
-        return planner._fused_master(own, base, options, dtype=torch.bfloat16)
+    def fused(own, options, base="torch.optim.AdamW"):
+        chosen = describe_optimizer(OmegaConf.create({"_component_": "torchtune_offload.OffloadOptimizer",
+                                                      "optimizer_class": base, **own, **options}), in_backward=False)
+        return planner._fused_master(chosen, dtype=torch.bfloat16)
 
     if fused_step.c_compiler() is not None:
-        assert fused(masters, {"lr": 1e-5}) and fused({**masters, "grad_sum_dtype": "fp32"}, {})
+        assert fused(masters, {"lr": 1e-5}) and fused({**masters, "grad_sum_dtype": "fp32", "offload_gradients": True}, {})
     assert not fused(masters, {"amsgrad": True})
     assert not fused({**masters, "fused_master_step": False}, {})
-    assert not fused(masters, {}, base=torch.optim.SGD)
+    assert not fused(masters, {}, base="torch.optim.SGD")
     monkeypatch.setattr(fused_step, "c_compiler", lambda: None)
     assert not fused(masters, {})
 

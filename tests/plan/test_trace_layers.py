@@ -25,7 +25,7 @@ def _traces(monkeypatch, config, overrides, *, recipe, seq_len, free_gradients=T
     settings = replace(check_recipe_config(cfg, recipe=recipe, device_present=False), compile=False)
     options = dict(seq_len=seq_len, mark_trainable=mark_lora if recipe == "lora" else None,
                    free_gradients=free_gradients, fp8_weights=fp8_weights,
-                   make_optimizer=traced_optimizer(settings, cfg) if with_optimizer else None)
+                   make_optimizer=traced_optimizer(settings) if with_optimizer else None)
     if with_optimizer:
         assert options["make_optimizer"] is not None
     reduced = trace_training_step(cfg, settings, **options)
@@ -135,7 +135,7 @@ def test_the_step_without_its_optimizer_is_derived_as_tracing_it_gives(config, o
     cfg = load_config(config, [*overrides, "device=cuda", "optimizer._component_=torch.optim.AdamW"])
     settings = replace(check_recipe_config(cfg, recipe=recipe, device_present=False), compile=False)
     options = dict(seq_len=4, mark_trainable=mark_lora if recipe == "lora" else None, free_gradients=False)
-    with_optimizer = trace_training_step(cfg, settings, make_optimizer=traced_optimizer(settings, cfg), **options)
+    with_optimizer = trace_training_step(cfg, settings, make_optimizer=traced_optimizer(settings), **options)
     without = trace_training_step(cfg, settings, **options)
     derived = with_optimizer.without_optimizer
     assert derived is not None and without.without_optimizer is None
@@ -150,7 +150,7 @@ def test_no_step_is_derived_where_the_optimizers_state_changes_before_its_step()
     by a gradient hook) gets no derived step."""
     cfg = load_config("configs/tiny/full.yaml", ["device=cuda", "optimizer._component_=torch.optim.AdamW"])
     settings = replace(check_recipe_config(cfg, recipe="full", device_present=False), compile=False)
-    make = traced_optimizer(settings, cfg)
+    make = traced_optimizer(settings)
 
     def make_forgetful(params):
         optimizer = make(params)

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim import OptimizerCapabilities
-from torchtune_offload.recipe import check_recipe_config, resolve_optimizer_component
+from torchtune_offload.recipe import OptimizerKind, check_recipe_config, resolve_optimizer_component
 from torchtune_offload.optim.base_options import accepted_form, check_base_options
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,7 +47,9 @@ def test_the_tiny_configs_pass_and_their_settings_are_read(recipe):
     s = check_recipe_config(cfg, recipe=recipe)
     assert s.device == torch.device("cpu") and s.dtype == torch.float32
     assert s.batch_size == cfg.batch_size and s.gradient_accumulation_steps == 3 and s.clip_grad_norm == 2.5
-    assert s.optimizer_class is torch.optim.AdamW and not s.optimizer_capabilities.offloads
+    assert s.optimizer.optimizer_class is torch.optim.AdamW and s.optimizer.kind is OptimizerKind.PLAIN
+    assert s.optimizer.offload is None and s.optimizer.base_class is torch.optim.AdamW
+    assert dict(s.optimizer.base_options) == {k: v for k, v in cfg.optimizer.items() if k != "_component_"}
 
 
 def test_the_offload_optimizer_is_resolved_with_its_capabilities():
@@ -56,7 +58,8 @@ def test_the_offload_optimizer_is_resolved_with_its_capabilities():
              "optimizer.optimizer_class=torch.optim.AdamW"),
         recipe="full",
     )
-    assert s.optimizer_class is OffloadOptimizer and s.optimizer_capabilities is OffloadOptimizer.capabilities
+    assert s.optimizer.optimizer_class is OffloadOptimizer and s.optimizer.capabilities is OffloadOptimizer.capabilities
+    assert s.optimizer.kind is OptimizerKind.OFFLOAD_ENGINE and s.optimizer.base_class is torch.optim.AdamW
 
 
 def test_a_declared_capability_drives_the_clip_rule():
@@ -190,14 +193,14 @@ _ENGINE = ["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimize
 
 def test_fp8_device_weights_pass_the_full_recipes_check():
     s = check_recipe_config(_cfg("full", *_ENGINE, "optimizer.device_weights=fp8"), recipe="full")
-    assert s.optimizer_class is OffloadOptimizer
+    assert s.optimizer.optimizer_class is OffloadOptimizer and s.optimizer.offload.device_weights == "fp8"
 
 
 @pytest.mark.parametrize("recipe, overrides, fragments", [
     ("full", ["optimizer.device_weights=int8"],
      ["optimizer.device_weights='int8': use fp8", "fp8_per_tensor"]),
     ("full", ["optimizer.device_weights=fp8", "optimizer.update_on=device"],
-     ["optimizer.device_weights=fp8 with optimizer.update_on=device", "Set optimizer.update_on=host"]),
+     ["optimizer.update_on=device with optimizer.device_weights=fp8", "set optimizer.update_on=host"]),
     ("lora", ["optimizer.device_weights=fp8"],
      ["optimizer.device_weights=fp8 with this recipe: the LoRA recipe trains adapters only",
       "~optimizer.device_weights"]),
@@ -230,7 +233,7 @@ def test_grad_sum_on_refusals_name_the_key_and_the_fix_before_the_model_loads(ov
 def test_sums_on_the_device_pass_the_full_recipes_check():
     cfg = _cfg("full", *_ENGINE, "optimizer.offload_gradients=True", "optimizer.grad_sum_on=device",
                "gradient_accumulation_steps=4")
-    assert check_recipe_config(cfg, recipe="full").offload_gradients
+    assert check_recipe_config(cfg, recipe="full").optimizer.offload_gradients
 
 
 @pytest.mark.parametrize("overrides, expected", [

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import torchtune_offload
 
@@ -15,12 +16,12 @@ from torchtune_offload import AdamW8bit, CPUOffloadOptimizer, OffloadOptimizer
 from torchtune_offload.optim import capabilities_of
 from torchtune_offload.recipe import (
     HoldingOptimizer,
-    OffloadEngine,
     OptimizerKind,
     OwnGradientsOptimizer,
     RunOptimizer,
     build_optimizer,
     check_recipe_config,
+    describe_optimizer,
 )
 
 OURS = "optimizer._component_=torchtune_offload.OffloadOptimizer"
@@ -44,7 +45,7 @@ def test_a_collate_fn_that_does_not_import_is_refused_by_the_config_check():
     ((OURS, "optimizer.offload_gradients=False"), False),
 ])
 def test_offload_gradients_reaches_the_settings(overrides, expected):
-    assert check_recipe_config(_cfg("full", *overrides), recipe="full").offload_gradients is expected
+    assert check_recipe_config(_cfg("full", *overrides), recipe="full").optimizer.offload_gradients is expected
 
 
 def _params():
@@ -119,13 +120,55 @@ def test_build_optimizer_picks_the_adapter_by_what_the_optimizer_is(monkeypatch,
     run.close()
 
 
-@pytest.mark.parametrize("cls", [OffloadOptimizer, CPUOffloadOptimizer, AdamW8bit, torch.optim.AdamW])
-def test_the_engine_interface_and_the_declared_capabilities_agree(cls):
-    caps = capabilities_of(cls)
-    # The config check's overlap rule and the adapter's choice answer alike.
-    assert issubclass(cls, OffloadEngine) is caps.overlaps_host_step
-    # An optimizer that holds its gradients measures them itself.
-    assert hasattr(cls, "grad_norm") is caps.holds_gradients
+@pytest.mark.parametrize("component, in_backward, kind", [
+    ("torchtune_offload.OffloadOptimizer", False, OptimizerKind.OFFLOAD_ENGINE),
+    ("torchtune_offload.CPUOffloadOptimizer", False, OptimizerKind.TORCHAO_OFFLOAD),
+    ("torchtune_offload.AdamW8bit", False, OptimizerKind.PLAIN),
+    ("torch.optim.AdamW", False, OptimizerKind.PLAIN),
+    ("torch.optim.AdamW", True, OptimizerKind.IN_BACKWARD),
+    ("bitsandbytes.optim.PagedAdamW8bit", False, OptimizerKind.BITSANDBYTES),
+    ("bitsandbytes.optim.PagedAdamW8bit", True, OptimizerKind.IN_BACKWARD),
+])
+def test_the_description_names_the_kind_the_adapter_is_picked_by(component, in_backward, kind):
+    if component.startswith("bitsandbytes"):
+        pytest.importorskip("bitsandbytes")
+    cfg = OmegaConf.create({"_component_": component, "lr": 1e-3})
+    chosen = describe_optimizer(cfg, in_backward=in_backward)
+    assert chosen.kind is kind and chosen.component == component
+    assert chosen.kind.offloads is capabilities_of(chosen.optimizer_class).offloads
+    # The offloaders' own options are typed; the base optimizer gets the rest.
+    assert (chosen.offload is not None) is kind.offloads
+    assert dict(chosen.base_options) == {"lr": 1e-3}
+    assert chosen.base_class is (torch.optim.AdamW if kind.offloads else chosen.optimizer_class)
+
+
+def test_a_description_with_options_changed_is_described_anew():
+    chosen = describe_optimizer(OmegaConf.create({"_component_": "torchtune_offload.OffloadOptimizer", "lr": 1e-3,
+                                                  "offload_gradients": True, "grad_sum_on": "device"}),
+                                in_backward=False)
+    assert chosen.offload_gradients and chosen.offload.grad_sum_on == "device"
+    device = chosen.with_options(update_on="device", offload_gradients=False, grad_sum_on=None)
+    assert device.offload.update_on == "device" and not device.offload_gradients and device.offload.grad_sum_on == "host"
+    assert dict(device.base_options) == {"lr": 1e-3}
+    with pytest.raises(ValueError, match=r"optimizer\.update_on=device with optimizer\.offload_gradients=True"):
+        chosen.with_options(update_on="device", grad_sum_on=None)
+    assert chosen.identity == {"component": "torchtune_offload.optim.offload_optimizer.OffloadOptimizer",
+                               "optimizer_class": "torch.optim.adamw.AdamW"}
+
+
+def test_a_bitsandbytes_checkpoint_has_a_plain_layout_and_loads_in_a_bitsandbytes_run():
+    bnb = pytest.importorskip("bitsandbytes")
+    model = torch.nn.Linear(4, 4)
+    params = list(model.parameters())
+    saved = bnb.optim.AdamW(params, lr=1e-3)
+    assert OptimizerKind.of_state(saved.state_dict()) is OptimizerKind.PLAIN is OptimizerKind.BITSANDBYTES.layout
+    run = RunOptimizer(bnb.optim.AdamW(params, lr=1e-3), params=params, clip_grad_norm=None,
+                       kind=OptimizerKind.BITSANDBYTES)
+    run.load_state_dict(saved.state_dict(), component="bitsandbytes.optim.AdamW")
+    plain = RunOptimizer(torch.optim.AdamW(params, lr=1e-3), params=params, clip_grad_norm=None,
+                         kind=OptimizerKind.PLAIN)
+    with pytest.raises(ValueError, match="a plain optimizer with the options"):
+        plain.load_state_dict(saved.state_dict(), component="torch.optim.AdamW")
 
 
 @pytest.mark.parametrize("component", ["OffloadOptimizer", "CPUOffloadOptimizer"])

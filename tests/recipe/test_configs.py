@@ -207,8 +207,8 @@ def test_config_passes_its_recipes_own_check(path, monkeypatch):
     expected_class = _get_component_from_path(cfg.optimizer._component_)
     for kind in kinds:
         settings = check_recipe_config(cfg, recipe=kind)  # ValueError lists problems
-        assert settings.optimizer_class is expected_class
-        assert settings.optimizer_capabilities == capabilities_of(expected_class)
+        assert settings.optimizer.optimizer_class is expected_class
+        assert settings.optimizer.capabilities == capabilities_of(expected_class)
         assert settings.batch_size == cfg.batch_size
         assert settings.gradient_accumulation_steps == cfg.get("gradient_accumulation_steps", 1)
 

@@ -24,9 +24,7 @@ from tests import zygote
 from tests.recipe.cpu_setup import cpu_recipe_setup
 from tests.recipe_harness import TUNE, load_recipe_module, tiny_asset_overrides, working_tree_env
 from torchtune_offload.bench.trace_summary import summarize
-from torchtune_offload.optim.capabilities import capabilities_of
-from torchtune_offload.optim.optimizer_class import resolve_optimizer
-from torchtune_offload.recipe import build_optimizer, read_disk_log
+from torchtune_offload.recipe import OptimizerKind, build_optimizer, describe_optimizer, read_disk_log
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {kind: REPO_ROOT / "configs" / "tiny" / f"{kind}.yaml" for kind in ("full", "lora")}
@@ -682,8 +680,9 @@ def test_a_paged_optimizer_on_the_cpu_is_said_to_run_unpaged(caplog):
     model = torch.nn.Linear(8, 8)
     for component, said in (("bitsandbytes.optim.PagedAdamW", True), ("bitsandbytes.optim.AdamW", False)):
         # The settings build_optimizer reads, without a config check.
-        settings = types.SimpleNamespace(optimizer_capabilities=capabilities_of(resolve_optimizer(component, key="k")),
-                                         optimizer_in_bwd=False, clip_grad_norm=None)
+        cfg = OmegaConf.create({"_component_": component, "lr": 1e-3})
+        settings = types.SimpleNamespace(optimizer=describe_optimizer(cfg, in_backward=False), clip_grad_norm=None)
+        assert settings.optimizer.kind is OptimizerKind.BITSANDBYTES
         caplog.clear()
-        build_optimizer(OmegaConf.create({"_component_": component, "lr": 1e-3}), model, settings)
+        build_optimizer(cfg, model, settings)
         assert ("bitsandbytes pages its states only on CUDA and runs unpaged on the CPU" in caplog.text) is said

@@ -1,7 +1,8 @@
 """Run one config with each optimizer variant, one ``tune run`` after another, and tabulate the results.
 
 Every variant runs ``recipes/full_finetune_single_device.py`` with the same config and overrides; only
-the optimizer block (and, for ``paged_adamw8bit_in_bwd``, ``optimizer_in_bwd``) differs. A variant the
+what the variant sets (``bench/variants.py``: the optimizer block, and for ``paged_adamw8bit_in_bwd``
+``optimizer_in_bwd`` without clipping or accumulation) differs. A variant the
 config check refuses, that runs out of memory or that fails is reported as such and the sweep goes on.
 A variant whose training diverged (the recipe stopped at a nan or inf loss or gradient norm) is
 ``diverged``, with the figures of the steps it logged.
@@ -16,63 +17,15 @@ import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
-from omegaconf import OmegaConf
-
+from torchtune_offload.bench.variants import VARIANTS
 from torchtune_offload.recipe.disk_log import read_disk_log
 from torchtune_offload.recipe.divergence import TrainingDivergedError
 from torchtune_offload.recipe.memory import EXPANDABLE_SEGMENTS
 from torchtune_offload.recipe.run_report import cell, first_nonfinite, median_tokens_per_second, peak
 
 RECIPE = "recipes/full_finetune_single_device.py"
-_ADAMW = "torch.optim.AdamW"
-
-
-def _ours(**keys: object) -> Dict[str, object]:
-    """The optimizer keys of an ``OffloadOptimizer`` variant over torch's AdamW."""
-    return {"_component_": "torchtune_offload.OffloadOptimizer", "optimizer_class": _ADAMW, **keys}
-
-
-#: Per variant: the optimizer keys it sets, the other overrides it needs, and what it is.
-VARIANTS: Dict[str, Tuple[Dict[str, object], List[str], str]] = {
-    "adamw": ({"_component_": _ADAMW}, [], "torch AdamW, all on the device"),
-    "paged_adamw": ({"_component_": "bitsandbytes.optim.PagedAdamW"}, [], "bitsandbytes, 32-bit paged states"),
-    "paged_adamw8bit": ({"_component_": "bitsandbytes.optim.PagedAdamW8bit"}, [],
-                        "bitsandbytes, 8-bit paged states"),
-    "paged_adamw8bit_in_bwd": ({"_component_": "bitsandbytes.optim.PagedAdamW8bit"}, ["optimizer_in_bwd=True"],
-                               "torchtune's 8B single-device setting: 8-bit paged, stepping in backward"),
-    "torchao": ({"_component_": "torchtune_offload.CPUOffloadOptimizer", "optimizer_class": _ADAMW}, [],
-                "torchao CPUOffloadOptimizer"),
-    "torchao_grads": ({"_component_": "torchtune_offload.CPUOffloadOptimizer", "optimizer_class": _ADAMW,
-                       "offload_gradients": True}, [], "torchao CPUOffloadOptimizer, offload_gradients"),
-    "offload": (_ours(), [], "this project's OffloadOptimizer"),
-    "offload_grads": (_ours(offload_gradients=True), [], "OffloadOptimizer, offload_gradients"),
-    "offload_overlap": (_ours(overlap=True), [], "OffloadOptimizer, host step overlapped with GPU work"),
-    "offload_grads_overlap": (_ours(offload_gradients=True, overlap=True), [],
-                              "OffloadOptimizer, offload_gradients, host step overlapped with GPU work"),
-    # With accumulation only: without it there is no later micro-batch, and this is offload_grads_overlap.
-    "offload_grads_overlap_device_sums": (_ours(offload_gradients=True, overlap=True, grad_sum_on="device"), [],
-                                          "OffloadOptimizer, offload_gradients, overlap, later micro-batches added "
-                                          "into their host sums on the device"),
-    "offload_master_overlap": (_ours(offload_gradients=True, overlap=True, master_dtype="fp32"), [],
-                               "OffloadOptimizer, offload_gradients, overlap, fp32 master weights and "
-                               "states on the host"),
-    "offload_grads_8bit": (_ours(optimizer_class="torchtune_offload.AdamW8bit", offload_gradients=True), [],
-                           "OffloadOptimizer, offload_gradients, 8-bit AdamW states on the host"),
-    "offload_grads_8bit_fp8": (_ours(optimizer_class="torchtune_offload.AdamW8bit", offload_gradients=True,
-                                     device_weights="fp8"), [],
-                               "OffloadOptimizer, offload_gradients, 8-bit AdamW states on the host, FP8 layer "
-                               "weights on the device"),
-    "offload_device_update": (_ours(update_on="device"), [],
-                              "OffloadOptimizer, states in host memory, updates on the device"),
-    "offload_device_update_overlap": (_ours(update_on="device", overlap=True), [],
-                                      "OffloadOptimizer, states in host memory, updates on the device in the "
-                                      "next forward's order"),
-}
-OFFLOAD_ONLY_KEYS = ("optimizer_class", "offload_gradients", "minimal_size", "master_dtype", "grad_sum_dtype",
-                    "grad_sum_on", "fused_master_step", "overlap", "overlap_timeout_s", "update_on", "device_staging_mib",
-                    "device_weights")
 _OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 GIB = 1024**3
 #: A variant's status when its training diverged.
@@ -96,15 +49,6 @@ class VariantResult:
     #: The steps the sweep asked for; ``steps`` (those logged) is fewer where one epoch of the data
     #: ended first, or the run stopped.
     steps_requested: int = 0
-
-
-def overrides_for(config: str, name: str) -> List[str]:
-    """Command-line overrides that turn ``config``'s optimizer into variant ``name``."""
-    keys, others, _ = VARIANTS[name]
-    present = OmegaConf.load(config).optimizer
-    # Offload-only keys the variant does not set are deleted (plain optimizers reject them).
-    drop = [f"~optimizer.{k}" for k in OFFLOAD_ONLY_KEYS if k in present and k not in keys]
-    return drop + [f"optimizer.{k}={v}" for k, v in keys.items()] + others
 
 
 def _nvml_gpu() -> Optional[object]:
@@ -179,11 +123,13 @@ def variant_environment() -> Dict[str, str]:
 
 def variant_overrides(*, name: str, config: str, steps: int, output_dir: Path, extra: Sequence[str]) -> List[str]:
     """The ``key=value`` overrides variant ``name`` runs ``config`` with: its optimizer's, the sweep's
-    own, then ``extra`` (the user's, given to every variant)."""
-    return [*overrides_for(config, name), f"max_steps_per_epoch={steps}", "epochs=1",
+    own, ``extra`` (the user's, given to every variant), then the settings the variant needs, as the
+    planner plans it (``Variant.overrides``)."""
+    variant = VARIANTS[name]
+    return [*variant.optimizer_overrides(config), f"max_steps_per_epoch={steps}", "epochs=1",
             f"output_dir={output_dir / name}", "log_peak_memory_stats=True", "log_every_n_steps=1",
             # Benchmarks keep no checkpoint worth protecting: variants may share a checkpoint folder.
-            "overwrite_checkpoints=True", *extra]
+            "overwrite_checkpoints=True", *extra, *variant.settings]
 
 
 def run_variant(
@@ -339,11 +285,12 @@ def log_to_wandb(
 
     ids = []
     for r in results:
-        keys, others, description = VARIANTS[r.name]
+        variant = VARIANTS[r.name]
         where = {} if directory is None or os.environ.get("WANDB_DIR") else {"dir": str(directory)}
         run = wandb.init(project=project, group=group, name=r.name, job_type="sweep", reinit="create_new", **where,
-                         config={**config, "variant": r.name, "status": r.status, "description": description,
-                                 "variant_optimizer": dict(keys), "variant_overrides": " ".join(others),
+                         config={**config, "variant": r.name, "status": r.status, "description": variant.description,
+                                 "variant_optimizer": dict(variant.optimizer),
+                                 "variant_overrides": " ".join(variant.settings),
                                  **({"recipe_config": recipe_configs[r.name]} if recipe_configs else {})})
         run.define_metric("global_step")
         run.define_metric("*", step_metric="global_step", step_sync=True)

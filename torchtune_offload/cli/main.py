@@ -26,6 +26,7 @@ from torchtune.config._parse import TuneRecipeArgumentParser
 from torchtune.config._utils import _merge_yaml_and_cli_args
 
 from torchtune_offload.assets import missing_tiny_assets
+from torchtune_offload.bench.variants import legend
 from torchtune_offload.plan.__main__ import main as plan_main
 from torchtune_offload.plan.probe import run_probe
 from torchtune_offload.recipe import ConfigError, preflight
@@ -262,6 +263,9 @@ def _compare(args: argparse.Namespace) -> int:
         print(compare_runs(runs))
     except FileNotFoundError as err:  # no log file where a run should have written one
         raise UsageError(str(err)) from err
+    named = legend(runs)
+    if named:
+        print("\nThe sweep's variants (torchtune_offload/bench/variants.py):\n" + "\n".join(named))
     return 0
 
 

@@ -20,7 +20,7 @@ from torchtune_offload.optim.host_arena import ALLOCATOR, NONE, pinned_allocatio
 from torchtune_offload.optim.host_memory import HostMemoryPlan, offloaded_buffers_plan
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
-from torchtune_offload.optim.offload_options import check_accumulation_steps, flag_option, minimal_size_option
+from torchtune_offload.optim.offload_options import OffloadOptions, check_accumulation_steps
 
 
 def _strip_names(params: Any) -> Any:
@@ -55,7 +55,6 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
 
     capabilities = OptimizerCapabilities(
         offloads=True,
-        holds_gradients=True,
         can_clip=False,
         accumulates_offloaded_grads=False,
         runs_under_fsdp2=False,
@@ -142,16 +141,15 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
                 param.register_hook(functools.partial(self._await_copy, param))
 
     @staticmethod
-    def check_own_options(own: Dict[str, Any]) -> None:
+    def check_own_options(own: Dict[str, Any]) -> OffloadOptions:
         """This wrapper's own options (``split_options``' first part: each given or at its default),
         checked on any machine (torchao checks neither: the string ``"false"`` would turn gradient
-        offload on).
+        offload on), typed as the engine's are (its other options at their defaults).
 
         Raises:
             ValueError: naming ``optimizer.<key>``.
         """
-        flag_option(own["offload_gradients"], key="offload_gradients")
-        minimal_size_option(own["minimal_size"])
+        return OffloadOptions.parse(**own)
 
     @classmethod
     def plan_host_memory(
@@ -178,12 +176,12 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
         base_class = resolve_optimizer_class(optimizer_class)
         # What the constructor would refuse is refused here: a plan of a run that cannot start misleads.
         check_base_options(base_class, kwargs, owner=f"CPUOffloadOptimizer (base {base_class.__name__})")
-        cls.check_own_options(own)
+        opts = cls.check_own_options(own)
         params = _strip_names(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         trainable = [p for g in groups for p in g["params"] if p.requires_grad]
         return offloaded_buffers_plan(trainable, optimizer_class=base_class,
-                                      options=kwargs, minimal_size=own["minimal_size"],
+                                      options=kwargs, minimal_size=opts.minimal_size,
                                       pinning=NONE if torch.device(device).type == "cpu" else ALLOCATOR)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

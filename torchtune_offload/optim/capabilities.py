@@ -21,9 +21,6 @@ class OptimizerCapabilities:
     Attributes:
         offloads: steps on host copies of the parameters, configured with ``optimizer_class``
             (the base optimizer), ``offload_gradients`` and ``minimal_size``.
-        holds_gradients: steps on gradients it keeps itself (on the host), so the norm must come
-            from its ``grad_norm()`` (and clipping, where it can clip, from its
-            ``clip_grad_norm_()``), not from the model's ``.grad``.
         named_parameters: takes ``model.named_parameters()`` pairs (its checkpoint is keyed by name).
         can_clip: the gradients it steps on can be clipped before the step.
         accumulates_offloaded_grads: gradient accumulation works with ``offload_gradients=True``.
@@ -56,7 +53,6 @@ class OptimizerCapabilities:
     """
 
     offloads: bool = False
-    holds_gradients: bool = False
     named_parameters: bool = False
     can_clip: bool = True
     accumulates_offloaded_grads: bool = True
@@ -83,7 +79,6 @@ OFFLOAD_STEPS_AFTER_BACKWARD = "an offloading optimizer cannot step inside backw
 #: ``OffloadOptimizer``'s: per-parameter base optimizers over host copies, stepped after backward.
 ENGINE_CAPABILITIES = OptimizerCapabilities(
     offloads=True,
-    holds_gradients=True,
     named_parameters=True,
     runs_under_fsdp2=False,
     steps_in_backward=False,

@@ -25,7 +25,7 @@ from torchtune_offload.optim.host_memory import HostMemoryPlan
 from torchtune_offload.optim.memory_report import OffloadMemoryReport, engine_memory_report
 import torchtune_offload.optim.offload_checkpoint as offload_checkpoint
 from torchtune_offload.optim.offload_checkpoint import STATE_DICT_FORMAT
-from torchtune_offload.optim.offload_options import OffloadOptions, check_accumulation_steps, precision_option
+from torchtune_offload.optim.offload_options import OffloadOptions, check_accumulation_steps
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
 from torchtune_offload.optim.overlap_scheduler import OverlapScheduler
 from torchtune_offload.optim.param_table import (
@@ -151,9 +151,9 @@ class OffloadOptimizer(Optimizer):
         nothing. Takes the constructor's arguments, the training ``device`` (host buffers are pinned
         on an accelerator, ``optim/host_arena.py``) and ``gradient_accumulation_steps`` (with
         ``offload_gradients``, more than one adds the staging ring). Refuses what the constructor refuses."""
-        own, kwargs = split_options(cls.__init__, options)
-        return _plan_host_memory(named_groups(params), resolve_optimizer_class(optimizer_class), own, kwargs,
-                                 device=device, gradient_accumulation_steps=gradient_accumulation_steps)
+        own, kwargs = split_options(cls.__init__, options)  # parse refuses what the constructor refuses
+        return _plan_host_memory(named_groups(params), resolve_optimizer_class(optimizer_class), OffloadOptions.parse(
+            **own), kwargs, device=device, gradient_accumulation_steps=gradient_accumulation_steps)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         """Backward hook: counted; its group is handed over once complete (``optim/handoff.py``)."""
@@ -341,28 +341,25 @@ class OffloadOptimizer(Optimizer):
                 part.close()
 
 
-def _plan_host_memory(groups: Any, base_class: type, own: Dict[str, Any], kwargs: Dict[str, Any], *,
+def _plan_host_memory(groups: Any, base_class: type, opts: OffloadOptions, kwargs: Dict[str, Any], *,
                       device: Union[str, torch.device], gradient_accumulation_steps: int) -> HostMemoryPlan:
-    """:meth:`OffloadOptimizer.plan_host_memory` for named ``groups``, the engine's options ``own``
+    """:meth:`OffloadOptimizer.plan_host_memory` for named ``groups``, the engine's options ``opts``
     and the base optimizer's ``kwargs``."""
-    # What the constructor would refuse is refused here: a plan of a run that cannot start misleads.
-    OffloadOptions.parse(**own)
     check_base_options(base_class, kwargs, owner=f"OffloadOptimizer (base {base_class.__name__})")
     check_accumulation_steps(gradient_accumulation_steps)
     check_groups(groups, base_class=base_class, options=kwargs)
     pinning = pinning_of(device)
-    if own["update_on"] == "device":
+    if opts.update_on == "device":
         trainable = [p for g in groups for _, p in g["params"] if p.requires_grad]
         return plan_streamed_memory(trainable, base_class=base_class, options=kwargs,
-                                    minimal_size=own["minimal_size"], pinning=pinning)
+                                    minimal_size=opts.minimal_size, pinning=pinning)
     plan = plan_table_memory(
-        groups, base_class=base_class, options=kwargs, minimal_size=own["minimal_size"], pinning=pinning,
-        master_dtype=precision_option(own["master_dtype"], key="master_dtype"),
-        grad_sum_dtype=precision_option(own["grad_sum_dtype"], key="grad_sum_dtype"),
-        offload_gradients=own["offload_gradients"], gradient_accumulation_steps=gradient_accumulation_steps,
-        grad_sum_on=own["grad_sum_on"], fused_master_step=own["fused_master_step"],
+        groups, base_class=base_class, options=kwargs, minimal_size=opts.minimal_size, pinning=pinning,
+        master_dtype=opts.master_dtype, grad_sum_dtype=opts.grad_sum_dtype,
+        offload_gradients=opts.offload_gradients, gradient_accumulation_steps=gradient_accumulation_steps,
+        grad_sum_on=opts.grad_sum_on, fused_master_step=opts.fused_master_step,
     )
     plan.add("FP8 scales (pinned)" if pinning != NONE else "FP8 scales",
-             plan_scale_bytes(groups, mode=own["device_weights"], minimal_size=own["minimal_size"],
+             plan_scale_bytes(groups, mode=opts.device_weights, minimal_size=opts.minimal_size,
                               pinned=pinning != NONE))
     return plan

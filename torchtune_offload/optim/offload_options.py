@@ -15,6 +15,22 @@ DEVICE_STAGING_MIB = 256.0
 #: Where later micro-batches are added into their host sums (see ``OffloadOptions.grad_sum_on``).
 GRAD_SUM_ON = ("host", "device")
 
+#: The host engine's options that ``update_on="device"`` refuses: each with the value a device update
+#: takes, why, and the fix. Each needs the gradient (or a copy of the weights) on the host, or host
+#: workers, which that mode never makes; ``parse`` refuses them, and the host pre-flight resets them
+#: where it suggests a device update.
+DEVICE_UPDATE_REFUSES = {
+    "offload_gradients": (False, "gradients stay on the device for the device's update",
+                          "Set optimizer.offload_gradients=False"),
+    "master_dtype": (None, "fp32 master weights are a host engine feature", "Remove it (~optimizer.master_dtype)"),
+    "grad_sum_dtype": (None, "gradients are summed on the device in their own dtype", "Remove it (~optimizer.grad_sum_dtype)"),
+    "grad_sum_on": ("host", "gradients are summed on the device, as in plain training", "Remove it (~optimizer.grad_sum_on)"),
+    "device_weights": (None, "FP8 device weights are re-quantized from host masters, and a device update keeps "
+                       "no master", "Remove it (~optimizer.device_weights)"),
+    "overlap_timeout_s": (None, "the timeout bounds waits for host workers, which this mode does not use",
+                          "Remove it (~optimizer.overlap_timeout_s)"),
+}
+
 #: Accepted ``device_weights`` values besides None (``optim/fp8_weights.py``).
 DEVICE_WEIGHTS = ("fp8", "fp8_per_tensor")
 
@@ -158,19 +174,20 @@ class OffloadOptions:
     def parse(
         cls,
         *,
-        offload_gradients: Any,
-        minimal_size: Any,
-        master_dtype: Any,
-        grad_sum_dtype: Any,
-        fused_master_step: Any,
-        overlap: Any,
-        overlap_timeout_s: Any,
+        offload_gradients: Any = False,
+        minimal_size: Any = 4096,
+        master_dtype: Any = None,
+        grad_sum_dtype: Any = None,
+        fused_master_step: Any = True,
+        overlap: Any = False,
+        overlap_timeout_s: Any = None,
         update_on: Any = "host",
         device_staging_mib: Any = None,
         device_weights: Any = None,
         grad_sum_on: Any = "host",
     ) -> "OffloadOptions":
-        """Checks config values (YAML strings included) and returns them typed.
+        """Checks config values (YAML strings included) and returns them typed; an option not given
+        takes ``OffloadOptimizer``'s default (torchao's wrapper gives only its two).
 
         Raises:
             ValueError: naming the ``optimizer.<key>`` at fault and the accepted values.
@@ -194,10 +211,19 @@ class OffloadOptions:
             raise ValueError(f"optimizer.overlap_timeout_s={overlap_timeout_s} without optimizer.overlap=True: it "
                              "bounds the overlapped step's waits for host work. Set optimizer.overlap=True, or "
                              "remove it (~optimizer.overlap_timeout_s).")
-        _check_update_on(update_on, device_staging_mib, offload_gradients=offload, master_dtype=master_dtype,
-                         grad_sum_dtype=grad_sum_dtype, overlap_timeout_s=overlap_timeout_s)
-        _check_device_weights(device_weights, update_on=update_on)
-        _check_grad_sum_on(grad_sum_on, offload_gradients=offload, update_on=update_on)
+        _check_values(update_on, device_staging_mib, device_weights, grad_sum_on)
+        if update_on == "device":
+            _check_device_update(offload_gradients=offload, master_dtype=master_dtype, grad_sum_dtype=grad_sum_dtype,
+                                 grad_sum_on=grad_sum_on, device_weights=device_weights,
+                                 overlap_timeout_s=overlap_timeout_s)
+        elif device_staging_mib is not None:
+            raise ValueError(f"optimizer.device_staging_mib={device_staging_mib} with optimizer.update_on=host: the "
+                             "bound applies to states staged on the device. Set optimizer.update_on=device, or "
+                             "remove it (~optimizer.device_staging_mib).")
+        if grad_sum_on == "device" and not offload:
+            raise ValueError("optimizer.grad_sum_on=device without optimizer.offload_gradients=True: gradients "
+                             "then accumulate on the device, as in plain training, and no host sum is added into. "
+                             "Set optimizer.offload_gradients=True, or remove it (~optimizer.grad_sum_on).")
         if grad_sum is not None and not offload:
             # Without offload_gradients the device sums the micro-batches in the parameters' dtype and
             # clipping scales them there; a wider host buffer would only hold a widened copy (and an
@@ -221,9 +247,9 @@ def device_staging_bytes(device_staging_mib: Optional[float]) -> int:
     return int((DEVICE_STAGING_MIB if device_staging_mib is None else device_staging_mib) * 2**20)
 
 
-def _check_update_on(update_on: Any, device_staging_mib: Any, *, offload_gradients: bool, master_dtype: Any,
-                     grad_sum_dtype: Any, overlap_timeout_s: Any) -> None:
-    """Refuses an ``update_on`` value, a staging bound, or a combination that cannot work."""
+def _check_values(update_on: Any, device_staging_mib: Any, device_weights: Any, grad_sum_on: Any) -> None:
+    """Refuses a value of ``update_on``, ``device_staging_mib``, ``device_weights`` or ``grad_sum_on``
+    that no combination takes."""
     if update_on not in UPDATE_ON:
         raise ValueError(f"optimizer.update_on={update_on!r}: use 'host' (updates on host copies, the "
                          "default) or 'device' (states in host memory, updates on the device).")
@@ -232,52 +258,19 @@ def _check_update_on(update_on: Any, device_staging_mib: Any, *, offload_gradien
                                            or not 0 < device_staging_mib < math.inf):
         raise ValueError(f"optimizer.device_staging_mib={device_staging_mib!r} must be a positive number of "
                          f"MiB (the default is {DEVICE_STAGING_MIB:g}).")
-    if update_on != "device":
-        if device_staging_mib is not None:
-            raise ValueError(f"optimizer.device_staging_mib={device_staging_mib} with optimizer.update_on=host: the "
-                             "bound applies to states staged on the device. Set optimizer.update_on=device, or "
-                             "remove it (~optimizer.device_staging_mib).")
-        return
-    if overlap_timeout_s is not None:
-        raise ValueError(f"optimizer.overlap_timeout_s={overlap_timeout_s} with optimizer.update_on=device: the "
-                         "timeout bounds waits for host workers, which this mode does not use. Remove it "
-                         "(~optimizer.overlap_timeout_s), or set optimizer.update_on=host.")
-    # Each of these needs the gradient (or a copy of the weights) on the host, which this mode never makes.
-    refused = [(offload_gradients, "offload_gradients=True", "gradients stay on the device for the device's "
-                "update", "optimizer.offload_gradients=False"),
-               (master_dtype is not None, f"master_dtype={master_dtype}", "fp32 master weights are a host "
-                "engine feature", "~optimizer.master_dtype"),
-               (grad_sum_dtype is not None, f"grad_sum_dtype={grad_sum_dtype}", "gradients are summed on the "
-                "device in their own dtype", "~optimizer.grad_sum_dtype")]
-    for bad, setting, why, fix in refused:
-        if bad:
-            raise ValueError(f"optimizer.update_on=device with optimizer.{setting}: {why}. Set {fix}, or "
-                             "optimizer.update_on=host.")
-
-
-def _check_device_weights(device_weights: Any, *, update_on: Any) -> None:
-    """Refuses a ``device_weights`` value, or one the update placement cannot serve."""
-    if device_weights is None:
-        return
-    if device_weights not in DEVICE_WEIGHTS:
+    if device_weights is not None and device_weights not in DEVICE_WEIGHTS:
         raise ValueError(f"optimizer.device_weights={device_weights!r}: use fp8 (FP8 layer weights on the device "
                          "with per-row scales), fp8_per_tensor (one scale per weight), or leave it unset (null) for "
                          "weights in the model's dtype.")
-    if update_on == "device":
-        raise ValueError(f"optimizer.device_weights={device_weights} with optimizer.update_on=device: FP8 device "
-                         "weights are re-quantized from host masters, and a device update keeps no master. Set "
-                         "optimizer.update_on=host, or remove optimizer.device_weights (~optimizer.device_weights).")
-
-
-def _check_grad_sum_on(grad_sum_on: Any, *, offload_gradients: bool, update_on: Any) -> None:
-    """Refuses a ``grad_sum_on`` value, or ``"device"`` where no gradient is summed on the host."""
     if grad_sum_on not in GRAD_SUM_ON:
         raise ValueError(f"optimizer.grad_sum_on={grad_sum_on!r}: use 'host' (later micro-batches added into the "
                          "host sums by the host's cores, the default) or 'device' (added on the device).")
-    if grad_sum_on == "device" and not offload_gradients:
-        # A device update refuses offload_gradients: removing the key is then the one fix.
-        fix = ("Remove it (~optimizer.grad_sum_on): a device update keeps the gradients on the device."
-               if update_on == "device" else
-               "Set optimizer.offload_gradients=True, or remove it (~optimizer.grad_sum_on).")
-        raise ValueError("optimizer.grad_sum_on=device without optimizer.offload_gradients=True: gradients then "
-                         f"accumulate on the device, as in plain training, and no host sum is added into. {fix}")
+
+
+def _check_device_update(**given: Any) -> None:
+    """Refuses, with ``update_on="device"``, each option of :data:`DEVICE_UPDATE_REFUSES` set away
+    from the value a device update takes."""
+    for key, (default, why, fix) in DEVICE_UPDATE_REFUSES.items():
+        if given[key] != default:
+            raise ValueError(f"optimizer.update_on=device with optimizer.{key}={given[key]}: {why}. {fix}, or "
+                             "set optimizer.update_on=host.")

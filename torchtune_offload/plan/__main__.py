@@ -26,7 +26,7 @@ import torch
 from omegaconf import OmegaConf
 
 from torchtune_offload.bench.arguments import check_output_file
-from torchtune_offload.bench.sweep import VARIANTS
+from torchtune_offload.bench.variants import VARIANTS
 from torchtune_offload.plan.fastest import fastest_fitting, math_change
 from torchtune_offload.plan.planner import (
     GIB,
@@ -46,6 +46,7 @@ from torchtune_offload.plan.report import format_fine_tunes, format_plans
 from torchtune_offload.plan.speed import DEVICE_MEMORY_KEY, Machine, load_machine, preset_names
 from torchtune_offload.plan.step_traces import default_jobs, sequence_length, trace_steps
 from torchtune_offload.plan.trace import UntraceableModelError, check_builder_imports
+from torchtune_offload.recipe.chosen_optimizer import describe_optimizer
 from torchtune_offload.recipe.component_options import component_removal_problem
 from torchtune_offload.recipe.config import config_shape_problems
 from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, header_recipe, shipped_root
@@ -283,9 +284,11 @@ def _write_json(path: Path, plans: List[VariantPlan], fine: List[VariantPlan], *
 def _fine_tune_block(fine: List[VariantPlan], cfg, *, device_budget: Optional[int], host_budget: int) -> str:
     if not fine:
         return ""
-    optimizer = str(OmegaConf.select(cfg, "optimizer._component_", default="?")).rpartition(".")[2]
-    if OmegaConf.select(cfg, "optimizer.offload_gradients", default=False):
-        optimizer += ", offload_gradients"
+    try:
+        chosen = describe_optimizer(cfg.optimizer, in_backward=cfg.get("optimizer_in_bwd") is True)
+        optimizer = chosen.optimizer_class.__name__ + (", offload_gradients" if chosen.offload_gradients else "")
+    except ValueError:  # the fine-tunes' rows say why they cannot run
+        optimizer = "?"
     return format_fine_tunes(fine, device_budget=device_budget, host_budget=host_budget, optimizer=optimizer)
 
 

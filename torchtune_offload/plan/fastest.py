@@ -4,8 +4,11 @@
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional
 
+from omegaconf import OmegaConf
+
 from torchtune_offload.plan.planner import GIB, VariantPlan
 from torchtune_offload.plan.speed import Speed
+from torchtune_offload.recipe.chosen_optimizer import describe_optimizer
 
 
 #: Keys of the config a variant may set otherwise than the config as given (the one stepping in
@@ -26,10 +29,15 @@ def math_change(variant: Mapping[str, Any], *, config: Mapping[str, Any]) -> Opt
         instead of 1.0``); None where nothing does. fp32 master weights and bitsandbytes' 32-bit
         states are not counted: they are not less precise than plain AdamW's bf16 states.
     """
-    optimizer = variant.get("optimizer") or {}
-    names = f"{optimizer.get('_component_', '')} {optimizer.get('optimizer_class', '')}".lower()
-    changes = ["8-bit optimizer states"] if "8bit" in names else []
-    if str(optimizer.get("device_weights", "")).lower() == "fp8":
+    changes = []
+    try:
+        chosen = describe_optimizer(OmegaConf.create(variant.get("optimizer") or {}),
+                                    in_backward=variant.get("optimizer_in_bwd") is True)
+    except ValueError:  # a variant the recipe refuses is planned as such, never the fastest
+        chosen = None
+    if chosen is not None and "8bit" in f"{chosen.optimizer_class.__name__} {chosen.base_class.__name__}".lower():
+        changes.append("8-bit optimizer states")
+    if chosen is not None and chosen.device_weights == "fp8":
         changes.append("FP8 layer weights")
     changes += [f"{key}={variant.get(key)} instead of {config.get(key)}" for key in _TRAINING_KEYS
                 if variant.get(key) != config.get(key)]

@@ -31,12 +31,10 @@ from torchtune.config._utils import _merge_yaml_and_cli_args
 from torchtune.models.llama3 import llama3, lora_llama3
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-from torchtune_offload.bench.sweep import VARIANTS, overrides_for
+from torchtune_offload.bench.variants import VARIANTS
 from torchtune_offload.optim import fused_step
 from torchtune_offload.optim.handoff import handoff_groups
 from torchtune_offload.optim.host_memory import offloads, optimizer_state_bytes
-from torchtune_offload.optim.offload_options import device_staging_bytes, precision_option
-from torchtune_offload.optim.optimizer_class import resolve_optimizer_class, split_options
 from torchtune_offload.optim.param_table import device_sum_ring_bytes
 from torchtune_offload.optim.state_streamer import plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
@@ -47,6 +45,7 @@ from torchtune_offload.plan.step_traces import StepRequest, mark_lora, sequence_
 from torchtune_offload.plan.trace import (StepTrace, UntraceableModelError, build_meta_model, check_builder_imports,
                                           micro_batch_loss, one_line)
 from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
+from torchtune_offload.recipe.chosen_optimizer import ChosenOptimizer, OptimizerKind
 from torchtune_offload.recipe.config import RECIPE_KEYS
 from torchtune_offload.recipe.host_preflight import available_host_memory
 
@@ -54,8 +53,6 @@ GIB = 1024**3
 #: The reserved peak a CUDA offload run is assumed to reach above its allocated peak, as a share of it,
 #: with the expandable segments the recipes turn on (the 8B batch-1 runs on an H100: 1.8-2.0%).
 RESERVED_MARGIN = 0.05
-#: torchtune's own 8B single-device setting cannot clip or accumulate: its variant turns both off.
-_IN_BWD_SETTINGS = ["clip_grad_norm=null", "gradient_accumulation_steps=1"]
 
 
 @dataclass
@@ -110,104 +107,88 @@ def load_config(config_path: str, overrides: Sequence[str]) -> DictConfig:
 
 
 def variant_config(config_path: str, overrides: Sequence[str], name: str) -> DictConfig:
-    """The config variant ``name`` (``config``: the config as given, or a sweep variant) is planned
-    with: the config and ``overrides``, then the variant's optimizer keys, and for the variant
-    stepping in backward no clipping and no accumulation, which torchtune refuses with it."""
-    extra: List[str] = []
-    if name != "config":
-        extra = overrides_for(config_path, name)
-        if name == "paged_adamw8bit_in_bwd":
-            extra += _IN_BWD_SETTINGS
+    """The config variant ``name`` (``config``: the config as given, or one of ``bench/variants.py``)
+    is planned with: the config and ``overrides``, then what the variant sets, as the sweep runs it."""
+    extra = VARIANTS[name].overrides(config_path) if name != "config" else []
     return load_config(config_path, [*overrides, *extra])
 
 
-def _device_state(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module) -> Dict[str, int]:
+def _device_state(settings: RecipeSettings, model: torch.nn.Module) -> Dict[str, int]:
     """Optimizer state kept on the device and not traced with the step: (label, bytes)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    options = _options_of(cfg)
-    caps = settings.optimizer_capabilities
-    if caps.offloads:
-        base = resolve_optimizer_class(options.pop("optimizer_class", "torch.optim.AdamW"))
-        own, options = split_options(settings.optimizer_class.__init__, options)
-        small = [p for p in trainable if not offloads(p, own["minimal_size"])]
-        state, _ = optimizer_state_bytes(base, small, options)
+    chosen = settings.optimizer
+    opts = chosen.offload
+    if opts is not None:
+        small = [p for p in trainable if not offloads(p, opts.minimal_size)]
+        state, _ = optimizer_state_bytes(chosen.base_class, small, chosen.base_options)
         parts = {"optimizer state (parameters below minimal_size)": state}
-        if own.get("update_on") == "device":
+        if opts.update_on == "device":
             # The states come to the device a slice at a time, through two staging buffers.
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             parts["state staging (update_on=device)"] = plan_device_staging(
-                named, base_class=base, options=options, minimal_size=own["minimal_size"],
-                staging_bytes=device_staging_bytes(own["device_staging_mib"]))
-        accumulates = settings.offload_gradients and settings.gradient_accumulation_steps > 1
-        if own.get("grad_sum_on") == "device" and accumulates:
+                named, base_class=chosen.base_class, options=chosen.base_options, minimal_size=opts.minimal_size,
+                staging_bytes=opts.device_staging_bytes)
+        accumulates = opts.offload_gradients and settings.gradient_accumulation_steps > 1
+        if opts.grad_sum_on == "device" and accumulates:
             # Later micro-batches are added into their host sums through a few device chunks.
             parts["gradient sum chunks (grad_sum_on=device)"] = device_sum_ring_bytes(
-                trainable, minimal_size=own["minimal_size"],
-                grad_sum_dtype=precision_option(own.get("grad_sum_dtype"), key="grad_sum_dtype"))
+                trainable, minimal_size=opts.minimal_size, grad_sum_dtype=opts.grad_sum_dtype)
         return parts
-    if settings.optimizer_class.__module__.startswith("torch.optim") and not settings.optimizer_in_bwd:
+    if chosen.kind is OptimizerKind.PLAIN and chosen.optimizer_class.__module__.startswith("torch.optim"):
         return {}  # traced with the step
-    state, _ = optimizer_state_bytes(settings.optimizer_class, trainable, options)
-    label = "optimizer state (paged)" if settings.optimizer_class.__name__.startswith("Paged") else "optimizer state"
+    state, _ = optimizer_state_bytes(chosen.optimizer_class, trainable, chosen.base_options)
+    label = "optimizer state (paged)" if chosen.optimizer_class.__name__.startswith("Paged") else "optimizer state"
     return {label: state}
 
 
-def _grad_sum_size(own: Dict[str, object]) -> Optional[int]:
-    """Bytes an element of the host gradient sums (4 with ``grad_sum_dtype: fp32``); None for the parameter's own."""
-    return 4 if precision_option(own.get("grad_sum_dtype"), key="grad_sum_dtype") else None
+def _fused_master(chosen: ChosenOptimizer, *, dtype: torch.dtype) -> bool:
+    """Whether the engine would step the fp32 masters with its fused pass: the engine's option, the
+    base optimizer and its options (``fused_step.fuses``, as the engine asks it), and a C compiler to
+    build the pass with (the engine falls back to torch's step without one)."""
+    opts = chosen.offload
+    sums = opts.grad_sum_dtype or dtype
+    return (opts.fused_master_step and fused_step.c_compiler() is not None
+            and fused_step.fuses(chosen.base_class, chosen.base_options, master=torch.float32, grad=sums, out=dtype))
 
 
-def _fused_master(own: Dict[str, Any], base: Optional[type], options: Dict[str, Any], *, dtype: torch.dtype) -> bool:
-    """Whether the engine would step ``cfg``'s fp32 masters with its fused pass: the engine's option,
-    the base optimizer and its options (``fused_step.fuses``, as the engine asks it), and a C compiler
-    to build the pass with (the engine falls back to torch's step without one)."""
-    sums = torch.float32 if _grad_sum_size(own) == 4 else dtype
-    return (base is not None and bool(own.get("fused_master_step", True)) and fused_step.c_compiler() is not None
-            and fused_step.fuses(base, options, master=torch.float32, grad=sums, out=dtype))
+#: How each kind of optimizer updates, as the speed model names it: torchao's wrapper copies, steps
+#: and copies back one after the other; the engine pipelines them on the host, or streams the
+#: states to the device (``update_on=device``).
+_UPDATE = {OptimizerKind.OFFLOAD_ENGINE: "host", OptimizerKind.TORCHAO_OFFLOAD: "torchao"}
 
 
-def _options_of(cfg: DictConfig) -> Dict[str, Any]:
-    """The optimizer's keyword options as the config gives them."""
-    return {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
-
-
-def _step_work(settings: RecipeSettings, cfg: DictConfig, model: torch.nn.Module, tokens: int, *,
-               ops: int) -> StepWork:
-    """What one optimizer step of ``cfg``'s run does, as the speed model reads it (``ops``: the
-    operators of one micro-batch, from its trace)."""
+def _step_work(settings: RecipeSettings, model: torch.nn.Module, tokens: int, *, ops: int) -> StepWork:
+    """What one optimizer step of the run does, as the speed model reads it (``ops``: the operators
+    of one micro-batch, from its trace)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    update, own, base, options = "device", {}, None, {}
-    caps = settings.optimizer_capabilities
-    if caps.offloads:
-        options = _options_of(cfg)
-        base = resolve_optimizer_class(options.pop("optimizer_class", "torch.optim.AdamW"))
-        own, options = split_options(settings.optimizer_class.__init__, options)
-        # torchao's wrapper copies, steps and copies back one after the other; ours pipelines them.
-        update = ("device_update" if own.get("update_on") == "device" else
-                  "host" if caps.overlaps_host_step else "torchao")
+    chosen = settings.optimizer
+    opts = chosen.offload
+    update = _UPDATE.get(chosen.kind, "device")
+    if opts is not None and opts.update_on == "device":
+        update = "device_update"
     n_trainable = sum(p.numel() for p in trainable)
     syncs = 0
     if update == "device":
-        syncs = device_syncs(settings.optimizer_class, _options_of(cfg), tensors=len(trainable),
-                             in_backward=settings.optimizer_in_bwd)
+        syncs = device_syncs(chosen.optimizer_class, chosen.base_options, tensors=len(trainable),
+                             in_backward=chosen.kind is OptimizerKind.IN_BACKWARD)
     state_bytes = 4.0
-    if base is not None and n_trainable:
-        state_bytes = optimizer_state_bytes(base, trainable, options)[0] / n_trainable
+    if opts is not None and n_trainable:
+        state_bytes = optimizer_state_bytes(chosen.base_class, trainable, chosen.base_options)[0] / n_trainable
     handoffs = 0
-    if caps.hands_over_per_group:  # this project's engine: one hand-off per group in each backward
+    if chosen.capabilities.hands_over_per_group:  # this project's engine: one hand-off per group in each backward
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         handoffs = len(set(handoff_groups([n for n, _ in named], [p.numel() * p.element_size() for _, p in named])))
+    master = opts is not None and opts.master_dtype is not None
     return StepWork(params=sum(p.numel() for p in model.parameters()), trainable=max(1, n_trainable), tokens=tokens,
                     micro_batches=settings.gradient_accumulation_steps,
                     activation_checkpointing=settings.enable_activation_checkpointing,
                     element_size=settings.dtype.itemsize, update=update,
-                    offload_gradients=settings.offload_gradients, overlap=bool(own.get("overlap", False)),
+                    offload_gradients=chosen.offload_gradients, overlap=opts is not None and opts.overlap,
                     clipping=settings.clip_grad_norm is not None,
-                    eight_bit=base is not None and base.__name__ == "AdamW8bit",
-                    master_fp32=precision_option(own.get("master_dtype"), key="master_dtype") is not None,
-                    fused_master=_fused_master(own, base, options, dtype=settings.dtype),
-                    grad_sum_size=_grad_sum_size(own),
-                    sums_on_device=own.get("grad_sum_on") == "device", state_bytes=state_bytes,
+                    eight_bit=opts is not None and chosen.base_class.__name__ == "AdamW8bit",
+                    master_fp32=master, fused_master=opts is not None and _fused_master(chosen, dtype=settings.dtype),
+                    grad_sum_size=4 if opts is not None and opts.grad_sum_dtype is not None else None,
+                    sums_on_device=opts is not None and opts.grad_sum_on == "device", state_bytes=state_bytes,
                     device_syncs=syncs, ops_per_micro_batch=ops, handoffs_per_micro_batch=handoffs)
 
 
@@ -221,7 +202,7 @@ def plan_variant(config_path: str, overrides: Sequence[str], name: str, *, recip
     Raises:
         UntraceableModelError: the configured model cannot be built or traced.
     """
-    description = "the config as given" if name == "config" else VARIANTS[name][2]
+    description = "the config as given" if name == "config" else VARIANTS[name].description
     return plan_config(variant_config(config_path, overrides, name), VariantPlan(name=name, description=description),
                        recipe=recipe, seq_len=seq_len, baseline=baseline, traces=traces)
 
@@ -266,7 +247,7 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
         return plan
     plan.device_parts = {f"step peak: {k.lower()}": v for k, v in trace.by_kind.items() if v}
     if settings.device.type != "cpu":
-        for label, size in _device_state(settings, cfg, model).items():
+        for label, size in _device_state(settings, model).items():
             if "paged" in label:
                 plan.paged_bytes = size
                 plan.notes.append(f"{size / GIB:.2f} GiB of paged optimizer state in unified memory: on the device "
@@ -276,7 +257,7 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     plan.device_bytes = sum(plan.device_parts.values())
     plan.batch_size = settings.batch_size
     if settings.device.type != "cpu":
-        plan.work = _step_work(settings, cfg, model, settings.batch_size * length, ops=trace.ops_per_micro_batch)
+        plan.work = _step_work(settings, model, settings.batch_size * length, ops=trace.ops_per_micro_batch)
     if fp8 is not None:
         plan.load_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         plan.notes.append(f"device_weights: the model loads in {settings.dtype} on the device before the optimizer "
@@ -290,7 +271,7 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     if settings.device.type != "cpu":
         plan.notes.append("device figures are traced on fake CPU tensors: a GPU's allocator rounds and caches "
                           "on top (expect a few percent more)")
-    if settings.device.type == "cuda" and settings.optimizer_capabilities.offloads:
+    if settings.device.type == "cuda" and settings.optimizer.kind.offloads:
         plan.reserved_bytes = int(plan.device_bytes * (1 + RESERVED_MARGIN))
         plan.notes.append(f"reserved peak assumed: {plan.reserved_bytes / GIB:.2f} GiB, the step peak plus "
                           f"{RESERVED_MARGIN:.0%}: the recipes run offload runs with expandable_segments "

@@ -6,7 +6,7 @@ time. Many share a step (the same model, gradients kept or freed, the same trace
 :func:`step_request` describes a config's step and the key that tells one step from another.
 :func:`trace_steps` traces the distinct steps side by side in forked worker processes and leaves
 them in the plan's shared cache, so that a 2-core machine plans an 8B config on both of its cores
-(issue 43 asks for at most 60 s there; Linux only); the plan is then assembled from the cache as
+(the target is at most 60 s there; Linux only); the plan is then assembled from the cache as
 before.
 """
 
@@ -25,11 +25,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from torchtune_offload.optim.capabilities import capabilities_of
-from torchtune_offload.optim.optimizer_class import split_options
 from torchtune_offload.plan.fine_tunes import configured_fine_tune
 from torchtune_offload.plan.trace import StepTrace, trace_training_step
 from torchtune_offload.recipe import RecipeSettings
+from torchtune_offload.recipe.chosen_optimizer import OptimizerKind
 from torchtune_offload.recipe.optimizer_rules import is_int
 
 
@@ -53,12 +52,13 @@ def sequence_length(cfg: DictConfig, override: Optional[int]) -> int:
     raise ValueError("tokenizer.max_seq_len is null, so the sequence length is unknown: give --seq-len N.")
 
 
-def traced_optimizer(settings: RecipeSettings, cfg: DictConfig) -> Optional[Callable[[list], torch.optim.Optimizer]]:
+def traced_optimizer(settings: RecipeSettings) -> Optional[Callable[[list], torch.optim.Optimizer]]:
     """The optimizer whose step is traced: torch's own, on the device, stepping after backward."""
-    cls = settings.optimizer_class
-    if settings.device.type == "cpu" or settings.optimizer_in_bwd or not cls.__module__.startswith("torch.optim"):
+    chosen = settings.optimizer
+    cls = chosen.optimizer_class
+    if settings.device.type == "cpu" or chosen.kind is not OptimizerKind.PLAIN or not cls.__module__.startswith("torch.optim"):
         return None
-    options = {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
+    options = dict(chosen.base_options)
     # torch picks its multi-tensor (foreach) kernels for CUDA parameters; the fake ones are CPU
     # tensors. A config that asks for the fused step keeps it (torch refuses fused with foreach).
     if not options.get("fused"):
@@ -75,15 +75,12 @@ def traced_optimizer(settings: RecipeSettings, cfg: DictConfig) -> Optional[Call
     return make
 
 
-def fp8_weights(settings: RecipeSettings, cfg: DictConfig) -> Optional[Tuple[int, bool]]:
+def fp8_weights(settings: RecipeSettings) -> Optional[Tuple[int, bool]]:
     """``(minimal_size, per_row)`` where the run holds its layer weights in FP8 on the device."""
-    if not settings.optimizer_capabilities.offloads or settings.device.type == "cpu":
+    opts = settings.optimizer.offload
+    if opts is None or opts.device_weights is None or settings.device.type == "cpu":
         return None
-    options = {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
-    own, _ = split_options(settings.optimizer_class.__init__, options)
-    if not own.get("device_weights"):
-        return None
-    return own["minimal_size"], own["device_weights"] == "fp8"
+    return opts.minimal_size, opts.device_weights == "fp8"
 
 
 @dataclass(frozen=True)
@@ -113,13 +110,13 @@ class StepRequest:
     def describe(self) -> str:
         """The step in a few words, for messages."""
         frees = "gradients freed" if _frees_gradients(self.settings) else "gradients kept"
-        return f"{self.cfg.model._component_} ({frees}, {self.settings.optimizer_class.__name__})"
+        return f"{self.cfg.model._component_} ({frees}, {self.settings.optimizer.optimizer_class.__name__})"
 
     def trace(self) -> StepTrace:
         """Traces the step (seconds for an 8B model)."""
         s = self.settings
         return trace_training_step(self.cfg, s, seq_len=self.seq_len, mark_trainable=self.mark_trainable,
-                                   free_gradients=_frees_gradients(s), make_optimizer=traced_optimizer(s, self.cfg),
+                                   free_gradients=_frees_gradients(s), make_optimizer=traced_optimizer(s),
                                    fp8_weights=self.fp8_weights)
 
     def traces(self) -> Dict[tuple, StepTrace]:
@@ -141,10 +138,11 @@ def _frees_gradients(settings: RecipeSettings) -> Union[bool, str]:
     """How the step's optimizer frees the gradients (:func:`trace_training_step`'s ``free_gradients``):
     torchtune's in-backward steps and torchao's offloader each gradient as it is made, an optimizer
     that declares ``hands_over_per_group`` (this project's engine) once its group is complete."""
-    if settings.optimizer_in_bwd:
+    chosen = settings.optimizer
+    if chosen.kind is OptimizerKind.IN_BACKWARD:
         return True
-    if settings.offload_gradients:
-        return "per group" if capabilities_of(settings.optimizer_class).hands_over_per_group else True
+    if chosen.offload_gradients:
+        return "per group" if chosen.capabilities.hands_over_per_group else True
     return False
 
 
@@ -164,8 +162,8 @@ def step_request(cfg: DictConfig, settings: RecipeSettings, *, recipe: str, seq_
     """
     settings = replace(settings, compile=False)
     free = _frees_gradients(settings)
-    make = traced_optimizer(settings, cfg)
-    fp8 = fp8_weights(settings, cfg)
+    make = traced_optimizer(settings)
+    fp8 = fp8_weights(settings)
     # The micro-batches the trace runs: one where each gradient is freed (a second repeats it), else up to two.
     micro_batches = 1 if free else min(settings.gradient_accumulation_steps, 2)
 
@@ -176,8 +174,7 @@ def step_request(cfg: DictConfig, settings: RecipeSettings, *, recipe: str, seq_
 
     traced = None
     if make is not None:
-        traced = (settings.optimizer_class, json.dumps(OmegaConf.to_container(cfg.optimizer, resolve=True),
-                                                       sort_keys=True))
+        traced = (settings.optimizer.optimizer_class, json.dumps(dict(settings.optimizer.options), sort_keys=True))
     return StepRequest(key=key(traced), cfg=cfg, settings=settings, seq_len=seq_len,
                        mark_trainable=mark_lora if recipe == "lora" else None, fp8_weights=fp8,
                        key_without_optimizer=key(None) if traced is not None else None)

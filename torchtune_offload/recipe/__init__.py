@@ -36,17 +36,18 @@ from torchtune_offload.recipe.memory import (
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.resume import TrainingCheckpoints, run_output_dir
 from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root
+from torchtune_offload.recipe.chosen_optimizer import ChosenOptimizer, OptimizerKind, describe_optimizer
 from torchtune_offload.recipe.run_optimizer import (
     HoldingOptimizer,
     InBackwardOptimizers,
-    OffloadEngine,
-    OptimizerKind,
     OwnGradientsOptimizer,
     RunOptimizer,
 )
 from torchtune_offload.recipe.train_loop import SavePoint, TrainLoop, loss_of_logits
 
 __all__ = [
+    "ChosenOptimizer",
+    "describe_optimizer",
     "ConfigError",
     "DistributedCheckpoints",
     "HoldingOptimizer",
@@ -56,7 +57,6 @@ __all__ = [
     "check_lora_model_fits_device",
     "check_weights_fit_device",
     "use_expandable_segments",
-    "OffloadEngine",
     "OptimizerKind",
     "OwnGradientsOptimizer",
     "Progress",

@@ -25,11 +25,10 @@ from torchtune_offload.recipe.component_options import nulled
 from torchtune_offload.recipe.config import RecipeSettings
 from torchtune_offload.recipe.dataset_build import build_dataset, dataset_nodes
 from torchtune_offload.recipe.progress import Progress
+from torchtune_offload.recipe.chosen_optimizer import OptimizerKind
 from torchtune_offload.recipe.run_optimizer import (
     HoldingOptimizer,
     InBackwardOptimizers,
-    OffloadEngine,
-    OptimizerKind,
     OwnGradientsOptimizer,
     RunOptimizer,
 )
@@ -91,8 +90,8 @@ def build_optimizer(
     Raises:
         ValueError: if ``state_dict`` was written by another kind of optimizer.
     """
-    caps = settings.optimizer_capabilities
-    if settings.optimizer_in_bwd:
+    chosen = settings.optimizer
+    if chosen.kind is OptimizerKind.IN_BACKWARD:
         optim_dict = {p: config.instantiate(cfg_optimizer, [p]) for p in model.parameters() if p.requires_grad}
         training.register_optim_in_bwd_hooks(model=model, optim_dict=optim_dict)
         run = InBackwardOptimizers(training.create_optim_in_bwd_wrapper(model=model, optim_dict=optim_dict))
@@ -100,22 +99,20 @@ def build_optimizer(
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # Names key the offload optimizer's checkpoint, so a reordered model cannot load wrong state;
         # plain, bitsandbytes and torchao's optimizers take tensors, as in torchtune's recipes.
-        optimizer = config.instantiate(cfg_optimizer, trainable if caps.named_parameters else [p for _, p in trainable])
+        named = chosen.capabilities.named_parameters
+        optimizer = config.instantiate(cfg_optimizer, trainable if named else [p for _, p in trainable])
         if getattr(optimizer, "is_paged", False) and trainable and trainable[0][1].device.type == "cpu":
             # bitsandbytes says so only in a warning at the first step, which reads as a detail.
-            log.warning(f"optimizer._component_={cfg_optimizer._component_}: bitsandbytes pages its states only on "
+            log.warning(f"optimizer._component_={chosen.component}: bitsandbytes pages its states only on "
                         "CUDA and runs unpaged on the CPU, so this run's speed and memory are not those of a paged "
                         "optimizer on a GPU.")
-        kind = OptimizerKind.TORCHAO_OFFLOAD if caps.offloads else OptimizerKind.PLAIN
-        if isinstance(optimizer, OffloadEngine):
-            # By the calls the adapter makes, not by a capability: torchao's offloader holds its
-            # gradients too, and has none of the engine's overlap calls.
-            run = HoldingOptimizer(optimizer, model=model, clip_grad_norm=settings.clip_grad_norm)
-        elif caps.holds_gradients:
-            run = OwnGradientsOptimizer(optimizer, clip_grad_norm=settings.clip_grad_norm, kind=kind)
+        clip = settings.clip_grad_norm
+        if chosen.kind is OptimizerKind.OFFLOAD_ENGINE:
+            run = HoldingOptimizer(optimizer, model=model, clip_grad_norm=clip)
+        elif chosen.kind is OptimizerKind.TORCHAO_OFFLOAD:
+            run = OwnGradientsOptimizer(optimizer, clip_grad_norm=clip, kind=chosen.kind)
         else:
-            run = RunOptimizer(optimizer, params=[p for _, p in trainable], clip_grad_norm=settings.clip_grad_norm,
-                               kind=kind)
+            run = RunOptimizer(optimizer, params=[p for _, p in trainable], clip_grad_norm=clip, kind=chosen.kind)
     if state_dict is not None:
         run.load_state_dict(state_dict, component=cfg_optimizer._component_)
     return run

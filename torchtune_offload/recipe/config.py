@@ -22,16 +22,10 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
 from torchtune_offload.distributed.policies import policy_problems
-from torchtune_offload.optim.capabilities import OptimizerCapabilities
 from torchtune_offload.recipe.config_keys import RECIPE_KEYS
 from torchtune_offload.recipe.component_options import component_option_problems, model_option_problems, nulled
-from torchtune_offload.recipe.optimizer_rules import (
-    capability_problems,
-    configured_base_class,
-    is_int,
-    optimizer_option_problems,
-    resolve_optimizer_component,
-)
+from torchtune_offload.recipe.chosen_optimizer import ChosenOptimizer, describe_optimizer
+from torchtune_offload.recipe.optimizer_rules import add_optimizer_problems, is_int
 from torchtune_offload.recipe.shipped import RECIPE_KINDS
 
 #: The name ``tune run`` and ``tune-offload run`` know each recipe by.
@@ -56,9 +50,8 @@ class RecipeSettings:
     max_steps_per_epoch: Optional[int]
     gradient_accumulation_steps: int
     clip_grad_norm: Optional[float]
-    optimizer_in_bwd: bool
-    optimizer_class: type
-    optimizer_capabilities: OptimizerCapabilities
+    #: The optimizer the config chooses (``optimizer`` and ``optimizer_in_bwd``).
+    optimizer: ChosenOptimizer
     compile: bool
     enable_activation_checkpointing: bool
     enable_activation_offloading: bool
@@ -76,8 +69,6 @@ class RecipeSettings:
     host_memory_check: bool
     save_every_n_steps: Optional[int] = None
     keep_last_n_checkpoints: int = 2
-    #: The optimizer offloads and frees the device gradients during backward.
-    offload_gradients: bool = False
     #: A profiler (``profiler.enabled``) records every thread, the engine's host threads too.
     profile_all_threads: bool = True
 
@@ -149,9 +140,9 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
         ("fsdp_cpu_offload", False), ("fsdp_reshard_after_forward", True),
     )}
     if recipe == "lora":
-        problems.extend(_lora_problems(read))
+        problems.extend(_lora_problems(read, optimizer))
     if recipe == "distributed":
-        problems.extend(_distributed_problems(read, optimizer["optimizer_capabilities"]))
+        problems.extend(_distributed_problems(read, optimizer))
     if problems:
         raise ConfigError(_format(problems))
 
@@ -161,8 +152,7 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
     else:
         device, dtype = torch.device(device_name), {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     return RecipeSettings(
-        device=device, dtype=dtype, **numbers, **checkpoints, **optimizer, **activations,
-        optimizer_in_bwd=in_bwd,
+        device=device, dtype=dtype, **numbers, **checkpoints, optimizer=optimizer, **activations,
         compile=flags["compile"],
         log_peak_memory_stats=flags["log_peak_memory_stats"],
         resume_from_checkpoint=flags["resume_from_checkpoint"],
@@ -342,41 +332,18 @@ def _checkpoint_settings(read: _Reader) -> Dict[str, Any]:
 
 
 def _optimizer_settings(cfg: DictConfig, problems: List[str], *, in_bwd: bool, clip: Optional[float],
-                        accum: Any) -> Dict[str, Any]:
-    """The optimizer's class and capabilities, ``offload_gradients``, and every rule about them."""
-    optimizer_class, caps = None, None
-    offload_gradients = False
+                        accum: Any) -> Optional[ChosenOptimizer]:
+    """The chosen optimizer, described once every rule about it passed (``recipe/optimizer_rules.py``);
+    None where one did not (its problems are added to ``problems``)."""
+    before = len(problems)
+    add_optimizer_problems(cfg, problems, in_bwd=in_bwd, clip=clip, accum=accum)
+    if len(problems) > before:
+        return None
     try:
-        optimizer_class, caps = resolve_optimizer_component(cfg.optimizer)
-    except ValueError as err:
+        return describe_optimizer(cfg.optimizer, in_backward=in_bwd)
+    except ValueError as err:  # the rules above check what this reads: a safety net
         problems.append(str(err))
-    if caps is not None and caps.offloads:
-        offload_gradients = cfg.optimizer.get("offload_gradients", False)
-        if not isinstance(offload_gradients, bool):
-            problems.append(f"optimizer.offload_gradients={offload_gradients!r}: must be True or False.")
-        try:
-            configured_base_class(cfg.optimizer)
-        except ValueError as err:
-            problems.append(str(err))
-    if caps is not None:
-        problems.extend(capability_problems(
-            cfg, caps, in_bwd=in_bwd, clip=clip, accum=accum,
-            offload_gradients=offload_gradients is True, device_type=str(cfg.device).split(":")[0],
-        ))
-    if caps is not None and optimizer_class is not None:
-        # One problem per key: keys the rules above reported are not listed again, and the probe,
-        # which would repeat those rules, is built only when they all passed.
-        reported = {p.split("=")[0].split(":")[0] for p in problems if p.startswith("optimizer.")}
-        problems.extend(optimizer_option_problems(cfg.optimizer, optimizer_class, caps, reported=reported))
-    if in_bwd:
-        if clip is not None:
-            problems.append("optimizer_in_bwd=True with clip_grad_norm set: clipping needs all gradients "
-                            "before any step. Set clip_grad_norm=null or optimizer_in_bwd=False.")
-        if is_int(accum, low=2):
-            problems.append("optimizer_in_bwd=True with gradient_accumulation_steps > 1: each backward "
-                            "steps at once. Set gradient_accumulation_steps=1 or optimizer_in_bwd=False.")
-    return {"optimizer_class": optimizer_class, "optimizer_capabilities": caps,
-            "offload_gradients": offload_gradients is True}
+        return None
 
 
 def _device_problems(cfg: DictConfig, problems: List[str], *, device_present: bool) -> typing.Tuple[str, str]:
@@ -424,10 +391,10 @@ def _collate_fn(read: _Reader) -> str:
     return path
 
 
-def _lora_problems(read: _Reader) -> List[str]:
+def _lora_problems(read: _Reader, chosen: Optional[ChosenOptimizer]) -> List[str]:
     """The LoRA recipe's own rules: ``model.lora_attn_modules`` names only layers torchtune can
     adapt (a typo is found now, not at the first save); no ``low_cpu_ram``."""
-    problems = _device_weights_problems(read.cfg, "the LoRA recipe trains adapters only: the frozen base weights "
+    problems = _device_weights_problems(chosen, "the LoRA recipe trains adapters only: the frozen base weights "
                                         "are not the optimizer's, so it has no master to quantize (QLoRA keeps "
                                         "them in NF4)")
     if read.flag("low_cpu_ram", False):
@@ -446,11 +413,11 @@ def _lora_problems(read: _Reader) -> List[str]:
     return problems
 
 
-def _distributed_problems(read: _Reader, caps: Optional[OptimizerCapabilities]) -> List[str]:
+def _distributed_problems(read: _Reader, chosen: Optional[ChosenOptimizer]) -> List[str]:
     """The distributed recipe's own rules: what it does not support, the shard policy, CPU
     offload, and the optimizer under FSDP2."""
     cfg = read.cfg
-    problems = _device_weights_problems(cfg, "FSDP2 shards each weight across ranks as a DTensor, which the FP8 "
+    problems = _device_weights_problems(chosen, "FSDP2 shards each weight across ranks as a DTensor, which the FP8 "
                                         "layers do not take, and its own CPU offload keeps no FP8 image")
     if read.get("tensor_parallel_dim", 1) not in (1, None):
         problems.append("tensor_parallel_dim > 1 is not supported by this recipe. Set tensor_parallel_dim=1.")
@@ -467,6 +434,7 @@ def _distributed_problems(read: _Reader, caps: Optional[OptimizerCapabilities]) 
             "accelerator and the host, and on a CPU device they are on the host already. Set "
             "fsdp_cpu_offload=False."
         )
+    caps = chosen.capabilities if chosen is not None else None
     if caps is not None and not caps.runs_under_fsdp2:
         problems.append(
             f"optimizer._component_={cfg.optimizer._component_} is not supported under FSDP2: "
@@ -496,9 +464,9 @@ def _profile_all_threads(cfg: DictConfig, problems: List[str]) -> bool:
     return value is True
 
 
-def _device_weights_problems(cfg: DictConfig, why: str) -> List[str]:
+def _device_weights_problems(chosen: Optional[ChosenOptimizer], why: str) -> List[str]:
     """``optimizer.device_weights`` in a recipe that cannot hold FP8 device weights, with why."""
-    value = cfg.optimizer.get("device_weights") if isinstance(cfg.get("optimizer"), DictConfig) else None
+    value = chosen.offload.device_weights if chosen is not None and chosen.offload is not None else None
     if value is None:
         return []
     return [f"optimizer.device_weights={value} with this recipe: {why}. Remove it (~optimizer.device_weights), "

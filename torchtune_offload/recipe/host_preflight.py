@@ -32,7 +32,8 @@ from torchtune import config, training, utils
 
 from torchtune_offload.optim.host_arena import pinned_allocation_bytes
 from torchtune_offload.optim.host_memory import HostMemoryPlan, nbytes, optimizer_state_bytes, plan_host_memory
-from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
+from torchtune_offload.optim.offload_options import DEVICE_UPDATE_REFUSES
+from torchtune_offload.recipe.chosen_optimizer import ChosenOptimizer, OptimizerKind
 from torchtune_offload.recipe.config import ConfigError, RecipeSettings
 from torchtune_offload.recipe.meta_nf4 import nf4_on_meta_without_arithmetic
 from torchtune_offload.recipe.resume import run_output_dir
@@ -109,21 +110,14 @@ def meta_model(cfg_model: DictConfig, settings: RecipeSettings) -> nn.Module:
         return config.instantiate(cfg_model)
 
 
-def optimizer_plan(
-    cfg_optimizer: DictConfig,
-    model: nn.Module,
-    settings: RecipeSettings,
-    *,
-    optimizer_options: Optional[Dict[str, Any]] = None,
-) -> HostMemoryPlan:
-    """The host memory of the configured optimizer (with ``optimizer_options`` changed) for ``model``."""
-    options = {k: v for k, v in OmegaConf.to_container(cfg_optimizer, resolve=True).items() if k != "_component_"}
-    options.update(optimizer_options or {})
+def optimizer_plan(chosen: ChosenOptimizer, model: nn.Module, settings: RecipeSettings) -> HostMemoryPlan:
+    """The host memory of the optimizer ``chosen`` for ``model``'s trainable parameters."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # As build_optimizer passes them: offloaders take names, plain optimizers tensors.
-    params = trainable if settings.optimizer_capabilities.named_parameters else [p for _, p in trainable]
-    return plan_host_memory(settings.optimizer_class, params, device=settings.device,
-                            gradient_accumulation_steps=settings.gradient_accumulation_steps, options=options)
+    params = trainable if chosen.capabilities.named_parameters else [p for _, p in trainable]
+    return plan_host_memory(chosen.optimizer_class, params, device=settings.device,
+                            gradient_accumulation_steps=settings.gradient_accumulation_steps,
+                            options=dict(chosen.options))
 
 
 def host_memory_need(
@@ -131,7 +125,7 @@ def host_memory_need(
     settings: RecipeSettings,
     *,
     mark_trainable: Optional[Callable[[nn.Module], Any]] = None,
-    optimizer_options: Optional[Dict[str, Any]] = None,
+    optimizer: Optional[ChosenOptimizer] = None,
     device: Optional[torch.device] = None,
     step_bytes: Optional[int] = None,
     model: Optional[nn.Module] = None,
@@ -142,8 +136,8 @@ def host_memory_need(
         cfg: the recipe config.
         settings: its checked settings.
         mark_trainable: sets ``requires_grad`` on the meta model as the recipe will (LoRA: adapters only).
-        optimizer_options: size the run with these offload optimizer options changed (for
-            suggestions), e.g. ``{"optimizer_class": "torchtune_offload.AdamW8bit"}``.
+        optimizer: size the run with this optimizer instead of ``settings.optimizer`` (for
+            suggestions: the configured one with some options changed).
         device: size the run on this device instead (for suggestions).
         step_bytes: for a ``device=cpu`` run, the traced peak of its training step (weights,
             gradients, activations: ``torchtune_offload.plan``), counted in place of the weights
@@ -154,6 +148,7 @@ def host_memory_need(
     """
     if device is not None:
         settings = replace(settings, device=device)
+    chosen = optimizer or settings.optimizer
     if model is None:
         model = meta_model(cfg.model, settings)
         if mark_trainable is not None:
@@ -170,14 +165,14 @@ def host_memory_need(
     train: Dict[str, int] = {}
     if on_cpu:
         load["model"] = weights
-        grads_freed = (optimizer_options or {}).get("offload_gradients", settings.offload_gradients)
+        grads_freed = chosen.offload_gradients
         if step_bytes is not None:
             train["training step (traced: weights, gradients, activations)"] = step_bytes
         else:
             train["model"] = weights
             if not grads_freed:
                 train["gradients"] = trainable
-    plan = optimizer_plan(cfg.optimizer, model, settings, optimizer_options=optimizer_options)
+    plan = optimizer_plan(chosen, model, settings)
     train.update(plan.parts)
     notes += list(plan.notes)
     newest = newest_checkpoint(run_output_dir(cfg)) if settings.resume_from_checkpoint else None
@@ -245,8 +240,8 @@ def sharded_host_memory_need(
     if on_host:
         load["parameter shards"] = train["parameter shards"] = held(shards)
         train["gradient shards"] = held(trainable)
-        options = {k: v for k, v in OmegaConf.to_container(cfg.optimizer, resolve=True).items() if k != "_component_"}
-        state, state_notes = optimizer_state_bytes(settings.optimizer_class, trainable, options)
+        chosen = settings.optimizer
+        state, state_notes = optimizer_state_bytes(chosen.base_class, trainable, chosen.base_options)
         train["optimizer state"] = local_world_size * state
         notes += list(state_notes)
     return HostMemoryNeed(
@@ -257,38 +252,33 @@ def sharded_host_memory_need(
     )
 
 
-#: The host engine's options that update_on=device refuses, with the values it takes instead.
-_HOST_ENGINE_ONLY = {"grad_sum_on": "host", "device_weights": None, "master_dtype": None, "grad_sum_dtype": None,
-                     "overlap_timeout_s": None}
-
-
 def _suggestions(cfg: DictConfig, settings: RecipeSettings, need: HostMemoryNeed,
                  mark_trainable: Optional[Callable[[nn.Module], Any]]) -> List[str]:
     """Settings that would change the figure, each with its peak and whether it fits."""
     out = []
     candidates = []
-    if settings.optimizer_capabilities.offloads:
-        base = resolve_optimizer_class(OmegaConf.select(cfg, "optimizer.optimizer_class", default="torch.optim.AdamW"))
-        if base in (torch.optim.AdamW, torch.optim.Adam):
+    chosen = settings.optimizer
+    if chosen.kind.offloads:
+        if chosen.base_class in (torch.optim.AdamW, torch.optim.Adam):
             candidates.append(("optimizer.optimizer_class=torchtune_offload.AdamW8bit (8-bit states, fused host step)",
-                               dict(optimizer_options={"optimizer_class": "torchtune_offload.AdamW8bit"})))
-        if OmegaConf.select(cfg, "optimizer.update_on", default="host") != "device":
+                               lambda: dict(optimizer=chosen.with_options(optimizer_class="torchtune_offload.AdamW8bit"))))
+        if chosen.kind is OptimizerKind.OFFLOAD_ENGINE and chosen.offload.update_on != "device":
             # States alone on the host; the weights and gradients must then fit the device (the planner says).
             # Options update_on=device refuses go with it, so the line is one the user can run as it is.
             overrides = ["optimizer.update_on=device", "optimizer.offload_gradients=False"]
-            options = {"update_on": "device", "offload_gradients": False}
-            for key, default in _HOST_ENGINE_ONLY.items():
-                if OmegaConf.select(cfg, f"optimizer.{key}", default=default) != default:
+            device_update: Dict[str, Any] = {"update_on": "device", "offload_gradients": False}
+            for key, (default, _, _) in DEVICE_UPDATE_REFUSES.items():
+                if key not in device_update and getattr(chosen.offload, key) != default:
                     overrides.append(f"~optimizer.{key}")
-                    options[key] = default
+                    device_update[key] = default
             candidates.append((f"{' '.join(overrides)} (states alone on the host, updates on the device, if the "
-                               "weights and gradients fit it)", dict(optimizer_options=options)))
+                               "weights and gradients fit it)", lambda: dict(optimizer=chosen.with_options(**device_update))))
     if settings.device.type == "cpu" and torch.accelerator.is_available():
         accel = torch.accelerator.current_accelerator()
-        candidates.append((f"device={accel.type} (the model on the GPU)", dict(device=accel)))
-    for label, changes in candidates:
+        candidates.append((f"device={accel.type} (the model on the GPU)", lambda: dict(device=accel)))
+    for label, sized_with in candidates:
         try:
-            other = host_memory_need(cfg, settings, mark_trainable=mark_trainable, **changes)
+            other = host_memory_need(cfg, settings, mark_trainable=mark_trainable, **sized_with())
         except Exception as err:  # e.g. bitsandbytes missing: say so instead of the figure
             out.append(f"  {label}: cannot be sized here ({type(err).__name__}: {err})")
             continue

@@ -1,6 +1,7 @@
 """The config rules about the optimizer: its component, its options (every key against its
 signature, every value by building it on a probe parameter) and what the run asks of it that its
-declared capabilities rule out."""
+declared capabilities rule out. Once they pass, ``recipe/chosen_optimizer.py`` describes the
+optimizer; these rules and that description are the only readers of ``cfg.optimizer``'s keys."""
 
 import difflib
 import inspect
@@ -13,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
 from torchtune_offload.optim.optimizer_class import resolve_optimizer, resolve_optimizer_class, split_options
 from torchtune_offload.optim.base_options import base_option_problems
+from torchtune_offload.recipe.chosen_optimizer import DEFAULT_BASE
 from torchtune_offload.recipe.config_keys import top_level_hint
 
 
@@ -48,7 +50,7 @@ def configured_base_class(cfg_optimizer: DictConfig) -> type:
     Raises:
         ValueError: if ``optimizer.optimizer_class`` does not resolve to an optimizer.
     """
-    return resolve_optimizer_class(cfg_optimizer.get("optimizer_class", "torch.optim.AdamW"))
+    return resolve_optimizer_class(cfg_optimizer.get("optimizer_class", DEFAULT_BASE))
 
 
 def _keyword_names(cls: type, *, kwargs_go_elsewhere: bool = False) -> Optional[set]:
@@ -167,3 +169,40 @@ def capability_problems(
             "optimizer._component_=torchtune_offload.OffloadOptimizer, which runs on any device."
         )
     return problems
+
+
+def add_optimizer_problems(cfg: DictConfig, problems: List[str], *, in_bwd: bool, clip: Optional[float],
+                           accum: Any) -> None:
+    """Adds to ``problems`` every rule about the optimizer the config breaks: its component, its base
+    optimizer, what the run asks of it that its capabilities rule out, and its options' keys and values."""
+    optimizer_class, caps = None, None
+    offload_gradients = False
+    try:
+        optimizer_class, caps = resolve_optimizer_component(cfg.optimizer)
+    except ValueError as err:
+        problems.append(str(err))
+    if caps is not None and caps.offloads:
+        offload_gradients = cfg.optimizer.get("offload_gradients", False)
+        if not isinstance(offload_gradients, bool):
+            problems.append(f"optimizer.offload_gradients={offload_gradients!r}: must be True or False.")
+        try:
+            configured_base_class(cfg.optimizer)
+        except ValueError as err:
+            problems.append(str(err))
+    if caps is not None:
+        problems.extend(capability_problems(
+            cfg, caps, in_bwd=in_bwd, clip=clip, accum=accum,
+            offload_gradients=offload_gradients is True, device_type=str(cfg.device).split(":")[0],
+        ))
+    if caps is not None and optimizer_class is not None:
+        # One problem per key: keys the rules above reported are not listed again, and the probe,
+        # which would repeat those rules, is built only when they all passed.
+        reported = {p.split("=")[0].split(":")[0] for p in problems if p.startswith("optimizer.")}
+        problems.extend(optimizer_option_problems(cfg.optimizer, optimizer_class, caps, reported=reported))
+    if in_bwd:
+        if clip is not None:
+            problems.append("optimizer_in_bwd=True with clip_grad_norm set: clipping needs all gradients "
+                            "before any step. Set clip_grad_norm=null or optimizer_in_bwd=False.")
+        if is_int(accum, low=2):
+            problems.append("optimizer_in_bwd=True with gradient_accumulation_steps > 1: each backward "
+                            "steps at once. Set gradient_accumulation_steps=1 or optimizer_in_bwd=False.")

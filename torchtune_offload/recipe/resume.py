@@ -17,7 +17,7 @@ from torchtune import utils
 
 from torchtune_offload.recipe.atomic_save import COMPLETE_MARKER
 from torchtune_offload.recipe.config import RecipeSettings
-from torchtune_offload.recipe.optimizer_rules import configured_base_class, resolve_optimizer_component
+from torchtune_offload.recipe.chosen_optimizer import describe_optimizer
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.step_checkpoints import (
     CHECKPOINTS_DIR,
@@ -78,27 +78,19 @@ def batching(cfg: DictConfig) -> Dict[str, Any]:
 
 
 def optimizer_identity(cfg: DictConfig) -> Optional[Dict[str, Optional[str]]]:
-    """The optimizer a config runs, as a checkpoint records it: the class of ``optimizer._component_``
-    and, for an offloading optimizer, of its ``optimizer_class`` (AdamW where unset), by
-    dotted name, so that spellings of one class (``torch.optim.AdamW``, ``torch.optim.adamw.AdamW``)
-    compare equal.
+    """The optimizer a config runs, as a checkpoint records it (``ChosenOptimizer.identity``).
 
     Args:
         cfg: the recipe config.
 
     Returns:
-        ``{"component": ..., "optimizer_class": ... or None}``; None where the optimizer does not
-        resolve (the config check reports that).
+        ``{"component": ..., "optimizer_class": ... or None}``; None where the optimizer cannot be
+        described (the config check reports why).
     """
-    def name(cls: type) -> str:
-        return f"{cls.__module__}.{cls.__qualname__}"
-
     try:
-        component, capabilities = resolve_optimizer_component(cfg.get("optimizer"))
-        base = name(configured_base_class(cfg.optimizer)) if capabilities.offloads else None
+        return describe_optimizer(cfg.get("optimizer"), in_backward=False).identity
     except ValueError:
         return None
-    return {"component": name(component), "optimizer_class": base}
 
 
 def _optimizer_problem(cfg: DictConfig, newest: Path, saved: Optional[Dict[str, Any]]) -> Optional[str]:

@@ -4,42 +4,20 @@ A plain optimizer (torch, bitsandbytes), torchao's offloader (which steps on its
 gradients), this project's :class:`~torchtune_offload.OffloadOptimizer` (which also clips them and
 may overlap its host step) and torchtune's per-parameter optimizers stepping inside backward
 (``optimizer_in_bwd``) answer the same calls here. What differs is decided once, when
-:func:`torchtune_offload.recipe.builders.build_optimizer` picks the adapter; the loop and the
-recipes never ask which kind they hold. Capabilities (``optim/capabilities.py``) stay what the
-config check explains its refusals with.
+:func:`torchtune_offload.recipe.builders.build_optimizer` picks the adapter by the chosen
+optimizer's kind (``recipe/chosen_optimizer.py``); the loop and the recipes never ask which kind
+they hold. Capabilities (``optim/capabilities.py``) stay what the config check explains its
+refusals with.
 """
 
-import enum
-from typing import Any, Dict, Iterable, Optional, Protocol, runtime_checkable
+from typing import Any, Dict, Iterable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from torchtune_offload.optim.grad_norm import clip_, total_norm
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
-from torchtune_offload.optim.offload_checkpoint import STATE_DICT_FORMAT
-
-
-class OptimizerKind(enum.Enum):
-    """The kinds of optimizer whose checkpointed states cannot stand in for one another."""
-
-    OFFLOAD_ENGINE = "torchtune_offload.OffloadOptimizer"
-    TORCHAO_OFFLOAD = "torchao's CPUOffloadOptimizer (torchtune_offload.CPUOffloadOptimizer)"
-    PLAIN = "a plain optimizer (torch.optim, bitsandbytes)"
-    IN_BACKWARD = "per-parameter optimizers (optimizer_in_bwd=True)"
-
-    @classmethod
-    def of_state(cls, state_dict: Any) -> Optional["OptimizerKind"]:
-        """The kind that wrote ``state_dict``, read from its layout; None if it is no optimizer state."""
-        if not isinstance(state_dict, dict):
-            return None
-        if state_dict.get("format") == STATE_DICT_FORMAT:
-            return cls.OFFLOAD_ENGINE
-        if "offloaded" in state_dict:
-            return cls.TORCHAO_OFFLOAD
-        if {"state", "param_groups"} <= set(state_dict):
-            return cls.PLAIN
-        return cls.IN_BACKWARD
+from torchtune_offload.recipe.chosen_optimizer import OptimizerKind
 
 
 class RunOptimizer:
@@ -65,8 +43,7 @@ class RunOptimizer:
     @property
     def name(self) -> str:
         """The optimizer's class, marked where it offloads (for the log)."""
-        offloads = self.kind in (OptimizerKind.OFFLOAD_ENGINE, OptimizerKind.TORCHAO_OFFLOAD)
-        return type(self.optimizer).__name__ + (" (offload)" if offloads else "")
+        return type(self.optimizer).__name__ + (" (offload)" if self.kind.offloads else "")
 
     @property
     def scheduled(self) -> torch.optim.Optimizer:
@@ -112,9 +89,10 @@ class RunOptimizer:
             ValueError: naming the kind that wrote it and how to go on.
         """
         saved = OptimizerKind.of_state(state_dict)
-        found = saved.value if saved is not None else (
-            f"something that is not an optimizer state ({type(state_dict).__name__})")
-        if saved is self.kind is OptimizerKind.PLAIN:
+        found = ("a plain optimizer (torch.optim or bitsandbytes)" if saved is OptimizerKind.PLAIN else
+                 saved.value if saved is not None else
+                 f"something that is not an optimizer state ({type(state_dict).__name__})")
+        if saved is self.kind.layout is OptimizerKind.PLAIN:
             # Plain optimizers of different classes differ in their options (AdamW's betas, SGD's
             # momentum). initial_lr is an LR scheduler's bookkeeping, added once one is built.
             ignored = {"params", "initial_lr"}
@@ -122,7 +100,7 @@ class RunOptimizer:
             mine = set(self.optimizer.param_groups[0]) - ignored
             if theirs != mine:
                 saved, found = None, f"a plain optimizer with the options {sorted(theirs)}, not {sorted(mine)}"
-        if saved is not self.kind:
+        if saved is not self.kind.layout:
             raise ValueError(
                 f"resume_from_checkpoint=True: the checkpoint's optimizer state was written by {found}, and this "
                 f"run's optimizer is {self.kind.value} (optimizer._component_={component}, "
@@ -174,40 +152,15 @@ class OwnGradientsOptimizer(RunOptimizer):
         return self.optimizer.clip_grad_norm_(self._clip)
 
 
-@runtime_checkable
-class OffloadEngine(Protocol):
-    """The calls :class:`HoldingOptimizer` makes on the optimizer it adapts, beyond a plain
-    optimizer's; :class:`~torchtune_offload.OffloadOptimizer` answers all of them.
-
-    The adapter is picked by this interface, not by a declared capability: the calls it makes are
-    then the calls the optimizer has (torchao's offloader also holds its gradients, and has none of
-    the overlap calls).
-    """
-
-    def grad_norm(self) -> torch.Tensor: ...
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor: ...
-
-    def register_forward_waits(self, model: torch.nn.Module) -> None: ...
-
-    def expect_final_backward(self, *, clipping: bool) -> None: ...
-
-    def synchronize(self) -> None: ...
-
-    def step_timings(self) -> Dict[str, float]: ...
-
-    def close(self) -> None: ...
-
-
 class HoldingOptimizer(OwnGradientsOptimizer):
-    """This project's engine (an :class:`OffloadEngine`): it holds, measures and clips the gradients
+    """This project's engine (``OffloadOptimizer``): it holds, measures and clips the gradients
     itself, may run its host steps beside the next forward, and reports its timings.
 
     Args:
         model: with ``overlap``, each of its modules waits for its own parameters before its forward.
     """
 
-    def __init__(self, optimizer: OffloadEngine, *, model: torch.nn.Module, clip_grad_norm: Optional[float]) -> None:
+    def __init__(self, optimizer: Any, *, model: torch.nn.Module, clip_grad_norm: Optional[float]) -> None:
         super().__init__(optimizer, clip_grad_norm=clip_grad_norm, kind=OptimizerKind.OFFLOAD_ENGINE)
         # With overlap on, step() returns at once and each module waits for its own weights.
         optimizer.register_forward_waits(model)
@@ -215,8 +168,7 @@ class HoldingOptimizer(OwnGradientsOptimizer):
     @property
     def name(self) -> str:
         """The engine, its base optimizer and the options set away from their defaults (for the log;
-        ``OffloadOptimizer``'s ``base_class`` and ``options``, read as attributes: a protocol with data
-        members would refuse the ``issubclass`` that picks this adapter)."""
+        ``OffloadOptimizer``'s ``base_class`` and ``options``)."""
         engine = self.optimizer
         said = ["offload", f"base {engine.base_class.__name__}", engine.options.summary()]
         return f"{type(engine).__name__} ({'; '.join(s for s in said if s)})"
