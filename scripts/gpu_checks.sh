@@ -1,24 +1,22 @@
 #!/usr/bin/env bash
-# The GPU checks still owed (docs/gpu_results.md, the list at its end), as one call of the device tool:
-# each step capped, all of them within one deadline, and what they print packed into the few files a call
-# brings back. Run it on the lent machine after the wheels' install line of ../shared/gpu/README.md.
+# The GPU runs that docs/gpu_results.md lists as not yet made (the list at its end), in one run on a CUDA
+# machine with the project's dependencies: each step capped, all of them within one deadline, and what they
+# print packed into four files of OUT_DIR.
 #
-# Usage (from the repository root): BUDGET_S=540 bash scripts/gpu_owed.sh OUT_DIR [STEP...]
-#   launching    scripts/bench_launching_thread.py on the GPU: the narrowed 8B's step with every engine mode against
-#                plain AdamW, the hand-off per layer and per parameter side by side, eager then compiled
+# Usage (from the repository root): BUDGET_S=540 bash scripts/gpu_checks.sh OUT_DIR [STEP...]
+#   launching    scripts/bench/bench_launching_thread.py on the GPU: the narrowed 8B's step with every engine
+#                mode against plain AdamW, the hand-off per layer and per parameter side by side, eager then
+#                compiled
 #   8b-b1-compiled  8b-b1 (below) with compile=True: each layer compiled as torchtune compiles it
 #   8b-a8        8b-b1 with 8 micro-batches a step: whether the host step hides behind a longer window
-#   tests        pytest -m gpu, all of it but the overlap stress test, the files the tenth session of 2026-11-27
-#                did not reach first (its 64 tests passed at 2d796b6 in 178 s; 105 s for 70 in the sixth session)
+#   tests        pytest -m gpu, all of it but the overlap stress test, first the files that a 170 s cap did not
+#                reach on an H100 (2026-11-27, 2d796b6: 64 tests passed in 178 s; 105 s for 70 at 2fdd865)
 #   probe        tune-offload probe: the speed model's machine keys on this machine, and how the GPU step's rate
 #                was measured (the batch at which the device rather than the launching thread bounds it)
-#   contention   scripts/bench_launch_contention.py: the narrowed 8B's passes (the launching thread's work alone)
-#                quiet, beside pinned copies each way, and beside host-memory copies on the other cores: whether
-#                the traffic beside the 8B passes is what made each op cost its thread 2-3 times more
 #   sanitizer    under TORCH_CUDA_SANITIZER=1, the GPU tests not yet seen passing under it, in this order: torchao
-#                in the recipe and the bitsandbytes recipe tests (ERROR in two sessions, in their assets' forked
-#                child: tests/zygote.py no longer forks on a CUDA machine), then the clipped sets of
-#                test_sums_added_on_the_device_equal_the_host_rings_bit_for_bit and its last unclipped one
+#                in the recipe and the bitsandbytes recipe tests (ERROR on an H100 at 2fdd865 and 2d796b6, in
+#                their assets' forked child: tests/zygote.py no longer forks on a CUDA machine), then the clipped
+#                sets of test_sums_added_on_the_device_equal_the_host_rings_bit_for_bit and its last unclipped one
 #   8b-b1        llama3_1 8B at 24 GiB, batch 1 x 2048, accumulation 4, clip 1.0, the sums added on the device
 #                (offload_grads_overlap_device_sums): 11 steps, the 5th profiled with Python's calls and summarised
 #   8b-b2        the same at batch 2 (the f6cc131 run's batch): whether the per-pass cost grows with the batch
@@ -29,49 +27,47 @@
 #                this order, as have 100 s each after 30 s of set-up (the checkpoint's writing)
 #   hoststep     torchao's host step (one fused AdamW per tensor), and the 2-norm over the host gradients that
 #                torchao's wrapper and the first offload_gradients path measured before each step, each beside
-#                torch's one-optimizer step, all cores; then the host sums' 2-norms one after another against
-#                side by side (scripts/bench_host_norms.py)
-# Without STEP arguments every step runs, in the order launching, 8b-b1, 8b-b1-compiled, 8b-a8, probe, contention,
-# sanitizer, tests, 8b-b2, 1b-profiles, hoststep.
+#                torch's one-optimizer step, all cores
+# Without STEP arguments every step runs, in the order launching, 8b-b1, 8b-b1-compiled, 8b-a8, probe, sanitizer,
+# tests, 8b-b2, 1b-profiles, hoststep.
 #
 # Each step gets its cap (below) or the time left of BUDGET_S (counted from this script's start, default 540: a
-# call of 600 s less the wheels' install and a margin), whichever is less, and is skipped, saying so, when less
-# than its minimum is left. The work goes to WORK (default /tmp/owed); OUT_DIR gets four files at most (the
-# device tool brings back eight), written again after every step, so that a call killed at its limit still
-# brings back the steps done: owed.log (every step's
-# output), profiles.md (each sweep's table and each profile's summary), owed.tgz (what gpu_results.sh wrote:
-# logs, tables, the sweeps' folders without their traces) and trace-8b-b1.json.gz (the 8B batch-1 trace, when under 15 MiB).
+# run of 600 s less the install and a margin), whichever is less, and is skipped, saying so, when less than its
+# minimum is left. The work goes to WORK (default /tmp/gpu_checks); OUT_DIR gets four files at most, written
+# again after every step, so that a run killed at its limit still leaves the steps done: checks.log (every
+# step's output), profiles.md (each sweep's table and each profile's summary), checks.tgz (what gpu_results.sh
+# wrote: logs, tables, the sweeps' folders without their traces) and trace-8b-b1.json.gz (the 8B batch-1 trace,
+# when under 15 MiB).
 # A TERM (a timeout around this script) packs what is done too. A profiled sweep's tok/s counts its profiled
 # step, which the profiler slows: read its per-step log rows beside the table, not the table alone.
 # Environment: BUDGET_S, WORK, PYTHON (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: BUDGET_S=540 bash scripts/gpu_owed.sh OUT_DIR [STEP...]}; shift
+out=${1:?usage: BUDGET_S=540 bash scripts/gpu_checks.sh OUT_DIR [STEP...]}; shift
 mkdir -p "$out"
 budget=${BUDGET_S:-540}
-work=${WORK:-/tmp/owed}
+work=${WORK:-/tmp/gpu_checks}
 mkdir -p "$work/sweeps"
 start=$SECONDS
 PY=${PYTHON:-python3}
 export PYTHON=$PY
-# The probe first (under a minute; its GPU step's measurement is new), the contention check (half a minute), then
-# the 8B profile: the gap they are for is the largest, and in the tenth session of 2026-11-27 the cap stopped the
-# profile before its trace came back. The tests passed at 2d796b6 as far as they ran (that session) and the engine
-# has not changed since; the sanitizer's sets are those not yet seen passing under it.
-steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(launching 8b-b1 8b-b1-compiled 8b-a8 probe contention sanitizer tests 8b-b2
+# The launching thread's benchmark and the 8B runs first: the gap they measure (the 8B's passes against the speed
+# model) is the largest, and on an H100 at 2d796b6 a cap stopped the 8B profile before its trace was written. The
+# tests passed at 2d796b6 as far as they ran; the sanitizer's sets are those not yet seen passing under it.
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(launching 8b-b1 8b-b1-compiled 8b-a8 probe sanitizer tests 8b-b2
                                               1b-profiles hoststep)
-log=$out/owed.log
+log=$out/checks.log
 
 #: step -> "cap minimum" in seconds. An 8B step writes its random-init checkpoint first (65-108 s, once per
 #: machine), loads the model (about 50 s), runs its steps (8-9 s each) and saves one at the end. The profiled
 #: step's trace is written when that step ends, so a run stopped during its final save keeps it (and its log
-#: rows); with Python's calls recorded its export took more than 70 s (tenth session of 2026-11-27: the cap
+#: rows); with Python's calls recorded its export took more than 70 s (an H100 at 2d796b6: the cap
 #: of 335 s stopped it, after 9 steps). The fifth step profiled, not the ninth, leaves it about 35 s more; a
 #: sweep runs 11 steps at least (scripts/gpu_results.sh), and a cap that stops it after the trace keeps the trace.
-#: A 1B variant loads, runs its 11 steps and saves in more than 96 s (the sixth session of 2026-11-27 gave torchao's
-#: 96 s after the 1B checkpoint's 14 s of writing, and it had not finished): 1b-profiles gives each 100 s.
+#: A 1B variant loads, runs its 11 steps and saves in more than 96 s (an H100 at 2fdd865 gave torchao's 96 s
+#: after the 1B checkpoint's 14 s of writing, and it had not finished): 1b-profiles gives each 100 s.
 declare -A CAPS=([launching]="240 120" [8b-b1-compiled]="480 330" [8b-a8]="480 360"
-                 [tests]="170 60" [probe]="70 40" [contention]="60 30" [sanitizer]="150 40" [8b-b1]="430 300"
+                 [tests]="170 60" [probe]="70 40" [sanitizer]="150 40" [8b-b1]="430 300"
                  [8b-b2]="330 280" [1b-profiles]="430 130" [hoststep]="150 60")
 for step in "${steps[@]}"; do
   [ -n "${CAPS[$step]:-}" ] || { echo "unknown step $step (steps: ${!CAPS[*]})" >&2; exit 2; }
@@ -89,7 +85,7 @@ pack() {  # the files that come back; safe to run twice
     done
   } > "$out/profiles.md"
   # The sweeps' folders travel in gpu_results.sh's own tarballs, without their traces.
-  tar czf "$out/owed.tgz" --exclude=./sweeps -C "$work" . 2>/dev/null
+  tar czf "$out/checks.tgz" --exclude=./sweeps -C "$work" . 2>/dev/null
   local trace
   trace=$(ls -t "$work"/sweeps/sweep-8B-24-b1/*/profiling_outputs/*/*.pt.trace.json.gz 2>/dev/null | head -1)
   if [ -n "$trace" ] && [ "$(stat -c %s "$trace")" -lt $((15 * 1024 * 1024)) ]; then
@@ -103,19 +99,19 @@ trap 'echo "stopped (TERM) after $((SECONDS - start)) s" >> "$log"; [ -n "$child
 # The command of a step, into the array cmd; $1: the step, $2: its seconds.
 command_of() {
   local seconds=$2
-  # gpu_results.sh's sweep, 11 steps, the 9th profiled with Python's calls: the sixth session of
-  # 2026-11-27's 8B trace showed the passes bound by the threads launching their kernels, but not which
-  # Python those threads ran between their ops.
+  # gpu_results.sh's sweep, 11 steps, the 9th profiled with Python's calls: the 8B trace of an H100 at
+  # 2fdd865 showed the passes bound by the threads launching their kernels, but not which Python those
+  # threads ran between their ops.
   local sweep=(env STEPS=11 PROFILE_STEP=9 PROFILE_STACK=1 PYTHON="$PY" SWEEP_ROOT="$work/sweeps")
   local sweep_8b=("${sweep[@]}" PROFILE_STEP=5)
   local device_sums=(VARIANTS=offload_grads_overlap_device_sums ACCUMULATION=4 OVERRIDES=clip_grad_norm=1.0
                      VARIANT_TIMEOUT_S=$((seconds - 45)))
   case $1 in
     launching)
-      cmd=(bash -c '"$0" scripts/bench_launching_thread.py --device cuda --model 8B --rounds 5 --steps 3 --per-parameter \
-                      --json "$1/launching-eager.json" || exit
-                    "$0" scripts/bench_launching_thread.py --device cuda --model 8B --rounds 5 --steps 3 --per-parameter \
-                      --compiled --json "$1/launching-compiled.json"' "$PY" "$work") ;;
+      cmd=(bash -c '"$0" scripts/bench/bench_launching_thread.py --device cuda --model 8B --rounds 5 --steps 3 \
+                      --per-parameter --json "$1/launching-eager.json" || exit
+                    "$0" scripts/bench/bench_launching_thread.py --device cuda --model 8B --rounds 5 --steps 3 \
+                      --per-parameter --compiled --json "$1/launching-compiled.json"' "$PY" "$work") ;;
     8b-b1-compiled) cmd=("${sweep_8b[@]}" BATCH_SIZE=1 TAG=b1-compiled "${device_sums[@]}"
                          OVERRIDES="clip_grad_norm=1.0 compile=True" bash scripts/gpu_results.sh "$work/8b-b1-compiled" sweep:8B:24) ;;
     8b-a8) cmd=("${sweep_8b[@]}" BATCH_SIZE=1 TAG=a8 "${device_sums[@]}" ACCUMULATION=8
@@ -134,14 +130,11 @@ command_of() {
     probe)
       # Its figures go to the log: OUT_DIR keeps its four files.
       cmd=("$PY" -m torchtune_offload.cli probe) ;;
-    contention)
-      cmd=("$PY" scripts/bench_launch_contention.py --model 8B --steps 10 --rounds 3 --copy-gib 1) ;;
     sanitizer)
       # pytest runs the tests in the order given: the recipe tests first (their assets are now built by a
       # fresh interpreter, which the sanitizer slows), then the device-sum sets not yet seen passing under it:
-      # the clipped ones (ids "0.5-...") and the last unclipped one (the others passed), about 10 s each in
-      # the tenth session. -x: a failure's
-      # report comes back before the cap.
+      # the clipped ones (ids "0.5-...") and the last unclipped one (the others passed), about 10 s each on
+      # an H100. -x: a failure's report comes back before the cap.
       cmd=(env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -x -m gpu -p no:cacheprovider -rsfE
            -k "not None-dtype or None-dtype2-fp32-tiny-True"
            tests/recipe/test_recipes_gpu.py::test_torchao_in_the_recipe_matches_plain_adamw_on_gpu
@@ -161,10 +154,9 @@ command_of() {
            bash scripts/gpu_results.sh "$work/1b-profiles" sweep:1B:24) ;;
     hoststep)
       # Two rows, each beside the same baseline: a run of the script per row.
-      # Then the host sums' norms one after another against side by side (the host ring's window end).
       cmd=(bash -c 'for row in "one optimizer per tensor" "not a step"; do
-                      "$0" scripts/bench_host_step.py --params 1.2e9 --steps 10 --baseline "torch fused AdamW, bf16" \
-                        --rows "$row" || exit; done; "$0" scripts/bench_host_norms.py --params 1.2e9 --repeats 5' "$PY") ;;
+                      "$0" scripts/bench/bench_host_step.py --params 1.2e9 --steps 10 \
+                        --baseline "torch fused AdamW, bf16" --rows "$row" || exit; done' "$PY") ;;
   esac
 }
 

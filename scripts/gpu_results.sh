@@ -135,15 +135,15 @@ for stage in "$@"; do
       tar czf "$out/$name.tgz" --exclude='*.pt.trace.json*' -C "$sweeps" "$name" ;;
     pinned:*)
       model=${stage#pinned:}; fam=$(family "$model")
-      $PY scripts/pinned_memory_report.py --model "torchtune.models.$fam.${fam}_${model,,}" \
+      $PY scripts/bench/pinned_memory_report.py --model "torchtune.models.$fam.${fam}_${model,,}" \
         > "$out/pinned-$model.md" 2>&1
       tail -8 "$out/pinned-$model.md" ;;
     hoststep)
-      { $PY scripts/bench_host_step.py --params 400e6 --steps 10 --baseline "torch fused AdamW, bf16" \
+      { $PY scripts/bench/bench_host_step.py --params 400e6 --steps 10 --baseline "torch fused AdamW, bf16" \
           --rows "fused C pass"
-        $PY scripts/bench_adamw8bit_kernel.py --params 100e6
-        $PY scripts/bench_adamw8bit_kernel.py --params 400e6 --threads "$(nproc)" --no-instructions
-        ATEN_CPU_CAPABILITY=avx2 $PY scripts/bench_adamw8bit_kernel.py --params 400e6 --threads "$(nproc)" --builds
+        $PY scripts/bench/bench_adamw8bit_kernel.py --params 100e6
+        $PY scripts/bench/bench_adamw8bit_kernel.py --params 400e6 --threads "$(nproc)" --no-instructions
+        ATEN_CPU_CAPABILITY=avx2 $PY scripts/bench/bench_adamw8bit_kernel.py --params 400e6 --threads "$(nproc)" --builds
       } > "$out/hoststep.md" 2>&1
       cat "$out/hoststep.md" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -37,13 +37,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory) -> Path:
-    """Builds the tiny model, tokenizer and data once per session with ``-m torchtune_offload.assets``.
+    """Builds the tiny model, tokenizer and data once per pytest process with ``-m torchtune_offload.assets``.
 
     Returns:
         The directory holding ``model/``, ``tokenizer/`` and ``data/`` (see torchtune_offload/assets).
     """
     out = tmp_path_factory.mktemp("tiny_assets")
-    # A fresh path per session, so tiktoken's cache (keyed by path string) cannot serve stale ranks.
+    # A fresh path per pytest process, so tiktoken's cache (keyed by path string) cannot serve stale ranks.
     # PYTHONPATH: the working tree's package, never an installed copy.
     env = working_tree_env(TIKTOKEN_CACHE_DIR="")
     result = zygote.run(
@@ -83,7 +83,7 @@ def pytest_addoption(parser):
 
 
 def pytest_generate_tests(metafunc):
-    # The engine's tests twice in one session: one xdist start, one collection, one balance of work.
+    # The engine's tests twice in one pytest run: one xdist start, one collection, one balance of work.
     config = metafunc.config
     if not config.getoption("--also-checked-streams") or config.getoption("--checked-streams"):
         return

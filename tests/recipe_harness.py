@@ -25,7 +25,7 @@ def load_recipe_module(name: str) -> ModuleType:
 
 
 def tiny_asset_overrides(assets: Path) -> List[str]:
-    """Points a configs/tiny config at the session's assets (conftest's ``tiny_assets``)."""
+    """Points a configs/tiny config at the test run's assets (conftest's ``tiny_assets``)."""
     return [
         f"checkpointer.checkpoint_dir={assets / 'model'}",
         f"tokenizer.path={assets / 'tokenizer' / 'tokenizer.model'}",

@@ -134,7 +134,7 @@ def test_cat_prints_a_config_by_name_or_path(capsys, tmp_path):
 
 @pytest.fixture
 def cache_with_tiny_assets(tiny_assets, tmp_path, monkeypatch):
-    """XDG_CACHE_HOME such that the tiny configs resolve to the session's assets."""
+    """XDG_CACHE_HOME such that the tiny configs resolve to the test run's assets."""
     (tmp_path / "cache" / "torchtune_offload").mkdir(parents=True)
     os.symlink(tiny_assets, tmp_path / "cache" / "torchtune_offload" / "tiny")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -9,7 +9,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md"] + sorted((REPO / "docs").glob("*.md"))
-#: The README's sections the project's issue 32 asks for, in the order a reader meets them.
+#: The README's sections, in the order a reader meets them.
 README_SECTIONS = ["Install", "The two commands", "The one-line swap", "`tune-offload`", "Which optimizer when",
                    "One GPU result", "OffloadOptimizer in your own loop", "Limitations", "Docs"]
 # [text](target) and ![alt](target), not inside code spans; the target up to a space or ')'.

@@ -3,9 +3,9 @@ addition, side by side in one run, against the host AdamW step on the same param
 
 Usage (from the repository root, on a CPU-only machine):
 
-    python scripts/bench_accumulation.py [--params 100e6] [--grad-sum-dtype fp32] [--master-dtype fp32]
-                                         [--optimizer adamw8bit] [--repeats 10] [--warmup 2] [--threads N]
-                                         [--before torch|portable]
+    python scripts/bench/bench_accumulation.py [--params 100e6] [--grad-sum-dtype fp32] [--master-dtype fp32]
+                                               [--optimizer adamw8bit] [--repeats 10] [--warmup 2] [--threads N]
+                                               [--before torch|portable]
 
 The parameters are bf16 tensors of Llama 3.2 3B layer shapes (attention 3072x3072 and 1024x3072,
 MLP 8192x3072), as many as reach --params (the last one cut to fit), trained by one

@@ -1,7 +1,7 @@
 """Where the fused 8-bit AdamW pass spends its time, side by side with torch's fused bf16 AdamW.
 
-Usage: python scripts/bench_adamw8bit_kernel.py [--params 100e6] [--threads 1] [--rounds 10]
-                                                [--no-instructions] [--builds]
+Usage: python scripts/bench/bench_adamw8bit_kernel.py [--params 100e6] [--threads 1] [--rounds 10]
+                                                      [--no-instructions] [--builds]
 
 Steps one flat bf16 tensor of --params parameters (random values, gradients of 1e-3, states of two
 real steps) with torch's fused AdamW (bf16 states) and with copies of the C pass of

@@ -1,7 +1,7 @@
 """Host optimizer-step throughput of each precision policy, side by side with torch's fused AdamW.
 
-Usage: python scripts/bench_host_step.py [--params 200e6] [--steps 10] [--threads N] [--rows TEXT]
-                                         [--baseline "torch fused AdamW, bf16"]
+Usage: python scripts/bench/bench_host_step.py [--params 200e6] [--steps 10] [--threads N] [--rows TEXT]
+                                               [--baseline "torch fused AdamW, bf16"]
 
 Tensors are Llama 3.2 1B-shaped layers (attention 2048x2048 and 512x2048, MLP 8192x2048, norms),
 repeated until --params is reached, with random gradients. Each row times one whole host step over

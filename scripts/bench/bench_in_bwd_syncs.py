@@ -1,7 +1,7 @@
 """bitsandbytes' device synchronizations per step, stepping in backward (torchtune's
 ``optimizer_in_bwd``) and after it, and the host's time per in-backward step outside its update.
 
-Usage: python scripts/bench_in_bwd_syncs.py [--models 1B,3B,8B] [--steps 20]
+Usage: python scripts/bench/bench_in_bwd_syncs.py [--models 1B,3B,8B] [--steps 20]
 
 bitsandbytes' 8-bit optimizers synchronize the device after each parameter's update, and a paged
 one once more at the end of ``step()`` (``bitsandbytes.optim.optimizer.Optimizer8bit.step``:

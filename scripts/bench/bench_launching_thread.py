@@ -1,6 +1,6 @@
 """The launching thread's cost of each engine mode against plain AdamW, side by side in one run.
 
-Usage: python scripts/bench_launching_thread.py [--model 8B] [--rounds 5] [--steps 4] [--accum 4]
+Usage: python scripts/bench/bench_launching_thread.py [--model 8B] [--rounds 5] [--steps 4] [--accum 4]
        [--modes KEY,KEY...] [--compiled] [--per-parameter] [--device cpu|cuda] [--json FILE]
 
 The model is a real architecture (``torchtune_offload.models.narrow``: llama3_1 8B's 32 layers and
@@ -43,7 +43,8 @@ from torchtune_offload import AdamW8bit, OffloadOptimizer
 from torchtune_offload.bench.machine import cpu_name
 from torchtune_offload.optim.handoff import BackwardHandoff
 from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, checkpointed_llama, chosen_models
-from torchtune_offload.recipe.run_optimizer import HoldingOptimizer, OptimizerKind, RunOptimizer
+from torchtune_offload.recipe.chosen_optimizer import OptimizerKind
+from torchtune_offload.recipe.run_optimizer import HoldingOptimizer, RunOptimizer
 
 WIDTH, TOKENS, WARMUP, CLIP, LR = 64, 16, 2, 1.0, 1e-5
 

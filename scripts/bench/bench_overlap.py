@@ -2,11 +2,11 @@
 
 Usage (from the repository root):
 
-    python scripts/bench_overlap.py --model torchtune.models.llama3_2.llama3_2_1b --device cuda \\
+    python scripts/bench/bench_overlap.py --model torchtune.models.llama3_2.llama3_2_1b --device cuda \\
         --batch-size 2 --seq-len 2048 --steps 12 --grad-accum 1 --clip 1.0 --offload-gradients
 
     # a mid-size Llama on a CPU-only machine (the CPU emulation of the same pipeline):
-    python scripts/bench_overlap.py --model torchtune.models.llama3_2.llama3_2 \\
+    python scripts/bench/bench_overlap.py --model torchtune.models.llama3_2.llama3_2 \\
         --model-kwargs '{"vocab_size": 32000, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2,
                          "embed_dim": 1024, "max_seq_len": 512, "intermediate_dim": 4096}' \\
         --device cpu --dtype fp32 --batch-size 1 --seq-len 256 --steps 6

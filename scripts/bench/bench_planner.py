@@ -1,7 +1,7 @@
 """How long the planner takes on this machine, against an earlier tree of the planner run in turns,
 and whether its memory figures moved.
 
-Usage: python scripts/bench_planner.py [--config configs/llama3_1/8B_full_offload_engine.yaml ...]
+Usage: python scripts/bench/bench_planner.py [--config configs/llama3_1/8B_full_offload_engine.yaml ...]
        [--baseline 731dfa5] [--rounds 2] [--machine rtx4090_ddr5] [--reference-seconds 151]
        [--plan-args="--device-gib 24 --host-gib 128"]
 
@@ -21,7 +21,7 @@ compared and names those only one tree made. The configs themselves may differ b
 table says where.
 
 ``--reference-seconds S`` names what the baseline took for the first config on another machine (the
-issue 43's 151 s for the 8B full config, on a 2-core AVX2-only EPYC): that machine's time over the
+151 s measured for the 8B full config on a 2-core AVX2-only EPYC): that machine's time over the
 baseline's here gives a factor, and each config's time now is scaled by it, as an estimate of the
 planner's time there, assuming that machine is uniformly that much slower. Prints a markdown table
 naming the CPU.
@@ -43,7 +43,7 @@ import torch
 
 from torchtune_offload.bench.machine import cpu_name
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIGS = ["configs/llama3_1/8B_full_offload_engine.yaml", "configs/llama3_1/8B_qlora_offload.yaml"]
 #: The command-line options: name -> (type, default, help).
 OPTIONS: Dict[str, tuple] = {

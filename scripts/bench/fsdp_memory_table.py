@@ -3,8 +3,8 @@
 
 Usage (from the repository root)::
 
-    python scripts/fsdp_memory_table.py                      # tiny, mid, mid-tied; 1 and 2 ranks
-    python scripts/fsdp_memory_table.py --models mid --world-sizes 2 --steps 10 --seq-len 256
+    python scripts/bench/fsdp_memory_table.py                      # tiny, mid, mid-tied; 1 and 2 ranks
+    python scripts/bench/fsdp_memory_table.py --models mid --world-sizes 2 --steps 10 --seq-len 256
 
 For each model, shard policy (``layers``; ``layers`` + ``embeddings``) and world size, the script
 spawns that many gloo ranks (``torch.multiprocessing``, MASTER_ADDR=127.0.0.1), shards the model

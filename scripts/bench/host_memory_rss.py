@@ -1,6 +1,6 @@
 """Host bytes per offloaded bf16 parameter: what memory_report says and what RSS shows, per engine setting.
 
-Usage: python scripts/host_memory_rss.py [--layers 24] [--width 2048] [--steps 2] [--rows TEXT]
+Usage: python scripts/bench/host_memory_rss.py [--layers 24] [--width 2048] [--steps 2] [--rows TEXT]
 
 Builds a bf16 model of ``--layers`` square bias-free linears (24 x 2048 x 2048: 100.7M parameters)
 and wraps it in ``OffloadOptimizer`` with each setting of :data:`SETTINGS`: ``offload_gradients``

@@ -1,6 +1,6 @@
 """Host memory of each offload policy for Llama 3.2 1B / 3B and Llama 3.1 8B, computed on meta tensors.
 
-Usage: python scripts/host_memory_table.py [--process-gib 3.5]
+Usage: python scripts/bench/host_memory_table.py [--process-gib 3.5]
 
 Prints a markdown table: host bytes per parameter and the total for each model when training on a
 GPU in bf16 (on CUDA the engine's buffers are pinned at their size, one block per purpose, torchao's each

@@ -2,7 +2,7 @@
 
 Usage (from the repository root):
 
-    python scripts/pinned_memory_report.py [--model torchtune.models.llama3_2.llama3_2_1b] [--device cuda]
+    python scripts/bench/pinned_memory_report.py [--model torchtune.models.llama3_2.llama3_2_1b] [--device cuda]
 
 The model is built on the meta device and given uninitialised memory on ``--device`` in bf16 (no
 checkpoint is needed). Each optimizer then allocates its host buffers, and the table gives, per

@@ -2,7 +2,7 @@
 
 Usage (from the repository root):
 
-    python scripts/plan_accuracy.py --config configs/tiny/full.yaml [key=value ...] [--steps 3]
+    python scripts/bench/plan_accuracy.py --config configs/tiny/full.yaml [key=value ...] [--steps 3]
 
 Three fresh processes, so that none inherits another's memory:
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from torchtune_offload.bench.arguments import positive_int
 from torchtune_offload.plan.planner import load_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GIB = 1024**3
 
 # Child 3: one real forward and backward, RSS sampled from a thread.
@@ -68,7 +68,7 @@ def step(micro_batches):
         mark_lora(model)
     loss_fn = build_loss(cfg.loss, model, settings, verbose=False)
     # As the configured optimizer does: offload_gradients frees each gradient once backward has produced it.
-    if settings.offload_gradients:
+    if settings.optimizer.offload_gradients:
         for p in model.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))

@@ -1,7 +1,7 @@
 """Loss curves of the 78M llama3_2_mid trained with fp32 AdamW, bitsandbytes' AdamW8bit and ours, side by side.
 
-Usage: python scripts/quality_8bit.py [--steps 200] [--every 20] [--batch-size 4] [--seq-len 16]
-                                      [--vocab 1024] [--samples 64] [--lr 1e-3] [--threads N]
+Usage: python scripts/bench/quality_8bit.py [--steps 200] [--every 20] [--batch-size 4] [--seq-len 16]
+                                            [--vocab 1024] [--samples 64] [--lr 1e-3] [--threads N]
 
 Each optimizer trains its own copy of the same random-init model (torchtune_offload.models.llama3_2_mid,
 fp32 weights, one seed) on the same batches, in the same order, with the same hyper-parameters:

@@ -1,12 +1,12 @@
 """Loss curves of the 78M llama3_2_mid in bf16, with bf16 device weights and with FP8 device weights.
 
-Usage: python scripts/quality_fp8.py [--steps 300] [--every 20] [--batch-size 4] [--seq-len 16]
-                                     [--vocab 1024] [--samples 64] [--lr 1e-3] [--threads N] [--plot PNG]
-                                     [--runs bf16,fp8,fp8_per_tensor] [--json CURVES] [--force]
+Usage: python scripts/bench/quality_fp8.py [--steps 300] [--every 20] [--batch-size 4] [--seq-len 16]
+                                           [--vocab 1024] [--samples 64] [--lr 1e-3] [--threads N] [--plot PNG]
+                                           [--runs bf16,fp8,fp8_per_tensor] [--json CURVES] [--force]
 
 Three runs of ``torchtune_offload.OffloadOptimizer`` around ``torch.optim.AdamW`` on the CPU emulation
 path, each on its own copy of the same random-init bf16 model, on the same batches in the same order
-with the same hyper-parameters (the data and init of ``scripts/quality_8bit.py``): ``device_weights``
+with the same hyper-parameters (the data and init of ``scripts/bench/quality_8bit.py``): ``device_weights``
 unset (bf16 weights, the reference), ``fp8`` (per-row scales) and ``fp8_per_tensor``. The host
 weights of all three are stepped exactly as plain AdamW would step them on the gradients each run
 computes; only the weights the forward and backward use differ.
@@ -117,7 +117,7 @@ def main() -> None:
                           steps=args.steps, batch_size=args.batch_size)
     initial = llama3_2_mid()
     with torch.no_grad():
-        # The random-init checkpoints' scheme, as scripts/quality_8bit.py uses it.
+        # The random-init checkpoints' scheme, as scripts/bench/quality_8bit.py uses it.
         for name, p in initial.named_parameters():
             p.copy_(init_tensor(name=name, meta=p, num_layers=len(initial.layers), seed=args.seed,
                                 dtype=torch.float32))

@@ -41,19 +41,17 @@ def test_an_output_file_is_refused_before_anything_is_measured(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("script, args, expected", [
-    ("bench_host_step.py", ["--threads", "0"], "argument --threads: '0': give an integer >= 1"),  # was: ignored
-    ("bench_host_step.py", ["--rows", "nomatch"], "--rows 'nomatch': no row's name contains it"),  # was: a nan row
-    ("bench_accumulation.py", ["--params", "nan"], "argument --params: 'nan': give a finite number > 0"),
-    ("bench_host_norms.py", ["--params", "0"], "argument --params: '0'"),  # was: ZeroDivisionError
-    ("bench_clip_in_pass.py", ["--params", "0"], "argument --params: '0'"),
-    ("bench_adamw8bit_kernel.py", ["--rounds", "0"], "argument --rounds: '0'"),
-    ("quality_8bit.py", ["--threads", "-1"], "argument --threads: '-1'"),
-    ("quality_fp8.py", ["--json", "/"], "--json /: is a folder"),  # was: found after the first run
-    ("quality_fp8.py", ["--plot", "/no/such/folder/x.png"], "the folder /no/such/folder does not exist"),
-    ("fsdp_memory_table.py", ["--world-sizes", "0"], "argument --world-sizes: '0'"),  # was: an empty table
-    ("host_memory_table.py", ["--process-gib", "nan"], "argument --process-gib: 'nan'"),
+    ("bench/bench_host_step.py", ["--threads", "0"], "argument --threads: '0': give an integer >= 1"),  # was: ignored
+    ("bench/bench_host_step.py", ["--rows", "nomatch"], "--rows 'nomatch': no row's name contains it"),  # was: nan
+    ("bench/bench_accumulation.py", ["--params", "nan"], "argument --params: 'nan': give a finite number > 0"),
+    ("bench/bench_adamw8bit_kernel.py", ["--rounds", "0"], "argument --rounds: '0'"),
+    ("bench/quality_8bit.py", ["--threads", "-1"], "argument --threads: '-1'"),
+    ("bench/quality_fp8.py", ["--json", "/"], "--json /: is a folder"),  # was: found after the first run
+    ("bench/quality_fp8.py", ["--plot", "/no/such/folder/x.png"], "the folder /no/such/folder does not exist"),
+    ("bench/fsdp_memory_table.py", ["--world-sizes", "0"], "argument --world-sizes: '0'"),  # was: an empty table
+    ("bench/host_memory_table.py", ["--process-gib", "nan"], "argument --process-gib: 'nan'"),
     ("profile_summary.py", ["x", "--longest", "-3"], "argument --longest: '-3'"),  # was: all but 3
-    ("plan_accuracy.py", ["--config", "no/such.yaml"], "--config no/such.yaml: no such file"),
+    ("bench/plan_accuracy.py", ["--config", "no/such.yaml"], "--config no/such.yaml: no such file"),
     ("plan_layers_check.py", ["no/such.yaml"], "no such config file: no/such.yaml"),
     ("plan_vs_sweep.py", ["no/plan.json", "no/results.json"], "no/plan.json: cannot be read as JSON"),
 ])
@@ -64,7 +62,7 @@ def test_scripts_refuse_bad_arguments_by_their_flag(monkeypatch, capsys, script,
 
 def test_an_existing_json_needs_force(monkeypatch, capsys, tmp_path):
     (tmp_path / "curves.json").write_text("{}")
-    code, err = _run_script(monkeypatch, capsys, "quality_fp8.py", "--json", str(tmp_path / "curves.json"))
+    code, err = _run_script(monkeypatch, capsys, "bench/quality_fp8.py", "--json", str(tmp_path / "curves.json"))
     assert code != 0 and "already exists; pass --force to replace it" in err
     assert (tmp_path / "curves.json").read_text() == "{}"
 

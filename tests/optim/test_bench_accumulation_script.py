@@ -1,4 +1,4 @@
-"""scripts/bench_accumulation.py runs on a small model and prints both paths and the host step side by side."""
+"""scripts/bench/bench_accumulation.py runs on a small model and prints both paths and the host step side by side."""
 
 import re
 
@@ -20,7 +20,8 @@ ROWS = ["before: micro-batch on a CPU-only machine", "before: the copies, traini
                                                           (["--optimizer", "adamw8bit", "--grad-sum-dtype", "fp32"], 4,
                                                            16.06)])
 def test_bench_accumulation_prints_the_table(options, sum_bytes, step_bytes):
-    out = zygote.run_script("bench_accumulation.py", "--params", "300000", "--repeats", "2", "--warmup", "1", *options)
+    out = zygote.run_script("bench/bench_accumulation.py", "--params", "300000", "--repeats", "2", "--warmup", "1",
+                            *options)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^CPU: .+; torch threads: [0-9]+;", out.stdout, flags=re.M)
     assert re.search(r"^before: torch's add_; after: the engine's fused addition$", out.stdout, flags=re.M)
@@ -38,19 +39,19 @@ def test_bench_accumulation_prints_the_table(options, sum_bytes, step_bytes):
 
 
 def test_bench_accumulation_refuses_an_unknown_precision():
-    out = zygote.run_script("bench_accumulation.py", "--grad-sum-dtype", "fp16")
+    out = zygote.run_script("bench/bench_accumulation.py", "--grad-sum-dtype", "fp16")
     assert out.returncode == 2 and "--grad-sum-dtype=fp16: use fp32" in out.stderr
 
 
 def test_bench_accumulation_refuses_an_optimizer_it_does_not_count():
-    out = zygote.run_script("bench_accumulation.py", "--optimizer", "sgd")
+    out = zygote.run_script("bench/bench_accumulation.py", "--optimizer", "sgd")
     assert out.returncode == 2 and "--optimizer=sgd: use one of adamw, adamw8bit" in out.stderr
-    out = zygote.run_script("bench_accumulation.py", "--optimizer", "adamw8bit", "--master-dtype", "fp32")
+    out = zygote.run_script("bench/bench_accumulation.py", "--optimizer", "adamw8bit", "--master-dtype", "fp32")
     assert out.returncode == 2 and "leave one of them out" in out.stderr
 
 
 def test_bench_accumulation_compares_the_portable_build_where_the_cpu_has_avx512_bf16():
-    out = zygote.run_script("bench_accumulation.py", "--params", "300000", "--repeats", "2", "--warmup", "1",
+    out = zygote.run_script("bench/bench_accumulation.py", "--params", "300000", "--repeats", "2", "--warmup", "1",
                             "--before", "portable")
     if "avx512_bf16" in cpu_flags():
         assert out.returncode == 0, out.stderr[-3000:]
@@ -59,5 +60,5 @@ def test_bench_accumulation_compares_the_portable_build_where_the_cpu_has_avx512
         assert re.search(r"^Host work of a non-final micro-batch: before [0-9.]+ s, after", out.stdout, flags=re.M)
     else:
         assert out.returncode == 2 and "--before=portable: this CPU has no AVX512_BF16" in out.stderr
-    out = zygote.run_script("bench_accumulation.py", "--before", "numpy")
+    out = zygote.run_script("bench/bench_accumulation.py", "--before", "numpy")
     assert out.returncode == 2 and "--before=numpy: use one of torch, portable" in out.stderr

@@ -1,4 +1,5 @@
-"""scripts/bench_adamw8bit_kernel.py times the fused 8-bit pass and its ablations beside torch's fused bf16 AdamW."""
+"""scripts/bench/bench_adamw8bit_kernel.py times the fused 8-bit pass and its ablations beside torch's fused bf16
+AdamW."""
 
 import re
 import runpy
@@ -12,7 +13,8 @@ from tests.recipe_harness import working_tree_env
 from torchtune_offload.optim import adamw8bit, fused_step
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = runpy.run_path(str(REPO / "scripts" / "bench_adamw8bit_kernel.py"), run_name="bench_adamw8bit_kernel")
+SCRIPT = runpy.run_path(str(REPO / "scripts" / "bench" / "bench_adamw8bit_kernel.py"),
+                        run_name="bench_adamw8bit_kernel")
 
 
 def test_every_ablation_still_finds_its_text_in_the_pass():
@@ -52,7 +54,7 @@ def test_without_the_avx512_path_the_script_stops_by_name_and_points_to_builds(t
 
 @needs_cc
 def test_script_prints_the_pass_its_ablations_and_torch_in_one_table(avx512_path):
-    out = zygote.run_script("bench_adamw8bit_kernel.py", "--params", "65536", "--rounds", "10")
+    out = zygote.run_script("bench/bench_adamw8bit_kernel.py", "--params", "65536", "--rounds", "10")
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^.+, 1 thread, torch .+; 0\.1M bf16 parameters in one tensor; median of 10 rounds$",
                      out.stdout, flags=re.M)
@@ -65,7 +67,7 @@ def test_script_prints_the_pass_its_ablations_and_torch_in_one_table(avx512_path
 
 @needs_cc
 def test_builds_mode_times_the_pass_as_each_instruction_set_builds_it():
-    cmd = [sys.executable, "scripts/bench_adamw8bit_kernel.py", "--params", "65536", "--rounds", "10", "--builds"]
+    cmd = [sys.executable, "scripts/bench/bench_adamw8bit_kernel.py", "--params", "65536", "--rounds", "10", "--builds"]
     env = working_tree_env(ATEN_CPU_CAPABILITY="default")  # torch's step as a CPU without AVX2 runs it
     out = zygote.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

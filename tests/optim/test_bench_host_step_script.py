@@ -1,4 +1,4 @@
-"""scripts/bench_host_step.py prints each chosen row beside its baseline, the clipped rows included."""
+"""scripts/bench/bench_host_step.py prints each chosen row beside its baseline, the clipped rows included."""
 
 import re
 
@@ -12,8 +12,8 @@ CLIPPED = ["engine, bf16 (default policy), clipped (scaled, then stepped)",
 
 
 def test_bench_host_step_prints_the_clipped_rows():
-    out = zygote.run_script("bench_host_step.py", "--params", "200000", "--steps", "10", "--threads", "1", "--rows",
-                            "clipped", "--baseline", "torch fused AdamW, bf16")
+    out = zygote.run_script("bench/bench_host_step.py", "--params", "200000", "--steps", "10", "--threads", "1",
+                            "--rows", "clipped", "--baseline", "torch fused AdamW, bf16")
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^.+, 1 threads, torch .+; [0-9.]+M parameters in [0-9]+ Llama-shaped tensors", out.stdout,
                      flags=re.M)
@@ -23,8 +23,8 @@ def test_bench_host_step_prints_the_clipped_rows():
 
 
 def test_bench_host_step_prints_the_fp32_sum_rows_kept_and_fresh():
-    out = zygote.run_script("bench_host_step.py", "--params", "200000", "--steps", "10", "--threads", "1", "--rows",
-                            "fp32 gradient sums", "--baseline", "torch fused AdamW, bf16")
+    out = zygote.run_script("bench/bench_host_step.py", "--params", "200000", "--steps", "10", "--threads", "1",
+                            "--rows", "fp32 gradient sums", "--baseline", "torch fused AdamW, bf16")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = re.findall(r"^\| ([^|]+) \| ([0-9]+) \| ([0-9.]+)x \|$", out.stdout, flags=re.M)
     assert [r[0] for r in rows] == ["torch fused AdamW, bf16",

@@ -1,4 +1,4 @@
-"""scripts/bench_launching_thread.py: every mode side by side with plain AdamW, in one table."""
+"""scripts/bench/bench_launching_thread.py: every mode side by side with plain AdamW, in one table."""
 
 import json
 import re
@@ -9,7 +9,7 @@ from tests import zygote
 
 
 def test_prints_each_mode_against_plain_adamw_with_ops_and_handoffs(tmp_path):
-    out = zygote.run_script("bench_launching_thread.py", "--model", "1B", "--rounds", "2", "--steps", "1",
+    out = zygote.run_script("bench/bench_launching_thread.py", "--model", "1B", "--rounds", "2", "--steps", "1",
                             "--accum", "2", "--modes", "overlap,torchao",
                             "--per-parameter", "--json", str(tmp_path / "r.json"))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -33,5 +33,5 @@ def test_prints_each_mode_against_plain_adamw_with_ops_and_handoffs(tmp_path):
     (["--device", "cuda"], "--device cuda: no CUDA device here"),
 ])
 def test_bad_arguments_are_refused_naming_the_fix(args, message):
-    out = zygote.run_script("bench_launching_thread.py", *args)
+    out = zygote.run_script("bench/bench_launching_thread.py", *args)
     assert out.returncode == 2 and message in out.stderr

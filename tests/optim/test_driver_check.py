@@ -37,7 +37,7 @@ def test_this_projects_recipes_and_other_programs_are_not(monkeypatch):
     for path in (repo / "recipes" / "full_finetune_single_device.py", Path("/tmp/train.py")):
         _as_main(monkeypatch, path)
         assert driver_check.torchtune_recipe_running() is None
-    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # an interactive session
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # an interactive interpreter
     assert driver_check.torchtune_recipe_running() is None
 
 

@@ -1,4 +1,4 @@
-"""scripts/host_memory_rss.py: host bytes per offloaded bf16 parameter as memory_report says them
+"""scripts/bench/host_memory_rss.py: host bytes per offloaded bf16 parameter as memory_report says them
 (6 plus absmax with 8-bit states, 8 with bf16 states and offload_gradients, 4 with update_on=device),
 and RSS growth within 5% of them."""
 
@@ -13,7 +13,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(layers: int, width: int, rows: str):
-    cmd = [sys.executable, "scripts/host_memory_rss.py", "--layers", str(layers), "--width", str(width), "--rows", rows]
+    cmd = [sys.executable, "scripts/bench/host_memory_rss.py", "--layers", str(layers), "--width", str(width),
+           "--rows", rows]
     out = subprocess.run(cmd, cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return out, dict((name, (float(report), float(grown), float(ratio))) for name, report, grown, ratio in re.findall(

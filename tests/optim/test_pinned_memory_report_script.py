@@ -1,4 +1,4 @@
-"""scripts/pinned_memory_report.py runs end to end (on the CPU: nothing pinned, torchao refused)."""
+"""scripts/bench/pinned_memory_report.py runs end to end (on the CPU: nothing pinned, torchao refused)."""
 
 import re
 import sys
@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_report_prints_a_row_per_optimizer():
-    out = zygote.run([sys.executable, "scripts/pinned_memory_report.py", "--model",
+    out = zygote.run([sys.executable, "scripts/bench/pinned_memory_report.py", "--model",
                           "torchtune_offload.models.tiny_llama", "--device", "cpu"],
                          cwd=REPO, env=working_tree_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

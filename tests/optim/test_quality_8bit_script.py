@@ -1,4 +1,5 @@
-"""scripts/quality_8bit.py trains the 78M llama3_2_mid with the three optimizers and prints their curves side by side."""
+"""scripts/bench/quality_8bit.py trains the 78M llama3_2_mid with the three optimizers and prints their curves side
+by side."""
 
 import math
 import re
@@ -12,8 +13,8 @@ COLUMNS = ["torch AdamW (fp32 states)", "bitsandbytes AdamW8bit", "torchtune_off
 
 def test_quality_script_prints_three_curves_from_one_start():
     pytest.importorskip("bitsandbytes")
-    out = zygote.run_script("quality_8bit.py", "--steps", "3", "--every", "2", "--batch-size", "2", "--seq-len", "8",
-                            "--vocab", "64", "--samples", "4")
+    out = zygote.run_script("bench/quality_8bit.py", "--steps", "3", "--every", "2", "--batch-size", "2", "--seq-len",
+                            "8", "--vocab", "64", "--samples", "4")
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^.+, \d+ threads, torch .+; llama3_2_mid \(77\.\dM parameters", out.stdout, flags=re.M)
     assert "| step | " + " | ".join(COLUMNS) + " |" in out.stdout

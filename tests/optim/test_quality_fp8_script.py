@@ -1,4 +1,4 @@
-"""scripts/quality_fp8.py trains the 78M llama3_2_mid in bf16 with bf16 and FP8 device weights, side by side."""
+"""scripts/bench/quality_fp8.py trains the 78M llama3_2_mid in bf16 with bf16 and FP8 device weights, side by side."""
 
 import math
 import re
@@ -9,8 +9,8 @@ COLUMNS = ["bf16 device weights", "fp8, per-row scales", "fp8, per-tensor scales
 
 
 def test_quality_script_prints_three_curves_from_one_start():
-    out = zygote.run_script("quality_fp8.py", "--steps", "2", "--every", "2", "--batch-size", "2", "--seq-len", "8",
-                            "--vocab", "64", "--samples", "4", timeout=600)
+    out = zygote.run_script("bench/quality_fp8.py", "--steps", "2", "--every", "2", "--batch-size", "2", "--seq-len",
+                            "8", "--vocab", "64", "--samples", "4", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^.+, \d+ threads, torch .+; llama3_2_mid \(77\.\dM parameters, bf16", out.stdout, flags=re.M)
     assert "| step | " + " | ".join(COLUMNS) + " |" in out.stdout

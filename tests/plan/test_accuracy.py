@@ -1,4 +1,4 @@
-"""The planner's predictions against measurement on the CPU: ``scripts/plan_accuracy.py`` on the tiny
+"""The planner's predictions against measurement on the CPU: ``scripts/bench/plan_accuracy.py`` on the tiny
 model and on the 78M-parameter Llama 3.2 (full, and QLoRA): host peak and training step."""
 
 import re
@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _accuracy(config: str, overrides) -> dict:
-    cmd = [sys.executable, "scripts/plan_accuracy.py", "--config", config, *overrides, "--steps", "3"]
+    cmd = [sys.executable, "scripts/bench/plan_accuracy.py", "--config", config, *overrides, "--steps", "3"]
     # No tune or tune-offload on PATH, as in a virtual environment that is not activated.
     env = working_tree_env(TIKTOKEN_CACHE_DIR="", PATH=path_without("tune", "tune-offload"))
     proc = zygote.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -1,4 +1,4 @@
-"""scripts/bench_in_bwd_syncs.py counts bitsandbytes' device synchronizations, which the speed model
+"""scripts/bench/bench_in_bwd_syncs.py counts bitsandbytes' device synchronizations, which the speed model
 counts as ``StepWork.device_syncs`` (plan/speed.py: ``bitsandbytes_syncs_per_step``). If bitsandbytes
 stops synchronizing after each parameter, this fails and the model's term must be looked at again."""
 
@@ -10,7 +10,7 @@ from torchtune_offload.plan.speed import bitsandbytes_syncs_per_step
 
 
 def test_in_backward_steps_synchronize_twice_a_parameter_inside_backward():
-    out = zygote.run_script("bench_in_bwd_syncs.py", "--models", "1B,8B", "--steps", "2")
+    out = zygote.run_script("bench/bench_in_bwd_syncs.py", "--models", "1B,8B", "--steps", "2")
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^.+, torch .+, bitsandbytes [0-9.]+; PagedAdamW8bit", out.stdout, flags=re.M)
     rows = re.findall(r"^\| (llama[0-9_]+ [0-9]+B) \| ([0-9]+) \| ([0-9]+) \| ([0-9]+) \| ([0-9]+) \|$", out.stdout,
@@ -30,5 +30,5 @@ def test_in_backward_steps_synchronize_twice_a_parameter_inside_backward():
 
 
 def test_an_unknown_model_is_refused_naming_the_choices():
-    out = zygote.run_script("bench_in_bwd_syncs.py", "--models", "70B")
+    out = zygote.run_script("bench/bench_in_bwd_syncs.py", "--models", "70B")
     assert out.returncode == 2 and "--models: unknown 70B; use some of 1B, 3B, 8B" in out.stderr

@@ -1,5 +1,5 @@
-"""scripts/bench_planner.py times the planner against an earlier tree, run in turns, and compares
-their memory figures (issue 43's 60 s target, docs/planner.md)."""
+"""scripts/bench/bench_planner.py times the planner against an earlier tree, run in turns, and compares
+their memory figures (the planner's 60 s target, docs/planner.md)."""
 
 import importlib.util
 import json
@@ -13,7 +13,7 @@ from tests.recipe_harness import REPO
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_planner", REPO / "scripts/bench_planner.py")
+    spec = importlib.util.spec_from_file_location("bench_planner", REPO / "scripts/bench/bench_planner.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -29,7 +29,7 @@ def _in_git_checkout() -> bool:
 
 @pytest.mark.skipif(not _in_git_checkout(), reason="the baseline tree comes from git")
 def test_the_script_times_both_trees_compares_their_figures_and_scales_to_the_reference():
-    out = zygote.run_script("bench_planner.py", "--config", "configs/tiny/full.yaml", "--baseline", "HEAD",
+    out = zygote.run_script("bench/bench_planner.py", "--config", "configs/tiny/full.yaml", "--baseline", "HEAD",
                             "--rounds", "1", "--machine", "none", "--plan-args=--no-fine-tunes --variants config,adamw",
                             "--reference-seconds", "100", timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]

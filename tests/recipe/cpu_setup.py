@@ -1,5 +1,5 @@
 """The module fixture of the in-process recipe tests: torch on at most two threads, and tiktoken's
-cache off (it caches ranks by path string; the runs read the files this session built)."""
+cache off (it caches ranks by path string; the runs read the files this test run built)."""
 
 import os
 from typing import Iterator

@@ -99,7 +99,7 @@ def test_weights_that_turn_nonfinite_are_never_saved(tiny_assets, tmp_path):
 
 
 def test_update_on_device_diverging_exits_nonzero_from_tune_run(tiny_assets, tmp_path):
-    """The H100 case of issue 40: ``update_on: device`` trained on to nan and the process succeeded."""
+    """The H100 case (2026-11-22): ``update_on: device`` trained on to nan and the process succeeded."""
     cmd = [*TUNE, "run", "recipes/full_finetune_single_device.py", "--config", "configs/tiny/full.yaml",
            f"output_dir={tmp_path}", *tiny_asset_overrides(tiny_assets), *DIVERGE, *OFFLOAD,
            "optimizer.minimal_size=1024", "optimizer.update_on=device", "optimizer.overlap=True"]

@@ -203,7 +203,7 @@ def results(tiny_assets, earlier_run, tmp_path_factory, request):
         # The batch writes a line as each command ends: a command without one fails its own case.
         return [(r["returncode"], r["output"]) for r in done] + [(-1, died)] * (len(commands) - len(done))
 
-    # Only the cases this session runs (pytest -k selects a few).
+    # Only the cases this run selects (pytest -k selects a few).
     selected = [item.callspec.params["name"] for item in request.session.items
                 if item.module is request.module and hasattr(item, "callspec") and "name" in item.callspec.params]
     prepared = {name: prepare(name) for name in selected}

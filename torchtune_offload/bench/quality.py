@@ -1,4 +1,4 @@
-"""What the quality scripts (``scripts/quality_8bit.py``, ``scripts/quality_fp8.py``) share: the
+"""What the quality scripts (``scripts/bench/quality_8bit.py``, ``scripts/bench/quality_fp8.py``) share: the
 seeded order of the synthetic samples each step trains on, and the table of loss curves."""
 
 import statistics

@@ -12,7 +12,7 @@ intra-op threads with OpenMP. Measured against the alternatives on this project'
 CPU: ``torch.compile`` of the same math reached 0.6x of torch's fused fp32 AdamW (its generated
 loop is compute-bound at a third of torch's kernel's speed in cache), chunks of widen / torch's
 kernel / round 0.7x, the C loop 0.9-1.0x (see
-``scripts/bench_host_step.py``). Where no compiler works, :func:`fused_adamw_step` returns False and
+``scripts/bench/bench_host_step.py``). Where no compiler works, :func:`fused_adamw_step` returns False and
 the caller's unfused path is used, with one warning.
 
 The math is torch's single-tensor Adam/AdamW, operation by operation in float32 with the same

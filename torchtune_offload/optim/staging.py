@@ -182,7 +182,7 @@ class StagingRing(_ChunkRing):
         largest_bytes: the largest tensor that will pass through; chunks are no larger, so a
             small model keeps a small ring.
         fused_add: add with ``host_add.add_`` (default); False uses torch's ``add_``, the path
-            before it, kept for ``scripts/bench_accumulation.py`` to time side by side.
+            before it, kept for ``scripts/bench/bench_accumulation.py`` to time side by side.
     """
 
     def __init__(

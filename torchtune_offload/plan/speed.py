@@ -417,7 +417,7 @@ def _predict(work: StepWork, machine: Machine, samples_per_micro_batch: Optional
     else:
         # A later micro-batch's sum on the host: the DMA engine writes the gradient into the pinned
         # chunks, the cores read it and the sum and write the sum, all in the host's one memory (the
-        # 8B run of docs/gpu_results.md, third session of 2026-11-27, added at 74 GB/s counting all four).
+        # 8B run of docs/gpu_results.md, H100, 2026-11-27 at ed2357a, added at 74 GB/s counting all four).
         sum_one = work.trainable * (2 * work.element_size + 2 * work.sum_size) / (machine.host_copy_gbs * 1e9)
         later_pcie = down
     sums = (work.micro_batches - 1) * sum_one if work.offload_gradients else 0.0
