@@ -14,7 +14,7 @@ the same global batch.
 
 Checkpoints to resume from are written every ``save_every_n_steps`` steps and at each epoch's end
 into ``output_dir/checkpoints`` (gathered to rank 0, with every rank's data position and RNG
-states: :mod:`torchtune_offload.recipe.distributed_checkpoints`); ``resume_from_checkpoint=True``
+states: :mod:`torchtune_offload.recipe.checkpoints.distributed_checkpoints`); ``resume_from_checkpoint=True``
 continues exactly from the newest one on the same number of ranks.
 A run stops on every rank at its first nan or inf loss or gradient norm, naming the step and the
 last good checkpoint, and never saves non-finite weights (:mod:`torchtune_offload.recipe.divergence`).
@@ -153,34 +153,7 @@ class FullFinetuneRecipeDistributed:
         full = ckpt.pop(training.MODEL_KEY, {})
         self.progress = self._checkpoints.restore_progress(self.progress, full)
         # 4. Shard the meta model, materialise it, and scatter rank 0's weights into the shards.
-        t0 = time.perf_counter()
-        mesh = init_device_mesh(s.device.type, (self.world_size,), mesh_dim_names=("dp",))
-        plan = shard_model(
-            self._model, policy=self._policy, cpu_offload=s.fsdp_cpu_offload,
-            reshard_after_forward=s.fsdp_reshard_after_forward, mesh=mesh,
-        )
-        self._log(f"FSDP units: {plan.units} and the root.")
-        for name, reason in plan.skipped.items():
-            self._log(f"fsdp_shard_policy selects '{name}', which gets no unit of its own: {reason}.")
-        with training.set_default_dtype(s.dtype), s.device:
-            for m in self._model.modules():
-                if hasattr(m, "rope_init"):  # RoPE caches are not in the state dict
-                    m.rope_init()
-        if full:
-            dtypes = {k: v.dtype for k, v in self._model.state_dict().items()}
-            full = {k: v.to(dtypes.get(k, v.dtype)) for k, v in full.items()}
-        with warnings.catch_warnings():
-            # torch's state-dict code asks for a deprecated default device; the answer is right.
-            warnings.filterwarnings("ignore", message=".*_get_pg_default_device|.*Multiple backends are registered")
-            set_model_state_dict(
-                self._model, full, options=StateDictOptions(
-                    full_state_dict=True, broadcast_from_rank0=True, strict=True, cpu_offload=s.fsdp_cpu_offload,
-                ),
-            )
-        del full
-        training.validate_no_params_on_meta_device(self._model)
-        training.validate_expected_param_dtype(self._model.named_parameters(), dtype=s.dtype)
-        self._log(f"Sharded over {self.world_size} rank(s) and loaded in {time.perf_counter() - t0:.1f}s.")
+        self._shard_and_load(full)
         # 5. Optimizer over the shards; when resuming, rank 0's full state is scattered into it.
         self._optimizer = build_optimizer(cfg.optimizer, self._model, s)
         if s.resume_from_checkpoint:
@@ -207,6 +180,39 @@ class FullFinetuneRecipeDistributed:
         self._log(
             f"Setup done: global batch {s.batch_size * s.gradient_accumulation_steps * self.world_size}."
         )
+
+    def _shard_and_load(self, full: Dict[str, torch.Tensor]) -> None:
+        """Shards the meta model over the ranks, materialises it on the device and scatters ``full``
+        (rank 0's full weights; empty on the other ranks) into the shards, then empties ``full``."""
+        s = self.settings
+        t0 = time.perf_counter()
+        mesh = init_device_mesh(s.device.type, (self.world_size,), mesh_dim_names=("dp",))
+        plan = shard_model(
+            self._model, policy=self._policy, cpu_offload=s.fsdp_cpu_offload,
+            reshard_after_forward=s.fsdp_reshard_after_forward, mesh=mesh,
+        )
+        self._log(f"FSDP units: {plan.units} and the root.")
+        for name, reason in plan.skipped.items():
+            self._log(f"fsdp_shard_policy selects '{name}', which gets no unit of its own: {reason}.")
+        with training.set_default_dtype(s.dtype), s.device:
+            for m in self._model.modules():
+                if hasattr(m, "rope_init"):  # RoPE caches are not in the state dict
+                    m.rope_init()
+        if full:
+            dtypes = {k: v.dtype for k, v in self._model.state_dict().items()}
+            full.update({k: v.to(dtypes.get(k, v.dtype)) for k, v in full.items()})
+        with warnings.catch_warnings():
+            # torch's state-dict code asks for a deprecated default device; the answer is right.
+            warnings.filterwarnings("ignore", message=".*_get_pg_default_device|.*Multiple backends are registered")
+            set_model_state_dict(
+                self._model, full, options=StateDictOptions(
+                    full_state_dict=True, broadcast_from_rank0=True, strict=True, cpu_offload=s.fsdp_cpu_offload,
+                ),
+            )
+        full.clear()  # setup() holds it too: rank 0's full copy goes before the optimizer is built
+        training.validate_no_params_on_meta_device(self._model)
+        training.validate_expected_param_dtype(self._model.named_parameters(), dtype=s.dtype)
+        self._log(f"Sharded over {self.world_size} rank(s) and loaded in {time.perf_counter() - t0:.1f}s.")
 
     # ----------------------------------------------------------------------------- checkpoints
 

@@ -32,7 +32,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from torchtune_offload.bench.ballast import GpuBallast
-from torchtune_offload.bench.variants import VARIANTS
 from torchtune_offload.bench.sweep import (
     device_name,
     log_to_wandb,
@@ -41,6 +40,7 @@ from torchtune_offload.bench.sweep import (
     write_plot,
     write_results,
 )
+from torchtune_offload.bench.variants import VARIANTS
 from torchtune_offload.plan.planner import load_config
 from torchtune_offload.recipe import preflight
 
@@ -60,7 +60,48 @@ OPTIONS = {
 
 
 def main() -> None:
-    argv = sys.argv[1:]
+    args, names, extra = _parse_args(sys.argv[1:])
+    device = device_name()
+    output_dir = Path(args.output_dir)
+    results = []
+    limited = args.gpu_memory_gib is not None
+    ballast = GpuBallast(leave_gib=args.gpu_memory_gib) if limited else contextlib.nullcontext()
+    with ballast:
+        limit = f"; {ballast.report}" if limited else "; whole device"
+        print(f"[sweep] {device}{limit}", flush=True)
+        for i, name in enumerate(names, 1):
+            print(f"[sweep] {i}/{len(names)} {name}: running (log {output_dir / name / 'run.log'})", flush=True)
+            r = run_variant(name=name, config=args.config, steps=args.steps, output_dir=output_dir,
+                            extra=extra, timeout_s=args.timeout_s)
+            tps = f", {r.tokens_per_second:.0f} tok/s" if r.tokens_per_second else ""
+            short = r.status == "ok" and r.steps < r.steps_requested  # one epoch of the data ended first
+            short = f", {r.steps} of {r.steps_requested} steps (the data ran out)" if short else ""
+            print(f"[sweep] {i}/{len(names)} {name}: {r.status} in {r.seconds:.0f} s{tps}{short}", flush=True)
+            results.append(r)
+            write_results(results, output_dir=output_dir, header=_header(device, limit, args, extra))
+    header = _header(device, limit, args, extra)
+    md = write_results(results, output_dir=output_dir, header=header)
+    print(md.read_text())
+    if any(r.steps for r in results):
+        print(f"[sweep] each step's loss, side by side: tune-offload compare {output_dir}")
+    try:
+        print(f"[sweep] plot: {write_plot(results, path=output_dir / 'results.png', title=header)}")
+    except ImportError:
+        print("[sweep] no plot: matplotlib is not installed (pip install 'torchtune-offload[bench]')")
+    if args.wandb:
+        group = args.wandb_group or output_dir.resolve().name
+        recipe_configs = {n: OmegaConf.to_container(_variant_config(args, n, extra), resolve=True) for n in names}
+        runs = log_to_wandb(results, project=args.wandb, group=group, recipe_configs=recipe_configs,
+                            directory=output_dir,
+                            config={"config": args.config, "steps": args.steps, "device": device,
+                                    "gpu_memory_gib": args.gpu_memory_gib, "overrides": " ".join(extra)})
+        files = Path(os.environ.get("WANDB_DIR") or output_dir) / "wandb"
+        print(f"[sweep] W&B project {args.wandb}, group {group}: {len(runs)} runs (W&B's files: {files})")
+
+
+def _parse_args(argv: list) -> tuple[argparse.Namespace, list, list]:
+    """The sweep's options, its variant names and the overrides after ``--``, each checked before any
+    variant runs (a refusal exits through ``parser.error``)."""
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,43 +144,7 @@ def main() -> None:
     problem = _shared_config_problem(args, names, extra)
     if problem:
         parser.error(f"every variant's config check refuses the config with these overrides:\n{problem}")
-
-    device = device_name()
-    output_dir = Path(args.output_dir)
-    results = []
-    limited = args.gpu_memory_gib is not None
-    ballast = GpuBallast(leave_gib=args.gpu_memory_gib) if limited else contextlib.nullcontext()
-    with ballast:
-        limit = f"; {ballast.report}" if limited else "; whole device"
-        print(f"[sweep] {device}{limit}", flush=True)
-        for i, name in enumerate(names, 1):
-            print(f"[sweep] {i}/{len(names)} {name}: running (log {output_dir / name / 'run.log'})", flush=True)
-            r = run_variant(name=name, config=args.config, steps=args.steps, output_dir=output_dir,
-                            extra=extra, timeout_s=args.timeout_s)
-            tps = f", {r.tokens_per_second:.0f} tok/s" if r.tokens_per_second else ""
-            short = r.status == "ok" and r.steps < r.steps_requested  # one epoch of the data ended first
-            short = f", {r.steps} of {r.steps_requested} steps (the data ran out)" if short else ""
-            print(f"[sweep] {i}/{len(names)} {name}: {r.status} in {r.seconds:.0f} s{tps}{short}", flush=True)
-            results.append(r)
-            write_results(results, output_dir=output_dir, header=_header(device, limit, args, extra))
-    header = _header(device, limit, args, extra)
-    md = write_results(results, output_dir=output_dir, header=header)
-    print(md.read_text())
-    if any(r.steps for r in results):
-        print(f"[sweep] each step's loss, side by side: tune-offload compare {output_dir}")
-    try:
-        print(f"[sweep] plot: {write_plot(results, path=output_dir / 'results.png', title=header)}")
-    except ImportError:
-        print("[sweep] no plot: matplotlib is not installed (pip install 'torchtune-offload[bench]')")
-    if args.wandb:
-        group = args.wandb_group or output_dir.resolve().name
-        recipe_configs = {n: OmegaConf.to_container(_variant_config(args, n, extra), resolve=True) for n in names}
-        runs = log_to_wandb(results, project=args.wandb, group=group, recipe_configs=recipe_configs,
-                            directory=output_dir,
-                            config={"config": args.config, "steps": args.steps, "device": device,
-                                    "gpu_memory_gib": args.gpu_memory_gib, "overrides": " ".join(extra)})
-        files = Path(os.environ.get("WANDB_DIR") or output_dir) / "wandb"
-        print(f"[sweep] W&B project {args.wandb}, group {group}: {len(runs)} runs (W&B's files: {files})")
+    return args, names, extra
 
 
 def _wandb_problem() -> str:

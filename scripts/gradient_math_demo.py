@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from torchtune_offload.bench.grad_probe import ENV, read_probe
-from torchtune_offload.recipe.disk_log import read_disk_log
+from torchtune_offload.recipe.reports.disk_log import read_disk_log
 
 PROBE = "torchtune_offload.bench.grad_probe.GradNormProbeAdamW"
 SETTINGS = ["gradient_accumulation_steps=4", "clip_grad_norm=1.0", "max_steps_per_epoch=6", "epochs=1",

@@ -22,31 +22,48 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-import torchtune_offload.plan.planner as planner
-import torchtune_offload.plan.step_traces as step_traces
 from torchtune_offload.plan import trace
 from torchtune_offload.plan.__main__ import _recipe_of
+import torchtune_offload.plan.planner as planner
+import torchtune_offload.plan.step_traces as step_traces
+
+
+def step_key(cfg, settings, options) -> str:
+    """The key of the step ``trace_training_step(cfg, settings, **options)`` traces: what shapes its trace.
+
+    The planner shares a trace between the variants of one config only; across configs, the steps
+    that shape a trace (batch, length, dtype, ...) are keyed here too.
+    """
+    optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True) if options.get("make_optimizer") else None
+    micro_batches = 1 if options.get("free_gradients") else min(settings.gradient_accumulation_steps, 2)
+    loss = str(OmegaConf.select(cfg, "loss"))
+    return json.dumps([OmegaConf.to_container(cfg.model, resolve=True), optimizer, loss, settings.batch_size,
+                       options["seq_len"], str(settings.dtype), settings.enable_activation_checkpointing,
+                       micro_batches, options.get("free_gradients"), options.get("fp8_weights"),
+                       options.get("mark_trainable") is None, str(settings.device)], sort_keys=True)
+
+
+def traced_whole(cfg, settings, **options):
+    """``trace.trace_training_step`` with every layer traced, none extrapolated."""
+    layers, trace.REDUCED_LAYERS = trace.REDUCED_LAYERS, (10**9, 10**9)  # more than any model: whole
+    try:
+        return trace.trace_training_step(cfg, settings, **options)
+    finally:
+        trace.REDUCED_LAYERS = layers
 
 
 def main(paths) -> int:
     checked, differ = {}, []
 
     def both_ways(cfg, settings, **options):
-        # The planner shares a trace between the variants of one config only; across configs,
-        # the steps that shape a trace (batch, length, dtype, ...) are keyed here too.
-        optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True) if options.get("make_optimizer") else None
-        micro_batches = 1 if options.get("free_gradients") else min(settings.gradient_accumulation_steps, 2)
-        loss = str(OmegaConf.select(cfg, "loss"))
-        key = json.dumps([OmegaConf.to_container(cfg.model, resolve=True), optimizer, loss, settings.batch_size,
-                          options["seq_len"], str(settings.dtype), settings.enable_activation_checkpointing,
-                          micro_batches, options.get("free_gradients"), options.get("fp8_weights"),
-                          options.get("mark_trainable") is None, str(settings.device)], sort_keys=True)
+        key = step_key(cfg, settings, options)
         if key not in checked:
             start = time.perf_counter()
             planned = trace.trace_training_step(cfg, settings, **options)
             middle = time.perf_counter()
             whole = traced_whole(cfg, settings, **options)
-            compare(key, planned, whole, cfg=cfg, settings=settings, options=options, step=optimizer is not None,
+            compare(key, planned, whole, cfg=cfg, settings=settings, options=options,
+                    step=bool(options.get("make_optimizer")),
                     seconds=(middle - start, time.perf_counter() - middle))
             checked[key] = planned
             if planned.without_optimizer is not None:
@@ -58,13 +75,6 @@ def main(paths) -> int:
                         options=options, step="derived without it", seconds=(0.0, time.perf_counter() - middle))
                 checked[key + " without its optimizer"] = planned.without_optimizer
         return checked[key]
-
-    def traced_whole(cfg, settings, **options):
-        layers, trace.REDUCED_LAYERS = trace.REDUCED_LAYERS, (10**9, 10**9)  # more than any model: whole
-        try:
-            return trace.trace_training_step(cfg, settings, **options)
-        finally:
-            trace.REDUCED_LAYERS = layers
 
     def compare(key, planned, whole, *, cfg, settings, options, step, seconds):
         same = (planned.peak_bytes, planned.by_kind) == (whole.peak_bytes, whole.by_kind)

@@ -147,3 +147,24 @@ def test_the_engine_is_a_facade():
     tree = ast.parse((ROOT / "optim" / "offload_optimizer.py").read_text())
     facade = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "OffloadOptimizer")
     assert facade.end_lineno - facade.lineno + 1 <= MAX_FACADE_LINES
+
+
+#: Functions a reader takes in whole: none over 80 lines (from ``def`` to its last line, a nested
+#: function counted in its parent too), and at most 8 over 60.
+MAX_FUNCTION_LINES, LONG_FUNCTION_LINES, MAX_LONG_FUNCTIONS = 80, 60, 8
+
+
+def test_no_function_is_too_long():
+    too_long, long = [], []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                where = f"{path.relative_to(ROOT.parent)}: {node.name} has {lines} lines"
+                if lines > MAX_FUNCTION_LINES:
+                    too_long.append(where)
+                if lines > LONG_FUNCTION_LINES:
+                    long.append(where)
+    assert not too_long, f"split these, over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(too_long)
+    assert len(long) <= MAX_LONG_FUNCTIONS, (f"{len(long)} functions over {LONG_FUNCTION_LINES} lines, at most "
+                                             f"{MAX_LONG_FUNCTIONS} may be; split some of these:\n" + "\n".join(long))

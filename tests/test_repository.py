@@ -18,8 +18,8 @@ MAX_TOP_LEVEL_SCRIPTS = 18
 #: GPU and a measurement by its date and commit instead.
 ORGANISATION_WORDS = re.compile(r"\bsession|\blease|\bowed\b|issue [0-9]+", re.IGNORECASE)
 
-#: Genuine uses of those words, removed from a line before it is searched: pytest's session scope and
-#: its session object, and an HTTP session.
+#: Genuine uses of those words, removed from a line before it is searched: pytest's widest fixture
+#: scope and the request's view of the whole test run, and an HTTP client.
 GENUINE_USES = ('scope="session"', "request.session", "requests.Session")
 
 

@@ -129,6 +129,47 @@ def host_bytes(*, sum_dtype: torch.dtype, master: bool, eight_bit: bool) -> Dict
     return {"copy": 2 * g, "add": g + 2 * s, "step": step}
 
 
+def staging_rings(opt: OffloadOptimizer, *, before: str) -> Dict[str, StagingRing]:
+    """The staging ring of each path (``PATHS``) for ``opt``'s parameters.
+
+    Args:
+        opt: the optimizer, with ``offload_gradients=True``.
+        before: ``--before``, a key of ``BEFORE``.
+
+    Returns:
+        The rings by path.
+    """
+    largest = max(s.host_grad.numel() * s.host_grad.element_size() for s in opt._slots)
+    # The engine builds its own ring (the fused addition); the "before" ring adds with torch's add_,
+    # or with the fused addition built without AVX512_BF16.
+    rings = {"after": opt._grads.staging,
+             "before": StagingRing(opt._transfer, largest_bytes=largest, fused_add=False)}
+    if before == "portable":
+        portable = host_add.bind_kernels(build_library(host_add.SOURCE, flags=("-mno-avx512bf16",)))
+        rings["before"]._add = functools.partial(host_add.add_, library=portable)
+    return rings
+
+
+def additions_alone(ring: StagingRing, *, opt: OffloadOptimizer, staged: List[torch.Tensor]) -> float:
+    """The ring's additions of one micro-batch, chunk by chunk into the sums, with no copy beside them.
+
+    Args:
+        ring: the ring whose addition is timed.
+        opt: the optimizer whose host sums are added into.
+        staged: each parameter's gradient as its chunks hold it once copied, flat.
+
+    Returns:
+        The seconds the additions took.
+    """
+    start = time.perf_counter()
+    for slot, src in zip(opt._slots, staged):
+        dst = slot.host_grad.view(-1)
+        per_chunk = ring.chunk_bytes // src.element_size()
+        for i in range(0, src.numel(), per_chunk):
+            ring._add(dst[i:i + per_chunk], src[i:i + per_chunk])
+    return time.perf_counter() - start
+
+
 def main() -> None:
     args = parse_args()
     if args.threads is not None:
@@ -142,14 +183,7 @@ def main() -> None:
     opt = OffloadOptimizer([(f"p{i}", p) for i, p in enumerate(params)], optimizer_class, lr=1e-5,
                            offload_gradients=True, minimal_size=0, grad_sum_dtype=args.grad_sum_dtype,
                            master_dtype=args.master_dtype, **options)
-    largest = max(s.host_grad.numel() * s.host_grad.element_size() for s in opt._slots)
-    # The engine builds its own ring (the fused addition); the "before" ring adds with torch's add_,
-    # or with the fused addition built without AVX512_BF16.
-    rings = {"after": opt._grads.staging,
-             "before": StagingRing(opt._transfer, largest_bytes=largest, fused_add=False)}
-    if args.before == "portable":
-        portable = host_add.bind_kernels(build_library(host_add.SOURCE, flags=("-mno-avx512bf16",)))
-        rings["before"]._add = functools.partial(host_add.add_, library=portable)
+    rings = staging_rings(opt, before=args.before)
 
     def micro_batch() -> None:
         for p, g in zip(params, grads):
@@ -159,17 +193,6 @@ def main() -> None:
 
     # What each micro-batch's chunks hold once copied: the additions alone read these.
     staged = [g.reshape(-1) for g in grads]
-
-    def additions_alone(path: str) -> float:
-        """The ring's additions of one micro-batch, chunk by chunk into the sums, with no copy beside them."""
-        ring = rings[path]
-        start = time.perf_counter()
-        for slot, src in zip(opt._slots, staged):
-            dst = slot.host_grad.view(-1)
-            per_chunk = ring.chunk_bytes // src.element_size()
-            for i in range(0, src.numel(), per_chunk):
-                ring._add(dst[i:i + per_chunk], src[i:i + per_chunk])
-        return time.perf_counter() - start
 
     def timed(path: Optional[str]) -> Dict[str, float]:
         if path is not None:
@@ -182,7 +205,7 @@ def main() -> None:
         result = {"total": seconds, "copy": opt._transfer.copy_seconds()["grad"],
                   "add": opt._grads.staging.added_seconds - added}
         if path is not None:
-            result["alone"] = additions_alone(path)
+            result["alone"] = additions_alone(rings[path], opt=opt, staged=staged)
         return result
 
     runs: Dict[str, List[Dict[str, float]]] = {path: [] for path in PATHS}

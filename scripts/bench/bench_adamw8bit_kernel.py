@@ -42,8 +42,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from torchtune_offload.bench.arguments import positive_int, positive_number
 from torchtune_offload import AdamW8bit
+from torchtune_offload.bench.arguments import positive_int, positive_number
 from torchtune_offload.bench.machine import cpu_name
 from torchtune_offload.optim import adamw8bit, fused_step
 
@@ -223,7 +223,13 @@ def instruction_table(directory: str) -> Optional[str]:
     return ran.stdout if ran.returncode in (0, 1) else None  # the status is the chains' fold, 0 or 1
 
 
-def main() -> None:
+def parse_args() -> Tuple[argparse.Namespace, int]:
+    """The command line, checked (a bad value exits through ``parser.error``).
+
+    Returns:
+        The options, and the parameters to step: ``--params`` in whole blocks, so that every
+        element runs the vector path.
+    """
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=positive_number, default=100e6, help="parameters in the tensor (default 100e6)")
     parser.add_argument("--threads", type=positive_int, default=1, help="threads of every step (default 1)")
@@ -237,6 +243,11 @@ def main() -> None:
     numel = int(args.params) // adamw8bit.BLOCK_SIZE * adamw8bit.BLOCK_SIZE  # whole blocks: the vector path
     if numel < adamw8bit.BLOCK_SIZE or args.threads < 1:
         parser.error(f"--params must be at least {adamw8bit.BLOCK_SIZE} and --threads at least 1")
+    return args, numel
+
+
+def main() -> None:
+    args, numel = parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     start = torch.randn(numel, generator=gen).bfloat16()

@@ -41,8 +41,8 @@ from torchtune import training
 
 from torchtune_offload import AdamW8bit, OffloadOptimizer
 from torchtune_offload.bench.machine import cpu_name
-from torchtune_offload.optim.handoff import BackwardHandoff
 from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, checkpointed_llama, chosen_models
+from torchtune_offload.optim.handoff import BackwardHandoff
 from torchtune_offload.recipe.chosen_optimizer import OptimizerKind
 from torchtune_offload.recipe.run_optimizer import HoldingOptimizer, RunOptimizer
 

@@ -179,6 +179,28 @@ def joined(seconds: Sequence[float]) -> str:
     return ", ".join(f"{s:.1f}" for s in seconds)
 
 
+def print_scaled(times: Dict[Tuple[str, str], List[Tuple[float, float]]], *, reference_seconds: float,
+                 baseline: str, configs: Sequence[str]) -> None:
+    """Prints each config's time on this tree scaled to the machine where the baseline's planner took
+    ``reference_seconds`` for the first config (:func:`scaled`).
+
+    Args:
+        times: each round's (wall, CPU) seconds by (config, tree).
+        reference_seconds: ``--reference-seconds``.
+        baseline: the baseline's revision.
+        configs: the configs, the first the one ``reference_seconds`` is for.
+    """
+    baseline_walls = [w for w, _ in times[configs[0], OLD]]
+    least, most, _, _ = scaled(reference_seconds, baseline_walls, baseline_walls)
+    print()
+    print(f"Scaled to the machine where {baseline}'s planner took {reference_seconds:g} s for "
+          f"{configs[0]} (here {joined(baseline_walls)} s: {least:.2f}-{most:.2f}x slower), "
+          "assuming it is uniformly that much slower:")
+    for config in configs:
+        _, _, low, high = scaled(reference_seconds, baseline_walls, [w for w, _ in times[config, NOW]])
+        print(f"- {config}: {low:.0f}-{high:.0f} s")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     common = shlex.split(args.plan_args)
@@ -231,15 +253,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             print(f"| {config} | {labels[tree]} | {joined([w for w, _ in runs])} | {joined([c for _, c in runs])} | "
                   f"{ratio} | {figure} |")
     if args.reference_seconds is not None:
-        baseline_walls = [w for w, _ in times[args.config[0], OLD]]
-        least, most, _, _ = scaled(args.reference_seconds, baseline_walls, baseline_walls)
-        print()
-        print(f"Scaled to the machine where {args.baseline}'s planner took {args.reference_seconds:g} s for "
-              f"{args.config[0]} (here {joined(baseline_walls)} s: {least:.2f}-{most:.2f}x slower), "
-              "assuming it is uniformly that much slower:")
-        for config in args.config:
-            _, _, low, high = scaled(args.reference_seconds, baseline_walls, [w for w, _ in times[config, NOW]])
-            print(f"- {config}: {low:.0f}-{high:.0f} s")
+        print_scaled(times, reference_seconds=args.reference_seconds, baseline=args.baseline, configs=args.config)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ import torch
 from torchtune.models.llama3_1 import llama3_1_8b
 from torchtune.models.llama3_2 import llama3_2_1b, llama3_2_3b
 
-from torchtune_offload.bench.arguments import non_negative_number
 from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer
+from torchtune_offload.bench.arguments import non_negative_number
 from torchtune_offload.optim.host_memory import plan_host_memory
 
 GIB = 1024**3

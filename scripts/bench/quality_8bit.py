@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from torchtune_offload import AdamW8bit
-from torchtune_offload.bench.arguments import non_negative_number, positive_int, positive_number
 from torchtune_offload.assets import init_tensor
-from torchtune_offload.models import llama3_2_mid
+from torchtune_offload.bench.arguments import non_negative_number, positive_int, positive_number
 from torchtune_offload.bench.machine import cpu_name
 from torchtune_offload.bench.quality import epoch_batches, loss_table
+from torchtune_offload.models import llama3_2_mid
 
 
 def _bitsandbytes_adamw8bit(params, **options):

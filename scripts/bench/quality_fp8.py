@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from torchtune_offload import OffloadOptimizer
-from torchtune_offload.bench.arguments import check_output_file, non_negative_number, positive_int, positive_number
 from torchtune_offload.assets import init_tensor
+from torchtune_offload.bench.arguments import check_output_file, non_negative_number, positive_int, positive_number
 from torchtune_offload.bench.machine import cpu_name
 from torchtune_offload.bench.quality import epoch_batches, loss_table
 from torchtune_offload.models import llama3_2_mid
@@ -81,7 +81,9 @@ def plot(curves: Dict[str, List[float]], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def _parse_args() -> Tuple[argparse.Namespace, List[str]]:
+    """The command line, checked before any run (a bad value exits through ``parser.error``), and the
+    runs it names."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=positive_int, default=300, help="optimizer steps per run (default 300)")
     parser.add_argument("--every", type=positive_int, default=20, help="a table row every this many steps (default 20)")
@@ -111,17 +113,27 @@ def main() -> None:
     runs = args.runs.split(",")
     if not runs or any(r not in RUNS for r in runs) or len(set(runs)) != len(runs):
         parser.error(f"--runs: a comma-separated list of distinct runs from {', '.join(RUNS)}")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    steps = epoch_batches(seq_len=args.seq_len, num_samples=args.samples, vocab_size=args.vocab, seed=args.seed,
-                          steps=args.steps, batch_size=args.batch_size)
+    return args, runs
+
+
+def _initial_model(*, seed: int) -> torch.nn.Module:
+    """llama3_2_mid in bf16, its weights drawn as the random-init checkpoints draw them."""
     initial = llama3_2_mid()
     with torch.no_grad():
         # The random-init checkpoints' scheme, as scripts/bench/quality_8bit.py uses it.
         for name, p in initial.named_parameters():
-            p.copy_(init_tensor(name=name, meta=p, num_layers=len(initial.layers), seed=args.seed,
+            p.copy_(init_tensor(name=name, meta=p, num_layers=len(initial.layers), seed=seed,
                                 dtype=torch.float32))
-    initial = initial.to(torch.bfloat16)
+    return initial.to(torch.bfloat16)
+
+
+def main() -> None:
+    args, runs = _parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    steps = epoch_batches(seq_len=args.seq_len, num_samples=args.samples, vocab_size=args.vocab, seed=args.seed,
+                          steps=args.steps, batch_size=args.batch_size)
+    initial = _initial_model(seed=args.seed)
     numel = sum(p.numel() for p in initial.parameters())
     header = (f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; llama3_2_mid "
               f"({numel / 1e6:.1f}M parameters, bf16, random init, seed {args.seed}); {args.steps} steps of "

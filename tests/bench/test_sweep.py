@@ -13,13 +13,10 @@ import pytest
 import torch
 
 from tests.recipe_harness import REPO, tiny_asset_overrides
-from torchtune_offload.bench.ballast import GpuBallast
-from torchtune_offload.bench.grad_probe import ENV, GradNormProbeAdamW, read_probe
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.bench import sweep
-from torchtune_offload.recipe.memory import EXPANDABLE_SEGMENTS
-from torchtune_offload.bench.variants import OFFLOAD_ONLY_KEYS, VARIANTS, legend
-from torchtune_offload.plan.planner import load_config, variant_config
+from torchtune_offload.bench.ballast import GpuBallast
+from torchtune_offload.bench.grad_probe import ENV, GradNormProbeAdamW, read_probe
 from torchtune_offload.bench.sweep import (
     VariantResult,
     diverged,
@@ -28,6 +25,9 @@ from torchtune_offload.bench.sweep import (
     run_variant,
     write_results,
 )
+from torchtune_offload.bench.variants import OFFLOAD_ONLY_KEYS, VARIANTS, legend
+from torchtune_offload.plan.planner import load_config, variant_config
+from torchtune_offload.recipe.reports.memory import EXPANDABLE_SEGMENTS
 
 SYNTHETIC = ["dataset._component_=torchtune_offload.data.synthetic_dataset", "~dataset.source",
              "~dataset.data_files", "~dataset.split", "~dataset.train_on_input", "dataset.seq_len=64",
@@ -100,24 +100,27 @@ def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, mo
     out = tmp_path / "sweep"
     wandb = ["--wandb", "tiny-sweep"] if importlib.util.find_spec("wandb") else []
     monkeypatch.setattr(sys, "argv", ["benchmark_sweep.py", "--config", CONFIG, "--steps", "11", "--variants",
-                                      "adamw,offload,paged_adamw8bit_in_bwd", "--output-dir", str(out), *wandb,
+                                      "adamw,offload,paged_adamw8bit_in_bwd,torchao", "--output-dir", str(out), *wandb,
                                       "--", *extra])
     script["main"]()
     printed = capsys.readouterr().out
     results = [VariantResult(**r) for r in json.loads((out / "results.json").read_text())]
-    assert [r.name for r in results] == ["adamw", "offload", "paged_adamw8bit_in_bwd"]
-    adamw, offload, in_bwd = results
+    assert [r.name for r in results] == ["adamw", "offload", "paged_adamw8bit_in_bwd", "torchao"]
+    adamw, offload, in_bwd, torchao = results
     assert adamw.status == offload.status == "ok" and adamw.steps == offload.steps == adamw.steps_requested == 11
     # Same math: the tiny model's losses agree (fp32, host against device order of operations).
     assert offload.first_loss == pytest.approx(adamw.first_loss, rel=1e-6)
     assert offload.last_loss == pytest.approx(adamw.last_loss, rel=1e-5)
     assert adamw.tokens_per_second > 0 and adamw.peaks_gib["host_rss_peak"] > 0
-    # optimizer_in_bwd with the config's clip_grad_norm is refused by the config check, and said so.
-    assert in_bwd.status.startswith("failed") and "clip_grad_norm" in in_bwd.status
+    # torchtune's in-backward setting runs without clipping or accumulation whatever the shared
+    # overrides say (clip_grad_norm=1.0 here), as the planner plans it.
+    assert in_bwd.status == "ok" and in_bwd.steps == 11
+    # torchao's offloader needs CUDA: refused by the config check, and said so.
+    assert torchao.status.startswith("failed") and "device=cpu" in torchao.status
     text = (out / "results.md").read_text()
     assert text.startswith("Device: CPU; whole device. Config") and text in printed
-    assert "| adamw | ok |" in text and "| paged_adamw8bit_in_bwd | failed" in text
-    assert markdown_table(results).count("\n") == 4 and "| 11 | " in text  # the steps asked for, all logged
+    assert "| adamw | ok |" in text and "| paged_adamw8bit_in_bwd | ok" in text and "| torchao | failed" in text
+    assert markdown_table(results).count("\n") == 5 and "| 11 | " in text  # the steps asked for, all logged
     assert f"[sweep] each step's loss, side by side: tune-offload compare {out}" in printed
 
     # The plot: a PNG with both panels, the refused variant named in its title.
@@ -127,9 +130,9 @@ def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, mo
 
     # W&B: one offline run per variant, all in one group (the output folder's name).
     if wandb:
-        assert f"[sweep] W&B project tiny-sweep, group sweep: 3 runs (W&B's files: {out / 'wandb'})" in printed
+        assert f"[sweep] W&B project tiny-sweep, group sweep: 4 runs (W&B's files: {out / 'wandb'})" in printed
         offline = sorted((out / "wandb").glob("offline-run-*"))
-        assert len(offline) == 3 and all(any(d.glob("*.wandb")) for d in offline)
+        assert len(offline) == 4 and all(any(d.glob("*.wandb")) for d in offline)
 
 
 def test_a_diverging_variant_is_reported_diverged_not_ok(tiny_assets, tmp_path, monkeypatch):
@@ -290,8 +293,10 @@ def test_a_problem_every_variant_has_stops_the_sweep_before_any_run(tiny_assets,
 
     # A refusal of some variants only is theirs: the sweep runs the others and reports it.
     args = types.SimpleNamespace(config=CONFIG, steps=11, output_dir=str(out))
-    assert "clip_grad_norm" in script["_shared_config_problem"](args, ["paged_adamw8bit_in_bwd"], extra)
-    assert script["_shared_config_problem"](args, ["paged_adamw8bit_in_bwd", "adamw"], extra) == ""
+    assert "device=cpu" in script["_shared_config_problem"](args, ["torchao"], extra)
+    assert script["_shared_config_problem"](args, ["torchao", "adamw"], extra) == ""
+    # A variant's own settings win over the shared ones for it alone: not refused.
+    assert script["_shared_config_problem"](args, ["paged_adamw8bit_in_bwd"], extra) == ""
 
 
 def test_grad_probe_records_the_global_norm_per_step(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from tests import zygote
 from tests.recipe_harness import TUNE, tiny_asset_overrides, working_tree_env
 from torchtune_offload.recipe import read_disk_log
-from torchtune_offload.recipe.step_checkpoints import StepCheckpoints, complete_checkpoints, read_manifest
+from torchtune_offload.recipe.checkpoints.step_checkpoints import StepCheckpoints, complete_checkpoints, read_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny" / "full_distributed.yaml"
@@ -40,7 +40,7 @@ _KILL_IN_SAVE = """
 import os, signal, sys
 import psutil
 sys.path.insert(0, os.environ["REPO"])
-import torchtune_offload.recipe.step_checkpoints as sc
+import torchtune_offload.recipe.checkpoints.step_checkpoints as sc
 from tests.recipe_harness import load_recipe_module
 flushed = sc.fsync_tree
 count = {"saves": 0}

@@ -25,8 +25,9 @@ from safetensors.torch import load_file
 from tests import zygote
 from tests.recipe_harness import TUNE, load_recipe_module, tiny_asset_overrides, working_tree_env
 from torchtune_offload.optim.host_arena import pinned_allocation_bytes
-from torchtune_offload.recipe import check_recipe_config, host_preflight, read_disk_log
-from torchtune_offload.recipe.step_checkpoints import complete_checkpoints
+from torchtune_offload.recipe import check_recipe_config, read_disk_log
+from torchtune_offload.recipe.checkpoints.step_checkpoints import complete_checkpoints
+from torchtune_offload.recipe.checks import fit
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny" / "full_distributed.yaml"
@@ -188,19 +189,19 @@ def test_host_preflight_sizes_the_shards_the_run_holds(tiny_assets, tmp_path):
 def test_host_preflight_counts_every_rank_on_the_node_and_fsdp_offloads_pinned_rounding(tiny_assets):
     cfg = _cfg(CONFIG, tiny_asset_overrides(tiny_assets))
     settings = check_recipe_config(cfg, recipe="distributed")
-    one = host_preflight.sharded_host_memory_need(cfg, settings, world_size=1, local_world_size=1)
-    two = host_preflight.sharded_host_memory_need(cfg, settings, world_size=2, local_world_size=2)
-    other_node = host_preflight.sharded_host_memory_need(cfg, settings, world_size=2, local_world_size=1)
+    one = fit.sharded_host_memory_need(cfg, settings, world_size=1, local_world_size=1)
+    two = fit.sharded_host_memory_need(cfg, settings, world_size=2, local_world_size=2)
+    other_node = fit.sharded_host_memory_need(cfg, settings, world_size=2, local_world_size=1)
     for part in ("parameter shards", "gradient shards", "optimizer state"):
         # Two ranks hold halves (rounded up per tensor: FSDP2 pads shards to equal rows).
         assert one.phases["training"][part] <= two.phases["training"][part] < one.phases["training"][part] * 1.01
         assert other_node.phases["training"][part] * 2 == two.phases["training"][part]
     gpu = replace(settings, device=torch.device("cuda"))
-    assert "training" not in {k for k, v in host_preflight.sharded_host_memory_need(
+    assert "training" not in {k for k, v in fit.sharded_host_memory_need(
         cfg, gpu, world_size=2, local_world_size=2).phases.items() if v}  # all on the GPUs
-    pinned = host_preflight.sharded_host_memory_need(cfg, replace(gpu, fsdp_cpu_offload=True), world_size=2,
+    pinned = fit.sharded_host_memory_need(cfg, replace(gpu, fsdp_cpu_offload=True), world_size=2,
                                                      local_world_size=2).phases["training"]
-    model = host_preflight.meta_model(cfg.model, settings)
+    model = fit.meta_model(cfg.model, settings)
     rounded = 2 * sum(pinned_allocation_bytes(-(-p.shape[0] // 2) * p[0].numel() * p.element_size())
                       for p in model.parameters())
     assert pinned["parameter shards"] == pinned["gradient shards"] == rounded
@@ -209,7 +210,7 @@ def test_host_preflight_counts_every_rank_on_the_node_and_fsdp_offloads_pinned_r
 def test_host_preflight_counts_the_optimizer_state_rank_0_loads_on_resume(runs, tiny_assets):
     cfg = _cfg(CONFIG, tiny_asset_overrides(tiny_assets) + [f"output_dir={runs['one']}", "resume_from_checkpoint=True"])
     settings = check_recipe_config(cfg, recipe="distributed")
-    need = host_preflight.sharded_host_memory_need(cfg, settings, world_size=2, local_world_size=2)
+    need = fit.sharded_host_memory_need(cfg, settings, world_size=2, local_world_size=2)
     state = runs["one"] / "checkpoints" / f"step_{STEPS:08d}" / "training_state.pt"
     load = need.phases["loading the checkpoint"]
     assert load["optimizer state being loaded (rank 0)"] == state.stat().st_size
@@ -219,7 +220,7 @@ def test_host_preflight_counts_the_optimizer_state_rank_0_loads_on_resume(runs, 
 
 def test_a_distributed_run_that_does_not_fit_fails_before_the_process_group_starts(tiny_assets, tmp_path,
                                                                                      monkeypatch):
-    monkeypatch.setattr(host_preflight, "available_host_memory", lambda: 1024)
+    monkeypatch.setattr(fit, "available_host_memory", lambda: 1024)
     module = load_recipe_module("full_finetune_distributed")
     cfg = _cfg(CONFIG, tiny_asset_overrides(tiny_assets) + [f"output_dir={tmp_path}"])
     with pytest.raises(ValueError) as err:

@@ -13,7 +13,7 @@ from tests.torchao_on_cpu import torchao_on_cpu
 from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer
 from torchtune_offload.optim.host_arena import pinned_allocation_bytes
 from torchtune_offload.optim.host_memory import optimizer_state_bytes, plan_host_memory
-from torchtune_offload.optim.param_table import CONVERSION_BUFFERS, CPU_DEVICE_RING
+from torchtune_offload.optim.host_memory import CONVERSION_BUFFERS, CPU_DEVICE_RING
 from torchtune_offload.optim.staging import CHUNK_BYTES, NUM_CHUNKS
 
 

@@ -11,8 +11,8 @@ from torch import nn
 from tests.optim.side_by_side import assert_same_params, batches, plain_hooks, tiny_model, train, twin
 from tests.optim.test_overlap import cosine, offload, train_windows
 from torchtune_offload import OffloadOptimizer
-from torchtune_offload.optim.host_arena import aligned_bytes
 from torchtune_offload.optim import grad_norm, host_grads, staging, stream_check
+from torchtune_offload.optim.host_arena import aligned_bytes
 from torchtune_offload.optim.staging import DeviceSumRing, StagingRing
 from torchtune_offload.optim.stream_check import checked_streams
 from torchtune_offload.optim.transfer import TransferEngine

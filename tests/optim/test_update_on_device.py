@@ -12,9 +12,9 @@ from tests.optim.side_by_side import batches, plain_hooks, through_a_file, tiny_
 from tests.optim.test_overlap import train_windows
 from torchtune_offload import AdamW8bit, OffloadOptimizer
 from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES, capabilities_of
-from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
 from torchtune_offload.optim.host_arena import aligned_bytes
-from torchtune_offload.optim.state_streamer import plan_device_staging
+from torchtune_offload.optim.host_memory import plan_device_staging
+from torchtune_offload.optim.optimizer_class import resolve_optimizer_class
 from torchtune_offload.optim.stream_check import StreamOrderError, checked_streams
 
 # Every weight (24*96 = 2304 elements and up) is streamed, every bias stays on the device.

@@ -87,7 +87,7 @@ def test_gradients_freed_in_backward_lower_the_traced_peak(tiny_assets, tmp_path
 
 
 def _tiny(cfg, settings):
-    from torchtune_offload.recipe.host_preflight import meta_model
+    from torchtune_offload.recipe.checks.fit import meta_model
     return meta_model(cfg.model, settings)
 
 

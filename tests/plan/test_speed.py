@@ -18,20 +18,20 @@ from torchtune.models.llama3_2 import llama3_2_1b, llama3_2_3b
 from tests.plan.test_planner import _plan_cli
 from tests.recipe_harness import tiny_asset_overrides
 from torchtune_offload.cli.main import main as tune_offload
-from torchtune_offload.optim import fused_step
-from torchtune_offload.plan import planner
 from torchtune_offload.models import tiny_llama
 from torchtune_offload.models.narrow import narrow_llama
+from torchtune_offload.optim import fused_step
 from torchtune_offload.optim.handoff import handoff_groups
+from torchtune_offload.plan import planner
 from torchtune_offload.plan import probe as probe_module
-from torchtune_offload.recipe import describe_optimizer
-from torchtune_offload.plan.launch import COUNT_WIDTH, narrowed_ops_per_micro_batch
 from torchtune_offload.plan.__main__ import main as plan_main
+from torchtune_offload.plan.launch import COUNT_WIDTH, narrowed_ops_per_micro_batch
 from torchtune_offload.plan.recorded_runs import (LLAMA3_1_8B, LLAMA3_2_1B, LLAMA3_2_3B, TENSORS, TOLERANCE, calibrate,
                                                   calibration_table, known_gaps, recorded_runs)
 from torchtune_offload.plan.speed import (MACHINE_KEYS, OVERLAP_HIDDEN_SHARE, Machine, StepWork,
                                           bitsandbytes_syncs_per_step, device_syncs, load_machine, predict,
                                           preset_about, preset_names, sums_elsewhere_block)
+from torchtune_offload.recipe import describe_optimizer
 
 REPO = Path(__file__).resolve().parents[2]
 #: Round rates, so each part of a step is a number of seconds one can work out by hand.

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from torchtune.utils import get_logger
 
-from torchtune_offload.recipe.atomic_save import COMPLETE_MARKER, save_atomically
+from torchtune_offload.recipe.checkpoints.atomic_save import COMPLETE_MARKER, save_atomically
 
 
 class _Crash(Exception):

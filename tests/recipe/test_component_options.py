@@ -8,12 +8,12 @@ import pytest
 import torchtune
 from omegaconf import OmegaConf
 
-from torchtune_offload.recipe.component_options import (
+from torchtune_offload.recipe.checks.component_options import (
     component_option_problems,
     component_removal_problem,
     model_option_problems,
 )
-from torchtune_offload.recipe.config import check_recipe_config
+from torchtune_offload.recipe.checks.config import check_recipe_config
 from tests.conftest import REPO_ROOT as REPO
 
 

@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim import OptimizerCapabilities
-from torchtune_offload.recipe import OptimizerKind, check_recipe_config, resolve_optimizer_component
 from torchtune_offload.optim.base_options import accepted_form, check_base_options
+from torchtune_offload.recipe import OptimizerKind, check_recipe_config, resolve_optimizer_component
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"full": "full.yaml", "lora": "lora.yaml", "distributed": "full_distributed.yaml"}
@@ -277,7 +277,7 @@ def test_run_settings_torchtune_checks_late_are_named_by_their_keys_at_once(reci
 
 @pytest.mark.parametrize("seed, mode", [(None, None), (0, "default"), (2**32 - 1, "warn"), (7, "error"), (7, 2)])
 def test_seeds_and_debug_modes_set_seed_takes_reach_the_settings(seed, mode):
-    from torchtune_offload.recipe.config import _DEBUG_MODES
+    from torchtune_offload.recipe.checks.config import _DEBUG_MODES
     assert mode is None or mode in _DEBUG_MODES
     cfg = _cfg("full")
     cfg.seed, cfg.cudnn_deterministic_mode = seed, mode

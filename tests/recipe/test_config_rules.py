@@ -12,7 +12,7 @@ import torchtune_offload
 
 from tests.recipe.test_config_check import _cfg, _problems
 from tests.torchao_on_cpu import torchao_on_cpu
-from torchtune_offload import AdamW8bit, CPUOffloadOptimizer, OffloadOptimizer
+from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim import capabilities_of
 from torchtune_offload.recipe import (
     HoldingOptimizer,

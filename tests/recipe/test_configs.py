@@ -184,7 +184,7 @@ def test_header_launch_recipe_exists(path):
         assert (REPO / recipe).is_file(), f"{_rel(path)} launches {recipe}, which does not exist"
 
 
-# Recipe file -> the key set torchtune_offload.recipe.config checks it against.
+# Recipe file -> the key set torchtune_offload.recipe.checks.config checks it against.
 RECIPE_KIND = {
     "full_finetune_single_device.py": "full",
     "lora_finetune_single_device.py": "lora",

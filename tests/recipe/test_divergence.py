@@ -21,8 +21,8 @@ from tests.optim.test_fp8_weights import build, layered
 from tests.recipe.cpu_setup import cpu_recipe_setup
 from tests.recipe_harness import REPO, TUNE, load_recipe_module, tiny_asset_overrides, working_tree_env
 from torchtune_offload.recipe import Progress, TrainingDivergedError, read_disk_log
+from torchtune_offload.recipe.checkpoints.step_checkpoints import WEIGHTS_FILE, StepCheckpoints, complete_checkpoints
 from torchtune_offload.recipe.divergence import DivergenceGuard, nonfinite_parameters
-from torchtune_offload.recipe.step_checkpoints import WEIGHTS_FILE, StepCheckpoints, complete_checkpoints
 
 RECIPES = {"full": ("full_finetune_single_device", "FullFinetuneRecipeSingleDevice"),
            "lora": ("lora_finetune_single_device", "LoRAFinetuneRecipeSingleDevice")}

@@ -9,11 +9,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.recipe.test_recipes import _config, _load_recipe_class
+from torchtune_offload.recipe.checks import file_checks
+from torchtune_offload.recipe.checks.config import ConfigError
+from torchtune_offload.recipe.checks.file_checks import file_problems, safetensors_problem
+from torchtune_offload.recipe.checks.preflight import preflight
 from torchtune_offload.recipe.dataset_build import build_dataset, dataset_build_problems
-from torchtune_offload.recipe import file_checks
-from torchtune_offload.recipe.config import ConfigError
-from torchtune_offload.recipe.file_checks import file_problems, safetensors_problem
-from torchtune_offload.recipe.preflight import preflight
 
 
 @pytest.fixture

@@ -25,9 +25,10 @@ from torchtune_offload.recipe import (
     sum_over_ranks,
     use_expandable_segments,
 )
-from torchtune_offload.recipe.config import check_recipe_config
-from torchtune_offload.recipe.memory import GIB, check_lora_model_fits_device, check_weights_fit_device
-from torchtune_offload.recipe.run_report import (
+from torchtune_offload.recipe.checks.config import check_recipe_config
+from torchtune_offload.recipe.checks.fit import check_lora_model_fits_device, check_weights_fit_device
+from torchtune_offload.recipe.reports.memory import GIB
+from torchtune_offload.recipe.reports.run_report import (
     NVML_NOTE,
     compare_runs,
     median_tokens_per_second,

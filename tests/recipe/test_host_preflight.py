@@ -9,7 +9,7 @@ import torch
 from tests import zygote
 from tests.recipe.test_recipes import FULL_OFFLOAD, REPO_ROOT, _config, _load_recipe_class, run_recipe
 from tests.recipe_harness import TUNE, working_tree_env
-from torchtune_offload.recipe import host_preflight
+from torchtune_offload.recipe.checks import fit as host_preflight
 
 GIB = 1024**3
 OFFLOAD_ACCUM = [*FULL_OFFLOAD, "optimizer.offload_gradients=True", "gradient_accumulation_steps=2",

@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 
 from tests import zygote
 from tests.recipe_harness import TUNE, tiny_asset_overrides, working_tree_env
+from torchtune_offload.recipe.checkpoints.step_checkpoints import newest_checkpoint
 from torchtune_offload.recipe.interrupt import INTERRUPTED_STATUS, interrupted_message
-from torchtune_offload.recipe.step_checkpoints import newest_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -49,7 +49,7 @@ TOTAL_STEPS = 8
 # checkpoint are on disk and before they are moved into place.
 _KILL_IN_SAVE = """
 import os, signal, sys
-import torchtune_offload.recipe.step_checkpoints as sc
+import torchtune_offload.recipe.checkpoints.step_checkpoints as sc
 from tests.recipe_harness import load_recipe_module
 flushed = sc.fsync_tree
 count = {"saves": 0}

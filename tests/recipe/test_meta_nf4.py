@@ -8,7 +8,7 @@ from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
 from torchtune import training
 
 from torchtune_offload.models import qlora_llama3_2_mid
-from torchtune_offload.recipe.meta_nf4 import copy_meta_model, nf4_on_meta_without_arithmetic
+from torchtune_offload.recipe.checks.meta_nf4 import copy_meta_model, nf4_on_meta_without_arithmetic
 
 ORIGINAL = NF4Tensor.__dict__["convert_to_norm_float_weight"]
 SHORTCUT_NAMES = ("convert_to_norm_float_weight", "double_quantize_scalers")

@@ -17,7 +17,7 @@ from torchtune_offload.recipe import (
     check_recipe_config,
     check_weights_fit_device,
 )
-from torchtune_offload.recipe.memory import GIB
+from torchtune_offload.recipe.reports.memory import GIB
 
 pytestmark = pytest.mark.gpu
 ON_GPU = ["device=cuda", "dtype=fp32"]
@@ -49,7 +49,7 @@ def test_offload_recipe_matches_plain_adamw_on_gpu(gpu_runs, offload_gradients):
     row = off.log[-1]
     assert row["optimizer_pinned"] > 0  # host buffers are pinned on a CUDA machine
     assert row["peak_memory_alloc"] > 0
-    # The caching allocator's stalls since the previous log line (recipe/memory.py, ALLOCATOR_EVENTS).
+    # The caching allocator's stalls since the previous log line (recipe/reports/memory.py, ALLOCATOR_EVENTS).
     assert all(row[k] >= 0 for k in ("alloc_retries", "device_allocs", "device_frees", "sync_all_streams"))
     assert off.recipe._optimizer.memory_report().num_offloaded > 0
 

@@ -9,10 +9,10 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.recipe.test_recipes import FULL_OFFLOAD, RESUME, run_recipe
-from torchtune_offload.recipe.config import ConfigError
+from torchtune_offload.recipe.checkpoints.resume import no_checkpoint_problem
+from torchtune_offload.recipe.checkpoints.step_checkpoints import StepCheckpoints
+from torchtune_offload.recipe.checks.config import ConfigError
 from torchtune_offload.recipe.progress import Progress
-from torchtune_offload.recipe.resume import no_checkpoint_problem
-from torchtune_offload.recipe.step_checkpoints import StepCheckpoints
 
 
 OFFLOAD_ADAMW = "optimizer._component_=torchtune_offload.optim.offload_optimizer.OffloadOptimizer " \

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchtune_offload.recipe.step_checkpoints import (
+from torchtune_offload.recipe.checkpoints.step_checkpoints import (
     MANIFEST_FILE,
     STATE_FILE,
     WEIGHTS_FILE,

@@ -124,34 +124,11 @@ def build_assets(
     Raises:
         ValueError: On invalid argument values or an unsafe output directory.
     """
-    if real_arch is not None and real_arch not in REAL_ARCHES:
-        raise ValueError(f"unknown --real-arch {real_arch!r}; choose from {sorted(REAL_ARCHES)}")
-    if num_layers is not None and real_arch is None:
-        raise ValueError("--num-layers only applies with --real-arch (tiny shapes live in "
-                         "torchtune_offload/models/tiny.py)")
-    if num_layers is not None and num_layers < 1:
-        raise ValueError(f"--num-layers must be >= 1, got {num_layers}")
-    if not 10 <= num_examples <= 100_000:
-        raise ValueError(f"--num-examples must be in [10, 100000], got {num_examples}")
-    dtype_name = dtype or ("fp32" if real_arch is None else "bf16")
-    if dtype_name not in DTYPES:
-        raise ValueError(f"unknown --dtype {dtype_name!r}; choose from {sorted(DTYPES)}")
+    dtype_name = _check_build_arguments(output_dir=output_dir, num_examples=num_examples, real_arch=real_arch,
+                                        dtype=dtype, num_layers=num_layers)
     torch_dtype = DTYPES[dtype_name]
-
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ValueError(f"--output-dir {output_dir} exists and is not a directory")
-    if real_arch is not None and num_layers is not None:
-        full_depth = len(build_meta_model(real_arch=real_arch, num_layers=None).layers)
-        if num_layers > full_depth:
-            raise ValueError(f"--num-layers {num_layers} > {real_arch}'s {full_depth} layers")
-
-    if real_arch is None:
-        stamp: Dict[str, Any] = {"mode": "tiny", "seed": seed, "num_examples": num_examples,
-                                 "dtype": dtype_name, "model": dict(TINY_LLAMA_DEFAULTS)}
-    else:
-        stamp = {"mode": "real", "real_arch": real_arch, "seed": seed, "dtype": dtype_name,
-                 "num_layers": num_layers}
-    stamp["torch"] = torch.__version__.split("+")[0]  # weights come from torch's RNG
+    stamp = _stamp(seed=seed, num_examples=num_examples, real_arch=real_arch, dtype_name=dtype_name,
+                   num_layers=num_layers)
 
     if not force and _manifest_is_current(out_dir=output_dir, stamp=stamp):
         log(f"{output_dir} is up to date (content_version {CONTENT_VERSION}); "
@@ -175,6 +152,45 @@ def build_assets(
                                 check=check)
     _write_manifest(out_dir=output_dir, stamp=stamp, rel_files=rel_files)
     return True
+
+
+def _check_build_arguments(*, output_dir: Path, num_examples: int, real_arch: Optional[str], dtype: Optional[str],
+                           num_layers: Optional[int]) -> str:
+    """Refuses :func:`build_assets`' arguments that cannot build (a ``ValueError`` naming the option)
+    before anything is written; returns the dtype's name, the default filled in."""
+    if real_arch is not None and real_arch not in REAL_ARCHES:
+        raise ValueError(f"unknown --real-arch {real_arch!r}; choose from {sorted(REAL_ARCHES)}")
+    if num_layers is not None and real_arch is None:
+        raise ValueError("--num-layers only applies with --real-arch (tiny shapes live in "
+                         "torchtune_offload/models/tiny.py)")
+    if num_layers is not None and num_layers < 1:
+        raise ValueError(f"--num-layers must be >= 1, got {num_layers}")
+    if not 10 <= num_examples <= 100_000:
+        raise ValueError(f"--num-examples must be in [10, 100000], got {num_examples}")
+    dtype_name = dtype or ("fp32" if real_arch is None else "bf16")
+    if dtype_name not in DTYPES:
+        raise ValueError(f"unknown --dtype {dtype_name!r}; choose from {sorted(DTYPES)}")
+
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"--output-dir {output_dir} exists and is not a directory")
+    if real_arch is not None and num_layers is not None:
+        full_depth = len(build_meta_model(real_arch=real_arch, num_layers=None).layers)
+        if num_layers > full_depth:
+            raise ValueError(f"--num-layers {num_layers} > {real_arch}'s {full_depth} layers")
+    return dtype_name
+
+
+def _stamp(*, seed: int, num_examples: int, real_arch: Optional[str], dtype_name: str,
+           num_layers: Optional[int]) -> Dict[str, Any]:
+    """The arguments the manifest records: assets built from the same stamp are the same bytes."""
+    if real_arch is None:
+        stamp: Dict[str, Any] = {"mode": "tiny", "seed": seed, "num_examples": num_examples,
+                                 "dtype": dtype_name, "model": dict(TINY_LLAMA_DEFAULTS)}
+    else:
+        stamp = {"mode": "real", "real_arch": real_arch, "seed": seed, "dtype": dtype_name,
+                 "num_layers": num_layers}
+    stamp["torch"] = torch.__version__.split("+")[0]  # weights come from torch's RNG
+    return stamp
 
 
 def _write_tiny(output_dir: Path, *, seed: int, num_examples: int, dtype: torch.dtype, check: bool) -> List[str]:

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from torchtune_offload.bench.variants import VARIANTS
-from torchtune_offload.recipe.disk_log import read_disk_log
 from torchtune_offload.recipe.divergence import TrainingDivergedError
-from torchtune_offload.recipe.memory import EXPANDABLE_SEGMENTS
-from torchtune_offload.recipe.run_report import cell, first_nonfinite, median_tokens_per_second, peak
+from torchtune_offload.recipe.reports.disk_log import read_disk_log
+from torchtune_offload.recipe.reports.memory import EXPANDABLE_SEGMENTS
+from torchtune_offload.recipe.reports.run_report import cell, first_nonfinite, median_tokens_per_second, peak
 
 RECIPE = "recipes/full_finetune_single_device.py"
 _OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")

@@ -285,6 +285,22 @@ def _add_device_figures(summary: TraceSummary, device: List[_Event], watched: Di
     summary.longest_gaps = sorted(gaps, key=lambda g: -g[1])[:num_longest]
 
 
+def _profile_ranges(by_thread: Dict[Tuple[Any, Any], List[_Event]], names: Dict[Tuple[Any, Any], str],
+                    windows: List[Interval]) -> Dict[Tuple[str, str], Tuple[int, float]]:
+    """The engine's profiler ranges (``PROFILE_PREFIX``) seen inside ``windows``, by thread name and
+    range name: how many, and their seconds inside the windows."""
+    ranges: Dict[Tuple[str, str], List[float]] = defaultdict(lambda: [0, 0.0])
+    for thread, thread_events in by_thread.items():
+        for e in thread_events:
+            if e.name.startswith(PROFILE_PREFIX):
+                seen = sum(_length(_clip([(e.start, e.end)], w)) for w in windows)
+                if seen > 0:
+                    entry = ranges[(_thread_name(names, thread), e.name)]
+                    entry[0] += 1
+                    entry[1] += seen / 1e6
+    return {key: (int(c), s) for key, (c, s) in sorted(ranges.items())}
+
+
 def summarize(path: Path, *, gap_ms: float = 1.0, num_longest: int = 10) -> TraceSummary:
     """Reads the trace at ``path`` (see :func:`find_trace`) into a :class:`TraceSummary`.
 
@@ -335,16 +351,7 @@ def summarize(path: Path, *, gap_ms: float = 1.0, num_longest: int = 10) -> Trac
         watched = {_thread_name(names, t): by_thread[t] for t in _watched(by_thread, training)}
         _add_device_figures(summary, device, watched, windows, gap_ms=gap_ms, num_longest=num_longest)
 
-    ranges: Dict[Tuple[str, str], List[float]] = defaultdict(lambda: [0, 0.0])
-    for thread, thread_events in by_thread.items():
-        for e in thread_events:
-            if e.name.startswith(PROFILE_PREFIX):
-                seen = sum(_length(_clip([(e.start, e.end)], w)) for w in windows)
-                if seen > 0:
-                    entry = ranges[(_thread_name(names, thread), e.name)]
-                    entry[0] += 1
-                    entry[1] += seen / 1e6
-    summary.ranges = {key: (int(c), s) for key, (c, s) in sorted(ranges.items())}
+    summary.ranges = _profile_ranges(by_thread, names, windows)
     return summary
 
 

@@ -30,15 +30,15 @@ from torchtune_offload.bench.variants import legend
 from torchtune_offload.plan.__main__ import main as plan_main
 from torchtune_offload.plan.probe import run_probe
 from torchtune_offload.recipe import ConfigError, preflight
-from torchtune_offload.recipe.component_options import (
+from torchtune_offload.recipe.checks.component_options import (
     component_option_problems,
     component_removal_problem,
     model_option_problems,
     unchecked_options,
 )
 from torchtune_offload.recipe.dataset_build import dataset_build_problems
-from torchtune_offload.recipe.disk_log import has_disk_log, read_disk_log, runs_inside
-from torchtune_offload.recipe.run_report import compare_runs
+from torchtune_offload.recipe.reports.disk_log import has_disk_log, read_disk_log, runs_inside
+from torchtune_offload.recipe.reports.run_report import compare_runs
 from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root, torchtune_config
 
 PROG = "tune-offload"

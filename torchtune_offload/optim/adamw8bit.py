@@ -27,9 +27,9 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES
 import torchtune_offload.optim.fused_step as fused_step
 import torchtune_offload.optim.stream_check as stream_check
-from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES
 
 BLOCK_SIZE = 256
 SOURCE = fused_step.SOURCE.with_name("fused_adamw8bit.c")
@@ -286,7 +286,7 @@ class AdamW8bit(torch.optim.Optimizer):
     """AdamW with blockwise 8-bit moments in bitsandbytes' state format, fused on the host.
 
     Use it alone, or as the host base optimizer of :class:`~torchtune_offload.OffloadOptimizer`
-    (``optimizer_class: torchtune_offload.AdamW8bit``): with ``offload_gradients`` a bf16
+    (``optimizer_class: torchtune_offload.AdamW8bit``): with gradients offloaded a bf16
     parameter then costs 6 bytes of host memory (copy 2, gradient sum 2, states 2) plus 8 bytes of
     absmax per 256 elements.
 

@@ -19,8 +19,8 @@ from torchtune_offload.optim.grad_norm import checked_norm_type, combine_norms, 
 from torchtune_offload.optim.host_arena import ALLOCATOR, NONE, pinned_allocation_bytes
 from torchtune_offload.optim.host_memory import HostMemoryPlan, offloaded_buffers_plan
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
-from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
 from torchtune_offload.optim.offload_options import OffloadOptions, check_accumulation_steps
+from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
 
 
 def _strip_names(params: Any) -> Any:

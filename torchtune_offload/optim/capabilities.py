@@ -20,10 +20,10 @@ class OptimizerCapabilities:
 
     Attributes:
         offloads: steps on host copies of the parameters, configured with ``optimizer_class``
-            (the base optimizer), ``offload_gradients`` and ``minimal_size``.
+            (the base optimizer) and ``minimal_size``, and may offload the gradients too.
         named_parameters: takes ``model.named_parameters()`` pairs (its checkpoint is keyed by name).
         can_clip: the gradients it steps on can be clipped before the step.
-        accumulates_offloaded_grads: gradient accumulation works with ``offload_gradients=True``.
+        accumulates_offloaded_grads: gradient accumulation works with the gradients offloaded.
         runs_under_fsdp2: can step FSDP2's sharded parameters and checkpoint through torch's
             distributed state-dict API.
         steps_in_backward: can serve as one of ``optimizer_in_bwd``'s per-parameter optimizers.
@@ -43,7 +43,7 @@ class OptimizerCapabilities:
             ``register_forward_waits(model)`` that the next forward waits per module, and
             ``synchronize()`` before the weights are read.
         hands_over_per_group: takes the gradients backward makes once per transformer layer or
-            bucket of other parameters (``optim/handoff.py``), so that with ``offload_gradients``
+            bucket of other parameters (``optim/handoff.py``), so that with gradients offloaded
             a layer's gradients stay on the device until its last one is made; an optimizer that
             offloads gradients without it frees each one as it is made.
         scales_gradients_in_step: its ``step(grad_scale=...)`` takes a clipping factor and steps as

@@ -7,7 +7,7 @@ scale per output row (``"fp8"``) or per tensor (``"fp8_per_tensor"``), one byte 
 of two. A layer's forward widens the weight to the parameter's dtype right before its matmul and
 drops the wide copy after; backward widens it again (only the FP8 bytes are saved for backward) and
 produces the full-precision weight gradient, which lands on the ``nn.Parameter`` as before, so the
-engine's gradient path (``offload_gradients``, accumulation, clipping) is unchanged. After each host
+engine's gradient path (gradients offloaded or not, accumulation, clipping) is unchanged. After each host
 step the master is re-quantized on the host into the consumed gradient buffer and the FP8 bytes are
 uploaded: half the bytes of a bf16 upload, and no extra host buffer.
 
@@ -26,7 +26,6 @@ the host master for it (rounded to the parameter's dtype), never the FP8 image.
 """
 
 import contextlib
-import math
 import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -35,14 +34,13 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-import torchtune_offload.optim.stream_check as stream_check
 from torchtune_offload.optim.offload_options import DEVICE_WEIGHTS
-from torchtune_offload.optim.host_arena import pinned_allocation_bytes
-from torchtune_offload.optim.param_table import ParameterTable, Slot, named_groups
+from torchtune_offload.optim.param_table import ParameterTable, Slot
+import torchtune_offload.optim.stream_check as stream_check
 from torchtune_offload.optim.transfer import TransferEngine
 
 __all__ = ["DEVICE_WEIGHTS", "FP8_DTYPE", "FP8_MAX", "DeviceWeights", "dequantize", "fp8_candidates", "fp8_linear",
-           "hold_in_fp8", "image_bytes", "plan_scale_bytes", "quantize", "scale_shape"]
+           "hold_in_fp8", "image_bytes", "quantize", "scale_shape"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 #: The largest finite e4m3fn value.
@@ -224,18 +222,6 @@ def image_bytes(weight: torch.Tensor, *, per_row: bool) -> int:
     """Device bytes of one weight's FP8 image: one per element, four per scale."""
     rows, cols = scale_shape(weight.shape, per_row=per_row)
     return weight.numel() + 4 * rows * cols
-
-
-def plan_scale_bytes(params: Any, *, mode: Optional[str], minimal_size: int, pinned: bool) -> int:
-    """Host bytes of the scales ``device_weights`` keeps for ``params`` (meta tensors work): at most
-    one buffer per offloaded 2-D trainable weight (which of them a model's layers own is known only
-    from its modules), each as torch's allocator takes it."""
-    if mode is None:
-        return 0
-    weights = [p for g in named_groups(params) for _, p in g["params"]
-               if p.requires_grad and p.dim() == 2 and p.numel() >= minimal_size]
-    return sum(pinned_allocation_bytes(4 * math.prod(scale_shape(p.shape, per_row=mode == "fp8")), pinned=pinned)
-               for p in weights)
 
 
 class DeviceWeights:

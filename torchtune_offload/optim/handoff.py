@@ -14,7 +14,7 @@ them) or, for the other parameters, a run of consecutive ones (no layer's betwee
 backward (a parameter the loss does not reach) is handed over at the end of that backward (a
 callback queued on autograd's engine), and any group still collected when the optimizer is next
 asked for its gradients (a backward that raised) first. A gradient therefore stays where it is
-until its group is complete: with ``offload_gradients`` at most one group's gradients longer than
+until its group is complete: with gradients offloaded, at most one group's gradients longer than
 with a hand-off per parameter.
 
 The order of the work is the gradients' arrival order within each group, and the groups' order

@@ -20,7 +20,7 @@ class OffloadMemoryReport:
             with ``update_on="device"`` streamed to the device's update).
         num_on_device: parameters stepped on the device with their state there (fewer than
             ``minimal_size`` elements).
-        device_bytes_saved: optimizer state (and, with ``offload_gradients``, gradient memory) that
+        device_bytes_saved: optimizer state (and, with the gradients offloaded, gradient memory) that
             lives on the host instead of the device. Zero for state not yet created by a first step.
         host_bytes: all host memory the optimizer holds: parameter copies, gradient buffers, state.
         pinned_bytes: the part of ``host_bytes`` that is page-locked (accelerators only).
@@ -40,11 +40,12 @@ class OffloadMemoryReport:
 
 
 def engine_memory_report(table: ParameterTable, staging: Union[StagingRing, DeviceSumRing],
-                         streamer: StateStreamer, *, offload_gradients: bool,
+                         streamer: StateStreamer, *, gradients_on_host: bool,
                          conversion_bytes: int = 0) -> OffloadMemoryReport:
     """The report of ``OffloadOptimizer``'s memory, from its parameter table, staging ring and
-    state streamer, and the bytes of the stepper's buffers for gradients converted before the step
-    (plain host memory, ``slot_step.conversion_buffers``).
+    state streamer, whether the gradients live on the host between backward and the step (the
+    device's copies then freed), and the bytes of the stepper's buffers for gradients converted
+    before the step (plain host memory, ``slot_step.conversion_buffers``).
 
     Host buffers are counted as allocated, as ``OffloadOptimizer.plan_host_memory`` plans: on CUDA
     each at its size rounded up to a page, in one page-locked block; on other accelerators each at
@@ -67,7 +68,7 @@ def engine_memory_report(table: ParameterTable, staging: Union[StagingRing, Devi
         held = sum(buffer_bytes(t.numel() * t.element_size(), pinning=table.pinning) for t in slot.host_buffers)
         host += state_bytes + held
         pinned_total += held
-        saved += state_bytes + (grad_bytes if offload_gradients else 0)
+        saved += state_bytes + (grad_bytes if gradients_on_host else 0)
     # Streamed states: exact-size blocks, page-locked where the device allows, like the buffers.
     saved += streamer.state_bytes
     host += streamer.host_bytes

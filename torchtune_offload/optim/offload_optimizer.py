@@ -16,12 +16,12 @@ from torch.optim import Optimizer
 from torchtune_offload.optim.base_options import check_base_options
 from torchtune_offload.optim.capabilities import ENGINE_CAPABILITIES
 from torchtune_offload.optim.driver_check import RECIPE_DRIVEN, check_recipe_drives
-from torchtune_offload.optim.fp8_weights import DeviceWeights, plan_scale_bytes
+from torchtune_offload.optim.fp8_weights import DeviceWeights
 from torchtune_offload.optim.grad_norm import check_clip_arguments, checked_norm_type, combine_norms
 from torchtune_offload.optim.host_allocator import release_freed_host_memory
-from torchtune_offload.optim.host_arena import NONE, pinning_of
+from torchtune_offload.optim.host_arena import pinning_of
 from torchtune_offload.optim.host_grads import HostGradients
-from torchtune_offload.optim.host_memory import HostMemoryPlan
+from torchtune_offload.optim.host_memory import HostMemoryPlan, plan_engine_memory
 from torchtune_offload.optim.memory_report import OffloadMemoryReport, engine_memory_report
 import torchtune_offload.optim.offload_checkpoint as offload_checkpoint
 from torchtune_offload.optim.offload_checkpoint import STATE_DICT_FORMAT
@@ -29,10 +29,10 @@ from torchtune_offload.optim.offload_options import OffloadOptions, check_accumu
 from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
 from torchtune_offload.optim.overlap_scheduler import OverlapScheduler
 from torchtune_offload.optim.param_table import (
-    ParameterTable, check_groups, named_groups, plan_table_memory, training_device,
+    ParameterTable, check_groups, named_groups, training_device,
 )
 from torchtune_offload.optim.slot_step import SlotStepper
-from torchtune_offload.optim.state_streamer import StateStreamer, plan_streamed_memory
+from torchtune_offload.optim.state_streamer import StateStreamer
 from torchtune_offload.optim.step_timings import StepTimings
 from torchtune_offload.optim.transfer import TransferEngine
 
@@ -325,7 +325,7 @@ class OffloadOptimizer(Optimizer):
     def memory_report(self) -> OffloadMemoryReport:
         """Host bytes held and device bytes spared, host buffers as allocated (:meth:`plan_host_memory`'s way)."""
         return engine_memory_report(self._table, self._grads.staging, self._streamer,
-                                    offload_gradients=self.options.offload_gradients,
+                                    gradients_on_host=self.options.offload_gradients,
                                     conversion_bytes=self._stepper.conversion_bytes)
 
     def close(self) -> None:
@@ -341,25 +341,15 @@ class OffloadOptimizer(Optimizer):
                 part.close()
 
 
+
+
 def _plan_host_memory(groups: Any, base_class: type, opts: OffloadOptions, kwargs: Dict[str, Any], *,
                       device: Union[str, torch.device], gradient_accumulation_steps: int) -> HostMemoryPlan:
     """:meth:`OffloadOptimizer.plan_host_memory` for named ``groups``, the engine's options ``opts``
-    and the base optimizer's ``kwargs``."""
+    and the base optimizer's ``kwargs``: what the constructor would refuse is refused here (a plan of
+    a run that cannot start misleads), then ``host_memory.plan_engine_memory`` sizes it."""
     check_base_options(base_class, kwargs, owner=f"OffloadOptimizer (base {base_class.__name__})")
     check_accumulation_steps(gradient_accumulation_steps)
     check_groups(groups, base_class=base_class, options=kwargs)
-    pinning = pinning_of(device)
-    if opts.update_on == "device":
-        trainable = [p for g in groups for _, p in g["params"] if p.requires_grad]
-        return plan_streamed_memory(trainable, base_class=base_class, options=kwargs,
-                                    minimal_size=opts.minimal_size, pinning=pinning)
-    plan = plan_table_memory(
-        groups, base_class=base_class, options=kwargs, minimal_size=opts.minimal_size, pinning=pinning,
-        master_dtype=opts.master_dtype, grad_sum_dtype=opts.grad_sum_dtype,
-        offload_gradients=opts.offload_gradients, gradient_accumulation_steps=gradient_accumulation_steps,
-        grad_sum_on=opts.grad_sum_on, fused_master_step=opts.fused_master_step,
-    )
-    plan.add("FP8 scales (pinned)" if pinning != NONE else "FP8 scales",
-             plan_scale_bytes(groups, mode=opts.device_weights, minimal_size=opts.minimal_size,
-                              pinned=pinning != NONE))
-    return plan
+    return plan_engine_memory(groups, base_class=base_class, opts=opts, options=kwargs, pinning=pinning_of(device),
+                              gradient_accumulation_steps=gradient_accumulation_steps)

@@ -17,23 +17,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.optim import Optimizer
 
-import torchtune_offload.optim.fused_step as fused_step
 from torchtune_offload.optim.base_options import check_group_options
-from torchtune_offload.optim.host_arena import ALLOCATOR, NONE, PageLockError, host_buffers, pinned_allocation_bytes
-from torchtune_offload.optim.host_memory import (
-    HostMemoryPlan,
-    converted_before_step,
-    host_buffer_dtypes,
-    offloaded_buffers_plan,
-    offloads,
-)
-from torchtune_offload.optim.staging import NUM_CHUNKS, StagingRing, device_ring_bytes
+from torchtune_offload.optim.host_arena import ALLOCATOR, PageLockError, host_buffers
+from torchtune_offload.optim.host_buffers import host_buffer_dtypes, offloads
 
-#: The host plan's part for ``grad_sum_on="device"`` on a machine without an accelerator.
-CPU_DEVICE_RING = "gradient sum chunks (grad_sum_on=device, in host memory: no accelerator)"
-#: The plan's part for ``slot_step.conversion_buffers``.
-CONVERSION_BUFFERS = ("gradients converted before the step (sums wider than the weights without masters, "
-                      "gradients narrower than masters the fused pass does not step)")
 #: ``(key, shape, dtypes by purpose)`` of each offloaded parameter, by ``id(param)``.
 _Owners = Dict[int, Tuple[str, torch.Size, Dict[str, torch.dtype]]]
 
@@ -328,61 +315,3 @@ def _check_each_given_once(groups: List[Dict[str, Any]]) -> None:
             names[id(param)] = key
 
 
-def plan_table_memory(params: Any, *, base_class: type, options: Dict[str, Any], minimal_size: int, pinning: str,
-                      master_dtype: Optional[torch.dtype], grad_sum_dtype: Optional[torch.dtype],
-                      offload_gradients: bool, gradient_accumulation_steps: int,
-                      grad_sum_on: str = "host", fused_master_step: bool = True) -> HostMemoryPlan:
-    """The host memory a :class:`ParameterTable` (and the ring later micro-batches' gradients are
-    added through: the host's staging ring, or with ``grad_sum_on="device"`` and no accelerator the
-    device ring, whose device is then this host) would hold for ``params`` (meta tensors work),
-    allocating nothing; see ``OffloadOptimizer.plan_host_memory``."""
-    # Each group's parameters with its own options over the optimizer's, as the table builds their
-    # base optimizers (amsgrad in one group, say, adds state and keeps the fused pass from it).
-    plan = HostMemoryPlan()
-    trainable: List[torch.Tensor] = []
-    # slot_step.conversion_buffers: for host gradients of another dtype than the stepped copy that
-    # the fused pass does not read as they are, one buffer per stepped dtype, as large as its largest.
-    largest: Dict[torch.dtype, int] = {}
-    for group in named_groups(params):
-        group_options = {**options, **{k: v for k, v in group.items() if k != "params"}}
-        own = [p for _, p in group["params"] if p.requires_grad]
-        trainable += own
-        part = offloaded_buffers_plan(
-            own, optimizer_class=base_class, options=group_options, minimal_size=minimal_size, pinning=pinning,
-            master_dtype=master_dtype, grad_dtype=grad_sum_dtype,
-        )
-        for purpose, nbytes in part.parts.items():
-            plan.add(purpose, nbytes)
-        plan.notes = (*plan.notes, *(note for note in part.notes if note not in plan.notes))
-        for p in filter(lambda p: offloads(p, minimal_size), own):
-            stepped, grad = master_dtype or p.dtype, grad_sum_dtype or p.dtype
-            fused = fused_master_step and fused_step.fuses(base_class, group_options, master=stepped, grad=grad,
-                                                           out=p.dtype)
-            converted = converted_before_step(p.dtype, stepped=stepped, grad=grad, fused=fused)
-            if converted is not None:
-                largest[converted] = max(largest.get(converted, 0), p.numel())
-    offloaded = [p for p in trainable if offloads(p, minimal_size)]
-    if largest:
-        plan.add(CONVERSION_BUFFERS, sum(n * dtype.itemsize for dtype, n in largest.items()))
-    if not (offload_gradients and gradient_accumulation_steps > 1 and offloaded):
-        return plan
-    if grad_sum_on == "host":
-        chunk = StagingRing.chunk_size(largest_bytes=max(p.numel() * p.element_size() for p in offloaded))
-        pinned = pinning != NONE  # the ring's chunks come from torch's allocator
-        plan.add("staging ring" + (" (pinned)" if pinned else ""),
-                 NUM_CHUNKS * pinned_allocation_bytes(chunk, pinned=pinned))
-    elif pinning == NONE:
-        # No accelerator: the device ring's chunks are in this host's memory.
-        plan.add(CPU_DEVICE_RING, device_sum_ring_bytes(trainable, minimal_size=minimal_size,
-                                                        grad_sum_dtype=grad_sum_dtype))
-    return plan
-
-
-def device_sum_ring_bytes(params: List[torch.Tensor], *, minimal_size: int,
-                          grad_sum_dtype: Optional[torch.dtype]) -> int:
-    """The bytes of the ring that adds later micro-batches into their host sums on the device
-    (``grad_sum_on="device"``) for the trainable ``params`` (meta tensors work): sized by the
-    largest offloaded gradient sum, in the sums' dtype; 0 where nothing is offloaded."""
-    sums = [p.numel() * (p.element_size() if grad_sum_dtype is None else grad_sum_dtype.itemsize)
-            for p in params if offloads(p, minimal_size)]
-    return device_ring_bytes(largest_bytes=max(sums)) if sums else 0

@@ -14,15 +14,15 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-import torchtune_offload.optim.fused_step as fused_step
-import torchtune_offload.optim.stream_check as stream_check
 from torchtune_offload.optim.capabilities import capabilities_of
 from torchtune_offload.optim.fp8_weights import DeviceWeights
+import torchtune_offload.optim.fused_step as fused_step
+from torchtune_offload.optim.host_buffers import converted_before_step
 from torchtune_offload.optim.host_grads import HostGradients
-from torchtune_offload.optim.host_memory import converted_before_step
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.state_streamer import StateStreamer
 from torchtune_offload.optim.step_timings import StepTimings
+import torchtune_offload.optim.stream_check as stream_check
 from torchtune_offload.optim.transfer import TransferEngine
 
 

@@ -1,6 +1,6 @@
 """A bounded landing area for gradients that are added into host sums.
 
-With ``offload_gradients`` and gradient accumulation, the first micro-batch's gradient is copied
+With gradients offloaded during backward and accumulated, the first micro-batch's gradient is copied
 straight into the parameter's host sum; every later one has to land somewhere on the host before
 it can be added. A full-size second buffer per parameter would double the host memory of the
 gradients (about 16 GB for an 8B model in bf16). Here later micro-batches go through a small ring
@@ -28,10 +28,10 @@ from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-import torchtune_offload.optim.host_add as host_add
-import torchtune_offload.optim.stream_check as stream_check
 from torchtune_offload.optim.grad_norm import tensor_norm
+import torchtune_offload.optim.host_add as host_add
 from torchtune_offload.optim.step_timings import profiled
+import torchtune_offload.optim.stream_check as stream_check
 from torchtune_offload.optim.transfer import TransferEngine
 
 #: Bytes of one chunk, and how many chunks the ring holds: the bound on staging memory.

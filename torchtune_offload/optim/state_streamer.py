@@ -34,8 +34,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from torchtune_offload.optim.capabilities import capabilities_of
-from torchtune_offload.optim.host_arena import ALLOCATOR, NONE, PageLockError, buffer_bytes, host_buffers
-from torchtune_offload.optim.host_memory import HostMemoryPlan, offloads, probe_state
+from torchtune_offload.optim.host_arena import ALLOCATOR, PageLockError, buffer_bytes, host_buffers
+from torchtune_offload.optim.host_buffers import probe_state
 from torchtune_offload.optim.overlap import register_module_waits
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.transfer import TransferEngine
@@ -74,7 +74,7 @@ def state_layout(cls: type, options: Dict[str, Any], param: torch.Tensor) -> Tup
     return arrays, scalars
 
 
-def _cached_layout(cache: Dict[tuple, Tuple[Layout, List[str]]], cls: type, options: Dict[str, Any],
+def cached_layout(cache: Dict[tuple, Tuple[Layout, List[str]]], cls: type, options: Dict[str, Any],
                    param: torch.Tensor, *, group: int = 0) -> Tuple[Layout, List[str]]:
     """:func:`state_layout`, probed once per optimizer class, parameter group (its options can
     change the states: amsgrad, momentum), shape and dtype."""
@@ -90,18 +90,6 @@ def plan_state_bytes(layout: Layout, *, pinning: str) -> int:
                for _, shape, dtype in layout)
 
 
-def plan_streamed_memory(params: List[torch.Tensor], *, base_class: type, options: Dict[str, Any],
-                         minimal_size: int, pinning: str) -> HostMemoryPlan:
-    """The host memory of ``update_on="device"`` for trainable ``params`` (meta tensors work): the
-    array states of those with at least ``minimal_size`` elements, nothing else."""
-    plan, cache = HostMemoryPlan(), {}
-    for p in params:
-        if offloads(p, minimal_size):
-            layout, _ = _cached_layout(cache, base_class, options, p)
-            plan.add("optimizer state" + ("" if pinning == NONE else " (pinned)"), plan_state_bytes(layout, pinning=pinning))
-    return plan
-
-
 class _Plan:
     """How one streamed slot is staged: its layout, and its slices ``(start, stop)`` in elements
     (one slice of the whole tensor when staged whole)."""
@@ -115,7 +103,7 @@ class _Plan:
         self.slices = slices
 
 
-def _slice_plan(key: str, cls: type, param: torch.Tensor, layout: Layout, scalars: List[str],
+def slice_plan(key: str, cls: type, param: torch.Tensor, layout: Layout, scalars: List[str],
                 half_bytes: int) -> _Plan:
     """Slices of parameter ``key`` (stepped by ``cls``) that fit one staging buffer of ``half_bytes``.
 
@@ -163,22 +151,8 @@ def _slice_bytes(plan: _Plan, start: int, stop: int) -> int:
     return sum(_staged_bytes(stop - start, d) for _, _, d in plan.layout)
 
 
-def _largest_slice_bytes(plans: List[_Plan]) -> int:
+def largest_slice_bytes(plans: List[_Plan]) -> int:
     return max((_slice_bytes(plan, a, b) for plan in plans for a, b in plan.slices), default=0)
-
-
-def plan_device_staging(params: List[Tuple[str, torch.Tensor]], *, base_class: type, options: Dict[str, Any],
-                        minimal_size: int, staging_bytes: int) -> int:
-    """The device bytes of :class:`StateStreamer`'s two staging buffers for trainable ``params``
-    (``(name, tensor)``; meta tensors work), allocating nothing.
-
-    Raises:
-        ValueError: as the streamer would, if a state cannot be planned or the bound is too small.
-    """
-    cache: Dict[tuple, Tuple[Layout, List[str]]] = {}
-    plans = [_slice_plan(key, base_class, p, *_cached_layout(cache, base_class, options, p), staging_bytes // 2)
-             for key, p in params if offloads(p, minimal_size)]
-    return 2 * _largest_slice_bytes(plans)
 
 
 def _layout_mismatch(layout: Layout, state: Dict[str, Any]) -> Optional[Tuple[str, str, str]]:
@@ -244,15 +218,15 @@ class StateStreamer:
         cache: Dict[tuple, Tuple[Layout, List[str]]] = {}
         for slot in table.streamed:
             cls = type(slot.optimizer)
-            layout = _cached_layout(cache, cls, table.group_options[slot.group_index], slot.param,
+            layout = cached_layout(cache, cls, table.group_options[slot.group_index], slot.param,
                                     group=slot.group_index)
-            self._plans[slot.index] = _slice_plan(slot.key, cls, slot.param, *layout, staging_bytes // 2)
+            self._plans[slot.index] = slice_plan(slot.key, cls, slot.param, *layout, staging_bytes // 2)
         self.pinning = table.pinning
         self._host = self._allocate_host_states()
         self._initialised = {index: self._adopt_constructed_states(table.slots[index]) for index in self._plans}
         # bitsandbytes' kernels ignore torch's current stream: its updates are never moved to a side stream.
         self._side_stream_safe = all(capabilities_of(type(s.optimizer)).kernels_on_current_stream for s in table.streamed)
-        largest = _largest_slice_bytes(list(self._plans.values()))
+        largest = largest_slice_bytes(list(self._plans.values()))
         device = transfer.device
         # Two buffers, each as large as the largest slice needs and never above half the bound.
         self._buffers = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(2 if largest else 0)]
@@ -432,8 +406,15 @@ class StateStreamer:
             computed = order.record(stream)
         view.grad = None
         new_scalars = {k: result[k] for k in plan.scalars if k in result}
-        if index is None:
-            return computed, new_scalars
+        if index is not None:
+            self._download(slot, staged, index=index, computed=computed, start=start, stop=stop)
+        return computed, new_scalars
+
+    def _download(self, slot: Slot, staged: Dict[str, torch.Tensor], *, index: int, computed: object, start: int,
+                  stop: int) -> None:
+        """Copies one slice's states from staging buffer ``index`` back to host memory once its update
+        (the event ``computed``) is done; the buffer is free again when the last copy is."""
+        order = self._streams
         order.wait_event(self._down, computed)
         freed = None
         for key, target in staged.items():
@@ -441,7 +422,6 @@ class StateStreamer:
                                               kind="state_down", stream=self._down)
         self._buffer_free[index] = freed
         self._downloaded[slot.index] = freed
-        return computed, new_scalars
 
     # -------------------------------------------------------------------------- queueing
 

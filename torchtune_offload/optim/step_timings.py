@@ -89,7 +89,7 @@ class StepTimings:
         micro-batches into the host sums cost, and how long it held backward up.
 
         Args:
-            ring: the staging ring of ``offload_gradients``; a ring swapped in later is not seen.
+            ring: the staging ring of offloaded gradients; a ring swapped in later is not seen.
         """
         self._ring = ring
         self._sums_seen = (ring.waited_seconds, ring.added_seconds)
@@ -132,7 +132,7 @@ class StepTimings:
         finishes during the next one, so the figures describe the steady state over steps, not
         one window. With ``update_on="device"``, ``state_upload_s`` / ``state_download_s``: the
         streamed states' copies (on an accelerator, counted once they have finished). With
-        ``offload_gradients``, the gradient sums of the micro-batches after a window's first:
+        gradients offloaded, the gradient sums of the micro-batches after a window's first:
         ``grad_sum_wait_s``, the backward hooks' waits inside the staging ring (for its lock, or
         a chunk still being added; on an accelerator, time the backward stopped launching
         kernels; not in ``offload_wait_s``), and ``grad_sum_add_s``, the host cores' additions

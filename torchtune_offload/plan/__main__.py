@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from torchtune_offload.bench.arguments import check_output_file
 from torchtune_offload.bench.variants import VARIANTS
@@ -46,9 +46,9 @@ from torchtune_offload.plan.report import format_fine_tunes, format_plans
 from torchtune_offload.plan.speed import DEVICE_MEMORY_KEY, Machine, load_machine, preset_names
 from torchtune_offload.plan.step_traces import default_jobs, sequence_length, trace_steps
 from torchtune_offload.plan.trace import UntraceableModelError, check_builder_imports
+from torchtune_offload.recipe.checks.component_options import component_removal_problem
+from torchtune_offload.recipe.checks.config import config_shape_problems
 from torchtune_offload.recipe.chosen_optimizer import describe_optimizer
-from torchtune_offload.recipe.component_options import component_removal_problem
-from torchtune_offload.recipe.config import config_shape_problems
 from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, header_recipe, shipped_root
 
 def _config_path(name: str) -> Path:
@@ -88,13 +88,7 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
     p = _parser(prog)
     args, machine = _checked_args(p, argv)
     recipe = args.recipe or _recipe_of(args.config)
-    removal = component_removal_problem(OmegaConf.to_container(OmegaConf.load(args.config)), args.overrides)
-    if removal is not None:
-        p.error(removal)
-    try:
-        cfg = load_config(str(args.config), args.overrides)
-    except ValueError as err:  # torchtune's merge: a ~key the config does not have
-        p.error(f"{' '.join(args.overrides)}: {err}")
+    cfg = _load_config(p, args)
     # Before anything is traced: a builder that cannot be imported ends the plan (exit 2), as below, and
     # what no variant's optimizer settings change (a misspelt key) refuses every variant alike (exit 1).
     try:
@@ -120,19 +114,7 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
         # One line, no traceback: the model is the user's to change, not a bug to debug here.
         print(f"error: {err}", file=sys.stderr)
         return 2
-    speeds = None if machine is None else {
-        p.name: plan_speed(p, machine, device_budget=budgets.device) for p in plans}
-    given = OmegaConf.to_container(cfg, resolve=True)
-    math_changes = {p.name: math_change(OmegaConf.to_container(variant_config(
-        str(args.config), args.overrides, p.name), resolve=True), config=given) for p in plans}
-    print(format_plans(plans, device=str(device), device_budget=budgets.device, host_budget=budgets.host,
-                       config_path=str(args.config), seq_len_note=f"batch {cfg.batch_size} x {seq_len} tokens",
-                       fine_tunes=_fine_tune_block(fine, cfg, device_budget=budgets.device, host_budget=budgets.host),
-                       speeds=speeds, machine=machine.name if machine else "", device_budget_note=budgets.device_note,
-                       host_budget_note=budgets.host_note, math_changes=math_changes))
-    if args.json:
-        _write_json(args.json, plans, fine, speeds=speeds, machine=machine, budgets=budgets, device=device,
-                    math_changes=math_changes)
+    _report(args, cfg, plans, fine, machine=machine, budgets=budgets, device=device, seq_len=seq_len)
     refused = next((p.problem for p in plans if p.name == "config" and p.problem is not None), None)
     if refused is not None:
         # The table is printed for the variants; a script must still see that the config itself was refused.
@@ -263,6 +245,37 @@ def _plan_all(args: argparse.Namespace, *, recipe: str, baseline: int,
         fine = plan_fine_tunes(str(args.config), args.overrides, configured, seq_len=args.seq_len,
                                baseline=baseline, traces=traces)
     return plans, fine
+
+
+def _load_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> DictConfig:
+    """The config with the command line's overrides merged in; an override the config refuses (a
+    ``~key`` it does not have, a component's removal) is a usage error."""
+    removal = component_removal_problem(OmegaConf.to_container(OmegaConf.load(args.config)), args.overrides)
+    if removal is not None:
+        p.error(removal)
+    try:
+        return load_config(str(args.config), args.overrides)
+    except ValueError as err:  # torchtune's merge: a ~key the config does not have
+        p.error(f"{' '.join(args.overrides)}: {err}")
+
+
+def _report(args: argparse.Namespace, cfg: DictConfig, plans: List[VariantPlan], fine: List[VariantPlan], *,
+            machine: Optional[Machine], budgets: _Budgets, device: torch.device, seq_len: int) -> None:
+    """Prints the plans' table (with each variant's speed on ``machine`` where given) and writes
+    ``--json`` where asked."""
+    speeds = None if machine is None else {
+        p.name: plan_speed(p, machine, device_budget=budgets.device) for p in plans}
+    given = OmegaConf.to_container(cfg, resolve=True)
+    math_changes = {p.name: math_change(OmegaConf.to_container(variant_config(
+        str(args.config), args.overrides, p.name), resolve=True), config=given) for p in plans}
+    print(format_plans(plans, device=str(device), device_budget=budgets.device, host_budget=budgets.host,
+                       config_path=str(args.config), seq_len_note=f"batch {cfg.batch_size} x {seq_len} tokens",
+                       fine_tunes=_fine_tune_block(fine, cfg, device_budget=budgets.device, host_budget=budgets.host),
+                       speeds=speeds, machine=machine.name if machine else "", device_budget_note=budgets.device_note,
+                       host_budget_note=budgets.host_note, math_changes=math_changes))
+    if args.json:
+        _write_json(args.json, plans, fine, speeds=speeds, machine=machine, budgets=budgets, device=device,
+                    math_changes=math_changes)
 
 
 def _write_json(path: Path, plans: List[VariantPlan], fine: List[VariantPlan], *, speeds: Optional[dict],

@@ -104,7 +104,7 @@ def unquantised_twin(cfg_model: DictConfig) -> Optional[Dict[str, Any]]:
     The planner's counts that read only the shapes of the model (the host pre-flight, the
     optimizer state of the adapters) are the same on the twin, which is a plain model of plain
     tensors (torchao's quantisation, even on the meta device, made an 8B QLoRA model take seconds
-    to build before :mod:`~torchtune_offload.recipe.meta_nf4`; now about as long as its twin).
+    to build before :mod:`~torchtune_offload.recipe.checks.meta_nf4`; now about as long as its twin).
     """
     if configured_fine_tune(cfg_model) != "QLoRA":
         return None

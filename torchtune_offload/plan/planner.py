@@ -18,7 +18,7 @@ import gc
 import os
 from argparse import Namespace
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import psutil
 import torch
@@ -34,9 +34,8 @@ from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune_offload.bench.variants import VARIANTS
 from torchtune_offload.optim import fused_step
 from torchtune_offload.optim.handoff import handoff_groups
-from torchtune_offload.optim.host_memory import offloads, optimizer_state_bytes
-from torchtune_offload.optim.param_table import device_sum_ring_bytes
-from torchtune_offload.optim.state_streamer import plan_device_staging
+from torchtune_offload.optim.host_buffers import offloads
+from torchtune_offload.optim.host_memory import device_sum_ring_bytes, optimizer_state_bytes, plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
                                                unquantised_twin)
 from torchtune_offload.plan.recorded_runs import known_gaps
@@ -45,9 +44,9 @@ from torchtune_offload.plan.step_traces import StepRequest, mark_lora, sequence_
 from torchtune_offload.plan.trace import (StepTrace, UntraceableModelError, build_meta_model, check_builder_imports,
                                           micro_batch_loss, one_line)
 from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
+from torchtune_offload.recipe.checks.config import RECIPE_KEYS
+from torchtune_offload.recipe.checks.fit import available_host_memory
 from torchtune_offload.recipe.chosen_optimizer import ChosenOptimizer, OptimizerKind
-from torchtune_offload.recipe.config import RECIPE_KEYS
-from torchtune_offload.recipe.host_preflight import available_host_memory
 
 GIB = 1024**3
 #: The reserved peak a CUDA offload run is assumed to reach above its allocated peak, as a share of it,
@@ -245,24 +244,7 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     except ValueError as err:  # an optimizer option its memory plan refuses and the config check let by
         plan.problem = str(err).splitlines()[0]
         return plan
-    plan.device_parts = {f"step peak: {k.lower()}": v for k, v in trace.by_kind.items() if v}
-    if settings.device.type != "cpu":
-        for label, size in _device_state(settings, model).items():
-            if "paged" in label:
-                plan.paged_bytes = size
-                plan.notes.append(f"{size / GIB:.2f} GiB of paged optimizer state in unified memory: on the device "
-                                  "where it fits, paged to host memory beyond (slower)")
-            elif size:
-                plan.device_parts[label] = size
-    plan.device_bytes = sum(plan.device_parts.values())
-    plan.batch_size = settings.batch_size
-    if settings.device.type != "cpu":
-        plan.work = _step_work(settings, model, settings.batch_size * length, ops=trace.ops_per_micro_batch)
-    if fp8 is not None:
-        plan.load_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        plan.notes.append(f"device_weights: the model loads in {settings.dtype} on the device before the optimizer "
-                          f"makes its FP8 images: {plan.load_bytes / GIB:.2f} GiB of weights at that moment, not in "
-                          "the step peak above; a device budget below it is 'no (load)'")
+    _fill_device_figures(plan, settings, model, trace=trace, seq_len=length, fp8_images=fp8 is not None)
     phase = max(need.phases, key=lambda p: sum(need.phases[p].values()))
     plan.host_parts = {"this process (Python, PyTorch, torchtune)": baseline,
                        **{f"{phase}: {k}": v for k, v in need.phases[phase].items()}}
@@ -278,6 +260,31 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
                           "(unless PYTORCH_CUDA_ALLOC_CONF is set), whose pages leave little cached beside what is "
                           "allocated (the 8B batch-1 runs on an H100: 1.8-2.0% above; docs/fp8_weights.md)")
     return plan
+
+
+def _fill_device_figures(plan: VariantPlan, settings: RecipeSettings, model: torch.nn.Module, *, trace: StepTrace,
+                         seq_len: int, fp8_images: bool) -> None:
+    """Fills ``plan``'s device figures: the traced step's peak by kind, the optimizer state kept on the
+    device (paged state apart), the step's work and, where the optimizer makes ``device_weights`` FP8
+    images, the weights at load."""
+    plan.device_parts = {f"step peak: {k.lower()}": v for k, v in trace.by_kind.items() if v}
+    if settings.device.type != "cpu":
+        for label, size in _device_state(settings, model).items():
+            if "paged" in label:
+                plan.paged_bytes = size
+                plan.notes.append(f"{size / GIB:.2f} GiB of paged optimizer state in unified memory: on the device "
+                                  "where it fits, paged to host memory beyond (slower)")
+            elif size:
+                plan.device_parts[label] = size
+    plan.device_bytes = sum(plan.device_parts.values())
+    plan.batch_size = settings.batch_size
+    if settings.device.type != "cpu":
+        plan.work = _step_work(settings, model, settings.batch_size * seq_len, ops=trace.ops_per_micro_batch)
+    if fp8_images:
+        plan.load_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        plan.notes.append(f"device_weights: the model loads in {settings.dtype} on the device before the optimizer "
+                          f"makes its FP8 images: {plan.load_bytes / GIB:.2f} GiB of weights at that moment, not in "
+                          "the step peak above; a device budget below it is 'no (load)'")
 
 
 def step_requests(config_path: str, overrides: Sequence[str], names: Sequence[str], *, recipe: str,

@@ -8,7 +8,7 @@ with ``--tables``, the tables of docs/gpu_results.md (``plan/gpu_tables.py``).
 """
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -145,12 +145,12 @@ def _work(run: Dict[str, Any]) -> StepWork:
         # States beyond what the budget left beside the run's allocator peak page both ways every step.
         engine["paged_excess_bytes"] = int(run["allocator_peak_gib"] * GIB + run["paged_state_bytes_per_param"] * params
                                            - run["gpu_memory_gib"] * GIB)
-    # The engine's gradient hooks of these runs handed each parameter over on its own.
-    hooked = engine.get("update") == "host" and (engine.get("offload_gradients") or engine.get("overlap"))
-    return StepWork(params=params, trainable=params, tokens=run["batch"] * run["seq"],
+    work = StepWork(params=params, trainable=params, tokens=run["batch"] * run["seq"],
                     micro_batches=run["accumulation"], clipping=run["clip"] is not None,
-                    ops_per_micro_batch=narrowed_ops_per_micro_batch(NARROW[params]),
-                    handoffs_per_micro_batch=TENSORS[params] if hooked else 0, **engine)
+                    ops_per_micro_batch=narrowed_ops_per_micro_batch(NARROW[params]), **engine)
+    # The engine's gradient hooks of these runs handed each parameter over on its own.
+    hooked = work.update == "host" and (work.offload_gradients or work.overlap)
+    return replace(work, handoffs_per_micro_batch=TENSORS[params] if hooked else 0)
 
 
 def _source(run: Dict[str, Any]) -> str:

@@ -113,13 +113,6 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
             with ``speeds`` (and a device that is not the CPU), the fastest variant that fits is
             named under the table, and the fastest without such a change where that is another.
     """
-    def verdict(n: Optional[int], budget: Optional[int]) -> str:
-        if n is None:
-            return "-"
-        if budget is None:
-            return "?"
-        return "yes" if n <= budget else "no"
-
     lines = [f"Plan for {config_path} ({seq_len_note}); device {device}, budget "
              f"{'unknown (give --device-gib)' if device_budget is None else f'{device_budget / GIB:.1f} GiB'}"
              f"{f' ({device_budget_note})' if device_budget_note else ''}; "
@@ -130,17 +123,7 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
     if speeds is not None:
         cpu = " No speed for a CPU run: the model predicts a GPU's step (plan device=cuda)." if device == "cpu" else ""
         lines.insert(1, f"Speed on {machine} (docs/planner.md#how-fast).{cpu}")
-    for p in plans:
-        what = p.problem if p.problem else p.description
-        paged = f"{p.paged_bytes / GIB:.2f}" if p.paged_bytes else "-"
-        speed = ""
-        if speeds is not None:
-            s = speeds.get(p.name)
-            speed = (" - | - | - | - |" if s is None else
-                     f" {s.step_seconds:.3g} | {s.tokens_per_second:.0f} | {s.bound} | "
-                     f"{'-' if s.hides_at_batch is None else f'>= {s.hides_at_batch}'} |")
-        lines.append(f"| {p.name} | {gib(p.device_bytes)} | {paged} | {device_verdict(p, device_budget)} | "
-                     f"{gib(p.host_bytes)} | {verdict(p.host_bytes, host_budget)} |{speed} {what} |")
+    lines += [_table_row(p, device_budget=device_budget, host_budget=host_budget, speeds=speeds) for p in plans]
     predicted = {p.name: speeds[p.name] for p in plans if speeds and speeds.get(p.name)}
     if speeds is not None and math_changes is not None and device != "cpu":
         lines += fastest_block(plans, speeds, device_budget=device_budget, host_budget=host_budget,
@@ -152,6 +135,38 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
         lines += ["", advice]
     if fine_tunes:
         lines += ["", fine_tunes]
+    lines += _breakdowns(plans)
+    return "\n".join(lines)
+
+
+def _verdict(n: Optional[int], budget: Optional[int]) -> str:
+    """Whether a peak of ``n`` bytes fits ``budget``: "-" without a figure, "?" without a budget."""
+    if n is None:
+        return "-"
+    if budget is None:
+        return "?"
+    return "yes" if n <= budget else "no"
+
+
+def _table_row(p: VariantPlan, *, device_budget: Optional[int], host_budget: int,
+               speeds: Optional[Dict[str, Optional[Speed]]]) -> str:
+    """The row of :func:`format_plans`' table for ``p``, its speed's cells where ``speeds`` is given."""
+    what = p.problem if p.problem else p.description
+    paged = f"{p.paged_bytes / GIB:.2f}" if p.paged_bytes else "-"
+    speed = ""
+    if speeds is not None:
+        s = speeds.get(p.name)
+        speed = (" - | - | - | - |" if s is None else
+                 f" {s.step_seconds:.3g} | {s.tokens_per_second:.0f} | {s.bound} | "
+                 f"{'-' if s.hides_at_batch is None else f'>= {s.hides_at_batch}'} |")
+    return (f"| {p.name} | {gib(p.device_bytes)} | {paged} | {device_verdict(p, device_budget)} | "
+            f"{gib(p.host_bytes)} | {_verdict(p.host_bytes, host_budget)} |{speed} {what} |")
+
+
+def _breakdowns(plans: List[VariantPlan]) -> List[str]:
+    """The lines under :func:`format_plans`' table: each planned variant's device and host parts and
+    its notes, a note every variant has said once above them."""
+    lines: List[str] = []
     planned = [p for p in plans if not p.problem]
     # A note every variant has (the checkpoint not found, the allocator's rounding) is said once.
     shared = [n for n in planned[0].notes if all(n in p.notes for p in planned)] if len(planned) > 1 else []
@@ -164,6 +179,6 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
         for note in p.notes:
             if note not in shared:
                 lines.append(f"  note: {note}")
-    return "\n".join(lines)
+    return lines
 
 

@@ -397,6 +397,21 @@ def predict(work: StepWork, machine: Machine, *, samples_per_micro_batch: Option
     return speed
 
 
+def _later_sum_seconds(work: StepWork, machine: Machine, *, down: float) -> Tuple[float, float]:
+    """The seconds a later micro-batch's gradient sum takes, and the seconds of PCIe it adds (``down``:
+    one gradient's copy to the host), where :attr:`StepWork.sums_on_device` says it runs."""
+    if work.sums_on_device:
+        sum_bytes = work.trainable * work.sum_size
+        sum_up, sum_down = sum_bytes / (machine.pcie_h2d_gbs * 1e9), sum_bytes / (machine.pcie_d2h_gbs * 1e9)
+        # The sum up and back down (the link carries both ways at once), the host's memory read
+        # and written once by the DMA engines: the slowest of the three sets the pace.
+        return max(sum_up, sum_down, 2 * sum_bytes / (machine.host_copy_gbs * 1e9)), sum_up + sum_down
+    # A later micro-batch's sum on the host: the DMA engine writes the gradient into the pinned
+    # chunks, the cores read it and the sum and write the sum, all in the host's one memory (the
+    # 8B run of docs/gpu_results.md, H100, 2026-11-27 at ed2357a, added at 74 GB/s counting all four).
+    return work.trainable * (2 * work.element_size + 2 * work.sum_size) / (machine.host_copy_gbs * 1e9), down
+
+
 def _predict(work: StepWork, machine: Machine, samples_per_micro_batch: Optional[int]) -> Speed:
     gpu_work = work.micro_batches * sum(_gpu_seconds(work, machine, work.tokens))
     launch = work.micro_batches * launch_seconds(work, machine)
@@ -407,19 +422,7 @@ def _predict(work: StepWork, machine: Machine, samples_per_micro_batch: Optional
     down = weight_bytes / (machine.pcie_d2h_gbs * 1e9)  # one gradient's copy
     up = weight_bytes / (machine.pcie_h2d_gbs * 1e9)  # the new weights
     host_step = _host_step_seconds(work, machine)
-    if work.sums_on_device:
-        sum_bytes = work.trainable * work.sum_size
-        sum_up, sum_down = sum_bytes / (machine.pcie_h2d_gbs * 1e9), sum_bytes / (machine.pcie_d2h_gbs * 1e9)
-        # The sum up and back down (the link carries both ways at once), the host's memory read
-        # and written once by the DMA engines: the slowest of the three sets the pace.
-        sum_one = max(sum_up, sum_down, 2 * sum_bytes / (machine.host_copy_gbs * 1e9))
-        later_pcie = sum_up + sum_down
-    else:
-        # A later micro-batch's sum on the host: the DMA engine writes the gradient into the pinned
-        # chunks, the cores read it and the sum and write the sum, all in the host's one memory (the
-        # 8B run of docs/gpu_results.md, H100, 2026-11-27 at ed2357a, added at 74 GB/s counting all four).
-        sum_one = work.trainable * (2 * work.element_size + 2 * work.sum_size) / (machine.host_copy_gbs * 1e9)
-        later_pcie = down
+    sum_one, later_pcie = _later_sum_seconds(work, machine, down=down)
     sums = (work.micro_batches - 1) * sum_one if work.offload_gradients else 0.0
     hides = None
     # Each synchronization empties the GPU's queue: it then waits for the launching thread's next

@@ -28,8 +28,8 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from torchtune_offload.plan.fine_tunes import configured_fine_tune
 from torchtune_offload.plan.trace import StepTrace, trace_training_step
 from torchtune_offload.recipe import RecipeSettings
+from torchtune_offload.recipe.checks.optimizer_rules import is_int
 from torchtune_offload.recipe.chosen_optimizer import OptimizerKind
-from torchtune_offload.recipe.optimizer_rules import is_int
 
 
 def mark_lora(model: torch.nn.Module) -> None:
@@ -259,6 +259,34 @@ def _stop_late(running: Dict[Connection, _Worker], *, timeout_s: float) -> List[
     return late
 
 
+def _steps_to_trace(requests: Sequence[StepRequest],
+                    traces: Dict[tuple, StepTrace]) -> Tuple[List[StepRequest], Dict[tuple, StepRequest]]:
+    """The distinct steps of ``requests`` that ``traces`` lacks: those to trace first, and the steps
+    another one of them gives as well, by key (see :func:`_not_given`)."""
+    todo: Dict[tuple, StepRequest] = {}
+    for request in requests:
+        if request.key not in traces:
+            todo.setdefault(request.key, request)
+    # Steps another one gives as well, by the key of that one: traced on their own only where it
+    # does not give them (it failed, or its optimizer's state changed before its step).
+    later = {r.key: todo[r.key_without_optimizer] for r in todo.values() if r.key_without_optimizer in todo}
+    given = {step.key for step in later.values()}
+    return [r for r in todo.values() if r.key not in given], later
+
+
+def _keep_result(receive: Connection, worker: multiprocessing.process.BaseProcess, *,
+                 traces: Dict[tuple, StepTrace], wanted: set) -> int:
+    """Puts the traces a finished worker sent (see :func:`_result_of`) into ``traces``, those of the
+    ``wanted`` steps only; returns how many."""
+    result = _result_of(receive, worker)
+    if result is None:
+        return 0
+    # A step without its optimizer that no variant runs is left out.
+    result = {key: trace for key, trace in result.items() if key in wanted}
+    traces.update(result)
+    return len(result)
+
+
 def trace_steps(requests: Sequence[StepRequest], traces: Dict[tuple, StepTrace], *, jobs: int,
                 timeout_s: float = WORKER_TIMEOUT_S) -> int:
     """Traces the distinct steps of ``requests`` that ``traces`` lacks in forked worker processes,
@@ -283,15 +311,7 @@ def trace_steps(requests: Sequence[StepRequest], traces: Dict[tuple, StepTrace],
         and is not traced on its own.
     """
     wanted = {request.key for request in requests}
-    todo: Dict[tuple, StepRequest] = {}
-    for request in requests:
-        if request.key not in traces:
-            todo.setdefault(request.key, request)
-    # Steps another one gives as well, by the key of that one: traced on their own only where it
-    # does not give them (it failed, or its optimizer's state changed before its step).
-    later = {r.key: todo[r.key_without_optimizer] for r in todo.values() if r.key_without_optimizer in todo}
-    given = {step.key for step in later.values()}
-    first = [r for r in todo.values() if r.key not in given]
+    first, later = _steps_to_trace(requests, traces)
     if jobs < 2 or len(first) < 2 or not parallel_tracing_available():
         return 0
     print(f"tracing {len(wanted)} distinct training steps ({len(first)} traces), {min(jobs, len(first))} worker "
@@ -311,12 +331,7 @@ def trace_steps(requests: Sequence[StepRequest], traces: Dict[tuple, StepTrace],
             next_deadline = min(deadline for _, _, deadline in running.values())
             for receive in connection_wait(list(running), timeout=max(0.0, next_deadline - time.monotonic())):
                 worker, request, _ = running.pop(receive)
-                result = _result_of(receive, worker)
-                if result is not None:
-                    # A step without its optimizer that no variant runs is left out.
-                    result = {key: trace for key, trace in result.items() if key in wanted}
-                    traces.update(result)
-                    traced += len(result)
+                traced += _keep_result(receive, worker, traces=traces, wanted=wanted)
                 waiting += _not_given(later, request, traces)
             for request in _stop_late(running, timeout_s=timeout_s):
                 waiting += _not_given(later, request, traces)

@@ -19,7 +19,7 @@ of its first five layers, traced event by event (after each operator: which laye
 by kind), gives every event of the whole model's step as a linear function of the number of layers
 (``_extrapolated_peak`` says why that is exact). Llama 3.1 8B's 32 layers trace in about a third of
 the time, to the byte (the whole model is still built, for the layer check and the copies: QLoRA's
-without torchao's quantisation arithmetic, :mod:`~torchtune_offload.recipe.meta_nf4`). Other
+without torchao's quantisation arithmetic, :mod:`~torchtune_offload.recipe.checks.meta_nf4`). Other
 models (no ``layers`` list, layers unlike each other, few layers) are traced whole.
 
 Fake tensors are CPU tensors here (a CPU-only torch cannot make fake CUDA ones): the trace counts
@@ -48,8 +48,8 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune_offload.optim.fp8_weights import fp8_candidates, hold_in_fp8, image_bytes
 from torchtune_offload.optim.handoff import BackwardHandoff, handoff_groups
 from torchtune_offload.recipe import RecipeSettings, build_loss, loss_of_logits
-from torchtune_offload.recipe.host_preflight import meta_model
-from torchtune_offload.recipe.meta_nf4 import copy_meta_model
+from torchtune_offload.recipe.checks.fit import meta_model
+from torchtune_offload.recipe.checks.meta_nf4 import copy_meta_model
 
 
 #: Tensor subclasses the trace gives fake storage and follows exactly (QLoRA's NF4 base weights).
@@ -142,21 +142,7 @@ def trace_training_step(
                                     f"it up ({type(err).__name__}: {one_line(err)})") from err
     step = partial(_traced_step, cfg, settings, seq_len=seq_len, free_gradients=free_gradients,
                    make_optimizer=make_optimizer, fp8_weights=fp8_weights)
-    layers = _identical_layers(model)
-    peak, peak_without, traced_layers, ops = None, None, (), 0
-    if layers is not None and len(layers) > sum(REDUCED_LAYERS):
-        small, large = (step(_with_first_layers(model, n), record=True) for n in REDUCED_LAYERS)
-        peak = _extrapolated_peak(small, large, num_layers=len(layers))
-        traced_layers = REDUCED_LAYERS if peak is not None else ()
-        if peak is not None and small.before_step is not None and large.before_step is not None:
-            peak_without = _extrapolated_peak(small.before_step, large.before_step, num_layers=len(layers))
-        # A layer's operators run once per layer, the rest once (see _extrapolated_peak).
-        per_layer = (large.ops - small.ops) // (large.num_layers - small.num_layers)
-        ops = small.ops + per_layer * (len(layers) - small.num_layers)
-    if peak is None:
-        whole = step(model, record=False)
-        peak, peak_without = whole.peak, whole.before_step.peak if whole.before_step is not None else None
-        ops = whole.ops
+    peak, peak_without, traced_layers, ops = _traced_peaks(step, model)
     seconds = time.perf_counter() - start
     without = None
     if peak_without is not None:
@@ -165,6 +151,25 @@ def trace_training_step(
     total, by_kind = peak
     return StepTrace(peak_bytes=total, by_kind=by_kind, seconds=seconds, traced_layers=traced_layers,
                      without_optimizer=without, ops_per_micro_batch=ops)
+
+
+def _traced_peaks(step: Callable[..., "_Traced"], model: nn.Module) -> Tuple[
+        Tuple[int, Dict[str, int]], Optional[Tuple[int, Dict[str, int]]], Tuple[int, ...], int]:
+    """``step``'s peak on ``model``, its peak without the optimizer (or None), the layer counts traced
+    and a micro-batch's operators: extrapolated from reduced layers where that is exact, else traced whole."""
+    layers = _identical_layers(model)
+    if layers is not None and len(layers) > sum(REDUCED_LAYERS):
+        small, large = (step(_with_first_layers(model, n), record=True) for n in REDUCED_LAYERS)
+        peak = _extrapolated_peak(small, large, num_layers=len(layers))
+        if peak is not None:
+            peak_without = None
+            if small.before_step is not None and large.before_step is not None:
+                peak_without = _extrapolated_peak(small.before_step, large.before_step, num_layers=len(layers))
+            # A layer's operators run once per layer, the rest once (see _extrapolated_peak).
+            per_layer = (large.ops - small.ops) // (large.num_layers - small.num_layers)
+            return peak, peak_without, REDUCED_LAYERS, small.ops + per_layer * (len(layers) - small.num_layers)
+    whole = step(model, record=False)
+    return whole.peak, whole.before_step.peak if whole.before_step is not None else None, (), whole.ops
 
 
 #: Events of a traced step: after each operator, the layers running (their roles: see

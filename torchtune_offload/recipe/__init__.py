@@ -1,11 +1,16 @@
-"""What the recipes share: config checking, the builders of ``setup()``, the train loop (which stops
-a run that diverged), exact gradient stepping, memory figures, progress, and reading the metrics a
-run logged.
+"""What the recipes share, one concept per module, in three rooms and a few modules beside them.
+
+- ``checks/``: what a recipe checks before it loads anything (the config, the files it names,
+  whether the run fits the machine), run together by ``preflight``.
+- ``checkpoints/``: step checkpoints and resuming, crash-safe saves, the distributed recipe's.
+- ``reports/``: memory figures while training, the metrics a run logged, runs side by side.
+- Beside them: the chosen optimizer (``chosen_optimizer``) and the loop's one interface to it
+  (``run_optimizer``), the builders of ``setup()``, the train loop (which stops a run that
+  diverged), exact gradient math, progress, Ctrl-C handling, the shipped recipes and configs.
 
 Each recipe in ``recipes/`` reads top to bottom as calls of these; none copies them.
 """
 
-from torchtune_offload.recipe.atomic_save import save_atomically
 from torchtune_offload.recipe.builders import (
     build_dataloader,
     build_loss,
@@ -17,32 +22,34 @@ from torchtune_offload.recipe.builders import (
     load_checkpoint,
     loss_ignore_index,
 )
-from torchtune_offload.recipe.config import ConfigError, RecipeSettings, check_recipe_config
-from torchtune_offload.recipe.optimizer_rules import resolve_optimizer_component
-from torchtune_offload.recipe.disk_log import read_disk_log
-from torchtune_offload.recipe.distributed_checkpoints import DistributedCheckpoints, load_full_optimizer_state
-from torchtune_offload.recipe.divergence import TrainingDivergedError
-from torchtune_offload.recipe.file_checks import check_files
-from torchtune_offload.recipe.interrupt import interrupt_reported
-from torchtune_offload.recipe.host_preflight import HostMemoryNeed, check_host_memory, host_memory_need
-from torchtune_offload.recipe.preflight import preflight
-from torchtune_offload.recipe.grad_math import loss_scale, sum_over_ranks
-from torchtune_offload.recipe.memory import (
-    MemoryMonitor,
+from torchtune_offload.recipe.checkpoints.atomic_save import save_atomically
+from torchtune_offload.recipe.checkpoints.distributed_checkpoints import DistributedCheckpoints, load_full_optimizer_state
+from torchtune_offload.recipe.checkpoints.resume import TrainingCheckpoints, run_output_dir
+from torchtune_offload.recipe.checks.config import ConfigError, RecipeSettings, check_recipe_config
+from torchtune_offload.recipe.checks.file_checks import check_files
+from torchtune_offload.recipe.checks.fit import (
+    HostMemoryNeed,
+    check_host_memory,
     check_lora_model_fits_device,
     check_weights_fit_device,
-    use_expandable_segments,
+    host_memory_need,
 )
-from torchtune_offload.recipe.progress import Progress
-from torchtune_offload.recipe.resume import TrainingCheckpoints, run_output_dir
-from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root
+from torchtune_offload.recipe.checks.optimizer_rules import resolve_optimizer_component
+from torchtune_offload.recipe.checks.preflight import preflight
 from torchtune_offload.recipe.chosen_optimizer import ChosenOptimizer, OptimizerKind, describe_optimizer
+from torchtune_offload.recipe.divergence import TrainingDivergedError
+from torchtune_offload.recipe.grad_math import loss_scale, sum_over_ranks
+from torchtune_offload.recipe.interrupt import interrupt_reported
+from torchtune_offload.recipe.progress import Progress
+from torchtune_offload.recipe.reports.disk_log import read_disk_log
+from torchtune_offload.recipe.reports.memory import MemoryMonitor, use_expandable_segments
 from torchtune_offload.recipe.run_optimizer import (
     HoldingOptimizer,
     InBackwardOptimizers,
     OwnGradientsOptimizer,
     RunOptimizer,
 )
+from torchtune_offload.recipe.shipped import RECIPE_KINDS, Shipped, shipped_root
 from torchtune_offload.recipe.train_loop import SavePoint, TrainLoop, loss_of_logits
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 torchtune copies these into every recipe; here each exists once and the recipes call them in the
 same order: metric logger, data, checkpoint, model, optimizer, loss, LR scheduler, profiler (the
-memory monitor is :class:`torchtune_offload.recipe.memory.MemoryMonitor`).
+memory monitor is :class:`torchtune_offload.recipe.reports.memory.MemoryMonitor`).
 """
 
 from functools import partial
@@ -21,11 +21,11 @@ from torchtune.datasets import ConcatDataset
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
 from torchtune_offload.distributed.loss import RowChunkedLoss
-from torchtune_offload.recipe.component_options import nulled
-from torchtune_offload.recipe.config import RecipeSettings
+from torchtune_offload.recipe.checks.component_options import nulled
+from torchtune_offload.recipe.checks.config import RecipeSettings
+from torchtune_offload.recipe.chosen_optimizer import OptimizerKind
 from torchtune_offload.recipe.dataset_build import build_dataset, dataset_nodes
 from torchtune_offload.recipe.progress import Progress
-from torchtune_offload.recipe.chosen_optimizer import OptimizerKind
 from torchtune_offload.recipe.run_optimizer import (
     HoldingOptimizer,
     InBackwardOptimizers,

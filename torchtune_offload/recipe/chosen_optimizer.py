@@ -2,7 +2,7 @@
 
 ``cfg.optimizer`` and the top-level ``optimizer_in_bwd`` choose one of five kinds of optimizer
 (:class:`OptimizerKind`). :func:`describe_optimizer` reads them once, after the config check's rules
-about the optimizer (``recipe/optimizer_rules.py``) passed, into a :class:`ChosenOptimizer`: its
+about the optimizer (``recipe/checks/optimizer_rules.py``) passed, into a :class:`ChosenOptimizer`: its
 kind, the class the config names, what that class can do, the base optimizer that does the
 arithmetic with its options, and the offloaders' own options typed as
 :class:`~torchtune_offload.optim.offload_options.OffloadOptions`. The recipes' optimizer adapter,
@@ -123,6 +123,13 @@ class ChosenOptimizer:
                          in_backward=self.kind is OptimizerKind.IN_BACKWARD)
 
 
+def identity_overrides(identity: Mapping[str, Any]) -> str:
+    """A recorded :attr:`ChosenOptimizer.identity` as the command-line overrides that choose it."""
+    base = identity.get("optimizer_class")
+    return f"optimizer._component_={identity.get('component')}" + (f" optimizer.optimizer_class={base}"
+                                                                    if base else "")
+
+
 def config_options(cfg_optimizer: DictConfig) -> Dict[str, Any]:
     """The keyword options ``cfg.optimizer`` gives its component (every key but ``_component_``)."""
     return {k: v for k, v in OmegaConf.to_container(cfg_optimizer, resolve=True).items() if k != "_component_"}
@@ -131,7 +138,7 @@ def config_options(cfg_optimizer: DictConfig) -> Dict[str, Any]:
 def describe_optimizer(cfg_optimizer: DictConfig, *, in_backward: bool) -> ChosenOptimizer:
     """Describes the optimizer ``cfg.optimizer`` and ``optimizer_in_bwd`` choose.
 
-    The config check (``recipe/config.py``) calls it once its rules about the optimizer have
+    The config check (``recipe/checks/config.py``) calls it once its rules about the optimizer have
     passed; called on its own, it raises on the first thing it cannot describe.
 
     Args:

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune import config
 from torchtune.config._utils import _get_component_from_path
 
-from torchtune_offload.recipe.config import ConfigError
+from torchtune_offload.recipe.checks.config import ConfigError
 
 #: The datasets library's own loaders (``source: json`` with ``data_files``), which need no Hub.
 #: Read from the library (a module-level table it keeps); empty if a release moves it.

@@ -21,9 +21,9 @@ from typing import Dict, List, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchtune_offload.recipe.checkpoints.step_checkpoints import checkpoint_folder
 from torchtune_offload.recipe.grad_math import sum_over_ranks
 from torchtune_offload.recipe.progress import Progress
-from torchtune_offload.recipe.step_checkpoints import checkpoint_folder
 
 
 class TrainingDivergedError(RuntimeError):

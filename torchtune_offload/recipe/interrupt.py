@@ -12,8 +12,8 @@ from typing import Iterator
 
 from omegaconf import DictConfig
 
-from torchtune_offload.recipe.resume import run_output_dir
-from torchtune_offload.recipe.step_checkpoints import CHECKPOINTS_DIR, newest_checkpoint
+from torchtune_offload.recipe.checkpoints.resume import run_output_dir
+from torchtune_offload.recipe.checkpoints.step_checkpoints import CHECKPOINTS_DIR, newest_checkpoint
 
 #: The exit status of a program ended by SIGINT, as shells report it (128 + 2).
 INTERRUPTED_STATUS = 130

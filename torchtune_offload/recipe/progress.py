@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional
 
 from torchtune import training, utils
 
-from torchtune_offload.recipe.config import RecipeSettings
+from torchtune_offload.recipe.checks.config import RecipeSettings
 
 log = utils.get_logger("INFO")
 _STEPS_IN_EPOCH_KEY = "steps_run_in_epoch"

@@ -134,7 +134,7 @@ class OwnGradientsOptimizer(RunOptimizer):
     is the optimizer's ``grad_norm()`` and clipping its ``clip_grad_norm_()``.
 
     torchao's optimizer has no ``clip_grad_norm_``: the config check refuses ``clip_grad_norm`` with
-    an optimizer that declares it cannot clip (``recipe/optimizer_rules.py``).
+    an optimizer that declares it cannot clip (``recipe/checks/optimizer_rules.py``).
 
     Args:
         optimizer: the optimizer, with ``grad_norm()``.

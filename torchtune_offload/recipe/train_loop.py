@@ -19,13 +19,13 @@ from torchtune.training.lr_schedulers import get_lr
 from torchtune.training.metric_logging import DiskLogger
 from tqdm import tqdm
 
-from torchtune_offload.recipe.config import RecipeSettings
+from torchtune_offload.recipe.checks.config import RecipeSettings
 from torchtune_offload.recipe.divergence import DivergenceGuard
 from torchtune_offload.recipe.grad_math import loss_scale, sum_over_ranks
-from torchtune_offload.recipe.memory import MemoryMonitor
 from torchtune_offload.recipe.progress import Progress
+from torchtune_offload.recipe.reports.memory import MemoryMonitor
+from torchtune_offload.recipe.reports.run_report import run_summary, summarise_in_wandb
 from torchtune_offload.recipe.run_optimizer import RunOptimizer
-from torchtune_offload.recipe.run_report import run_summary, summarise_in_wandb
 
 log = utils.get_logger("INFO")
 

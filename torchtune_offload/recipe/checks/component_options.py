@@ -28,7 +28,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 from omegaconf import DictConfig
 from torchtune.config._utils import _get_component_from_path
 
-from torchtune_offload.recipe.config_keys import top_level_hint
+from torchtune_offload.recipe.checks.config_keys import top_level_hint
 
 __all__ = ["component_option_problems", "component_removal_problem", "model_option_problems", "nulled",
            "unchecked_options"]

@@ -9,15 +9,11 @@ thread samples it to catch the peak between two log lines.
 import os
 import resource
 import threading
-from typing import Dict, Mapping, Optional
+from typing import Dict, Optional
 
 import psutil
 import torch
-from omegaconf import DictConfig
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torchtune_offload.recipe.config import ConfigError, RecipeSettings
-from torchtune_offload.recipe.host_preflight import meta_model
 
 GIB = 1024**3
 
@@ -55,86 +51,6 @@ def use_expandable_segments(device: torch.device, *, offloads: bool) -> Optional
     torch.cuda.memory._set_allocator_settings(EXPANDABLE_SEGMENTS)
     return (f"device memory: {EXPANDABLE_SEGMENTS} for this offload run (set PYTORCH_CUDA_ALLOC_CONF to choose "
             "the allocator's settings yourself)")
-
-
-def check_weights_fit_device(weights: Mapping[str, torch.Tensor], *, device: torch.device, dtype: torch.dtype,
-                             device_weights: Optional[str] = None) -> None:
-    """Refuses a single-device CUDA run whose weights cannot fit the device's free memory, before
-    the model is built there: the recipe puts every weight on the device in ``dtype`` before the
-    optimizer exists (with ``optimizer.device_weights`` too, before its FP8 images replace them),
-    so such a run would fail with an out-of-memory error part-way through building or loading.
-
-    Args:
-        weights: the checkpoint's model tensors (their sizes are the model's).
-
-    Raises:
-        ConfigError: naming the weights' size, the device's free memory, and what to do.
-    """
-    if device.type != "cuda":
-        return
-    need = sum(t.numel() for t in weights.values()) * dtype.itemsize
-    free, total = torch.cuda.mem_get_info(device)
-    if need <= free:
-        return
-    fp8 = (f" (with optimizer.device_weights={device_weights} too: the FP8 images are made from them once the "
-           "optimizer exists)") if device_weights else ""
-    raise ConfigError(
-        f"device={device}: the model's weights are {need / GIB:.2f} GiB in {dtype}, and the recipe loads all of "
-        f"them onto the device before the optimizer is built{fp8}, but it has {_free_of(free, total)}, or "
-        "fine-tune less of the model (LoRA or QLoRA: configs/<model>/*_lora_offload.yaml, *_qlora_offload.yaml). "
-        f"{_PLANNER}")
-
-
-def check_lora_model_fits_device(cfg_model: DictConfig, settings: RecipeSettings) -> None:
-    """Refuses a single-device CUDA run of the LoRA recipe whose model cannot fit the device's free
-    memory, before it is built there: the recipe builds the whole model on the device (the base
-    weights, in NF4 for QLoRA, and the adapters) and then loads the base weights into it, so such a
-    run would fail with an out-of-memory error part-way through the build.
-
-    The checkpoint's size would overstate a QLoRA model by about four times, so the model is the
-    configured builder's on the meta device (:func:`meta_model`), NF4 weights counted by the
-    tensors they hold. A buffer a builder makes only off the meta device is not counted: llama3.1's
-    RoPE cache, 64 MiB.
-
-    Args:
-        cfg_model: the config's ``model`` node.
-        settings: the checked config's settings (the device and dtype).
-
-    Raises:
-        ConfigError: naming the model's size, the device's free memory, and what to do.
-    """
-    if settings.device.type != "cuda":
-        return
-    model = meta_model(cfg_model, settings)
-    tensors = [*model.parameters(), *model.buffers()]
-    need = sum(_nbytes(t) for t in tensors)
-    quantized = any(is_traceable_wrapper_subclass(t) for t in tensors)
-    free, total = torch.cuda.mem_get_info(settings.device)
-    if need <= free:
-        return
-    what, advice = (("its base weights in NF4", "a smaller model") if quantized else
-                    (f"in {settings.dtype}", "with QLoRA, which keeps the base layers' weights in NF4, about a quarter "
-                     "of their bf16 size (configs/<model>/*_qlora_offload.yaml: the model's qlora_ builder)"))
-    raise ConfigError(
-        f"device={settings.device}: the model is {need / GIB:.2f} GiB ({what}, adapters included), and the recipe "
-        f"builds all of it on the device before the base weights load, but it has {_free_of(free, total)}, or "
-        f"fine-tune {advice}. {_PLANNER}")
-
-
-_PLANNER = "The planner (tune-offload plan --config <name or path> --device-gib <free GiB>) says what fits."
-
-
-def _free_of(free: int, total: int) -> str:
-    return (f"{free / GIB:.2f} GiB free of {total / GIB:.2f} GiB. Free the device (another process, or a display, "
-            f"holds {(total - free) / GIB:.2f} GiB)")
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    """The bytes ``tensor`` takes on its device: for a wrapper subclass (torchao's NF4), its inner tensors'."""
-    if is_traceable_wrapper_subclass(tensor):
-        names, _ = tensor.__tensor_flatten__()
-        return sum(_nbytes(getattr(tensor, name)) for name in names)
-    return tensor.numel() * tensor.element_size()
 
 
 class _NvmlPeakSampler:

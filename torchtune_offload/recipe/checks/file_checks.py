@@ -14,9 +14,9 @@ from typing import Any, Iterable, List, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from torchtune_offload.recipe.config import ConfigError
-from torchtune_offload.recipe.resume import final_weights, no_checkpoint_problem, run_output_dir, weight_files
-from torchtune_offload.recipe.step_checkpoints import CHECKPOINTS_DIR, checkpoint_folders, newest_checkpoint
+from torchtune_offload.recipe.checkpoints.resume import final_weights, no_checkpoint_problem, run_output_dir, weight_files
+from torchtune_offload.recipe.checkpoints.step_checkpoints import CHECKPOINTS_DIR, checkpoint_folders, newest_checkpoint
+from torchtune_offload.recipe.checks.config import ConfigError
 
 #: Dataset sources read from local files (``datasets.load_dataset(source, data_files=...)``).
 _LOCAL_SOURCES = ("json", "csv", "text", "parquet", "arrow")

@@ -15,7 +15,7 @@ _SINGLE_DEVICE_KEYS = {
     "lr_scheduler", "max_steps_per_epoch", "metric_logger", "model", "optimizer", "output_dir",
     "profiler", "resume_from_checkpoint", "seed", "shuffle", "tokenizer", "overwrite_checkpoints",
 }
-# Resumable checkpoints at any step (recipe/step_checkpoints.py, recipe/distributed_checkpoints.py).
+# Resumable checkpoints at any step (recipe/checkpoints/step_checkpoints.py, recipe/checkpoints/distributed_checkpoints.py).
 _STEP_CHECKPOINT_KEYS = ("save_every_n_steps", "keep_last_n_checkpoints")
 RECIPE_KEYS = {
     "full": _SINGLE_DEVICE_KEYS | {"optimizer_in_bwd", "host_memory_check", *_STEP_CHECKPOINT_KEYS},

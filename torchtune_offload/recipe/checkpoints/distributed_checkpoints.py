@@ -2,7 +2,7 @@
 
 The sharded weights and optimizer state are gathered to rank 0 as full state dicts (torch's
 distributed state-dict API, moved to the host one tensor at a time) and rank 0 writes them with
-:class:`torchtune_offload.recipe.step_checkpoints.StepCheckpoints`: the same folder, staging,
+:class:`torchtune_offload.recipe.checkpoints.step_checkpoints.StepCheckpoints`: the same folder, staging,
 flush, rename and manifest written last as a single-device checkpoint. Each rank's dataloader
 position and RNG states are gathered beside them (``state["ranks"][rank]``) and the manifest
 records the rank count. On resume rank 0 reads the checkpoint and scatters it back into the shards;
@@ -30,10 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torchtune import utils
 
-from torchtune_offload.recipe.progress import Progress
-from torchtune_offload.recipe.resume import batching, optimizer_identity, run_output_dir
-from torchtune_offload.recipe.run_optimizer import RunOptimizer
-from torchtune_offload.recipe.step_checkpoints import (
+from torchtune_offload.recipe.checkpoints.resume import batching, optimizer_identity, run_output_dir
+from torchtune_offload.recipe.checkpoints.step_checkpoints import (
     WEIGHTS_FILE,
     ResumePoint,
     StepCheckpoints,
@@ -42,6 +40,8 @@ from torchtune_offload.recipe.step_checkpoints import (
     restore_rng_states,
     rng_states,
 )
+from torchtune_offload.recipe.progress import Progress
+from torchtune_offload.recipe.run_optimizer import RunOptimizer
 
 log = utils.get_logger("INFO")
 

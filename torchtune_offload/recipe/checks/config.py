@@ -12,7 +12,7 @@ import inspect
 import os
 import typing
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -22,10 +22,10 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
 from torchtune_offload.distributed.policies import policy_problems
-from torchtune_offload.recipe.config_keys import RECIPE_KEYS
-from torchtune_offload.recipe.component_options import component_option_problems, model_option_problems, nulled
+from torchtune_offload.recipe.checks.component_options import component_option_problems, model_option_problems, nulled
+from torchtune_offload.recipe.checks.config_keys import RECIPE_KEYS
+from torchtune_offload.recipe.checks.optimizer_rules import add_optimizer_problems, component_capabilities, is_int
 from torchtune_offload.recipe.chosen_optimizer import ChosenOptimizer, describe_optimizer
-from torchtune_offload.recipe.optimizer_rules import add_optimizer_problems, is_int
 from torchtune_offload.recipe.shipped import RECIPE_KINDS
 
 #: The name ``tune run`` and ``tune-offload run`` know each recipe by.
@@ -146,11 +146,7 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
     if problems:
         raise ConfigError(_format(problems))
 
-    if device_present:
-        device = utils.get_device(device=device_name)
-        dtype = training.get_dtype(dtype_name, device=device)
-    else:
-        device, dtype = torch.device(device_name), {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    device, dtype = _device_and_dtype(device_name, dtype_name, device_present=device_present)
     return RecipeSettings(
         device=device, dtype=dtype, **numbers, **checkpoints, optimizer=optimizer, **activations,
         compile=flags["compile"],
@@ -166,6 +162,15 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
         host_memory_check=flags["host_memory_check"],
         profile_all_threads=profile_all_threads,
     )
+
+
+def _device_and_dtype(device_name: str, dtype_name: str, *, device_present: bool) -> Tuple[torch.device, torch.dtype]:
+    """The checked device and dtype: torchtune's lookups where the device is on this machine, else
+    (a plan of a GPU run on any machine) their names taken as they are."""
+    if device_present:
+        device = utils.get_device(device=device_name)
+        return device, training.get_dtype(dtype_name, device=device)
+    return torch.device(device_name), {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
 
 
 def config_shape_problems(cfg: DictConfig, *, recipe: str) -> List[str]:
@@ -333,7 +338,7 @@ def _checkpoint_settings(read: _Reader) -> Dict[str, Any]:
 
 def _optimizer_settings(cfg: DictConfig, problems: List[str], *, in_bwd: bool, clip: Optional[float],
                         accum: Any) -> Optional[ChosenOptimizer]:
-    """The chosen optimizer, described once every rule about it passed (``recipe/optimizer_rules.py``);
+    """The chosen optimizer, described once every rule about it passed (``recipe/checks/optimizer_rules.py``);
     None where one did not (its problems are added to ``problems``)."""
     before = len(problems)
     add_optimizer_problems(cfg, problems, in_bwd=in_bwd, clip=clip, accum=accum)
@@ -434,7 +439,8 @@ def _distributed_problems(read: _Reader, chosen: Optional[ChosenOptimizer]) -> L
             "accelerator and the host, and on a CPU device they are on the host already. Set "
             "fsdp_cpu_offload=False."
         )
-    caps = chosen.capabilities if chosen is not None else None
+    # A component refused for another reason (torchao's on a CPU device) is still named here.
+    caps = chosen.capabilities if chosen is not None else component_capabilities(cfg.optimizer)
     if caps is not None and not caps.runs_under_fsdp2:
         problems.append(
             f"optimizer._component_={cfg.optimizer._component_} is not supported under FSDP2: "

@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from torchtune.training.metric_logging import WandBLogger
 
-from torchtune_offload.recipe.disk_log import read_disk_log
+from torchtune_offload.recipe.reports.disk_log import read_disk_log
 
 #: Memory figures summarised when any run logged them (GiB, peak over the run).
 SUMMARY_KEYS = (

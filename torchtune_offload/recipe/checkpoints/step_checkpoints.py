@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torchtune import utils
 
-from torchtune_offload.recipe.atomic_save import fsync_tree
+from torchtune_offload.recipe.checkpoints.atomic_save import fsync_tree
 
 CHECKPOINTS_DIR = "checkpoints"
 WEIGHTS_FILE = "model.safetensors"

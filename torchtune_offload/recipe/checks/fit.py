@@ -1,4 +1,8 @@
-"""The host-RAM pre-flight: will this run fit the machine's memory? Answered before anything is loaded.
+"""Will this run fit the machine? Answered before anything is loaded, here for the recipes'
+pre-flight (``checks/preflight.py``) and the planner alike: the host's memory
+(:func:`host_memory_need`, :func:`check_host_memory`) and, for a CUDA run, whether the weights
+the recipe loads onto the device fit its free memory (:func:`check_weights_fit_device`,
+:func:`check_lora_model_fits_device`).
 
 Host memory is what our users run out of, and a run that does not fit is killed by the kernel
 minutes later, after loading, with no message. The recipes call :func:`check_host_memory` in their
@@ -22,22 +26,24 @@ rounded up to a power of two by torch's pinned allocator).
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import psutil
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchtune import config, training, utils
 
 from torchtune_offload.optim.host_arena import pinned_allocation_bytes
-from torchtune_offload.optim.host_memory import HostMemoryPlan, nbytes, optimizer_state_bytes, plan_host_memory
+from torchtune_offload.optim.host_buffers import nbytes
+from torchtune_offload.optim.host_memory import HostMemoryPlan, optimizer_state_bytes, plan_host_memory
 from torchtune_offload.optim.offload_options import DEVICE_UPDATE_REFUSES
+from torchtune_offload.recipe.checkpoints.resume import run_output_dir
+from torchtune_offload.recipe.checkpoints.step_checkpoints import STATE_FILE, newest_checkpoint
+from torchtune_offload.recipe.checks.config import ConfigError, RecipeSettings
+from torchtune_offload.recipe.checks.meta_nf4 import nf4_on_meta_without_arithmetic
 from torchtune_offload.recipe.chosen_optimizer import ChosenOptimizer, OptimizerKind
-from torchtune_offload.recipe.config import ConfigError, RecipeSettings
-from torchtune_offload.recipe.meta_nf4 import nf4_on_meta_without_arithmetic
-from torchtune_offload.recipe.resume import run_output_dir
-from torchtune_offload.recipe.step_checkpoints import STATE_FILE, newest_checkpoint
 
 GIB = 1024**3
 log = utils.get_logger("INFO")
@@ -154,24 +160,15 @@ def host_memory_need(
         if mark_trainable is not None:
             mark_trainable(model)
     on_cpu = settings.device.type == "cpu"
-    weights = sum(nbytes(t) for t in model.parameters()) + sum(nbytes(b) for b in model.buffers())
-    trainable = sum(nbytes(p) for p in model.parameters() if p.requires_grad)
     notes = ["activations of a device=cpu run are not counted"] if on_cpu and step_bytes is None else []
-
     load: Dict[str, int] = {}
     ckpt, note = _checkpoint_bytes(cfg.checkpointer)
     notes += [note] if note else []
     load["checkpoint files"] = ckpt
     train: Dict[str, int] = {}
     if on_cpu:
-        load["model"] = weights
-        grads_freed = chosen.offload_gradients
-        if step_bytes is not None:
-            train["training step (traced: weights, gradients, activations)"] = step_bytes
-        else:
-            train["model"] = weights
-            if not grads_freed:
-                train["gradients"] = trainable
+        _add_model_on_the_host(model, load=load, train=train, step_bytes=step_bytes,
+                               grads_freed=chosen.offload_gradients)
     plan = optimizer_plan(chosen, model, settings)
     train.update(plan.parts)
     notes += list(plan.notes)
@@ -185,6 +182,21 @@ def host_memory_need(
         available=available_host_memory(),
         notes=notes,
     )
+
+
+def _add_model_on_the_host(model: nn.Module, *, load: Dict[str, int], train: Dict[str, int],
+                           step_bytes: Optional[int], grads_freed: bool) -> None:
+    """A ``device=cpu`` run's model in host memory: its weights while loading; while training the
+    traced step where there is one, else the weights and (unless the optimizer frees them during
+    backward) the gradients."""
+    weights = sum(nbytes(t) for t in model.parameters()) + sum(nbytes(b) for b in model.buffers())
+    load["model"] = weights
+    if step_bytes is not None:
+        train["training step (traced: weights, gradients, activations)"] = step_bytes
+        return
+    train["model"] = weights
+    if not grads_freed:
+        train["gradients"] = sum(nbytes(p) for p in model.parameters() if p.requires_grad)
 
 
 def _shard(param: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -355,3 +367,83 @@ def check_host_memory(
             _suggestions(cfg, settings, need, mark_trainable) if ranks is None else
             _sharded_suggestions(cfg, settings, need, world_size=ranks[0], local_world_size=ranks[1]))
     )
+
+
+def check_weights_fit_device(weights: Mapping[str, torch.Tensor], *, device: torch.device, dtype: torch.dtype,
+                             device_weights: Optional[str] = None) -> None:
+    """Refuses a single-device CUDA run whose weights cannot fit the device's free memory, before
+    the model is built there: the recipe puts every weight on the device in ``dtype`` before the
+    optimizer exists (with ``optimizer.device_weights`` too, before its FP8 images replace them),
+    so such a run would fail with an out-of-memory error part-way through building or loading.
+
+    Args:
+        weights: the checkpoint's model tensors (their sizes are the model's).
+
+    Raises:
+        ConfigError: naming the weights' size, the device's free memory, and what to do.
+    """
+    if device.type != "cuda":
+        return
+    need = sum(t.numel() for t in weights.values()) * dtype.itemsize
+    free, total = torch.cuda.mem_get_info(device)
+    if need <= free:
+        return
+    fp8 = (f" (with optimizer.device_weights={device_weights} too: the FP8 images are made from them once the "
+           "optimizer exists)") if device_weights else ""
+    raise ConfigError(
+        f"device={device}: the model's weights are {need / GIB:.2f} GiB in {dtype}, and the recipe loads all of "
+        f"them onto the device before the optimizer is built{fp8}, but it has {_free_of(free, total)}, or "
+        "fine-tune less of the model (LoRA or QLoRA: configs/<model>/*_lora_offload.yaml, *_qlora_offload.yaml). "
+        f"{_PLANNER}")
+
+
+def check_lora_model_fits_device(cfg_model: DictConfig, settings: RecipeSettings) -> None:
+    """Refuses a single-device CUDA run of the LoRA recipe whose model cannot fit the device's free
+    memory, before it is built there: the recipe builds the whole model on the device (the base
+    weights, in NF4 for QLoRA, and the adapters) and then loads the base weights into it, so such a
+    run would fail with an out-of-memory error part-way through the build.
+
+    The checkpoint's size would overstate a QLoRA model by about four times, so the model is the
+    configured builder's on the meta device (:func:`meta_model`), NF4 weights counted by the
+    tensors they hold. A buffer a builder makes only off the meta device is not counted: llama3.1's
+    RoPE cache, 64 MiB.
+
+    Args:
+        cfg_model: the config's ``model`` node.
+        settings: the checked config's settings (the device and dtype).
+
+    Raises:
+        ConfigError: naming the model's size, the device's free memory, and what to do.
+    """
+    if settings.device.type != "cuda":
+        return
+    model = meta_model(cfg_model, settings)
+    tensors = [*model.parameters(), *model.buffers()]
+    need = sum(_nbytes(t) for t in tensors)
+    quantized = any(is_traceable_wrapper_subclass(t) for t in tensors)
+    free, total = torch.cuda.mem_get_info(settings.device)
+    if need <= free:
+        return
+    what, advice = (("its base weights in NF4", "a smaller model") if quantized else
+                    (f"in {settings.dtype}", "with QLoRA, which keeps the base layers' weights in NF4, about a quarter "
+                     "of their bf16 size (configs/<model>/*_qlora_offload.yaml: the model's qlora_ builder)"))
+    raise ConfigError(
+        f"device={settings.device}: the model is {need / GIB:.2f} GiB ({what}, adapters included), and the recipe "
+        f"builds all of it on the device before the base weights load, but it has {_free_of(free, total)}, or "
+        f"fine-tune {advice}. {_PLANNER}")
+
+
+_PLANNER = "The planner (tune-offload plan --config <name or path> --device-gib <free GiB>) says what fits."
+
+
+def _free_of(free: int, total: int) -> str:
+    return (f"{free / GIB:.2f} GiB free of {total / GIB:.2f} GiB. Free the device (another process, or a display, "
+            f"holds {(total - free) / GIB:.2f} GiB)")
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """The bytes ``tensor`` takes on its device: for a wrapper subclass (torchao's NF4), its inner tensors'."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(_nbytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()

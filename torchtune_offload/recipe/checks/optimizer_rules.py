@@ -11,11 +11,11 @@ import torch
 import torchao.optim
 from omegaconf import DictConfig, OmegaConf
 
+from torchtune_offload.optim.base_options import base_option_problems
 from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
 from torchtune_offload.optim.optimizer_class import resolve_optimizer, resolve_optimizer_class, split_options
-from torchtune_offload.optim.base_options import base_option_problems
+from torchtune_offload.recipe.checks.config_keys import top_level_hint
 from torchtune_offload.recipe.chosen_optimizer import DEFAULT_BASE
-from torchtune_offload.recipe.config_keys import top_level_hint
 
 
 def is_int(v: Any, *, low: int) -> bool:
@@ -41,6 +41,14 @@ def resolve_optimizer_component(cfg_optimizer: Any) -> Tuple[type, OptimizerCapa
             "config cannot hold. Use optimizer._component_=torchtune_offload.CPUOffloadOptimizer."
         )
     return component, capabilities
+
+
+def component_capabilities(cfg_optimizer: Any) -> Optional[OptimizerCapabilities]:
+    """What ``optimizer._component_``'s class can do, or None where it does not resolve."""
+    try:
+        return resolve_optimizer_component(cfg_optimizer)[1]
+    except ValueError:
+        return None
 
 
 def configured_base_class(cfg_optimizer: DictConfig) -> type:

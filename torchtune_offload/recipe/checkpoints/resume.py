@@ -15,11 +15,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import utils
 
-from torchtune_offload.recipe.atomic_save import COMPLETE_MARKER
-from torchtune_offload.recipe.config import RecipeSettings
-from torchtune_offload.recipe.chosen_optimizer import describe_optimizer
-from torchtune_offload.recipe.progress import Progress
-from torchtune_offload.recipe.step_checkpoints import (
+from torchtune_offload.recipe.checkpoints.atomic_save import COMPLETE_MARKER
+from torchtune_offload.recipe.checkpoints.step_checkpoints import (
     CHECKPOINTS_DIR,
     ResumePoint,
     StepCheckpoints,
@@ -29,6 +26,9 @@ from torchtune_offload.recipe.step_checkpoints import (
     rng_states,
     read_manifest,
 )
+from torchtune_offload.recipe.checks.config import RecipeSettings
+from torchtune_offload.recipe.chosen_optimizer import describe_optimizer, identity_overrides
+from torchtune_offload.recipe.progress import Progress
 
 log = utils.get_logger("INFO")
 
@@ -98,14 +98,9 @@ def _optimizer_problem(cfg: DictConfig, newest: Path, saved: Optional[Dict[str, 
     if saved is None or configured is None or saved == configured:
         return None  # not recorded (the optimizer's own load checks the state), or refused by the config check
 
-    def said(identity: Dict[str, Any]) -> str:
-        base = identity.get("optimizer_class")
-        return f"optimizer._component_={identity.get('component')}" + (f" optimizer.optimizer_class={base}"
-                                                                        if base else "")
-
-    return (f"resume_from_checkpoint=True: {newest} was saved with {said(saved)}, and this config has "
-            f"{said(configured)}. Its optimizer state is that optimizer's, so only the same one continues the run: "
-            f"resume with {said(saved)}, or start fresh in another output_dir.")
+    return (f"resume_from_checkpoint=True: {newest} was saved with {identity_overrides(saved)}, and this config has "
+            f"{identity_overrides(configured)}. Its optimizer state is that optimizer's, so only the same one "
+            f"continues the run: resume with {identity_overrides(saved)}, or start fresh in another output_dir.")
 
 
 def _batching_problem(cfg: DictConfig, newest: Path, saved: Optional[Dict[str, Any]]) -> Optional[str]:

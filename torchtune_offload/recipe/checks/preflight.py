@@ -12,9 +12,9 @@ from typing import Callable, List, Optional, Tuple
 
 from omegaconf import DictConfig
 
-from torchtune_offload.recipe.config import ConfigError, RecipeSettings, check_recipe_config
-from torchtune_offload.recipe.file_checks import check_files
-from torchtune_offload.recipe.host_preflight import HostMemoryNeed
+from torchtune_offload.recipe.checks.config import ConfigError, RecipeSettings, check_recipe_config
+from torchtune_offload.recipe.checks.file_checks import check_files
+from torchtune_offload.recipe.checks.fit import HostMemoryNeed
 
 #: Checks the host's memory for the checked settings (``check_host_memory`` with the recipe's options).
 HostCheck = Callable[[RecipeSettings], Optional[HostMemoryNeed]]
@@ -30,9 +30,9 @@ def preflight(cfg: DictConfig, *, recipe: str, check_host: Optional[HostCheck] =
         recipe: which recipe reads it ("full", "lora" or "distributed").
         check_host: the host-memory check, given the settings once the config passes; None skips
             it (``tune-offload validate`` checks a config, not this machine).
-        step_resume: as for :func:`~torchtune_offload.recipe.file_checks.check_files`.
-        world_size: as for :func:`~torchtune_offload.recipe.file_checks.check_files`.
-        device_present: as for :func:`~torchtune_offload.recipe.config.check_recipe_config` (the
+        step_resume: as for :func:`~torchtune_offload.recipe.checks.file_checks.check_files`.
+        world_size: as for :func:`~torchtune_offload.recipe.checks.file_checks.check_files`.
+        device_present: as for :func:`~torchtune_offload.recipe.checks.config.check_recipe_config` (the
             sweep passes False: its own process must not start CUDA).
 
     Returns:
