@@ -1,0 +1,114 @@
+"""OffloadOptimizer on FSDP2's shards (``distributed/sharded_offload.py``): two ranks on gloo train a
+tiny Llama with FSDP2 and torch's AdamW and, side by side, with the engine stepping each rank's
+shards; the losses and the final shards are equal, bit for bit, with and without clipping and
+accumulation, with host and device updates, with parameters below ``minimal_size`` on the device."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import zygote
+from tests.recipe_harness import working_tree_env
+from torchtune_offload.distributed.sharded_offload import ShardedOffloadOptimizer
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: One rank of the side-by-side run: argv is rank, world size, the rendezvous file and the case.
+_RANK = """
+import json, sys
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torchtune_offload.distributed.sharded_offload import ShardedOffloadOptimizer
+from torchtune_offload.models import tiny_llama
+
+rank, world, store, case = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+
+
+def sharded_model():
+    torch.manual_seed(0)
+    model = tiny_llama()
+    for layer in model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+plain, ours = sharded_model(), sharded_model()
+optimizers = {"plain": (plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1))}
+engine = ShardedOffloadOptimizer(ours.named_parameters(), "torch.optim.AdamW", lr=1e-2, weight_decay=0.1,
+                                 **case["options"])
+optimizers["ours"] = (ours, engine)
+data = torch.Generator().manual_seed(100 + rank)
+losses = {name: [] for name in optimizers}
+for step in range(case["steps"]):
+    batches = [torch.randint(0, 128, (2, 16), generator=data) for _ in range(case["accumulation"])]
+    for name, (model, optimizer) in optimizers.items():
+        total = torch.zeros(())
+        for tokens in batches:
+            logits = model(tokens)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                     tokens[:, 1:].reshape(-1)) / case["accumulation"]
+            loss.backward()
+            total += loss.detach()
+        if case["clip"] is not None:
+            # As the distributed recipe clips FSDP2's gradients: the global norm, DTensor's order.
+            params = [p for p in model.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, case["clip"],
+                                                 torch.nn.utils.get_total_norm([p.grad for p in params]))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses[name].append(total.item())
+shards = {name: [p.to_local().clone() for p in model.parameters()] for name, (model, _) in optimizers.items()}
+print(json.dumps({
+    "losses_equal": losses["plain"] == losses["ours"],
+    "shards_equal": all(torch.equal(a, b) for a, b in zip(shards["plain"], shards["ours"])),
+    "trained": losses["ours"][0] != losses["ours"][-1],
+    "offloaded": engine.engine.memory_report().num_offloaded,
+}))
+engine.close()
+dist.destroy_process_group()
+"""
+
+
+def _run_ranks(tmp_path: Path, case: dict, world: int = 2) -> list:
+    procs = [zygote.Popen([sys.executable, "-c", _RANK, str(rank), str(world), str(tmp_path / "store"), json.dumps(case)],
+                          cwd=REPO, env=working_tree_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+
+
+@pytest.mark.parametrize("case", [
+    dict(accumulation=1, clip=None, options=dict(minimal_size=0)),
+    dict(accumulation=3, clip=1.0, options=dict(minimal_size=0)),
+    dict(accumulation=3, clip=0.5, options=dict(minimal_size=0, update_on="device")),
+    dict(accumulation=2, clip=1.0, options={}),  # the default minimal_size: small shards step on the device
+], ids=["plain", "clip-accumulate", "device-update", "default-minimal-size"])
+def test_two_ranks_train_as_fsdp2_with_plain_adamw_bit_for_bit(tmp_path, case):
+    results = _run_ranks(tmp_path, dict(case, steps=3))
+    for rank, result in enumerate(results):
+        assert result["losses_equal"] and result["shards_equal"], (rank, result)
+        assert result["trained"] and result["offloaded"] > 0, (rank, result)
+
+
+@pytest.mark.parametrize("option, value", [("offload_gradients", True), ("overlap", True),
+                                           ("device_weights", "fp8")])
+def test_what_needs_the_engine_in_fsdp2s_backward_is_refused_by_its_key(option, value):
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=rf"optimizer\.{option}={value} on FSDP2's shards: .* Remove it"):
+        ShardedOffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", lr=1e-3, **{option: value})
+
+
+def test_a_shard_moved_after_the_optimizer_was_built_is_said_not_stepped_stale():
+    model = torch.nn.Linear(4, 4)
+    optimizer = ShardedOffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", lr=1e-3, minimal_size=0)
+    model.weight.data = model.weight.data.clone()  # as a re-created shard storage would be
+    model(torch.ones(1, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="moved a parameter shard to new storage"):
+        optimizer.step()
+    optimizer.close()
