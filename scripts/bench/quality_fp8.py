@@ -31,9 +31,9 @@ import torch.nn.functional as F
 
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.assets import init_tensor
-from torchtune_offload.bench.arguments import check_output_file, non_negative_number, positive_int, positive_number
+from torchtune_offload.bench.arguments import check_output_file
 from torchtune_offload.bench.machine import cpu_name
-from torchtune_offload.bench.quality import epoch_batches, loss_table
+from torchtune_offload.bench.quality import add_run_arguments, epoch_batches, loss_table
 from torchtune_offload.models import llama3_2_mid
 
 #: ``--runs`` name -> (column name, ``device_weights``).
@@ -85,16 +85,7 @@ def _parse_args() -> Tuple[argparse.Namespace, List[str]]:
     """The command line, checked before any run (a bad value exits through ``parser.error``), and the
     runs it names."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=positive_int, default=300, help="optimizer steps per run (default 300)")
-    parser.add_argument("--every", type=positive_int, default=20, help="a table row every this many steps (default 20)")
-    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step (default 4)")
-    parser.add_argument("--seq-len", type=int, default=16, help="tokens per sequence (default 16)")
-    parser.add_argument("--vocab", type=positive_int, default=1024, help="token ids are drawn below this (default 1024)")
-    parser.add_argument("--samples", type=positive_int, default=64, help="distinct sequences, repeated (default 64)")
-    parser.add_argument("--lr", type=positive_number, default=1e-3, help="learning rate, constant (default 1e-3)")
-    parser.add_argument("--weight-decay", type=non_negative_number, default=0.01, help="AdamW's weight decay (default 0.01)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the model's init and of the data (default 0)")
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
+    add_run_arguments(parser, steps=300)
     parser.add_argument("--plot", default=None, help="write the loss curves to this PNG (needs matplotlib)")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"which runs, of {', '.join(RUNS)} (default all; "
                         "bf16, where given, is the reference of the final comparison)")

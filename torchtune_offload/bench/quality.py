@@ -1,12 +1,33 @@
 """What the quality scripts (``scripts/bench/quality_8bit.py``, ``scripts/bench/quality_fp8.py``) share: the
 seeded order of the synthetic samples each step trains on, and the table of loss curves."""
 
+import argparse
 import statistics
 from typing import Dict, List
 
 import torch
 
+from torchtune_offload.bench.arguments import non_negative_number, positive_int, positive_number
 from torchtune_offload.data import SyntheticTokens
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, steps: int) -> None:
+    """The options both quality scripts take: the run's length, its data and AdamW's settings.
+
+    Args:
+        parser: the script's parser.
+        steps: the default number of optimizer steps per run.
+    """
+    parser.add_argument("--steps", type=positive_int, default=steps, help=f"optimizer steps per run (default {steps})")
+    parser.add_argument("--every", type=positive_int, default=20, help="a table row every this many steps (default 20)")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step (default 4)")
+    parser.add_argument("--seq-len", type=int, default=16, help="tokens per sequence (default 16)")
+    parser.add_argument("--vocab", type=positive_int, default=1024, help="token ids are drawn below this (default 1024)")
+    parser.add_argument("--samples", type=positive_int, default=64, help="distinct sequences, repeated (default 64)")
+    parser.add_argument("--lr", type=positive_number, default=1e-3, help="learning rate, constant (default 1e-3)")
+    parser.add_argument("--weight-decay", type=non_negative_number, default=0.01, help="AdamW's weight decay (default 0.01)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model's init and of the data (default 0)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
 
 
 def epoch_batches(*, seq_len: int, num_samples: int, vocab_size: int, seed: int, steps: int,
