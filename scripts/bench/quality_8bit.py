@@ -22,17 +22,15 @@ import argparse
 import copy
 import math
 import statistics
-import sys
 import time
 from typing import Callable, Dict, List
 
 import torch
-import torch.nn.functional as F
 
 from torchtune_offload import AdamW8bit
 from torchtune_offload.assets import init_tensor
 from torchtune_offload.bench.machine import cpu_name
-from torchtune_offload.bench.quality import add_run_arguments, epoch_batches, loss_table
+from torchtune_offload.bench.quality import add_run_arguments, epoch_batches, loss_table, train_steps
 from torchtune_offload.models import llama3_2_mid
 
 
@@ -53,17 +51,7 @@ def train(name: str, model: torch.nn.Module, make_optimizer: Callable[..., torch
           steps: List[torch.Tensor], args: argparse.Namespace) -> List[float]:
     opt = make_optimizer(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
                          weight_decay=args.weight_decay)
-    losses = []
-    for tokens in steps:
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        if len(losses) % args.every == 0:  # progress of a run of many minutes, beside the final table
-            print(f"{name}: step {len(losses)}, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
-    return losses
+    return train_steps(name, model, opt, steps, every=args.every)
 
 
 def main() -> None:

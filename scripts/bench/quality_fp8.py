@@ -20,20 +20,18 @@ import argparse
 import copy
 import math
 import statistics
-import sys
 import time
 import json
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.assets import init_tensor
 from torchtune_offload.bench.arguments import check_output_file
 from torchtune_offload.bench.machine import cpu_name
-from torchtune_offload.bench.quality import add_run_arguments, epoch_batches, loss_table
+from torchtune_offload.bench.quality import add_run_arguments, epoch_batches, loss_table, train_steps
 from torchtune_offload.models import llama3_2_mid
 
 #: ``--runs`` name -> (column name, ``device_weights``).
@@ -50,16 +48,7 @@ def train(name: str, model: torch.nn.Module, device_weights: Optional[str], step
     opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", device_weights=device_weights,
                            lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=args.weight_decay)
     opt.register_forward_waits(model)
-    losses = []
-    for tokens in steps:
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        if len(losses) % args.every == 0:  # progress of a run of many minutes, beside the final table
-            print(f"{name}: step {len(losses)}, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+    losses = train_steps(name, model, opt, steps, every=args.every, widen_logits=True)
     opt.close()
     return losses
 

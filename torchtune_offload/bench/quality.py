@@ -3,9 +3,11 @@ seeded order of the synthetic samples each step trains on, and the table of loss
 
 import argparse
 import statistics
+import sys
 from typing import Dict, List
 
 import torch
+import torch.nn.functional as F
 
 from torchtune_offload.bench.arguments import non_negative_number, positive_int, positive_number
 from torchtune_offload.data import SyntheticTokens
@@ -28,6 +30,28 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, steps: int) -> None:
     parser.add_argument("--weight-decay", type=non_negative_number, default=0.01, help="AdamW's weight decay (default 0.01)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's init and of the data (default 0)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
+
+
+def train_steps(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: List[torch.Tensor], *,
+                every: int, widen_logits: bool = False) -> List[float]:
+    """Trains ``model`` one optimizer step per batch of ``steps`` (next-token loss) and returns the
+    losses, a progress line on stderr every ``every`` steps (a run takes minutes).
+
+    Args:
+        widen_logits: take the loss of fp32 logits (for a bf16 model).
+    """
+    losses = []
+    for tokens in steps:
+        logits = model(tokens[:, :-1])
+        logits = logits.float() if widen_logits else logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if len(losses) % every == 0:
+            print(f"{name}: step {len(losses)}, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+    return losses
 
 
 def epoch_batches(*, seq_len: int, num_samples: int, vocab_size: int, seed: int, steps: int,
