@@ -71,6 +71,10 @@ def main() -> None:
         print(f"[sweep] {device}{limit}", flush=True)
         for i, name in enumerate(names, 1):
             print(f"[sweep] {i}/{len(names)} {name}: running (log {output_dir / name / 'run.log'})", flush=True)
+            replaced = VARIANTS[name].replaced(extra)
+            if replaced:
+                print(f"[sweep] {name} runs with {' '.join(VARIANTS[name].needs)} in place of {' '.join(replaced)} "
+                      "(what its optimizer needs)", flush=True)
             r = run_variant(name=name, config=args.config, steps=args.steps, output_dir=output_dir,
                             extra=extra, timeout_s=args.timeout_s)
             tps = f", {r.tokens_per_second:.0f} tok/s" if r.tokens_per_second else ""
@@ -131,12 +135,14 @@ def _parse_args(argv: list) -> tuple[argparse.Namespace, list, list]:
         if problem:
             parser.error(problem)
     # A shared override of a key the sweep or a variant sets would run every variant under one label's name.
-    # A variant's own settings (torchtune's in-backward setting: no clipping, no accumulation) win
-    # over the shared ones for that variant alone, as the planner plans it: said, not refused.
+    # What a variant needs (torchtune's in-backward setting: no clipping, no accumulation) wins over
+    # the shared overrides for that variant alone, as the planner plans it: said below, not refused.
     owned = {o.split("=", 1)[0].lstrip("~+") for n in names
              for o in variant_overrides(name=n, config=args.config, steps=args.steps, output_dir=Path("."), extra=[])
-             if o not in VARIANTS[n].settings}
+             if o not in VARIANTS[n].needs}
     owned.add("metric_logger._component_")  # the sweep reads each variant's DiskLogger file
+    # A key that is part of some variant's choice (optimizer_in_bwd) would change every variant's optimizer.
+    owned |= {s.split("=", 1)[0] for variant in VARIANTS.values() for s in variant.settings}
     taken = [o for o in extra if o.split("=", 1)[0].lstrip("~+") in owned]
     if taken:
         parser.error(f"overrides after -- set keys the sweep or a variant sets: {' '.join(taken)}. "

@@ -68,11 +68,17 @@ def test_overrides_swap_only_the_optimizer():
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_a_variant_name_means_one_config_for_the_sweep_and_the_planner(name, tmp_path):
     """The planner plans the config the sweep runs: the same overrides, one description."""
-    swept = sweep.variant_overrides(name=name, config=CONFIG, steps=3, output_dir=tmp_path, extra=[])
-    planned = variant_config(CONFIG, [], name)
-    assert planned == load_config(CONFIG, VARIANTS[name].overrides(CONFIG))
-    assert all(o in swept for o in VARIANTS[name].overrides(CONFIG))
+    shared = ["clip_grad_norm=1.0", "gradient_accumulation_steps=4"]
+    swept = load_config(CONFIG, sweep.variant_overrides(name=name, config=CONFIG, steps=3, output_dir=tmp_path,
+                                                        extra=shared))
+    planned = variant_config(CONFIG, shared, name)
+    for key in ("optimizer", "optimizer_in_bwd", "clip_grad_norm", "gradient_accumulation_steps"):
+        assert swept.get(key) == planned.get(key), key
     variant = VARIANTS[name]
+    # What a variant needs wins over the shared overrides, in both.
+    expected = (None, 1) if variant.needs else (1.0, 4)
+    assert (planned.clip_grad_norm, planned.gradient_accumulation_steps) == expected
+    assert variant.replaced(shared) == (shared if variant.needs else [])
     if variant.optimizer["_component_"].startswith("bitsandbytes"):
         pytest.importorskip("bitsandbytes")
     chosen = variant.describe()
@@ -115,6 +121,8 @@ def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, mo
     # torchtune's in-backward setting runs without clipping or accumulation whatever the shared
     # overrides say (clip_grad_norm=1.0 here), as the planner plans it.
     assert in_bwd.status == "ok" and in_bwd.steps == 11
+    assert ("[sweep] paged_adamw8bit_in_bwd runs with clip_grad_norm=null gradient_accumulation_steps=1 in place "
+            "of clip_grad_norm=1.0 (what its optimizer needs)") in printed
     # torchao's offloader needs CUDA: refused by the config check, and said so.
     assert torchao.status.startswith("failed") and "device=cpu" in torchao.status
     text = (out / "results.md").read_text()
@@ -284,6 +292,7 @@ def test_a_problem_every_variant_has_stops_the_sweep_before_any_run(tiny_assets,
 
     # A shared override of a key a variant sets would have run SGD under the name adamw.
     for taken in ("optimizer._component_=torch.optim.SGD", "max_steps_per_epoch=3", f"output_dir={tmp_path}",
+                  "optimizer_in_bwd=True",
                   "metric_logger._component_=torchtune.training.metric_logging.WandBLogger"):
         monkeypatch.setattr(sys, "argv", ["benchmark_sweep.py", "--config", CONFIG, "--variants", "adamw,offload",
                                           "--output-dir", str(out), "--", *extra, taken])

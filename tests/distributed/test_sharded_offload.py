@@ -3,6 +3,7 @@ tiny Llama with FSDP2 and torch's AdamW and, side by side, with the engine stepp
 shards; the losses and the final shards are equal, bit for bit, with and without clipping and
 accumulation, with host and device updates, with parameters below ``minimal_size`` on the device."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -12,8 +13,10 @@ import pytest
 import torch
 
 from tests import zygote
+from tests.recipe.test_config_check import _cfg as _tiny_cfg
 from tests.recipe_harness import working_tree_env
 from torchtune_offload.distributed.sharded_offload import ShardedOffloadOptimizer
+from torchtune_offload.recipe import check_recipe_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,3 +115,41 @@ def test_a_shard_moved_after_the_optimizer_was_built_is_said_not_stepped_stale()
     with pytest.raises(RuntimeError, match="moved a parameter shard to new storage"):
         optimizer.step()
     optimizer.close()
+
+
+def test_an_lr_scheduler_on_it_sets_the_rate_the_engine_steps_with():
+    torch.manual_seed(0)
+    plain_model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    ours_model = copy.deepcopy(plain_model)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    ours = ShardedOffloadOptimizer(ours_model.named_parameters(), "torch.optim.AdamW", lr=1e-2, minimal_size=0)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (step + 1)) for o in (plain, ours)]
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for model, optimizer, scheduler in zip((plain_model, ours_model), (plain, ours), schedulers):
+            model(x).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+    assert ours.engine.param_groups[0]["lr"] == plain.param_groups[0]["lr"] == 1e-2 / 4
+    assert all(torch.equal(a, b) for a, b in zip(plain_model.parameters(), ours_model.parameters()))
+    ours.close()
+
+
+def test_a_state_is_loaded_only_by_the_rank_that_wrote_it():
+    model = torch.nn.Linear(4, 4)
+    optimizer = ShardedOffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", lr=1e-3, minimal_size=0)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    state = optimizer.state_dict()
+    assert (state["rank"], state["world_size"]) == (0, 1)
+    optimizer.load_state_dict(state)
+    with pytest.raises(ValueError, match="written by rank 1 of 2, and this is rank 0 of 1"):
+        optimizer.load_state_dict({**state, "rank": 1, "world_size": 2})
+    optimizer.close()
+
+
+def test_a_recipe_config_naming_it_is_refused_with_why():
+    cfg = _tiny_cfg("full", "optimizer._component_=torchtune_offload.distributed.sharded_offload.ShardedOffloadOptimizer")
+    with pytest.raises(ValueError, match="steps FSDP2's shards in a training loop of your own"):
+        check_recipe_config(cfg, recipe="full")

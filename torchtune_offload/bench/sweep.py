@@ -123,13 +123,13 @@ def variant_environment() -> Dict[str, str]:
 
 def variant_overrides(*, name: str, config: str, steps: int, output_dir: Path, extra: Sequence[str]) -> List[str]:
     """The ``key=value`` overrides variant ``name`` runs ``config`` with: its optimizer's, the sweep's
-    own, ``extra`` (the user's, given to every variant), then the settings the variant needs, as the
+    own, ``extra`` (the user's, given to every variant), then what the variant needs, as the
     planner plans it (``Variant.overrides``)."""
     variant = VARIANTS[name]
-    return [*variant.optimizer_overrides(config), f"max_steps_per_epoch={steps}", "epochs=1",
+    return [*variant.choice_overrides(config), f"max_steps_per_epoch={steps}", "epochs=1",
             f"output_dir={output_dir / name}", "log_peak_memory_stats=True", "log_every_n_steps=1",
             # Benchmarks keep no checkpoint worth protecting: variants may share a checkpoint folder.
-            "overwrite_checkpoints=True", *extra, *variant.settings]
+            "overwrite_checkpoints=True", *extra, *variant.needs]
 
 
 def run_variant(
@@ -290,7 +290,7 @@ def log_to_wandb(
         run = wandb.init(project=project, group=group, name=r.name, job_type="sweep", reinit="create_new", **where,
                          config={**config, "variant": r.name, "status": r.status, "description": variant.description,
                                  "variant_optimizer": dict(variant.optimizer),
-                                 "variant_overrides": " ".join(variant.settings),
+                                 "variant_overrides": " ".join([*variant.settings, *variant.needs]),
                                  **({"recipe_config": recipe_configs[r.name]} if recipe_configs else {})})
         run.define_metric("global_step")
         run.define_metric("*", step_metric="global_step", step_sync=True)

@@ -32,13 +32,17 @@ class Variant:
         name: how the sweep, the planner and ``compare`` name it.
         description: what it is, in a few words.
         optimizer: the ``optimizer:`` keys it sets.
-        settings: the top-level overrides its optimizer needs (``key=value``).
+        settings: top-level keys that are part of its choice of optimizer (``optimizer_in_bwd=True``),
+            set like its ``optimizer:`` keys (the sweep refuses a shared override of them).
+        needs: training settings its optimizer needs (``key=value``), applied after the shared
+            overrides, which they replace for this variant alone (the sweep says so).
     """
 
     name: str
     description: str
     optimizer: Mapping[str, Any]
     settings: Tuple[str, ...] = field(default=())
+    needs: Tuple[str, ...] = field(default=())
 
     @property
     def in_backward(self) -> bool:
@@ -49,21 +53,22 @@ class Variant:
         options are the config's, so those here are its defaults)."""
         return describe_optimizer(OmegaConf.create(dict(self.optimizer)), in_backward=self.in_backward)
 
-    def optimizer_overrides(self, config: str) -> List[str]:
-        """Command-line overrides that turn ``config``'s optimizer into this variant's."""
+    def choice_overrides(self, config: str) -> List[str]:
+        """Command-line overrides that turn ``config``'s optimizer into this variant's: its
+        ``optimizer:`` keys and its settings."""
         present = OmegaConf.load(config).optimizer
         # Offload-only keys the variant does not set are deleted (plain optimizers reject them).
         drop = [f"~optimizer.{k}" for k in OFFLOAD_ONLY_KEYS if k in present and k not in self.optimizer]
-        return drop + [f"optimizer.{k}={v}" for k, v in self.optimizer.items()]
+        return drop + [f"optimizer.{k}={v}" for k, v in self.optimizer.items()] + list(self.settings)
 
     def overrides(self, config: str) -> List[str]:
-        """Command-line overrides that turn ``config``'s run into this variant's: its optimizer, then
-        its settings, which come last wherever it runs, so they win over the user's overrides."""
-        return self.optimizer_overrides(config) + list(self.settings)
+        """Command-line overrides that turn ``config``'s run into this variant's: its choice, then
+        what it needs, which comes last wherever it runs, so it wins over the user's overrides."""
+        return self.choice_overrides(config) + list(self.needs)
 
     def replaced(self, overrides: Iterable[str]) -> List[str]:
-        """Those of ``overrides`` whose keys this variant's settings set otherwise."""
-        mine = {s.split("=", 1)[0] for s in self.settings}
+        """Those of ``overrides`` whose keys this variant's needs set otherwise."""
+        mine = {s.split("=", 1)[0] for s in self.needs}
         return [o for o in overrides if o.split("=", 1)[0].lstrip("~+") in mine]
 
 
@@ -80,7 +85,7 @@ _ALL = (
     # torchtune refuses clipping and accumulation with optimizer_in_bwd: the variant runs without both.
     Variant("paged_adamw8bit_in_bwd", "torchtune's 8B single-device setting: 8-bit paged, stepping in backward, "
             "no clipping, no accumulation", {"_component_": "bitsandbytes.optim.PagedAdamW8bit"},
-            ("optimizer_in_bwd=True", "clip_grad_norm=null", "gradient_accumulation_steps=1")),
+            settings=("optimizer_in_bwd=True",), needs=("clip_grad_norm=null", "gradient_accumulation_steps=1")),
     Variant("torchao", "torchao CPUOffloadOptimizer",
             {"_component_": "torchtune_offload.CPUOffloadOptimizer", "optimizer_class": _ADAMW}),
     Variant("torchao_grads", "torchao CPUOffloadOptimizer, offload_gradients",

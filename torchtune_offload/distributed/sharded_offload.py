@@ -18,8 +18,10 @@ they, and FP8 device weights (which would replace FSDP2's shards), are refused h
 from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchtune_offload.optim.capabilities import OptimizerCapabilities
 from torchtune_offload.optim.offload_optimizer import OffloadOptimizer
 from torchtune_offload.optim.offload_options import OffloadOptions
 from torchtune_offload.optim.optimizer_class import split_options
@@ -37,8 +39,15 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-class ShardedOffloadOptimizer:
-    """``OffloadOptimizer`` over a rank's FSDP2 shards (see the module's docstring).
+def _rank() -> Tuple[int, int]:
+    """``(rank, world size)`` of the default process group, ``(0, 1)`` without one."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+
+class ShardedOffloadOptimizer(torch.optim.Optimizer):
+    """``OffloadOptimizer`` over a rank's FSDP2 shards (see the module's docstring). A torch
+    optimizer whose ``param_groups`` are the engine's, so an LR scheduler built on it sets the
+    learning rate the engine steps with.
 
     Args:
         named_params: ``model.named_parameters()`` of a model sharded with ``fully_shard``, after
@@ -50,6 +59,14 @@ class ShardedOffloadOptimizer:
         ValueError: for an option this mode refuses (naming ``optimizer.<key>``), or one the
             engine refuses.
     """
+
+    #: A class for a training loop of one's own: the recipes' checkpoints gather optimizer states
+    #: through torch's state-dict API, which cannot see the engine's, so a config naming it is refused.
+    capabilities = OptimizerCapabilities(
+        offloads=True, named_parameters=True, runs_under_fsdp2=False, steps_in_backward=False, device_types=(),
+        reasons={reason: "it steps FSDP2's shards in a training loop of your own (torchtune_offload.distributed."
+                 "sharded_offload); the recipes do not take it" for reason in ("runs_under_fsdp2", "device_types",
+                                                                                "steps_in_backward")})
 
     def __init__(self, named_params: Iterable[Tuple[str, torch.Tensor]],
                  optimizer_class: Any = "torch.optim.AdamW", **options: Any) -> None:
@@ -66,11 +83,10 @@ class ShardedOffloadOptimizer:
         self._storage = [alias.data_ptr() for _, alias in self._pairs]
         self.engine = OffloadOptimizer([(name, alias) for (name, _), (_, alias) in zip(trainable, self._pairs)],
                                        optimizer_class, **options)
-
-    @property
-    def param_groups(self) -> List[Dict[str, Any]]:
-        """The engine's parameter groups (an LR scheduler reads and sets their ``lr``)."""
-        return self.engine.param_groups
+        super().__init__([alias for _, alias in self._pairs], dict(self.engine.defaults))
+        # One set of groups and state, the engine's: a scheduler's lr is the one the engine steps with.
+        self.param_groups = self.engine.param_groups
+        self.state = self.engine.state
 
     @property
     def params(self) -> List[torch.Tensor]:
@@ -78,7 +94,7 @@ class ShardedOffloadOptimizer:
         return [p for p, _ in self._pairs]
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure: None = None) -> None:
         """Steps each rank's shards on the host (or, with ``update_on="device"``, streams their
         states to the device), on the gradient shards backward left.
 
@@ -106,12 +122,25 @@ class ShardedOffloadOptimizer:
         self.engine.zero_grad(set_to_none=True)
 
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's engine state: its shards' states, keyed by parameter name."""
-        return self.engine.state_dict()
+        """This rank's engine state (its shards' states, keyed by parameter name) and the rank and
+        rank count that wrote it."""
+        rank, world_size = _rank()
+        return {"engine": self.engine.state_dict(), "rank": rank, "world_size": world_size}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Loads a state :meth:`state_dict` wrote on the same rank of the same sharding."""
-        self.engine.load_state_dict(state_dict)
+        """Loads a state :meth:`state_dict` wrote on the same rank of the same number of ranks.
+
+        Raises:
+            ValueError: for a state another rank, or another rank count, wrote (its shards are
+                other parts of the parameters, even where their shapes agree).
+        """
+        rank, world_size = _rank()
+        written = (state_dict.get("rank"), state_dict.get("world_size"))
+        if written != (rank, world_size):
+            raise ValueError(f"This optimizer state was written by rank {written[0]} of {written[1]}, and this is "
+                             f"rank {rank} of {world_size}: each rank loads its own shards' state. Load the file "
+                             "this rank wrote with the same number of ranks.")
+        self.engine.load_state_dict(state_dict["engine"])
 
     def synchronize(self) -> None:
         self.engine.synchronize()

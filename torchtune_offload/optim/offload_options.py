@@ -16,19 +16,24 @@ DEVICE_STAGING_MIB = 256.0
 GRAD_SUM_ON = ("host", "device")
 
 #: The host engine's options that ``update_on="device"`` refuses: each with the value a device update
-#: takes, why, and the fix. Each needs the gradient (or a copy of the weights) on the host, or host
+#: takes, why, and the fixes. Each needs the gradient (or a copy of the weights) on the host, or host
 #: workers, which that mode never makes; ``parse`` refuses them, and the host pre-flight resets them
 #: where it suggests a device update.
 DEVICE_UPDATE_REFUSES = {
     "offload_gradients": (False, "gradients stay on the device for the device's update",
-                          "Set optimizer.offload_gradients=False"),
-    "master_dtype": (None, "fp32 master weights are a host engine feature", "Remove it (~optimizer.master_dtype)"),
-    "grad_sum_dtype": (None, "gradients are summed on the device in their own dtype", "Remove it (~optimizer.grad_sum_dtype)"),
-    "grad_sum_on": ("host", "gradients are summed on the device, as in plain training", "Remove it (~optimizer.grad_sum_on)"),
+                          "Set optimizer.offload_gradients=False, or optimizer.update_on=host"),
+    "master_dtype": (None, "fp32 master weights are a host engine feature",
+                     "Remove it (~optimizer.master_dtype), or set optimizer.update_on=host"),
+    "grad_sum_dtype": (None, "gradients are summed on the device in their own dtype",
+                       "Remove it (~optimizer.grad_sum_dtype), or set optimizer.update_on=host"),
+    # update_on=host alone would not do: sums added on the device need offload_gradients too.
+    "grad_sum_on": ("host", "gradients are summed on the device, as in plain training",
+                    "Remove it (~optimizer.grad_sum_on), or set optimizer.update_on=host with "
+                    "optimizer.offload_gradients=True"),
     "device_weights": (None, "FP8 device weights are re-quantized from host masters, and a device update keeps "
-                       "no master", "Remove it (~optimizer.device_weights)"),
+                       "no master", "Remove it (~optimizer.device_weights), or set optimizer.update_on=host"),
     "overlap_timeout_s": (None, "the timeout bounds waits for host workers, which this mode does not use",
-                          "Remove it (~optimizer.overlap_timeout_s)"),
+                          "Remove it (~optimizer.overlap_timeout_s), or set optimizer.update_on=host"),
 }
 
 #: Accepted ``device_weights`` values besides None (``optim/fp8_weights.py``).
@@ -272,5 +277,4 @@ def _check_device_update(**given: Any) -> None:
     from the value a device update takes."""
     for key, (default, why, fix) in DEVICE_UPDATE_REFUSES.items():
         if given[key] != default:
-            raise ValueError(f"optimizer.update_on=device with optimizer.{key}={given[key]}: {why}. {fix}, or "
-                             "set optimizer.update_on=host.")
+            raise ValueError(f"optimizer.update_on=device with optimizer.{key}={given[key]}: {why}. {fix}.")

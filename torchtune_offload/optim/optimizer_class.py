@@ -14,6 +14,8 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune_offload.optim.capabilities import capabilities_of
 
 OptimizerClassSpec = Union[str, type]
+#: The base optimizer both offloaders step with when ``optimizer_class`` is not given.
+DEFAULT_BASE = "torch.optim.AdamW"
 
 
 def _torch_optimizer_hint(name: str, *, key: str) -> str:

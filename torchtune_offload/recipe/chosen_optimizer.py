@@ -20,10 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
 from torchtune_offload.optim.offload_checkpoint import STATE_DICT_FORMAT
 from torchtune_offload.optim.offload_options import OffloadOptions
-from torchtune_offload.optim.optimizer_class import resolve_optimizer, resolve_optimizer_class, split_options
+from torchtune_offload.optim.offload_optimizer import OffloadOptimizer
+from torchtune_offload.optim.optimizer_class import DEFAULT_BASE, resolve_optimizer_class, split_options
+from torchtune_offload.recipe.checks.optimizer_rules import resolve_optimizer_component
 
-#: The base optimizer both offloaders step with when ``optimizer.optimizer_class`` is not given.
-DEFAULT_BASE = "torch.optim.AdamW"
 
 
 class OptimizerKind(enum.Enum):
@@ -148,11 +148,8 @@ def describe_optimizer(cfg_optimizer: DictConfig, *, in_backward: bool) -> Chose
     Raises:
         ValueError: naming the ``optimizer.<key>`` that does not resolve or that the offloader refuses.
     """
-    component = cfg_optimizer.get("_component_") if isinstance(cfg_optimizer, DictConfig) else None
-    if not component:
-        raise ValueError("optimizer._component_ is missing. Set it, e.g. optimizer._component_=torch.optim.AdamW.")
-    cls = resolve_optimizer(component, key="optimizer._component_")
-    return _describe(component, cls, config_options(cfg_optimizer), in_backward=in_backward)
+    cls, _ = resolve_optimizer_component(cfg_optimizer)  # raises for a missing, unknown or torchao's own class
+    return _describe(cfg_optimizer._component_, cls, config_options(cfg_optimizer), in_backward=in_backward)
 
 
 def _describe(component: str, cls: type, options: Dict[str, Any], *, in_backward: bool) -> ChosenOptimizer:
@@ -166,10 +163,15 @@ def _describe(component: str, cls: type, options: Dict[str, Any], *, in_backward
             kind = OptimizerKind.PLAIN
         return ChosenOptimizer(kind=kind, component=component, optimizer_class=cls, capabilities=caps,
                                base_class=cls, base_options=dict(options), options=dict(options))
-    # Both offloaders: this project's engine, and torchao's wrapper (ao_offload.py), whose class
-    # subclasses torchao's own.
-    kind = (OptimizerKind.TORCHAO_OFFLOAD if issubclass(cls, torchao.optim.CPUOffloadOptimizer)
-            else OptimizerKind.OFFLOAD_ENGINE)
+    # The two offloaders the recipes drive: this project's engine, and torchao's wrapper
+    # (ao_offload.py), whose class subclasses torchao's own; each has its adapter.
+    if issubclass(cls, OffloadOptimizer):
+        kind = OptimizerKind.OFFLOAD_ENGINE
+    elif issubclass(cls, torchao.optim.CPUOffloadOptimizer):
+        kind = OptimizerKind.TORCHAO_OFFLOAD
+    else:
+        raise ValueError(f"optimizer._component_={component}: an offloading optimizer the recipes cannot drive. Use "
+                         "torchtune_offload.OffloadOptimizer or torchtune_offload.CPUOffloadOptimizer.")
     rest = dict(options)
     base = resolve_optimizer_class(rest.pop("optimizer_class", DEFAULT_BASE))
     own, base_options = split_options(cls.__init__, rest)

@@ -24,7 +24,12 @@ from torchtune.modules.peft import LORA_ATTN_MODULES
 from torchtune_offload.distributed.policies import policy_problems
 from torchtune_offload.recipe.checks.component_options import component_option_problems, model_option_problems, nulled
 from torchtune_offload.recipe.checks.config_keys import RECIPE_KEYS
-from torchtune_offload.recipe.checks.optimizer_rules import add_optimizer_problems, component_capabilities, is_int
+from torchtune_offload.recipe.checks.optimizer_rules import (
+    add_optimizer_problems,
+    component_capabilities,
+    configured_device_weights,
+    is_int,
+)
 from torchtune_offload.recipe.chosen_optimizer import ChosenOptimizer, describe_optimizer
 from torchtune_offload.recipe.shipped import RECIPE_KINDS
 
@@ -399,7 +404,7 @@ def _collate_fn(read: _Reader) -> str:
 def _lora_problems(read: _Reader, chosen: Optional[ChosenOptimizer]) -> List[str]:
     """The LoRA recipe's own rules: ``model.lora_attn_modules`` names only layers torchtune can
     adapt (a typo is found now, not at the first save); no ``low_cpu_ram``."""
-    problems = _device_weights_problems(chosen, "the LoRA recipe trains adapters only: the frozen base weights "
+    problems = _device_weights_problems(read.cfg, chosen, "the LoRA recipe trains adapters only: the frozen base weights "
                                         "are not the optimizer's, so it has no master to quantize (QLoRA keeps "
                                         "them in NF4)")
     if read.flag("low_cpu_ram", False):
@@ -422,7 +427,7 @@ def _distributed_problems(read: _Reader, chosen: Optional[ChosenOptimizer]) -> L
     """The distributed recipe's own rules: what it does not support, the shard policy, CPU
     offload, and the optimizer under FSDP2."""
     cfg = read.cfg
-    problems = _device_weights_problems(chosen, "FSDP2 shards each weight across ranks as a DTensor, which the FP8 "
+    problems = _device_weights_problems(cfg, chosen, "FSDP2 shards each weight across ranks as a DTensor, which the FP8 "
                                         "layers do not take, and its own CPU offload keeps no FP8 image")
     if read.get("tensor_parallel_dim", 1) not in (1, None):
         problems.append("tensor_parallel_dim > 1 is not supported by this recipe. Set tensor_parallel_dim=1.")
@@ -470,9 +475,10 @@ def _profile_all_threads(cfg: DictConfig, problems: List[str]) -> bool:
     return value is True
 
 
-def _device_weights_problems(chosen: Optional[ChosenOptimizer], why: str) -> List[str]:
-    """``optimizer.device_weights`` in a recipe that cannot hold FP8 device weights, with why."""
-    value = chosen.offload.device_weights if chosen is not None and chosen.offload is not None else None
+def _device_weights_problems(cfg: DictConfig, chosen: Optional[ChosenOptimizer], why: str) -> List[str]:
+    """``optimizer.device_weights`` in a recipe that cannot hold FP8 device weights, with why (read
+    as the config gives it where another problem kept the optimizer from being described)."""
+    value = chosen.device_weights if chosen is not None else configured_device_weights(cfg.get("optimizer"))
     if value is None:
         return []
     return [f"optimizer.device_weights={value} with this recipe: {why}. Remove it (~optimizer.device_weights), "

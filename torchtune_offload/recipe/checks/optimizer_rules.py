@@ -13,9 +13,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from torchtune_offload.optim.base_options import base_option_problems
 from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
-from torchtune_offload.optim.optimizer_class import resolve_optimizer, resolve_optimizer_class, split_options
+from torchtune_offload.optim.optimizer_class import (
+    DEFAULT_BASE,
+    resolve_optimizer,
+    resolve_optimizer_class,
+    split_options,
+)
 from torchtune_offload.recipe.checks.config_keys import top_level_hint
-from torchtune_offload.recipe.chosen_optimizer import DEFAULT_BASE
 
 
 def is_int(v: Any, *, low: int) -> bool:
@@ -49,6 +53,12 @@ def component_capabilities(cfg_optimizer: Any) -> Optional[OptimizerCapabilities
         return resolve_optimizer_component(cfg_optimizer)[1]
     except ValueError:
         return None
+
+
+def configured_device_weights(cfg_optimizer: Any) -> Optional[str]:
+    """``optimizer.device_weights`` as the config gives it (None where absent), for the rules that
+    name it when the optimizer could not be described."""
+    return cfg_optimizer.get("device_weights") if isinstance(cfg_optimizer, DictConfig) else None
 
 
 def configured_base_class(cfg_optimizer: DictConfig) -> type:
