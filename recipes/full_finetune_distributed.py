@@ -61,7 +61,6 @@ from torchtune_offload.recipe import (
     instantiate_model,
     interrupt_reported,
     load_checkpoint,
-    load_full_optimizer_state,
     loss_ignore_index,
     preflight,
     run_output_dir,
@@ -154,11 +153,10 @@ class FullFinetuneRecipeDistributed:
         self.progress = self._checkpoints.restore_progress(self.progress, full)
         # 4. Shard the meta model, materialise it, and scatter rank 0's weights into the shards.
         self._shard_and_load(full)
-        # 5. Optimizer over the shards; when resuming, rank 0's full state is scattered into it.
+        # 5. Optimizer over the shards; when resuming, its state (rank 0's scattered, or each rank's own file).
         self._optimizer = build_optimizer(cfg.optimizer, self._model, s)
         if s.resume_from_checkpoint:
-            load_full_optimizer_state(self._model, self._optimizer, self._checkpoints.take_optimizer_state(),
-                                      is_rank_zero=self._is_rank_zero)
+            self._checkpoints.restore_optimizer(self._model, self._optimizer, component=cfg.optimizer._component_)
         # 6. The loss (a chunked one sets the model's output chunks), and the steps of an epoch.
         loss_fn = build_loss(cfg.loss, self._model, s, verbose=self._is_rank_zero)
         self.progress.measure_epoch(self._dataloader, s)

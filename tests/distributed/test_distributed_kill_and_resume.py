@@ -171,6 +171,35 @@ def test_sigkill_at_a_random_step_then_resume_is_exact(straight, tiny_assets, tm
     assert len(complete_checkpoints(out)) == 2
 
 
+#: The engine on each rank's shards (``distributed/sharded_offload.py``), whose losses are plain AdamW's.
+ENGINE = ["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW",
+          "optimizer.minimal_size=0"]
+
+
+def test_the_engine_on_shards_killed_at_a_random_step_resumes_as_the_straight_adamw_run(straight, tiny_assets,
+                                                                                        tmp_path):
+    """Each rank's optimizer state is its own file in the checkpoint: killed and resumed, the run's
+    losses and final weights are the straight run's (FSDP2 with torch's AdamW), bit for bit."""
+    step = random.Random("distributed engine").randint(2, TOTAL_STEPS - 2)
+    out = tmp_path / "run"
+    proc = _tune_run("recipes/full_finetune_distributed.py", tiny_assets, out, ENGINE, "killed.txt")
+    log, deadline = out / "logs" / "killed.txt", time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.is_file() and len(read_disk_log(log)) >= step:
+            _kill_run(proc)
+            break
+        time.sleep(0.01)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, f"the run ended by itself (rc {proc.returncode}) before step {step}"
+    for path in complete_checkpoints(out):  # each whole: its rank files are in its manifest, sizes checked
+        point = StepCheckpoints.load(path)
+        assert len(point.state["ranks"]) == 2
+        assert point.state["optimizer"] == {"rank_files": ["optimizer_rank00000.pt", "optimizer_rank00001.pt"]}
+    output = _finish(_tune_run("recipes/full_finetune_distributed.py", tiny_assets, out,
+                               [*ENGINE, "resume_from_checkpoint=True"], "resumed.txt"))
+    _assert_resumed_like_straight(out, straight, output)
+
+
 def test_sigkill_inside_a_checkpoint_write_then_resume_is_exact(straight, tiny_assets, tmp_path):
     kill_at = random.Random("distributed save").randint(2, TOTAL_STEPS - 2)  # the save being written
     out = tmp_path / "run"

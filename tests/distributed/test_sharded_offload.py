@@ -5,18 +5,24 @@ accumulation, with host and device updates, with parameters below ``minimal_size
 
 import copy
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
 
 from tests import zygote
+from tests.distributed.test_distributed_recipe import CONFIG, STEPS, TRAIN, TWO_RANKS, _losses, _tune_run_two_ranks
 from tests.recipe.test_config_check import _cfg as _tiny_cfg
-from tests.recipe_harness import working_tree_env
+from tests.recipe_harness import tiny_asset_overrides, working_tree_env
 from torchtune_offload.distributed.sharded_offload import ShardedOffloadOptimizer
-from torchtune_offload.recipe import check_recipe_config
+from torchtune_offload.optim.host_arena import NONE, buffer_bytes
+from torchtune_offload.recipe import OptimizerKind, check_recipe_config
+from torchtune_offload.recipe.checks import fit
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,6 +32,7 @@ import json, sys
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torchtune_offload.distributed.sharded_offload import ShardedOffloadOptimizer
+from torchtune_offload.optim.host_arena import NONE, buffer_bytes
 from torchtune_offload.models import tiny_llama
 
 rank, world, store, case = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
@@ -153,3 +160,56 @@ def test_a_recipe_config_naming_it_is_refused_with_why():
     cfg = _tiny_cfg("full", "optimizer._component_=torchtune_offload.distributed.sharded_offload.ShardedOffloadOptimizer")
     with pytest.raises(ValueError, match="steps FSDP2's shards in a training loop of your own"):
         check_recipe_config(cfg, recipe="full")
+
+
+# ------------------------------------------------------------- the distributed recipe
+
+ENGINE = ["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW",
+          "optimizer.minimal_size=0"]
+
+
+def test_the_distributed_recipe_trains_the_shards_with_the_engine_as_with_adamw_and_resumes(tiny_assets, tmp_path):
+    """Two ranks, accumulation and clipping: the engine's losses are FSDP2 + AdamW's; a run resumed
+    from its step checkpoint (each rank reads its own optimizer file) ends as the straight one."""
+    train = tiny_asset_overrides(tiny_assets) + TRAIN + TWO_RANKS
+    _tune_run_two_ranks(train + [f"output_dir={tmp_path / 'adamw'}"], train + ENGINE + [f"output_dir={tmp_path / 'engine'}"])
+    assert _losses(tmp_path / "engine") == _losses(tmp_path / "adamw")
+    checkpoint = sorted((tmp_path / "engine" / "checkpoints").glob("step_*"))[0]
+    assert sorted(p.name for p in checkpoint.glob("optimizer_rank*.pt")) == ["optimizer_rank00000.pt",
+                                                                             "optimizer_rank00001.pt"]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "engine", resumed, ignore=shutil.ignore_patterns("epoch_1", "logs"))
+    _tune_run_two_ranks(train + ENGINE + [f"output_dir={resumed}", "resume_from_checkpoint=True"])
+    assert _losses(resumed) == _losses(tmp_path / "engine")[STEPS:]
+    a = load_file(resumed / "epoch_1" / "model-00001-of-00001.safetensors")
+    b = load_file(tmp_path / "engine" / "epoch_1" / "model-00001-of-00001.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["optimizer.offload_gradients=True"], "optimizer.offload_gradients=True on FSDP2's shards"),
+    (["optimizer.overlap=True"], "optimizer.overlap=True on FSDP2's shards"),
+    (["fsdp_cpu_offload=True", "device=cuda"], "fsdp_cpu_offload=True with optimizer._component_=torchtune_offload"),
+])
+def test_what_the_engine_cannot_do_on_shards_is_refused_by_the_recipes_check(overrides, fragment):
+    cfg = OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(ENGINE + overrides))
+    with pytest.raises(ValueError) as err:
+        check_recipe_config(cfg, recipe="distributed", device_present=False)
+    assert fragment in str(err.value), str(err.value)
+
+
+def test_the_host_preflight_counts_each_ranks_engine_over_its_shards(tiny_assets):
+    cfg = OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(tiny_asset_overrides(tiny_assets) + ENGINE))
+    settings = check_recipe_config(cfg, recipe="distributed", device_present=False)
+    assert settings.optimizer.kind is OptimizerKind.SHARDED_ENGINE
+    need = fit.sharded_host_memory_need(cfg, settings, world_size=2, local_world_size=2)
+    copies = need.phases["training"]["parameter copies (engine, all ranks)"]
+    model = fit.meta_model(cfg.model, settings)
+    # Two ranks on this node, each with a copy of its shards (dim 0 split in two), each buffer aligned.
+    shard_bytes = sum(buffer_bytes(-(-p.shape[0] // 2) * (p.numel() // p.shape[0]) * p.element_size(), pinning=NONE)
+                      for p in model.parameters())
+    assert copies == 2 * shard_bytes, (copies, shard_bytes)
+    # AdamW's two states a shard element, unaligned, and a step count a tensor.
+    raw = sum(-(-p.shape[0] // 2) * (p.numel() // p.shape[0]) * p.element_size() for p in model.parameters())
+    state = need.phases["training"]["optimizer state (engine, all ranks)"]
+    assert 2 * 2 * raw <= state <= 2 * 2 * raw + 2 * 8 * len(list(model.parameters())), (state, raw)

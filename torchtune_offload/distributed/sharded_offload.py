@@ -22,16 +22,26 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtune_offload.optim.capabilities import OptimizerCapabilities
+from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.offload_optimizer import OffloadOptimizer
 from torchtune_offload.optim.offload_options import OffloadOptions
 from torchtune_offload.optim.optimizer_class import split_options
 
+#: What marks a state :meth:`ShardedOffloadOptimizer.state_dict` wrote.
+SHARDED_STATE_FORMAT = "torchtune_offload.ShardedOffloadOptimizer/1"
 #: The engine's options that need its hooks in FSDP2's backward and forward, and why each is refused.
 _NEEDS_FSDP2_HOOKS = {
     "offload_gradients": "the gradient shards reach the host after backward here, not during it",
     "overlap": "a host step beside the next forward must finish before FSDP2 all-gathers its unit",
     "device_weights": "FP8 device weights would replace the shards FSDP2 all-gathers",
 }
+
+
+def sharded_option_problems(opts: OffloadOptions, *, reported: Iterable[str] = ()) -> List[str]:
+    """What the engine's options ``opts`` ask that it cannot do on FSDP2's shards, one line a key
+    (but the keys in ``reported``, which the caller names with a reason of its own)."""
+    return [f"optimizer.{key}={getattr(opts, key)} on FSDP2's shards: {why}. Remove it (~optimizer.{key})."
+            for key, why in _NEEDS_FSDP2_HOOKS.items() if getattr(opts, key) not in (False, None) and key not in reported]
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -71,11 +81,9 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, named_params: Iterable[Tuple[str, torch.Tensor]],
                  optimizer_class: Any = "torch.optim.AdamW", **options: Any) -> None:
         own, _ = split_options(OffloadOptimizer.__init__, options)
-        opts = OffloadOptions.parse(**own)
-        for key, why in _NEEDS_FSDP2_HOOKS.items():
-            if getattr(opts, key) not in (False, None):
-                raise ValueError(f"optimizer.{key}={getattr(opts, key)} on FSDP2's shards: {why}. Remove it "
-                                 f"(~optimizer.{key}).")
+        problems = sharded_option_problems(OffloadOptions.parse(**own))
+        if problems:
+            raise ValueError(problems[0])
         trainable = [(name, p) for name, p in named_params if p.requires_grad]
         #: Each trainable parameter and the plain parameter sharing its local shard's storage.
         self._pairs: List[Tuple[torch.Tensor, torch.nn.Parameter]] = [
@@ -125,7 +133,8 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
         """This rank's engine state (its shards' states, keyed by parameter name) and the rank and
         rank count that wrote it."""
         rank, world_size = _rank()
-        return {"engine": self.engine.state_dict(), "rank": rank, "world_size": world_size}
+        return {"format": SHARDED_STATE_FORMAT, "engine": self.engine.state_dict(), "rank": rank,
+                "world_size": world_size}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state :meth:`state_dict` wrote on the same rank of the same number of ranks.
@@ -144,6 +153,10 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         self.engine.synchronize()
+
+    def memory_report(self) -> OffloadMemoryReport:
+        """This rank's host and pinned bytes (the engine's report over its shards)."""
+        return self.engine.memory_report()
 
     def close(self) -> None:
         self.engine.close()

@@ -153,7 +153,8 @@ def _fused_master(chosen: ChosenOptimizer, *, dtype: torch.dtype) -> bool:
 #: How each kind of optimizer updates, as the speed model names it: torchao's wrapper copies, steps
 #: and copies back one after the other; the engine pipelines them on the host, or streams the
 #: states to the device (``update_on=device``).
-_UPDATE = {OptimizerKind.OFFLOAD_ENGINE: "host", OptimizerKind.TORCHAO_OFFLOAD: "torchao"}
+_UPDATE = {OptimizerKind.OFFLOAD_ENGINE: "host", OptimizerKind.SHARDED_ENGINE: "host",
+           OptimizerKind.TORCHAO_OFFLOAD: "torchao"}
 
 
 def _step_work(settings: RecipeSettings, model: torch.nn.Module, tokens: int, *, ops: int) -> StepWork:

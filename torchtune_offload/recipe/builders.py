@@ -21,6 +21,7 @@ from torchtune.datasets import ConcatDataset
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
 from torchtune_offload.distributed.loss import RowChunkedLoss
+from torchtune_offload.distributed.sharded_offload import ShardedOffloadOptimizer
 from torchtune_offload.recipe.checks.component_options import nulled
 from torchtune_offload.recipe.checks.config import RecipeSettings
 from torchtune_offload.recipe.chosen_optimizer import OptimizerKind
@@ -91,7 +92,12 @@ def build_optimizer(
         ValueError: if ``state_dict`` was written by another kind of optimizer.
     """
     chosen = settings.optimizer
-    if chosen.kind is OptimizerKind.IN_BACKWARD:
+    if chosen.kind is OptimizerKind.SHARDED_ENGINE:
+        # The engine over each rank's FSDP2 shards: to the loop a plain optimizer of the DTensors,
+        # whose gradients it measures and clips as FSDP2 with torch's AdamW would.
+        sharded = ShardedOffloadOptimizer(model.named_parameters(), **chosen.options)
+        run = RunOptimizer(sharded, params=sharded.params, clip_grad_norm=settings.clip_grad_norm, kind=chosen.kind)
+    elif chosen.kind is OptimizerKind.IN_BACKWARD:
         optim_dict = {p: config.instantiate(cfg_optimizer, [p]) for p in model.parameters() if p.requires_grad}
         training.register_optim_in_bwd_hooks(model=model, optim_dict=optim_dict)
         run = InBackwardOptimizers(training.create_optim_in_bwd_wrapper(model=model, optim_dict=optim_dict))

@@ -17,6 +17,7 @@ from typing import Any, Dict, Mapping, Optional
 import torchao.optim
 from omegaconf import DictConfig, OmegaConf
 
+from torchtune_offload.distributed.sharded_offload import SHARDED_STATE_FORMAT
 from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
 from torchtune_offload.optim.offload_checkpoint import STATE_DICT_FORMAT
 from torchtune_offload.optim.offload_options import OffloadOptions
@@ -32,6 +33,7 @@ class OptimizerKind(enum.Enum):
     checkpointed states that cannot stand in for one another."""
 
     OFFLOAD_ENGINE = "torchtune_offload.OffloadOptimizer"
+    SHARDED_ENGINE = "torchtune_offload.OffloadOptimizer on FSDP2's shards (one state per rank)"
     TORCHAO_OFFLOAD = "torchao's CPUOffloadOptimizer (torchtune_offload.CPUOffloadOptimizer)"
     PLAIN = "a plain optimizer (torch.optim)"
     BITSANDBYTES = "a bitsandbytes optimizer"
@@ -40,7 +42,7 @@ class OptimizerKind(enum.Enum):
     @property
     def offloads(self) -> bool:
         """Steps on host copies of the parameters (either offloader)."""
-        return self in (OptimizerKind.OFFLOAD_ENGINE, OptimizerKind.TORCHAO_OFFLOAD)
+        return self in (OptimizerKind.OFFLOAD_ENGINE, OptimizerKind.SHARDED_ENGINE, OptimizerKind.TORCHAO_OFFLOAD)
 
     @property
     def layout(self) -> "OptimizerKind":
@@ -56,6 +58,8 @@ class OptimizerKind(enum.Enum):
             return None
         if state_dict.get("format") == STATE_DICT_FORMAT:
             return cls.OFFLOAD_ENGINE
+        if state_dict.get("format") == SHARDED_STATE_FORMAT:
+            return cls.SHARDED_ENGINE
         if "offloaded" in state_dict:
             return cls.TORCHAO_OFFLOAD
         if {"state", "param_groups"} <= set(state_dict):
@@ -120,7 +124,8 @@ class ChosenOptimizer:
         options = {**self.options, **changes}
         options = {key: value for key, value in options.items() if value is not None}
         return _describe(self.component, self.optimizer_class, options,
-                         in_backward=self.kind is OptimizerKind.IN_BACKWARD)
+                         in_backward=self.kind is OptimizerKind.IN_BACKWARD,
+                         sharded=self.kind is OptimizerKind.SHARDED_ENGINE)
 
 
 def identity_overrides(identity: Mapping[str, Any]) -> str:
@@ -135,7 +140,7 @@ def config_options(cfg_optimizer: DictConfig) -> Dict[str, Any]:
     return {k: v for k, v in OmegaConf.to_container(cfg_optimizer, resolve=True).items() if k != "_component_"}
 
 
-def describe_optimizer(cfg_optimizer: DictConfig, *, in_backward: bool) -> ChosenOptimizer:
+def describe_optimizer(cfg_optimizer: DictConfig, *, in_backward: bool, sharded: bool = False) -> ChosenOptimizer:
     """Describes the optimizer ``cfg.optimizer`` and ``optimizer_in_bwd`` choose.
 
     The config check (``recipe/checks/config.py``) calls it once its rules about the optimizer have
@@ -144,15 +149,19 @@ def describe_optimizer(cfg_optimizer: DictConfig, *, in_backward: bool) -> Chose
     Args:
         cfg_optimizer: the config's ``optimizer`` section.
         in_backward: the top-level ``optimizer_in_bwd``.
+        sharded: the recipe shards the model with FSDP2 (the engine then steps each rank's shards:
+            ``distributed/sharded_offload.py``).
 
     Raises:
         ValueError: naming the ``optimizer.<key>`` that does not resolve or that the offloader refuses.
     """
     cls, _ = resolve_optimizer_component(cfg_optimizer)  # raises for a missing, unknown or torchao's own class
-    return _describe(cfg_optimizer._component_, cls, config_options(cfg_optimizer), in_backward=in_backward)
+    return _describe(cfg_optimizer._component_, cls, config_options(cfg_optimizer), in_backward=in_backward,
+                     sharded=sharded)
 
 
-def _describe(component: str, cls: type, options: Dict[str, Any], *, in_backward: bool) -> ChosenOptimizer:
+def _describe(component: str, cls: type, options: Dict[str, Any], *, in_backward: bool,
+              sharded: bool = False) -> ChosenOptimizer:
     caps = capabilities_of(cls)
     if not caps.offloads:
         if in_backward:
@@ -166,7 +175,7 @@ def _describe(component: str, cls: type, options: Dict[str, Any], *, in_backward
     # The two offloaders the recipes drive: this project's engine, and torchao's wrapper
     # (ao_offload.py), whose class subclasses torchao's own; each has its adapter.
     if issubclass(cls, OffloadOptimizer):
-        kind = OptimizerKind.OFFLOAD_ENGINE
+        kind = OptimizerKind.SHARDED_ENGINE if sharded else OptimizerKind.OFFLOAD_ENGINE
     elif issubclass(cls, torchao.optim.CPUOffloadOptimizer):
         kind = OptimizerKind.TORCHAO_OFFLOAD
     else:

@@ -17,6 +17,8 @@ and optimizer state while saving and loading, as the recipe's epoch save already
 """
 
 import dataclasses
+import shutil
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -30,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torchtune import utils
 
+from torchtune_offload.recipe.checkpoints.atomic_save import fsync_tree
 from torchtune_offload.recipe.checkpoints.resume import batching, optimizer_identity, run_output_dir
 from torchtune_offload.recipe.checkpoints.step_checkpoints import (
     WEIGHTS_FILE,
@@ -37,9 +40,11 @@ from torchtune_offload.recipe.checkpoints.step_checkpoints import (
     StepCheckpoints,
     describe,
     newest_checkpoint,
+    rank_staging,
     restore_rng_states,
     rng_states,
 )
+from torchtune_offload.recipe.chosen_optimizer import OptimizerKind
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.run_optimizer import RunOptimizer
 
@@ -89,6 +94,8 @@ class DistributedCheckpoints:
         self._point: Optional[ResumePoint] = None
         #: This rank's part of the checkpoint resumed from: its data position and RNG states.
         self._mine: Optional[Dict[str, Any]] = None
+        #: The checkpoint resumed from, on every rank (each reads its own optimizer state there).
+        self._resumed_from: Optional[Path] = None
         self._store = StepCheckpoints(self._out, keep_last=keep_last) if rank == 0 else None
 
     # ------------------------------------------------------------------------------- resume
@@ -114,8 +121,9 @@ class DistributedCheckpoints:
             self._store.prune()  # a run killed between a save and its pruning left one too many
             self._read_weights(full_weights)
             ranks = self._point.state.pop("ranks")
-        state = [dataclasses.asdict(progress)]
+        state = [dataclasses.asdict(progress), str(self._point.path) if self._point is not None else None]
         dist.broadcast_object_list(state, src=0)
+        self._resumed_from = Path(state[1])
         mine: List[Any] = [None]
         dist.scatter_object_list(mine, ranks if self.rank == 0 else None, src=0)
         self._mine = mine[0]
@@ -140,6 +148,17 @@ class DistributedCheckpoints:
     def take_optimizer_state(self) -> Dict[str, Any]:
         """Rank 0's full optimizer state to scatter (empty on other ranks; handed over once)."""
         return self._point.state.pop("optimizer") if self._point is not None else {}
+
+    def restore_optimizer(self, model: torch.nn.Module, optimizer: RunOptimizer, *, component: str) -> None:
+        """Puts the checkpoint's optimizer state back: rank 0's full state scattered into the shards,
+        or, for the engine on FSDP2's shards, each rank's own file read by that rank. Collective."""
+        if optimizer.kind is OptimizerKind.SHARDED_ENGINE:
+            self.take_optimizer_state()  # rank 0's record of the per-rank files, nothing to scatter
+            state = torch.load(self._resumed_from / rank_state_file(self.rank), map_location="cpu", weights_only=False)
+            optimizer.load_state_dict(state, component=component)
+            dist.barrier()
+            return
+        load_full_optimizer_state(model, optimizer, self.take_optimizer_state(), is_rank_zero=self.rank == 0)
 
     def restore_position(self, *, progress: Progress, dataloader: Any, lr_scheduler: Optional[Any]) -> None:
         """Puts this rank's data position, the LR schedule and this rank's RNG states back, last
@@ -167,7 +186,13 @@ class DistributedCheckpoints:
         gathers; rank 0 writes; all leave once it is in place."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(model, options=options)
-        optimizer_state = full_optimizer_state(model, optimizer)
+        rank_files = []
+        if optimizer.kind is OptimizerKind.SHARDED_ENGINE:
+            # Each rank writes its own shards' state: gathered, the one host would hold every rank's.
+            rank_files = self._save_rank_states(optimizer, global_step=progress.global_step)
+            optimizer_state: Dict[str, Any] = {"rank_files": [p.name for p in rank_files]}
+        else:
+            optimizer_state = full_optimizer_state(model, optimizer)
         ranks: Optional[List[Any]] = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object({"dataloader": dataloader.state_dict(), "rng": rng_states()}, ranks, dst=0)
         if self.rank == 0:
@@ -180,7 +205,26 @@ class DistributedCheckpoints:
             path = self._store.save(global_step=progress.global_step, epoch=progress.epochs_run,
                                     step_in_epoch=progress.steps_run_in_epoch, weights=weights, state=state,
                                     ranks=self.world_size, batching=self._batching,
-                                    optimizer=self._optimizer)
+                                    optimizer=self._optimizer, rank_files=rank_files)
             log.info(f"Checkpoint saved to {path}: resume_from_checkpoint=True on {self.world_size} ranks "
                      "continues from here.")
         dist.barrier()
+
+    def _save_rank_states(self, optimizer: RunOptimizer, *, global_step: int) -> List[Path]:
+        """Writes this rank's optimizer state where rank 0's save moves it from; returns every
+        rank's file (the same paths on every rank). Collective: all have written when it returns."""
+        folder = rank_staging(self._out, global_step)
+        if self.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)  # a killed earlier attempt at this save
+            folder.mkdir(parents=True)
+        dist.barrier()
+        path = folder / rank_state_file(self.rank)
+        torch.save(optimizer.state_dict(), path)
+        fsync_tree(folder)
+        dist.barrier()
+        return [folder / rank_state_file(rank) for rank in range(self.world_size)]
+
+
+def rank_state_file(rank: int) -> str:
+    """The name of one rank's optimizer state in a checkpoint of the engine on FSDP2's shards."""
+    return f"optimizer_rank{rank:05d}.pt"

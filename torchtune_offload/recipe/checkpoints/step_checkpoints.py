@@ -24,7 +24,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -118,6 +118,12 @@ class ResumePoint:
                     target[name].copy_(tensor)
 
 
+def rank_staging(output_dir: Any, global_step: int) -> Path:
+    """Where each rank writes its own file for the save of ``global_step`` before rank 0 moves it
+    into the checkpoint (a kill before that leaves it to :meth:`StepCheckpoints.prune`)."""
+    return Path(output_dir) / CHECKPOINTS_DIR / f"{_STAGING_PREFIX}ranks_{global_step:08d}"
+
+
 class StepCheckpoints:
     """The resumable checkpoints of one ``output_dir``.
 
@@ -140,7 +146,8 @@ class StepCheckpoints:
 
     def save(self, *, global_step: int, epoch: int, step_in_epoch: int, weights: Dict[str, torch.Tensor],
              state: Dict[str, Any], ranks: Optional[int] = None,
-             batching: Optional[Dict[str, int]] = None, optimizer: Optional[Dict[str, Any]] = None) -> Path:
+             batching: Optional[Dict[str, int]] = None, optimizer: Optional[Dict[str, Any]] = None,
+             rank_files: Sequence[Path] = ()) -> Path:
         """Writes one checkpoint atomically and removes the ones beyond ``keep_last``.
 
         Args:
@@ -155,6 +162,8 @@ class StepCheckpoints:
                 position and step counts are in their units); ``None`` where unknown (tests).
             optimizer: the run's optimizer class and base optimizer class (``resume.optimizer_identity``:
                 the optimizer state is theirs); ``None`` where unknown.
+            rank_files: files each rank wrote for this save (its optimizer state, on FSDP2's shards:
+                :func:`rank_staging`), moved into the checkpoint and listed in its manifest.
 
         Returns:
             The checkpoint folder.
@@ -168,10 +177,12 @@ class StepCheckpoints:
         save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()},
                   staging / WEIGHTS_FILE, metadata={"checkpoint_id": checkpoint_id})
         torch.save({**state, "checkpoint_id": checkpoint_id}, staging / STATE_FILE)
+        for path in rank_files:
+            path.rename(staging / path.name)
         manifest = {
             "checkpoint_id": checkpoint_id, "run_id": self.run_id, "global_step": global_step, "epoch": epoch,
             "step_in_epoch": step_in_epoch,
-            "files": {f: (staging / f).stat().st_size for f in (WEIGHTS_FILE, STATE_FILE)},
+            "files": {f: (staging / f).stat().st_size for f in (WEIGHTS_FILE, STATE_FILE, *(p.name for p in rank_files))},
         }
         if ranks is not None:
             manifest["ranks"] = ranks

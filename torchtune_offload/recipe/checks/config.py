@@ -22,6 +22,7 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.modules.peft import LORA_ATTN_MODULES
 
 from torchtune_offload.distributed.policies import policy_problems
+from torchtune_offload.distributed.sharded_offload import sharded_option_problems
 from torchtune_offload.recipe.checks.component_options import component_option_problems, model_option_problems, nulled
 from torchtune_offload.recipe.checks.config_keys import RECIPE_KEYS
 from torchtune_offload.recipe.checks.optimizer_rules import (
@@ -30,7 +31,7 @@ from torchtune_offload.recipe.checks.optimizer_rules import (
     configured_device_weights,
     is_int,
 )
-from torchtune_offload.recipe.chosen_optimizer import ChosenOptimizer, describe_optimizer
+from torchtune_offload.recipe.chosen_optimizer import ChosenOptimizer, OptimizerKind, describe_optimizer
 from torchtune_offload.recipe.shipped import RECIPE_KINDS
 
 #: The name ``tune run`` and ``tune-offload run`` know each recipe by.
@@ -130,7 +131,7 @@ def check_recipe_config(cfg: DictConfig, *, recipe: str, device_present: bool = 
     checkpoints = _checkpoint_settings(read)
     in_bwd = read.flag("optimizer_in_bwd", False)
     optimizer = _optimizer_settings(cfg, problems, in_bwd=in_bwd, clip=numbers["clip_grad_norm"],
-                                    accum=numbers["gradient_accumulation_steps"])
+                                    accum=numbers["gradient_accumulation_steps"], sharded=recipe == "distributed")
     device_name, dtype_name = _device_problems(cfg, problems, device_present=device_present)
     activations = _activation_settings(read, is_cuda=device_name.startswith("cuda"))
     collate_fn = _collate_fn(read)
@@ -342,7 +343,7 @@ def _checkpoint_settings(read: _Reader) -> Dict[str, Any]:
 
 
 def _optimizer_settings(cfg: DictConfig, problems: List[str], *, in_bwd: bool, clip: Optional[float],
-                        accum: Any) -> Optional[ChosenOptimizer]:
+                        accum: Any, sharded: bool) -> Optional[ChosenOptimizer]:
     """The chosen optimizer, described once every rule about it passed (``recipe/checks/optimizer_rules.py``);
     None where one did not (its problems are added to ``problems``)."""
     before = len(problems)
@@ -350,7 +351,7 @@ def _optimizer_settings(cfg: DictConfig, problems: List[str], *, in_bwd: bool, c
     if len(problems) > before:
         return None
     try:
-        return describe_optimizer(cfg.optimizer, in_backward=in_bwd)
+        return describe_optimizer(cfg.optimizer, in_backward=in_bwd, sharded=sharded)
     except ValueError as err:  # the rules above check what this reads: a safety net
         problems.append(str(err))
         return None
@@ -444,6 +445,14 @@ def _distributed_problems(read: _Reader, chosen: Optional[ChosenOptimizer]) -> L
             "accelerator and the host, and on a CPU device they are on the host already. Set "
             "fsdp_cpu_offload=False."
         )
+    if chosen is not None and chosen.kind is OptimizerKind.SHARDED_ENGINE:
+        # The engine steps each rank's shards (distributed/sharded_offload.py), after backward.
+        problems.extend(sharded_option_problems(chosen.offload, reported=("device_weights",)))
+        if read.get("fsdp_cpu_offload", False) is True:
+            problems.append("fsdp_cpu_offload=True with optimizer._component_=torchtune_offload.OffloadOptimizer: "
+                            "FSDP2 would keep the shards on the host and step there, and the engine keeps host "
+                            "copies of its own. Set fsdp_cpu_offload=False: the engine's states live on the host.")
+        return problems
     # A component refused for another reason (torchao's on a CPU device) is still named here.
     caps = chosen.capabilities if chosen is not None else component_capabilities(cfg.optimizer)
     if caps is not None and not caps.runs_under_fsdp2:

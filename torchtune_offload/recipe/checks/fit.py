@@ -116,9 +116,9 @@ def meta_model(cfg_model: DictConfig, settings: RecipeSettings) -> nn.Module:
         return config.instantiate(cfg_model)
 
 
-def optimizer_plan(chosen: ChosenOptimizer, model: nn.Module, settings: RecipeSettings) -> HostMemoryPlan:
-    """The host memory of the optimizer ``chosen`` for ``model``'s trainable parameters."""
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+def optimizer_plan(chosen: ChosenOptimizer, trainable: List[Tuple[str, torch.Tensor]],
+                   settings: RecipeSettings) -> HostMemoryPlan:
+    """The host memory of the optimizer ``chosen`` for the ``trainable`` parameters (by name)."""
     # As build_optimizer passes them: offloaders take names, plain optimizers tensors.
     params = trainable if chosen.capabilities.named_parameters else [p for _, p in trainable]
     return plan_host_memory(chosen.optimizer_class, params, device=settings.device,
@@ -169,7 +169,7 @@ def host_memory_need(
     if on_cpu:
         _add_model_on_the_host(model, load=load, train=train, step_bytes=step_bytes,
                                grads_freed=chosen.offload_gradients)
-    plan = optimizer_plan(chosen, model, settings)
+    plan = optimizer_plan(chosen, [(n, p) for n, p in model.named_parameters() if p.requires_grad], settings)
     train.update(plan.parts)
     notes += list(plan.notes)
     newest = newest_checkpoint(run_output_dir(cfg)) if settings.resume_from_checkpoint else None
@@ -249,10 +249,19 @@ def sharded_host_memory_need(
         # configured weights, which its trained weights replace tensor by tensor.
         load["optimizer state being loaded (rank 0)"] = (newest / STATE_FILE).stat().st_size
     train: Dict[str, int] = {}
+    chosen = settings.optimizer
     if on_host:
         load["parameter shards"] = train["parameter shards"] = held(shards)
         train["gradient shards"] = held(trainable)
-        chosen = settings.optimizer
+    if chosen.kind is OptimizerKind.SHARDED_ENGINE:
+        # Each rank's engine over its own shards, wherever the device is.
+        named = [(n, shard.requires_grad_()) for (n, p), shard in zip(model.named_parameters(), shards)
+                 if p.requires_grad]
+        plan = optimizer_plan(chosen, named, settings)
+        for purpose, size in plan.parts.items():
+            train[f"{purpose} (engine, all ranks)"] = local_world_size * size
+        notes += list(plan.notes)
+    elif on_host:
         state, state_notes = optimizer_state_bytes(chosen.base_class, trainable, chosen.base_options)
         train["optimizer state"] = local_world_size * state
         notes += list(state_notes)
