@@ -169,11 +169,19 @@ ENGINE = ["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer
 
 
 def test_the_distributed_recipe_trains_the_shards_with_the_engine_as_with_adamw_and_resumes(tiny_assets, tmp_path):
-    """Two ranks, accumulation and clipping: the engine's losses are FSDP2 + AdamW's; a run resumed
-    from its step checkpoint (each rank reads its own optimizer file) ends as the straight one."""
+    """Two ranks, accumulation and clipping: the engine's losses (host or device updates) are FSDP2
+    + AdamW's; with 8-bit states the loss falls; a run resumed from its step checkpoint (each rank
+    reads its own optimizer file) ends as the straight one."""
     train = tiny_asset_overrides(tiny_assets) + TRAIN + TWO_RANKS
-    _tune_run_two_ranks(train + [f"output_dir={tmp_path / 'adamw'}"], train + ENGINE + [f"output_dir={tmp_path / 'engine'}"])
-    assert _losses(tmp_path / "engine") == _losses(tmp_path / "adamw")
+    _tune_run_two_ranks(train + [f"output_dir={tmp_path / 'adamw'}"],
+                        train + ENGINE + [f"output_dir={tmp_path / 'engine'}"],
+                        train + ENGINE + ["optimizer.update_on=device", f"output_dir={tmp_path / 'device'}"],
+                        train + ENGINE + ["optimizer.optimizer_class=torchtune_offload.AdamW8bit",
+                                          f"output_dir={tmp_path / 'eight_bit'}"])
+    assert _losses(tmp_path / "engine") == _losses(tmp_path / "device") == _losses(tmp_path / "adamw")
+    # 8-bit states inside each rank's shards: not AdamW's math, and the loss falls as with it.
+    eight_bit = _losses(tmp_path / "eight_bit")
+    assert eight_bit[-1] < eight_bit[0] - 0.5, eight_bit
     checkpoint = sorted((tmp_path / "engine" / "checkpoints").glob("step_*"))[0]
     assert sorted(p.name for p in checkpoint.glob("optimizer_rank*.pt")) == ["optimizer_rank00000.pt",
                                                                              "optimizer_rank00001.pt"]
