@@ -87,9 +87,8 @@ ENGINE_CAPABILITIES = OptimizerCapabilities(
     overlaps_host_step=True,
     hands_over_per_group=True,
     reasons={
-        "runs_under_fsdp2": "its state lives in per-parameter base optimizers over host copies of "
-        "each rank's shards, which torch's distributed state-dict API (used to gather a full "
-        "checkpoint and to resume) cannot see, so checkpoints would not resume",
+        "runs_under_fsdp2": "as the optimizer of FSDP2's DTensors it cannot run: the distributed recipe "
+        "runs it on each rank's local shards instead (distributed/sharded_offload.py)",
         "steps_in_backward": OFFLOAD_STEPS_AFTER_BACKWARD,
     },
 )
