@@ -40,14 +40,16 @@ from torchtune_offload.bench.sweep import (
     write_plot,
     write_results,
 )
-from torchtune_offload.bench.variants import VARIANTS
+from torchtune_offload.bench.variants import SINGLE_DEVICE_VARIANTS, VARIANTS
 from torchtune_offload.plan.planner import load_config
 from torchtune_offload.recipe import preflight
 
 OPTIONS = {
     "--config": dict(required=True, help="a full fine-tune config"),
     "--steps": dict(type=int, default=20, help="optimizer steps per run (>= 11: 10 measured after warm-up)"),
-    "--variants": dict(default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}"),
+    "--variants": dict(default=",".join(SINGLE_DEVICE_VARIANTS),
+                       help=f"comma-separated, from {', '.join(VARIANTS)} (default: all but the fsdp2_ ones)"),
+    "--nproc-per-node": dict(type=int, default=2, help="ranks of the fsdp2_ variants (the distributed recipe)"),
     "--output-dir": dict(default="outputs/sweep"),
     "--gpu-memory-gib": dict(type=float, default=None,
                              help="leave only this much GPU memory free (ballast in another process)"),
@@ -76,7 +78,7 @@ def main() -> None:
                 print(f"[sweep] {name} runs with {' '.join(VARIANTS[name].needs)} in place of {' '.join(replaced)} "
                       "(what its optimizer needs)", flush=True)
             r = run_variant(name=name, config=args.config, steps=args.steps, output_dir=output_dir,
-                            extra=extra, timeout_s=args.timeout_s)
+                            extra=extra, timeout_s=args.timeout_s, nproc_per_node=args.nproc_per_node)
             tps = f", {r.tokens_per_second:.0f} tok/s" if r.tokens_per_second else ""
             short = r.status == "ok" and r.steps < r.steps_requested  # one epoch of the data ended first
             short = f", {r.steps} of {r.steps_requested} steps (the data ran out)" if short else ""
@@ -112,6 +114,8 @@ def _parse_args(argv: list) -> tuple[argparse.Namespace, list, list]:
     for flag, kw in OPTIONS.items():
         parser.add_argument(flag, **kw)
     args = parser.parse_args(argv)
+    if args.nproc_per_node < 1:
+        parser.error("--nproc-per-node must be at least 1")
     if args.steps < 11:
         parser.error("--steps must be at least 11 (one warm-up step, then at least 10 measured)")
     names = args.variants.split(",")
@@ -191,7 +195,8 @@ def _shared_config_problem(args: argparse.Namespace, names: list, extra: list) -
     first = ""
     for name in names:
         try:  # torchtune's merge refuses an override that is not key=value with a ValueError too
-            preflight(_variant_config(args, name, extra), recipe="full", device_present=False)
+            recipe = "distributed" if VARIANTS[name].distributed else "full"
+            preflight(_variant_config(args, name, extra), recipe=recipe, device_present=False)
         except ValueError as err:
             first = first or str(err)
             continue

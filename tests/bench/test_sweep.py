@@ -26,7 +26,8 @@ from torchtune_offload.bench.sweep import (
     write_results,
 )
 from torchtune_offload.bench.variants import OFFLOAD_ONLY_KEYS, VARIANTS, legend
-from torchtune_offload.plan.planner import load_config, variant_config
+from torchtune_offload.plan.planner import default_variants, load_config, variant_config
+from torchtune_offload.recipe import read_disk_log
 from torchtune_offload.recipe.reports.memory import EXPANDABLE_SEGMENTS
 
 SYNTHETIC = ["dataset._component_=torchtune_offload.data.synthetic_dataset", "~dataset.source",
@@ -141,6 +142,26 @@ def test_sweep_runs_variants_and_reports_a_refused_one(tiny_assets, tmp_path, mo
         assert f"[sweep] W&B project tiny-sweep, group sweep: 4 runs (W&B's files: {out / 'wandb'})" in printed
         offline = sorted((out / "wandb").glob("offline-run-*"))
         assert len(offline) == 4 and all(any(d.glob("*.wandb")) for d in offline)
+
+
+def test_the_fsdp2_variants_run_the_distributed_recipe_on_ranks(tiny_assets, tmp_path, monkeypatch, capsys):
+    """--nproc-per-node 2: FSDP2 with torch's AdamW and with the engine on each rank's shards train
+    the same losses, bit for bit; the planner refuses to plan them by name."""
+    script = runpy.run_path(str(REPO / "scripts" / "benchmark_sweep.py"), run_name="benchmark_sweep")
+    monkeypatch.chdir(REPO)
+    extra = [o for o in tiny_asset_overrides(tiny_assets) if not o.startswith("dataset.")] + SYNTHETIC
+    out = tmp_path / "sweep"
+    monkeypatch.setattr(sys, "argv", ["benchmark_sweep.py", "--config", CONFIG, "--steps", "11", "--variants",
+                                      "fsdp2_adamw,fsdp2_offload", "--nproc-per-node", "2", "--output-dir", str(out),
+                                      "--", *extra, "device=cpu"])
+    script["main"]()
+    results = {r["name"]: VariantResult(**r) for r in json.loads((out / "results.json").read_text())}
+    # Two ranks share each step's data: one epoch of the 96 samples is 6 steps of 8 a rank.
+    assert [(r.status, r.steps) for r in results.values()] == [("ok", 6), ("ok", 6)], results
+    assert "--nproc_per_node 2 recipes/full_finetune_distributed.py" in (out / "fsdp2_offload" / "run.log").read_text()
+    losses = {name: [row["loss"] for row in read_disk_log(out / name)] for name in results}
+    assert losses["fsdp2_offload"] == losses["fsdp2_adamw"]
+    assert "fsdp2_adamw" not in default_variants()
 
 
 def test_a_diverging_variant_is_reported_diverged_not_ok(tiny_assets, tmp_path, monkeypatch):

@@ -25,7 +25,6 @@ from torchtune_offload.recipe.reports.disk_log import read_disk_log
 from torchtune_offload.recipe.reports.memory import EXPANDABLE_SEGMENTS
 from torchtune_offload.recipe.reports.run_report import cell, first_nonfinite, median_tokens_per_second, peak
 
-RECIPE = "recipes/full_finetune_single_device.py"
 _OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 GIB = 1024**3
 #: A variant's status when its training diverged.
@@ -118,6 +117,7 @@ def variant_environment() -> Dict[str, str]:
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", EXPANDABLE_SEGMENTS)
     # An index in CUDA_VISIBLE_DEVICES then means the same GPU to the variants and to NVML's baseline.
     env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")  # the distributed variants' ranks meet on this machine
     return env
 
 
@@ -133,7 +133,8 @@ def variant_overrides(*, name: str, config: str, steps: int, output_dir: Path, e
 
 
 def run_variant(
-    *, name: str, config: str, steps: int, output_dir: Path, extra: Sequence[str], timeout_s: Optional[float]
+    *, name: str, config: str, steps: int, output_dir: Path, extra: Sequence[str], timeout_s: Optional[float],
+    nproc_per_node: int = 2,
 ) -> VariantResult:
     """Runs one variant to completion (or failure) and reads back its DiskLogger metrics.
 
@@ -144,7 +145,10 @@ def run_variant(
     out = output_dir / name
     shutil.rmtree(out / "logs", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", RECIPE, "--config", config,
+    variant = VARIANTS[name]
+    launch = ["--nproc_per_node", str(nproc_per_node)] if variant.distributed else []
+    cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", *launch, f"recipes/{variant.recipe}.py",
+           "--config", config,
            *variant_overrides(name=name, config=config, steps=steps, output_dir=output_dir, extra=extra)]
     log_path = out / "run.log"
     baseline = _nvml_used_bytes()

@@ -16,6 +16,8 @@ from omegaconf import OmegaConf
 from torchtune_offload.recipe.chosen_optimizer import ChosenOptimizer, describe_optimizer
 
 _ADAMW = "torch.optim.AdamW"
+#: The recipes a variant runs, as ``recipes/<name>.py``.
+SINGLE_DEVICE, DISTRIBUTED = "full_finetune_single_device", "full_finetune_distributed"
 _ENGINE = "torchtune_offload.OffloadOptimizer"
 #: The ``optimizer:`` keys only an offloader takes: a variant that does not set one removes it from
 #: the config (plain optimizers refuse them).
@@ -36,6 +38,8 @@ class Variant:
             set like its ``optimizer:`` keys (the sweep refuses a shared override of them).
         needs: training settings its optimizer needs (``key=value``), applied after the shared
             overrides, which they replace for this variant alone (the sweep says so).
+        recipe: the recipe it runs: the single-device full fine-tune, or the distributed one
+            (FSDP2 over ``--nproc-per-node`` ranks; the planner does not plan those per rank).
     """
 
     name: str
@@ -43,6 +47,11 @@ class Variant:
     optimizer: Mapping[str, Any]
     settings: Tuple[str, ...] = field(default=())
     needs: Tuple[str, ...] = field(default=())
+    recipe: str = SINGLE_DEVICE
+
+    @property
+    def distributed(self) -> bool:
+        return self.recipe == DISTRIBUTED
 
     @property
     def in_backward(self) -> bool:
@@ -51,7 +60,8 @@ class Variant:
     def describe(self) -> ChosenOptimizer:
         """Its optimizer, described as a recipe describes the optimizer it runs (the base optimizer's
         options are the config's, so those here are its defaults)."""
-        return describe_optimizer(OmegaConf.create(dict(self.optimizer)), in_backward=self.in_backward)
+        return describe_optimizer(OmegaConf.create(dict(self.optimizer)), in_backward=self.in_backward,
+                                  sharded=self.distributed)
 
     def choice_overrides(self, config: str) -> List[str]:
         """Command-line overrides that turn ``config``'s optimizer into this variant's: its
@@ -110,10 +120,20 @@ _ALL = (
             update_on="device"),
     _engine("offload_device_update_overlap", "OffloadOptimizer, states in host memory, updates on the device in the "
             "next forward's order", update_on="device", overlap=True),
+    # FSDP2 over --nproc-per-node ranks (the distributed recipe).
+    Variant("fsdp2_adamw", "FSDP2, torch AdamW on the devices' shards", {"_component_": _ADAMW}, recipe=DISTRIBUTED),
+    Variant("fsdp2_cpu_offload", "FSDP2 with its CPUOffloadPolicy: shards, gradients and AdamW on the host",
+            {"_component_": _ADAMW}, settings=("fsdp_cpu_offload=True",), recipe=DISTRIBUTED),
+    Variant("fsdp2_offload", "FSDP2, OffloadOptimizer on each rank's shards",
+            {"_component_": _ENGINE, "optimizer_class": _ADAMW}, recipe=DISTRIBUTED),
+    Variant("fsdp2_offload_8bit", "FSDP2, OffloadOptimizer on each rank's shards, 8-bit AdamW states",
+            {"_component_": _ENGINE, "optimizer_class": "torchtune_offload.AdamW8bit"}, recipe=DISTRIBUTED),
 )
 
 #: Every variant, by name, in the order tables list them.
 VARIANTS: Dict[str, Variant] = {v.name: v for v in _ALL}
+#: Those of the single-device recipe: the sweep's and the planner's defaults.
+SINGLE_DEVICE_VARIANTS = [name for name, v in VARIANTS.items() if not v.distributed]
 
 
 def legend(names: Iterable[str]) -> List[str]:

@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from torchtune_offload.bench.arguments import check_output_file
-from torchtune_offload.bench.variants import VARIANTS
+from torchtune_offload.bench.variants import SINGLE_DEVICE_VARIANTS, VARIANTS
 from torchtune_offload.plan.fastest import fastest_fitting, math_change
 from torchtune_offload.plan.planner import (
     GIB,
@@ -132,7 +132,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides, as for tune run")
     p.add_argument("--recipe", choices=sorted(set(RECIPE_KINDS.values())), help="default: from the config's header")
     p.add_argument("--variants", default=",".join(default_variants()),
-                   help=f"comma-separated: config (as given) and any of {', '.join(VARIANTS)}")
+                   help=f"comma-separated: config (as given) and any of {', '.join(SINGLE_DEVICE_VARIANTS)}")
     p.add_argument("--device-gib", type=float, help="device memory budget (default: the --machine file's or "
                    "preset's device_memory_gib, else this machine's GPU)")
     p.add_argument("--host-gib", type=float, help="host memory budget (default: what this machine has available)")
@@ -166,7 +166,11 @@ def _checked_args(p: argparse.ArgumentParser,
         p.error(f"--config {args.config}: {err}")
     unknown = [v for v in args.variants.split(",") if v != "config" and v not in VARIANTS]
     if unknown:
-        p.error(f"--variants: unknown {unknown}; choose from config, {', '.join(VARIANTS)}")
+        p.error(f"--variants: unknown {unknown}; choose from config, {', '.join(SINGLE_DEVICE_VARIANTS)}")
+    sharded = [v for v in args.variants.split(",") if v in VARIANTS and VARIANTS[v].distributed]
+    if sharded:
+        p.error(f"--variants: {', '.join(sharded)} run FSDP2 over several ranks, which the planner does not plan "
+                "(it plans one device); the sweep runs them (scripts/benchmark_sweep.py --nproc-per-node N)")
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: must be at least 1")
     for flag, gib in (("--device-gib", args.device_gib), ("--host-gib", args.host_gib)):

@@ -31,7 +31,7 @@ from torchtune.config._utils import _merge_yaml_and_cli_args
 from torchtune.models.llama3 import llama3, lora_llama3
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-from torchtune_offload.bench.variants import VARIANTS
+from torchtune_offload.bench.variants import SINGLE_DEVICE_VARIANTS, VARIANTS
 from torchtune_offload.optim import fused_step
 from torchtune_offload.optim.handoff import handoff_groups
 from torchtune_offload.optim.host_buffers import offloads
@@ -365,8 +365,9 @@ def _fine_tune_cfg(cfg: DictConfig, fine_tune: FineTune) -> DictConfig:
 
 
 def default_variants() -> List[str]:
-    """The configured optimizer, then the sweep's variants."""
-    return ["config", *VARIANTS]
+    """The configured optimizer, then the sweep's single-device variants (the planner plans one
+    device, not FSDP2's ranks)."""
+    return ["config", *SINGLE_DEVICE_VARIANTS]
 
 
 #: The miniature decoder of :func:`miniature_step`: torchtune's Llama 3 blocks at shapes NF4 can
