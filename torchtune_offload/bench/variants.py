@@ -1,9 +1,10 @@
 """The optimizer variants, listed once: what the sweep runs, the planner plans, ``compare`` and
 ``scripts/plan_vs_sweep.py`` name.
 
-A variant is a choice of optimizer (the ``optimizer:`` keys it sets) and the training settings that
+A variant is a choice of optimizer (the ``optimizer:`` keys it sets), the training settings that
 choice needs (``paged_adamw8bit_in_bwd``, torchtune's own 8B single-device setting, steps inside
-backward, so it runs without clipping and without accumulation). Applied to a config
+backward, so it runs without clipping and without accumulation) and the recipe it runs (the
+``fsdp2_`` variants: the distributed one, over several ranks). Applied to a config
 (:meth:`Variant.overrides`), it gives the same run wherever its name is used. :meth:`Variant.describe`
 is its optimizer as the recipes describe it (``recipe/chosen_optimizer.py``).
 """
