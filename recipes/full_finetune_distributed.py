@@ -117,7 +117,7 @@ class FullFinetuneRecipeDistributed:
         self._is_rank_zero = self.rank == 0
         self.progress = Progress.start(s)
         # With resume_from_checkpoint=True: the newest complete checkpoint, read in setup() by rank 0.
-        self._checkpoints = DistributedCheckpoints(cfg, keep_last=s.keep_last_n_checkpoints,
+        self._checkpoints = DistributedCheckpoints(cfg, optimizer=s.optimizer, keep_last=s.keep_last_n_checkpoints,
                                                    resume=s.resume_from_checkpoint, rank=self.rank,
                                                    world_size=self.world_size)
         # What cleanup() closes; set by setup(), which may fail part-way.
@@ -156,7 +156,7 @@ class FullFinetuneRecipeDistributed:
         # 5. Optimizer over the shards; when resuming, its state (rank 0's scattered, or each rank's own file).
         self._optimizer = build_optimizer(cfg.optimizer, self._model, s)
         if s.resume_from_checkpoint:
-            self._checkpoints.restore_optimizer(self._model, self._optimizer, component=cfg.optimizer._component_)
+            self._checkpoints.restore_optimizer(self._model, self._optimizer, component=s.optimizer.component)
         # 6. The loss (a chunked one sets the model's output chunks), and the steps of an epoch.
         loss_fn = build_loss(cfg.loss, self._model, s, verbose=self._is_rank_zero)
         self.progress.measure_epoch(self._dataloader, s)

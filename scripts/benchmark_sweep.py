@@ -42,7 +42,7 @@ from torchtune_offload.bench.sweep import (
 )
 from torchtune_offload.bench.variants import SINGLE_DEVICE_VARIANTS, VARIANTS
 from torchtune_offload.plan.planner import load_config
-from torchtune_offload.recipe import preflight
+from torchtune_offload.recipe import RECIPE_KINDS, preflight
 
 OPTIONS = {
     "--config": dict(required=True, help="a full fine-tune config"),
@@ -195,8 +195,8 @@ def _shared_config_problem(args: argparse.Namespace, names: list, extra: list) -
     first = ""
     for name in names:
         try:  # torchtune's merge refuses an override that is not key=value with a ValueError too
-            recipe = "distributed" if VARIANTS[name].distributed else "full"
-            preflight(_variant_config(args, name, extra), recipe=recipe, device_present=False)
+            preflight(_variant_config(args, name, extra), recipe=RECIPE_KINDS[VARIANTS[name].recipe],
+                      device_present=False)
         except ValueError as err:
             first = first or str(err)
             continue

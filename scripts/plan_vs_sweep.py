@@ -83,7 +83,7 @@ def main() -> None:
     print(table(plans, results))
     named = legend(both)
     if named:
-        print("\nVariants (torchtune_offload/bench/variants.py):\n" + "\n".join(named))
+        print(named)
     status = {n: r.get("status") for n, r in results.items()}
     left = [f"{n} (not in the sweep)" if n not in results else f"{n} ({status[n] + '; ' if status[n] else ''}no peaks)"
             for n in plans if n not in both]

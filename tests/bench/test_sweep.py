@@ -85,7 +85,7 @@ def test_a_variant_name_means_one_config_for_the_sweep_and_the_planner(name, tmp
     chosen = variant.describe()
     assert chosen.component == variant.optimizer["_component_"] and chosen.kind.offloads is ("optimizer_class" in
                                                                                               variant.optimizer)
-    assert legend([name, "not-a-variant"]) == [f"  {name}: {variant.description}"]
+    assert legend([name, "not-a-variant"]).endswith(f"\n  {name}: {variant.description}") and legend(["x"]) == ""
 
 
 def test_every_option_of_our_optimizer_is_dropped_for_a_plain_one():

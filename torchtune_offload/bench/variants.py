@@ -9,11 +9,13 @@ backward, so it runs without clipping and without accumulation) and the recipe i
 is its optimizer as the recipes describe it (``recipe/chosen_optimizer.py``).
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Tuple
 
 from omegaconf import OmegaConf
 
+from torchtune_offload.optim.offload_options import OffloadOptions
 from torchtune_offload.recipe.chosen_optimizer import ChosenOptimizer, describe_optimizer
 
 _ADAMW = "torch.optim.AdamW"
@@ -22,9 +24,7 @@ SINGLE_DEVICE, DISTRIBUTED = "full_finetune_single_device", "full_finetune_distr
 _ENGINE = "torchtune_offload.OffloadOptimizer"
 #: The ``optimizer:`` keys only an offloader takes: a variant that does not set one removes it from
 #: the config (plain optimizers refuse them).
-OFFLOAD_ONLY_KEYS = ("optimizer_class", "offload_gradients", "minimal_size", "master_dtype", "grad_sum_dtype",
-                     "grad_sum_on", "fused_master_step", "overlap", "overlap_timeout_s", "update_on",
-                     "device_staging_mib", "device_weights")
+OFFLOAD_ONLY_KEYS = ("optimizer_class", *(f.name for f in dataclasses.fields(OffloadOptions)))
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,9 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in _ALL}
 SINGLE_DEVICE_VARIANTS = [name for name, v in VARIANTS.items() if not v.distributed]
 
 
-def legend(names: Iterable[str]) -> List[str]:
-    """``name: description`` for each of ``names`` that is a variant (a table's rows named by the
-    sweep), so a reader of ``compare`` or ``plan_vs_sweep`` sees what each ran."""
-    return [f"  {name}: {VARIANTS[name].description}" for name in names if name in VARIANTS]
+def legend(names: Iterable[str]) -> str:
+    """The block printed under a table whose rows the sweep named: ``name: description`` for each of
+    ``names`` that is a variant, so a reader of ``compare`` or ``plan_vs_sweep`` sees what each ran;
+    empty where none is."""
+    lines = [f"  {name}: {VARIANTS[name].description}" for name in names if name in VARIANTS]
+    return "\nVariants (torchtune_offload/bench/variants.py):\n" + "\n".join(lines) if lines else ""

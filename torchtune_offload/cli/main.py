@@ -265,7 +265,7 @@ def _compare(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from err
     named = legend(runs)
     if named:
-        print("\nThe sweep's variants (torchtune_offload/bench/variants.py):\n" + "\n".join(named))
+        print(named)
     return 0
 
 

@@ -18,14 +18,14 @@ they, and FP8 device weights (which would replace FSDP2's shards), are refused h
 from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torchtune import training
 
 from torchtune_offload.optim.capabilities import OptimizerCapabilities
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.offload_optimizer import OffloadOptimizer
 from torchtune_offload.optim.offload_options import OffloadOptions
-from torchtune_offload.optim.optimizer_class import split_options
+from torchtune_offload.optim.optimizer_class import DEFAULT_BASE, split_options
 
 #: What marks a state :meth:`ShardedOffloadOptimizer.state_dict` wrote.
 SHARDED_STATE_FORMAT = "torchtune_offload.ShardedOffloadOptimizer/1"
@@ -47,11 +47,6 @@ def sharded_option_problems(opts: OffloadOptions, *, reported: Iterable[str] = (
 def _local(param: torch.Tensor) -> torch.Tensor:
     """The storage a rank steps: a DTensor's local shard, else the tensor itself."""
     return param.to_local() if isinstance(param, DTensor) else param
-
-
-def _rank() -> Tuple[int, int]:
-    """``(rank, world size)`` of the default process group, ``(0, 1)`` without one."""
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
 
 
 class ShardedOffloadOptimizer(torch.optim.Optimizer):
@@ -79,7 +74,7 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
                                                                                 "steps_in_backward")})
 
     def __init__(self, named_params: Iterable[Tuple[str, torch.Tensor]],
-                 optimizer_class: Any = "torch.optim.AdamW", **options: Any) -> None:
+                 optimizer_class: Any = DEFAULT_BASE, **options: Any) -> None:
         own, _ = split_options(OffloadOptimizer.__init__, options)
         problems = sharded_option_problems(OffloadOptions.parse(**own))
         if problems:
@@ -88,7 +83,6 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
         #: Each trainable parameter and the plain parameter sharing its local shard's storage.
         self._pairs: List[Tuple[torch.Tensor, torch.nn.Parameter]] = [
             (p, torch.nn.Parameter(_local(p).detach())) for _, p in trainable]
-        self._storage = [alias.data_ptr() for _, alias in self._pairs]
         self.engine = OffloadOptimizer([(name, alias) for (name, _), (_, alias) in zip(trainable, self._pairs)],
                                        optimizer_class, **options)
         super().__init__([alias for _, alias in self._pairs], dict(self.engine.defaults))
@@ -109,8 +103,8 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
         Raises:
             RuntimeError: if FSDP2 moved a shard to other storage after this optimizer was built.
         """
-        for (param, alias), ptr in zip(self._pairs, self._storage):
-            if _local(param).data_ptr() != ptr:
+        for param, alias in self._pairs:
+            if _local(param).data_ptr() != alias.data_ptr():
                 raise RuntimeError("FSDP2 moved a parameter shard to new storage after the optimizer was built "
                                    "(the model was moved or its sharded state re-created): build the optimizer "
                                    "after fully_shard and after the weights are loaded.")
@@ -132,7 +126,7 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> Dict[str, Any]:
         """This rank's engine state (its shards' states, keyed by parameter name) and the rank and
         rank count that wrote it."""
-        rank, world_size = _rank()
+        world_size, rank = training.get_world_size_and_rank()
         return {"format": SHARDED_STATE_FORMAT, "engine": self.engine.state_dict(), "rank": rank,
                 "world_size": world_size}
 
@@ -143,7 +137,7 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
             ValueError: for a state another rank, or another rank count, wrote (its shards are
                 other parts of the parameters, even where their shapes agree).
         """
-        rank, world_size = _rank()
+        world_size, rank = training.get_world_size_and_rank()
         written = (state_dict.get("rank"), state_dict.get("world_size"))
         if written != (rank, world_size):
             raise ValueError(f"This optimizer state was written by rank {written[0]} of {written[1]}, and this is "

@@ -20,7 +20,7 @@ from torchtune_offload.optim.host_arena import ALLOCATOR, NONE, pinned_allocatio
 from torchtune_offload.optim.host_memory import HostMemoryPlan, offloaded_buffers_plan
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.offload_options import OffloadOptions, check_accumulation_steps
-from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
+from torchtune_offload.optim.optimizer_class import DEFAULT_BASE, OptimizerClassSpec, resolve_optimizer_class, split_options
 
 
 def _strip_names(params: Any) -> Any:
@@ -75,7 +75,7 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
     def __init__(
         self,
         params: Any,
-        optimizer_class: OptimizerClassSpec = "torch.optim.AdamW",
+        optimizer_class: OptimizerClassSpec = DEFAULT_BASE,
         *,
         offload_gradients: bool = False,
         minimal_size: int = 4096,
@@ -155,7 +155,7 @@ class CPUOffloadOptimizer(torchao.optim.CPUOffloadOptimizer):
     def plan_host_memory(
         cls,
         params: Any,
-        optimizer_class: OptimizerClassSpec = "torch.optim.AdamW",
+        optimizer_class: OptimizerClassSpec = DEFAULT_BASE,
         *,
         device: Union[str, torch.device],
         gradient_accumulation_steps: int = 1,

@@ -87,8 +87,8 @@ ENGINE_CAPABILITIES = OptimizerCapabilities(
     overlaps_host_step=True,
     hands_over_per_group=True,
     reasons={
-        "runs_under_fsdp2": "as the optimizer of FSDP2's DTensors it cannot run: the distributed recipe "
-        "runs it on each rank's local shards instead (distributed/sharded_offload.py)",
+        "runs_under_fsdp2": "it does not step FSDP2's DTensors itself; the distributed recipe runs it on each "
+        "rank's local shards (distributed/sharded_offload.py) once its other options pass the checks",
         "steps_in_backward": OFFLOAD_STEPS_AFTER_BACKWARD,
     },
 )

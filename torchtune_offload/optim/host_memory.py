@@ -188,7 +188,7 @@ def plan_table_memory(params: Any, *, base_class: type, options: Dict[str, Any],
     if not (offload_gradients and gradient_accumulation_steps > 1 and offloaded):
         return plan
     if grad_sum_on == "host":
-        chunk = StagingRing.chunk_size(largest_bytes=max(p.numel() * p.element_size() for p in offloaded))
+        chunk = StagingRing.chunk_size(largest_bytes=max(nbytes(p) for p in offloaded))
         pinned = pinning != NONE  # the ring's chunks come from torch's allocator
         plan.add("staging ring" + (" (pinned)" if pinned else ""),
                  NUM_CHUNKS * pinned_allocation_bytes(chunk, pinned=pinned))
@@ -242,7 +242,7 @@ def plan_scale_bytes(params: Any, *, mode: Optional[str], minimal_size: int, pin
     if mode is None:
         return 0
     weights = [p for g in named_groups(params) for _, p in g["params"]
-               if p.requires_grad and p.dim() == 2 and p.numel() >= minimal_size]
+               if p.requires_grad and p.dim() == 2 and offloads(p, minimal_size)]
     return sum(pinned_allocation_bytes(4 * math.prod(scale_shape(p.shape, per_row=mode == "fp8")), pinned=pinned)
                for p in weights)
 

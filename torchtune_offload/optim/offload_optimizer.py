@@ -26,7 +26,7 @@ from torchtune_offload.optim.memory_report import OffloadMemoryReport, engine_me
 import torchtune_offload.optim.offload_checkpoint as offload_checkpoint
 from torchtune_offload.optim.offload_checkpoint import STATE_DICT_FORMAT
 from torchtune_offload.optim.offload_options import OffloadOptions, check_accumulation_steps
-from torchtune_offload.optim.optimizer_class import OptimizerClassSpec, resolve_optimizer_class, split_options
+from torchtune_offload.optim.optimizer_class import DEFAULT_BASE, OptimizerClassSpec, resolve_optimizer_class, split_options
 from torchtune_offload.optim.overlap_scheduler import OverlapScheduler
 from torchtune_offload.optim.param_table import (
     ParameterTable, check_groups, named_groups, training_device,
@@ -76,7 +76,7 @@ class OffloadOptimizer(Optimizer):
     def __init__(
         self,
         params: Any,
-        optimizer_class: OptimizerClassSpec = "torch.optim.AdamW",
+        optimizer_class: OptimizerClassSpec = DEFAULT_BASE,
         *,
         offload_gradients: bool = False,
         minimal_size: int = 4096,
@@ -144,7 +144,7 @@ class OffloadOptimizer(Optimizer):
     _staging = property(lambda self: self._grads.staging)
 
     @classmethod
-    def plan_host_memory(cls, params: Any, optimizer_class: OptimizerClassSpec = "torch.optim.AdamW", *,
+    def plan_host_memory(cls, params: Any, optimizer_class: OptimizerClassSpec = DEFAULT_BASE, *,
                          device: Union[str, torch.device], gradient_accumulation_steps: int = 1,
                          **options: Any) -> HostMemoryPlan:
         """The host memory this optimizer would hold for ``params`` (meta tensors work), allocating
@@ -339,8 +339,6 @@ class OffloadOptimizer(Optimizer):
             self._hooks.clear()
             for part in (self._scheduler, self._streamer, self._weights, self._grads.staging):
                 part.close()
-
-
 
 
 def _plan_host_memory(groups: Any, base_class: type, opts: OffloadOptions, kwargs: Dict[str, Any], *,

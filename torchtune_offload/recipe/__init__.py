@@ -23,7 +23,7 @@ from torchtune_offload.recipe.builders import (
     loss_ignore_index,
 )
 from torchtune_offload.recipe.checkpoints.atomic_save import save_atomically
-from torchtune_offload.recipe.checkpoints.distributed_checkpoints import DistributedCheckpoints, load_full_optimizer_state
+from torchtune_offload.recipe.checkpoints.distributed_checkpoints import DistributedCheckpoints
 from torchtune_offload.recipe.checkpoints.resume import TrainingCheckpoints, run_output_dir
 from torchtune_offload.recipe.checks.config import ConfigError, RecipeSettings, check_recipe_config
 from torchtune_offload.recipe.checks.file_checks import check_files
@@ -88,7 +88,6 @@ __all__ = [
     "instantiate_model",
     "interrupt_reported",
     "load_checkpoint",
-    "load_full_optimizer_state",
     "loss_ignore_index",
     "loss_of_logits",
     "loss_scale",

@@ -1,6 +1,6 @@
 """The run's optimizer as the config chooses it, described once.
 
-``cfg.optimizer`` and the top-level ``optimizer_in_bwd`` choose one of five kinds of optimizer
+``cfg.optimizer`` and the top-level ``optimizer_in_bwd`` choose one of six kinds of optimizer
 (:class:`OptimizerKind`). :func:`describe_optimizer` reads them once, after the config check's rules
 about the optimizer (``recipe/checks/optimizer_rules.py``) passed, into a :class:`ChosenOptimizer`: its
 kind, the class the config names, what that class can do, the base optimizer that does the
@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
 import torchao.optim
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from torchtune_offload.distributed.sharded_offload import SHARDED_STATE_FORMAT
 from torchtune_offload.optim.capabilities import OptimizerCapabilities, capabilities_of
 from torchtune_offload.optim.offload_checkpoint import STATE_DICT_FORMAT
 from torchtune_offload.optim.offload_options import OffloadOptions
 from torchtune_offload.optim.offload_optimizer import OffloadOptimizer
-from torchtune_offload.optim.optimizer_class import DEFAULT_BASE, resolve_optimizer_class, split_options
-from torchtune_offload.recipe.checks.optimizer_rules import resolve_optimizer_component
+from torchtune_offload.optim.optimizer_class import split_options
+from torchtune_offload.recipe.checks.optimizer_rules import base_class_of, config_options, resolve_optimizer_component
 
 
 
@@ -72,7 +72,7 @@ class ChosenOptimizer:
     """The optimizer a run's config chooses.
 
     Attributes:
-        kind: which of the five kinds it is.
+        kind: which of the six kinds it is.
         component: ``optimizer._component_`` as the config gives it.
         optimizer_class: the class it names (for ``optimizer_in_bwd``, the per-parameter optimizers' class).
         capabilities: what ``optimizer_class`` can do (``optim/capabilities.py``).
@@ -135,11 +135,6 @@ def identity_overrides(identity: Mapping[str, Any]) -> str:
                                                                     if base else "")
 
 
-def config_options(cfg_optimizer: DictConfig) -> Dict[str, Any]:
-    """The keyword options ``cfg.optimizer`` gives its component (every key but ``_component_``)."""
-    return {k: v for k, v in OmegaConf.to_container(cfg_optimizer, resolve=True).items() if k != "_component_"}
-
-
 def describe_optimizer(cfg_optimizer: DictConfig, *, in_backward: bool, sharded: bool = False) -> ChosenOptimizer:
     """Describes the optimizer ``cfg.optimizer`` and ``optimizer_in_bwd`` choose.
 
@@ -181,8 +176,7 @@ def _describe(component: str, cls: type, options: Dict[str, Any], *, in_backward
     else:
         raise ValueError(f"optimizer._component_={component}: an offloading optimizer the recipes cannot drive. Use "
                          "torchtune_offload.OffloadOptimizer or torchtune_offload.CPUOffloadOptimizer.")
-    rest = dict(options)
-    base = resolve_optimizer_class(rest.pop("optimizer_class", DEFAULT_BASE))
-    own, base_options = split_options(cls.__init__, rest)
+    base = base_class_of(options)
+    own, base_options = split_options(cls.__init__, {k: v for k, v in options.items() if k != "optimizer_class"})
     return ChosenOptimizer(kind=kind, component=component, optimizer_class=cls, capabilities=caps, base_class=base,
                            base_options=base_options, offload=OffloadOptions.parse(**own), options=dict(options))

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torchtune import utils
 
 from torchtune_offload.recipe.checkpoints.atomic_save import fsync_tree
-from torchtune_offload.recipe.checkpoints.resume import batching, optimizer_identity, run_output_dir
+from torchtune_offload.recipe.checkpoints.resume import batching, run_output_dir
 from torchtune_offload.recipe.checkpoints.step_checkpoints import (
     WEIGHTS_FILE,
     ResumePoint,
@@ -44,7 +44,7 @@ from torchtune_offload.recipe.checkpoints.step_checkpoints import (
     restore_rng_states,
     rng_states,
 )
-from torchtune_offload.recipe.chosen_optimizer import OptimizerKind
+from torchtune_offload.recipe.chosen_optimizer import ChosenOptimizer, OptimizerKind
 from torchtune_offload.recipe.progress import Progress
 from torchtune_offload.recipe.run_optimizer import RunOptimizer
 
@@ -78,16 +78,18 @@ class DistributedCheckpoints:
 
     Args:
         cfg: the recipe config.
+        optimizer: the run's optimizer (``RecipeSettings.optimizer``), whose identity each checkpoint records.
         keep_last: ``keep_last_n_checkpoints``.
         resume: ``resume_from_checkpoint``.
         rank: this process's rank.
         world_size: ranks in the run.
     """
 
-    def __init__(self, cfg: Any, *, keep_last: int, resume: bool, rank: int, world_size: int) -> None:
+    def __init__(self, cfg: Any, *, optimizer: ChosenOptimizer, keep_last: int, resume: bool, rank: int,
+                 world_size: int) -> None:
         self._out = run_output_dir(cfg)
         self._batching = batching(cfg)
-        self._optimizer = optimizer_identity(cfg)
+        self._optimizer = optimizer.identity
         self._keep_last = keep_last
         self._resume = resume
         self.rank, self.world_size = rank, world_size

@@ -181,7 +181,7 @@ class TrainingCheckpoints:
         self._out = run_output_dir(cfg)
         self._settings = settings
         self._batching = batching(cfg)
-        self._optimizer = optimizer_identity(cfg)
+        self._optimizer = settings.optimizer.identity
         self.progress = progress
         self.point: Optional[ResumePoint] = None
         self.store = StepCheckpoints(self._out, keep_last=settings.keep_last_n_checkpoints)

@@ -5,7 +5,7 @@ optimizer; these rules and that description are the only readers of ``cfg.optimi
 
 import difflib
 import inspect
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torchao.optim
@@ -68,7 +68,21 @@ def configured_base_class(cfg_optimizer: DictConfig) -> type:
     Raises:
         ValueError: if ``optimizer.optimizer_class`` does not resolve to an optimizer.
     """
-    return resolve_optimizer_class(cfg_optimizer.get("optimizer_class", DEFAULT_BASE))
+    return base_class_of(config_options(cfg_optimizer))
+
+
+def base_class_of(options: Mapping[str, Any]) -> type:
+    """The base optimizer of an offloader's keyword ``options``: their ``optimizer_class``, else AdamW.
+
+    Raises:
+        ValueError: if ``optimizer_class`` does not resolve to an optimizer.
+    """
+    return resolve_optimizer_class(options.get("optimizer_class", DEFAULT_BASE))
+
+
+def config_options(cfg_optimizer: DictConfig) -> Dict[str, Any]:
+    """The keyword options ``cfg.optimizer`` gives its component (every key but ``_component_``)."""
+    return {k: v for k, v in OmegaConf.to_container(cfg_optimizer, resolve=True).items() if k != "_component_"}
 
 
 def _keyword_names(cls: type, *, kwargs_go_elsewhere: bool = False) -> Optional[set]:
@@ -97,7 +111,7 @@ def optimizer_option_problems(
     The optimizer is built on a one-element CPU parameter, so its own checks run before any weight
     is read; only the base optimizer is built for an offloader that needs an accelerator (torchao's).
     """
-    options = {k: v for k, v in OmegaConf.to_container(cfg_optimizer, resolve=True).items() if k != "_component_"}
+    options = config_options(cfg_optimizer)
     base = None
     if caps.offloads:
         try:
