@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: One rank of the side-by-side run: argv is rank, world size, the rendezvous file and the case.
 _RANK = """
-import json, sys
+import json, sys, time
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torchtune_offload.distributed.sharded_offload import ShardedOffloadOptimizer
@@ -44,7 +44,12 @@ def sharded_model():
     model = tiny_llama()
     for layer in model.layers:
         fully_shard(layer)
-    return fully_shard(model)
+    model = fully_shard(model)
+    if case.get("prefetch"):  # each unit all-gathers the next one in its pre-forward
+        units = [model, *model.layers]
+        for unit, following in zip(units, units[1:]):
+            unit.set_modules_to_forward_prefetch([following])
+    return model
 
 
 plain, ours = sharded_model(), sharded_model()
@@ -52,32 +57,68 @@ optimizers = {"plain": (plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, we
 engine = ShardedOffloadOptimizer(ours.named_parameters(), "torch.optim.AdamW", lr=1e-2, weight_decay=0.1,
                                  **case["options"])
 optimizers["ours"] = (ours, engine)
+if case.get("delay_s"):
+    # Host steps slowed down on purpose: a forward that does not wait for them reads stale shards.
+    host_step = engine.engine._stepper.host_step
+    def slow_host_step(*args, **kwargs):
+        time.sleep(case["delay_s"])
+        return host_step(*args, **kwargs)
+    engine.engine._stepper.host_step = slow_host_step
+if case.get("prefetch_unseen"):
+    # The control: waits blind to what a unit prefetches (FSDP2's list emptied while they are made).
+    states = [m._get_fsdp_state() for m in ours.modules() if hasattr(m, "_get_fsdp_state")]
+    kept = [s._states_to_forward_prefetch for s in states]
+    for s in states:
+        s._states_to_forward_prefetch = []
+    engine.register_forward_waits(ours)
+    for s, k in zip(states, kept):
+        s._states_to_forward_prefetch = k
+elif case.get("waits_after_fsdp"):
+    # The control: the same waits behind FSDP2's pre-forward hook, after it has all-gathered.
+    register = torch.nn.Module.register_forward_pre_hook
+    torch.nn.Module.register_forward_pre_hook = lambda self, hook, prepend=False, **kw: register(self, hook, **kw)
+    engine.register_forward_waits(ours)
+    torch.nn.Module.register_forward_pre_hook = register
+else:
+    engine.register_forward_waits(ours)
 data = torch.Generator().manual_seed(100 + rank)
 losses = {name: [] for name in optimizers}
+norms = {name: [] for name in optimizers}
 for step in range(case["steps"]):
     batches = [torch.randint(0, 128, (2, 16), generator=data) for _ in range(case["accumulation"])]
     for name, (model, optimizer) in optimizers.items():
         total = torch.zeros(())
-        for tokens in batches:
+        for i, tokens in enumerate(batches):
             logits = model(tokens)
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                      tokens[:, 1:].reshape(-1)) / case["accumulation"]
+            if name == "ours" and i == len(batches) - 1:
+                optimizer.expect_final_backward(clipping=case["clip"] is not None)
             loss.backward()
             total += loss.detach()
-        if case["clip"] is not None:
+        norm_type = case.get("norm_type", 2.0)
+        if name == "ours":
+            norm = optimizer.grad_norm(norm_type) if case["clip"] is None else optimizer.clip_grad_norm_(case["clip"])
+        else:
             # As the distributed recipe clips FSDP2's gradients: the global norm, DTensor's order.
             params = [p for p in model.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(params, case["clip"],
-                                                 torch.nn.utils.get_total_norm([p.grad for p in params]))
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+            if case["clip"] is not None:
+                torch.nn.utils.clip_grads_with_norm_(params, case["clip"], norm)
+            norm = norm.full_tensor()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses[name].append(total.item())
+        norms[name].append(norm.item())
+engine.synchronize()
 shards = {name: [p.to_local().clone() for p in model.parameters()] for name, (model, _) in optimizers.items()}
 print(json.dumps({
     "losses_equal": losses["plain"] == losses["ours"],
+    "norms_equal": norms["plain"] == norms["ours"],
     "shards_equal": all(torch.equal(a, b) for a, b in zip(shards["plain"], shards["ours"])),
     "trained": losses["ours"][0] != losses["ours"][-1],
     "offloaded": engine.engine.memory_report().num_offloaded,
+    "handoffs": engine.handoff_count(),
 }))
 engine.close()
 dist.destroy_process_group()
@@ -97,18 +138,47 @@ def _run_ranks(tmp_path: Path, case: dict, world: int = 2) -> list:
     dict(accumulation=1, clip=None, options=dict(minimal_size=0)),
     dict(accumulation=3, clip=1.0, options=dict(minimal_size=0)),
     dict(accumulation=3, clip=0.5, options=dict(minimal_size=0, update_on="device")),
-    dict(accumulation=2, clip=1.0, options={}),  # the default minimal_size: small shards step on the device
-], ids=["plain", "clip-accumulate", "device-update", "default-minimal-size"])
+    # Gradient shards to the host as FSDP2 reduce-scatters them; host steps beside the next forward.
+    dict(accumulation=3, clip=1.0, options=dict(minimal_size=0, offload_gradients=True)),
+    dict(accumulation=1, clip=None, options=dict(minimal_size=0, overlap=True)),
+    # The default minimal_size: small shards step on the device, in the window too.
+    dict(accumulation=2, clip=0.5, options=dict(offload_gradients=True, overlap=True)),
+], ids=["plain", "clip-accumulate", "device-update", "offload-gradients", "overlap", "overlap-offload-minimal-size"])
 def test_two_ranks_train_as_fsdp2_with_plain_adamw_bit_for_bit(tmp_path, case):
     results = _run_ranks(tmp_path, dict(case, steps=3))
     for rank, result in enumerate(results):
-        assert result["losses_equal"] and result["shards_equal"], (rank, result)
+        assert result["losses_equal"] and result["norms_equal"] and result["shards_equal"], (rank, result)
         assert result["trained"] and result["offloaded"] > 0, (rank, result)
+    if case["options"].get("offload_gradients") or case["options"].get("overlap"):
+        # One hand-off a unit (the root, two layers; the root's in two groups) a micro-batch.
+        assert results[0]["handoffs"] == 3 * case["accumulation"] * 4, results[0]
 
 
-@pytest.mark.parametrize("option, value", [("offload_gradients", True), ("overlap", True),
-                                           ("device_weights", "fp8")])
-def test_what_needs_the_engine_in_fsdp2s_backward_is_refused_by_its_key(option, value):
+@pytest.mark.parametrize("control", [None, "waits_after_fsdp", "prefetch_unseen"])
+def test_each_unit_waits_for_its_host_steps_before_fsdp2_all_gathers_it(tmp_path, control):
+    """Host steps slowed down on purpose (overlap, explicit forward prefetch): the engine's waits come
+    before FSDP2's all-gather of a unit and of the unit it prefetches, so the run is AdamW's bit for
+    bit. The controls show that the test sees a stale gather: the same waits behind FSDP2's
+    pre-forward hook, or blind to the prefetched unit, train on stale shards."""
+    case = dict(accumulation=2, clip=1.0, steps=3, delay_s=0.05, prefetch=True,
+                options=dict(minimal_size=0, offload_gradients=True, overlap=True))
+    results = _run_ranks(tmp_path, dict(case, **({control: True} if control else {})))
+    stale = [not (r["losses_equal"] and r["shards_equal"]) for r in results]
+    assert stale == [control is not None] * 2, results
+
+
+def test_the_total_norm_is_fsdp2s_global_one_for_every_norm_type(tmp_path):
+    """``grad_norm`` and clipping with the gradients on the host reduce over the ranks as DTensor
+    does, for the 2-norm and for inf (the serial window; an overlapped one takes the 2-norm only)."""
+    for norm_type in (2.0, "inf"):
+        (tmp_path / str(norm_type)).mkdir()
+        results = _run_ranks(tmp_path / str(norm_type), dict(accumulation=2, clip=None, steps=2, norm_type=norm_type,
+                                                              options=dict(minimal_size=0, offload_gradients=True)))
+        assert all(r["norms_equal"] and r["losses_equal"] for r in results), results
+
+
+@pytest.mark.parametrize("option, value", [("device_weights", "fp8")])
+def test_what_the_engine_cannot_do_on_fsdp2s_shards_is_refused_by_its_key(option, value):
     model = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match=rf"optimizer\.{option}={value} on FSDP2's shards: .* Remove it"):
         ShardedOffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", lr=1e-3, **{option: value})
@@ -176,9 +246,12 @@ def test_the_distributed_recipe_trains_the_shards_with_the_engine_as_with_adamw_
     _tune_run_two_ranks(train + [f"output_dir={tmp_path / 'adamw'}"],
                         train + ENGINE + [f"output_dir={tmp_path / 'engine'}"],
                         train + ENGINE + ["optimizer.update_on=device", f"output_dir={tmp_path / 'device'}"],
+                        train + ENGINE + ["optimizer.offload_gradients=True", "optimizer.overlap=True",
+                                          f"output_dir={tmp_path / 'overlap'}"],
                         train + ENGINE + ["optimizer.optimizer_class=torchtune_offload.AdamW8bit",
                                           f"output_dir={tmp_path / 'eight_bit'}"])
-    assert _losses(tmp_path / "engine") == _losses(tmp_path / "device") == _losses(tmp_path / "adamw")
+    assert (_losses(tmp_path / "engine") == _losses(tmp_path / "device") == _losses(tmp_path / "overlap")
+            == _losses(tmp_path / "adamw"))
     # 8-bit states inside each rank's shards: not AdamW's math, and the loss falls as with it.
     eight_bit = _losses(tmp_path / "eight_bit")
     assert eight_bit[-1] < eight_bit[0] - 0.5, eight_bit
@@ -195,8 +268,7 @@ def test_the_distributed_recipe_trains_the_shards_with_the_engine_as_with_adamw_
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    (["optimizer.offload_gradients=True"], "optimizer.offload_gradients=True on FSDP2's shards"),
-    (["optimizer.overlap=True"], "optimizer.overlap=True on FSDP2's shards"),
+    (["optimizer.device_weights=fp8"], "optimizer.device_weights=fp8 with this recipe: FSDP2 shards"),
     (["fsdp_cpu_offload=True", "device=cuda"], "fsdp_cpu_offload=True with optimizer._component_=torchtune_offload"),
 ])
 def test_what_the_engine_cannot_do_on_shards_is_refused_by_the_recipes_check(overrides, fragment):

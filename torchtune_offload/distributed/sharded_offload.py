@@ -9,19 +9,30 @@ steps on are the DTensors' ``.grad``, which the caller measures and clips as FSD
 global norm in DTensor's reduction order), so a run's losses and weights are those of FSDP2 with the
 same base optimizer, bit for bit, where the engine's host step is (``update_on`` host or device).
 
-The host step runs after backward, once FSDP2 has reduce-scattered the gradients. Gradients moved to
-the host during backward (``offload_gradients``) and host steps beside the next forward (``overlap``)
-need the engine's backward hooks on the sharded parameters and its waits before FSDP2's all-gather;
-they, and FP8 device weights (which would replace FSDP2's shards), are refused here.
+Without ``offload_gradients`` or ``overlap`` the host step runs after backward, once FSDP2 has
+reduce-scattered the gradients. With them the engine takes each gradient shard as FSDP2 hands it
+over: FSDP2 calls the post-accumulate-grad hooks of its sharded parameters after each unit's
+reduce-scatter (on a GPU, on its reduce-scatter stream, which the engine's copies then follow), and
+this class's hook gives the engine the local shard, so a unit's gradients reach the host during
+backward and, with ``overlap``, their host steps run beside the next forward. The gradients are
+then the engine's: it measures and clips them, and their total norm is reduced across ranks as
+DTensor reduces FSDP2's (:meth:`ShardedOffloadOptimizer.clip_grad_norm_`). With ``overlap`` each
+FSDP2 unit waits for its shards' steps before FSDP2 all-gathers it (and before the units it
+prefetches there): the wait is a forward pre-hook put before FSDP2's own
+(:meth:`ShardedOffloadOptimizer.register_forward_waits`). FP8 device weights, which would replace
+the shards FSDP2 all-gathers, are refused.
 """
 
-from typing import Any, Dict, Iterable, List, Tuple
+import functools
+from typing import Any, Dict, Iterable, List, Sequence, Tuple, Union
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torchtune import training
 
 from torchtune_offload.optim.capabilities import OptimizerCapabilities
+from torchtune_offload.optim.grad_norm import combine_norms
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.offload_optimizer import OffloadOptimizer
 from torchtune_offload.optim.offload_options import OffloadOptions
@@ -29,10 +40,8 @@ from torchtune_offload.optim.optimizer_class import DEFAULT_BASE, split_options
 
 #: What marks a state :meth:`ShardedOffloadOptimizer.state_dict` wrote.
 SHARDED_STATE_FORMAT = "torchtune_offload.ShardedOffloadOptimizer/1"
-#: The engine's options that need its hooks in FSDP2's backward and forward, and why each is refused.
-_NEEDS_FSDP2_HOOKS = {
-    "offload_gradients": "the gradient shards reach the host after backward here, not during it",
-    "overlap": "a host step beside the next forward must finish before FSDP2 all-gathers its unit",
+#: The engine's options it cannot take on FSDP2's shards, and why.
+_REFUSED_ON_SHARDS = {
     "device_weights": "FP8 device weights would replace the shards FSDP2 all-gathers",
 }
 
@@ -41,7 +50,7 @@ def sharded_option_problems(opts: OffloadOptions, *, reported: Iterable[str] = (
     """What the engine's options ``opts`` ask that it cannot do on FSDP2's shards, one line a key
     (but the keys in ``reported``, which the caller names with a reason of its own)."""
     return [f"optimizer.{key}={getattr(opts, key)} on FSDP2's shards: {why}. Remove it (~optimizer.{key})."
-            for key, why in _NEEDS_FSDP2_HOOKS.items() if getattr(opts, key) not in (False, None) and key not in reported]
+            for key, why in _REFUSED_ON_SHARDS.items() if getattr(opts, key) not in (False, None) and key not in reported]
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -89,6 +98,18 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
         # One set of groups and state, the engine's: a scheduler's lr is the one the engine steps with.
         self.param_groups = self.engine.param_groups
         self.state = self.engine.state
+        self._hooks = []
+        if self.engine.hands_off_in_backward:
+            # FSDP2 calls these on its sharded parameters after each unit's reduce-scatter.
+            self._hooks = [param.register_post_accumulate_grad_hook(functools.partial(self._take_gradient, alias))
+                           for param, alias in self._pairs]
+            self.engine.reduce_norms_with(self._reduce_over_ranks)
+        #: The placements of a per-tensor norm of a shard, by norm type (what DTensor's norm gives).
+        self._norm_placements: Dict[float, Any] = {}
+
+    # The engine's base optimizer and options, as the recipes' log names them.
+    base_class = property(lambda self: self.engine.base_class)
+    options = property(lambda self: self.engine.options)
 
     @property
     def params(self) -> List[torch.Tensor]:
@@ -96,9 +117,91 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
         return [p for p, _ in self._pairs]
 
     @torch.no_grad()
+    def _take_gradient(self, alias: torch.nn.Parameter, param: torch.Tensor) -> None:
+        """FSDP2's post-accumulate-grad hook on a sharded parameter: its local gradient shard becomes
+        the engine's (added to the shard the engine holds from an earlier micro-batch, as FSDP2 would
+        add it), and the parameter's ``.grad`` goes, so that FSDP2 does not add into it again."""
+        grad, param.grad = param.grad, None
+        if grad is None:
+            return
+        if alias.grad is None:
+            alias.grad = _local(grad)
+        else:
+            alias.grad.add_(_local(grad))
+        self.engine.on_gradient(alias)
+
+    def _reduce_over_ranks(self, norms: Sequence[torch.Tensor], *, norm_type: Union[float, str] = 2.0,
+                           device: Union[str, torch.device], error_if_nonfinite: bool = False) -> torch.Tensor:
+        """The total norm of every rank's shards from this rank's per-shard norms, reduced as
+        ``torch.nn.utils.get_total_norm`` reduces FSDP2's DTensor gradients (each shard's norm a
+        partial DTensor norm, then the norm of their stack), so clipping keeps FSDP2's bits."""
+        sharded = [p for p, _ in self._pairs if isinstance(p, DTensor)]
+        if not sharded or not norms:
+            return combine_norms(norms, norm_type=norm_type, device=device, error_if_nonfinite=error_if_nonfinite)
+        order = float(norm_type)
+        if order not in self._norm_placements:
+            smallest = min(sharded, key=lambda p: p.numel())
+            self._norm_placements[order] = torch._foreach_norm([smallest.detach()], order)[0].placements
+        mesh, placements = sharded[0].device_mesh, self._norm_placements[order]
+        total = combine_norms([DTensor.from_local(n.to(device), mesh, placements, run_check=False) for n in norms],
+                              norm_type=order, device=device).full_tensor()
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"The total norm of order {order} for gradients is non-finite, so it cannot be "
+                               "clipped. Pass error_if_nonfinite=False to clip anyway.")
+        return total
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: Union[float, str] = 2.0) -> torch.Tensor:
+        """The total norm over every rank of the gradients the next step uses (a plain tensor)."""
+        if self.engine.hands_off_in_backward:
+            return self.engine.grad_norm(norm_type)
+        return _full(torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], norm_type))
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: Union[float, str] = 2.0, *,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clips the gradients the next step uses by their total norm over every rank, as FSDP2 with
+        torch's AdamW clips them (``get_total_norm`` and ``clip_grads_with_norm_``); returns that
+        norm before clipping (a plain tensor)."""
+        if self.engine.hands_off_in_backward:
+            return self.engine.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+        params = [p for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return _full(norm)
+
+    def expect_final_backward(self, *, clipping: bool) -> None:
+        """``OffloadOptimizer.expect_final_backward``: the next backward ends the window."""
+        self.engine.expect_final_backward(clipping=clipping)
+
+    def register_forward_waits(self, model: torch.nn.Module) -> None:
+        """With ``overlap``, makes each FSDP2 unit of ``model`` wait for its shards' host steps (and
+        those of the units FSDP2 prefetches from it) before FSDP2's pre-forward hook all-gathers them.
+
+        Raises:
+            ValueError: if ``model`` has no FSDP2 unit (``fully_shard``) over these parameters.
+        """
+        alias_of = {id(param): alias for param, alias in self._pairs}
+        units = [(module, [alias_of[id(p)] for p in params if id(p) in alias_of])
+                 for module, params in _fsdp_units(model)]
+        if self._pairs and any(isinstance(p, DTensor) for p, _ in self._pairs) and not any(p for _, p in units):
+            raise ValueError("ShardedOffloadOptimizer.register_forward_waits: the model has no FSDP2 unit holding "
+                             "this optimizer's parameters; call it with the model sharded by fully_shard.")
+        self.engine.register_forward_waits(model, units=units)
+
+    def step_timings(self) -> Dict[str, float]:
+        """The engine's ``step_timings()``."""
+        return self.engine.step_timings()
+
+    def handoff_count(self) -> int:
+        """The engine's ``handoff_count()``: groups of gradient shards taken from backward."""
+        return self.engine.handoff_count()
+
+    @torch.no_grad()
     def step(self, closure: None = None) -> None:
         """Steps each rank's shards on the host (or, with ``update_on="device"``, streams their
-        states to the device), on the gradient shards backward left.
+        states to the device), on the gradient shards the engine took in backward or, without its
+        backward hand-off, on those backward left.
 
         Raises:
             RuntimeError: if FSDP2 moved a shard to other storage after this optimizer was built.
@@ -108,6 +211,10 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
                 raise RuntimeError("FSDP2 moved a parameter shard to new storage after the optimizer was built "
                                    "(the model was moved or its sharded state re-created): build the optimizer "
                                    "after fully_shard and after the weights are loaded.")
+        if self.engine.hands_off_in_backward:
+            self.engine.step()
+            return
+        for param, alias in self._pairs:
             alias.grad = None if param.grad is None else _local(param.grad)
         self.engine.step()
         for _, alias in self._pairs:
@@ -131,7 +238,9 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
                 "world_size": world_size}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Loads a state :meth:`state_dict` wrote on the same rank of the same number of ranks.
+        """Loads a state :meth:`state_dict` wrote on the same rank of the same number of ranks, or
+        one ``torchtune_offload.distributed.reshard.resharded_state`` cut for this rank from every
+        rank's files of another rank count.
 
         Raises:
             ValueError: for a state another rank, or another rank count, wrote (its shards are
@@ -142,7 +251,8 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
         if written != (rank, world_size):
             raise ValueError(f"This optimizer state was written by rank {written[0]} of {written[1]}, and this is "
                              f"rank {rank} of {world_size}: each rank loads its own shards' state. Load the file "
-                             "this rank wrote with the same number of ranks.")
+                             "this rank wrote with the same number of ranks, or cut this rank's state from every "
+                             "rank's file (torchtune_offload.distributed.reshard.resharded_state).")
         self.engine.load_state_dict(state_dict["engine"])
 
     def synchronize(self) -> None:
@@ -153,5 +263,33 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
         return self.engine.memory_report()
 
     def close(self) -> None:
+        """Removes the backward hooks and closes the engine (``OffloadOptimizer.close``)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
         self.engine.close()
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """A total norm as a plain tensor (DTensor gradients give a replicated DTensor)."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _fsdp_units(model: torch.nn.Module) -> List[Tuple[torch.nn.Module, List[torch.Tensor]]]:
+    """Each FSDP2 unit of ``model`` (a ``fully_shard`` module), in ``model.modules()`` order, and the
+    parameters its pre-forward hook all-gathers: its own (those of no unit inside it) and those of
+    the units it prefetches (``set_modules_to_forward_prefetch``, held in FSDP2's private state)."""
+    owned = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            inner = {id(p) for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)
+                     for p in sub.parameters()}
+            owned[module] = [p for p in module.parameters() if id(p) not in inner]
+    units = []
+    for module, params in owned.items():
+        for state in getattr(module._get_fsdp_state(), "_states_to_forward_prefetch", []):
+            for target in state._modules:
+                params = params + owned.get(target, [])
+        units.append((module, params))
+    return units
 

@@ -14,7 +14,7 @@ gradient, and the host buffer gets a copy of it for the step.
 """
 
 import enum
-from typing import List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 
@@ -210,10 +210,12 @@ class HostGradients:
                 for norm, (_, grad) in zip(norms, grads)]
 
     def clip_(self, grads: List[Tuple[Slot, torch.Tensor]], max_norm: Union[float, torch.Tensor],
-              norm_type: Union[float, str], *, device: torch.device, error_if_nonfinite: bool) -> torch.Tensor:
-        """Clips ``grads`` (from :meth:`to_step`) as ``torch.nn.utils.clip_grad_norm_`` would, and
-        drops their measured norms; returns the total norm before clipping, on ``device``."""
-        norm = combine_norms(self.norms(grads, norm_type), norm_type=norm_type, device=device,
+              norm_type: Union[float, str], *, device: torch.device, error_if_nonfinite: bool,
+              combine: Callable[..., torch.Tensor] = combine_norms) -> torch.Tensor:
+        """Clips ``grads`` (from :meth:`to_step`) as ``torch.nn.utils.clip_grad_norm_`` would, their
+        total norm being ``combine`` of their norms, and drops their measured norms; returns the
+        total norm before clipping, on ``device``."""
+        norm = combine(self.norms(grads, norm_type), norm_type=norm_type, device=device,
                              error_if_nonfinite=error_if_nonfinite)
         clip_([g for _, g in grads], max_norm=max_norm, norm=norm)
         self.forget_norms()

@@ -8,7 +8,7 @@ A facade over collaborators, each the only writer of its own state (docs/archite
 """
 
 import time
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.optim import Optimizer
@@ -126,8 +126,10 @@ class OffloadOptimizer(Optimizer):
         self._scheduler = OverlapScheduler(self._table, self._grads, self._stepper, self._transfer,
                                            self._timings, timeout_s=opts.overlap_timeout_s)
         self._hooks = []
-        if opts.update_on == "host" and (opts.offload_gradients or opts.overlap):
-            self._hooks.extend(s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self._table.slots)
+        # How the per-tensor norms make the total norm: across FSDP2's ranks, ``sharded_offload``'s.
+        self._combine_norms = combine_norms
+        if self.hands_off_in_backward:
+            self._hooks.extend(s.param.register_post_accumulate_grad_hook(self.on_gradient) for s in self._table.slots)
         defaults = {k: v for k, v in self._table.slots[0].optimizer.defaults.items() if k != "fused"}
         # Inheriting Optimizer lets torch's LR schedulers and torchtune's get_lr accept us; the
         # hyper-parameters they edit in self.param_groups reach the base optimizers at each step.
@@ -155,8 +157,16 @@ class OffloadOptimizer(Optimizer):
         return _plan_host_memory(named_groups(params), resolve_optimizer_class(optimizer_class), OffloadOptions.parse(
             **own), kwargs, device=device, gradient_accumulation_steps=gradient_accumulation_steps)
 
-    def _on_grad(self, param: torch.Tensor) -> None:
-        """Backward hook: counted; its group is handed over once complete (``optim/handoff.py``)."""
+    @property
+    def hands_off_in_backward(self) -> bool:
+        """Whether backward hands gradients to the engine as they arrive (:meth:`on_gradient`):
+        with ``offload_gradients`` or ``overlap``, where the host steps."""
+        return self.options.update_on == "host" and (self.options.offload_gradients or self.options.overlap)
+
+    def on_gradient(self, param: torch.Tensor) -> None:
+        """The backward hook on each parameter (:attr:`hands_off_in_backward`): counted; its group
+        is handed over once complete (``optim/handoff.py``). A wrapper whose parameters are not the
+        ones autograd reaches (FSDP2's shards, ``distributed/sharded_offload.py``) calls it itself."""
         if param.grad is not None:
             self._scheduler.on_backward_grad(self._table.slot_of[param])
 
@@ -188,14 +198,29 @@ class OffloadOptimizer(Optimizer):
         if self.options.overlap and self.options.update_on == "host":
             self._scheduler.announce(clipping=clipping, param_groups=self.param_groups)
 
-    def register_forward_waits(self, model: torch.nn.Module) -> None:
+    def register_forward_waits(self, model: torch.nn.Module, *,
+                               units: Optional[Sequence[Tuple[torch.nn.Module, Sequence[torch.nn.Parameter]]]] = None,
+                               ) -> None:
         """Binds the engine to ``model``: FP8 images of its layer weights (``device_weights``; a
         ValueError if none), and with overlap each module waits, right before its forward, for its
         own parameters' steps and uploads (``model.state_dict()`` for all; a parameter read before
-        its module's forward needs :meth:`synchronize`), so ``step()`` returns at once."""
+        its module's forward needs :meth:`synchronize`), so ``step()`` returns at once.
+
+        Args:
+            model: the model trained.
+            units: the modules that wait instead, each for the listed parameters of this optimizer,
+                before its other pre-forward hooks (FSDP2's units, whose own pre-forward hook
+                all-gathers them; ``optim/overlap.py``).
+        """
         self._weights.attach(model)
-        self._scheduler.register_forward_waits(model)
-        self._streamer.register_forward_waits(model)
+        self._scheduler.register_forward_waits(model, units=units)
+        self._streamer.register_forward_waits(model, units=units)
+
+    def reduce_norms_with(self, combine: Callable[..., torch.Tensor]) -> None:
+        """Makes ``combine`` (with :func:`~torchtune_offload.optim.grad_norm.combine_norms`'s
+        arguments) turn the per-tensor norms into the total norm that :meth:`grad_norm` and
+        :meth:`clip_grad_norm_` use: a sharded optimizer's reduction across ranks."""
+        self._combine_norms = combine
 
     def _grads_to_step(self):
         self._scheduler.synchronize()
@@ -208,9 +233,9 @@ class OffloadOptimizer(Optimizer):
         if self._scheduler.window is not None:
             if checked_norm_type(norm_type) != 2.0:
                 raise ValueError(f"norm_type={norm_type}: an overlapped window measures the 2-norm only.")
-            return combine_norms(self._scheduler.norms(), device=self.device)
+            return self._combine_norms(self._scheduler.norms(), norm_type=2.0, device=self.device)
         norms = self._grads.norms(self._grads_to_step(), checked_norm_type(norm_type))
-        return combine_norms(norms, norm_type=norm_type, device=self.device)
+        return self._combine_norms(norms, norm_type=norm_type, device=self.device)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: Union[float, str] = 2.0, *,
@@ -233,9 +258,9 @@ class OffloadOptimizer(Optimizer):
         check_clip_arguments(max_norm, norm_type)
         if self._scheduler.window is not None:
             return self._scheduler.clip(max_norm, norm_type, device=self.device,
-                                        error_if_nonfinite=error_if_nonfinite)
+                                        error_if_nonfinite=error_if_nonfinite, combine=self._combine_norms)
         return self._grads.clip_(self._grads_to_step(), max_norm, norm_type, device=self.device,
-                                 error_if_nonfinite=error_if_nonfinite)
+                                 error_if_nonfinite=error_if_nonfinite, combine=self._combine_norms)
 
     @torch.no_grad()
     def scale_grads_(self, factor: Union[float, torch.Tensor]) -> None:

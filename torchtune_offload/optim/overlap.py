@@ -23,7 +23,7 @@ per tensor. Only the moment each runs changes.
 import functools
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -110,7 +110,9 @@ def _wait_for(wait: Callable[[Any], None], slots: List[Any], _module: torch.nn.M
 
 
 def register_module_waits(model: torch.nn.Module, own: Callable[[torch.nn.Parameter], Optional[Any]],
-                          wait: Callable[[Any], None], synchronize: Callable[[], None]) -> Tuple[List[Any], List[Any]]:
+                          wait: Callable[[Any], None], synchronize: Callable[[], None], *,
+                          units: Optional[Sequence[Tuple[torch.nn.Module, Sequence[torch.nn.Parameter]]]] = None,
+                          ) -> Tuple[List[Any], List[Any]]:
     """Makes each transformer layer of ``model`` (a module named ``...layers.<i>``) call ``wait(slot)``
     for all its parameters' slots right before its forward, each other module for its own
     parameters' slots, and ``model.state_dict()`` call ``synchronize()`` first.
@@ -126,12 +128,27 @@ def register_module_waits(model: torch.nn.Module, own: Callable[[torch.nn.Parame
         own: the slot of a parameter whose work the forward must wait for, or None.
         wait: waits for one slot's queued work.
         synchronize: waits for all of it.
+        units: instead of the walk above, the modules that wait and the parameters each waits for,
+            in forward order: each wait runs before every other pre-forward hook of its module (an
+            FSDP2 unit all-gathers its parameters in its own pre-forward hook, which must read
+            updated shards; ``distributed/sharded_offload.py``).
 
     Returns:
         The hook handles, and the slots in the order of the modules that own them (the order of
         ``model.modules()``, the forward's for torchtune's models).
     """
     handles, ordered = [], []
+    if units is not None:
+        seen = set()
+        for module, params in units:
+            slots = list(dict.fromkeys(slot for slot in map(own, params) if slot is not None))
+            if slots:
+                ordered.extend(slot for slot in slots if slot not in seen)
+                seen.update(slots)
+                handles.append(module.register_forward_pre_hook(functools.partial(_wait_for, wait, slots),
+                                                                prepend=True))
+        handles.append(model.register_state_dict_pre_hook(lambda *_args, **_kwargs: synchronize()))
+        return handles, ordered
     layer = None  # the name of the layer being walked, whose modules its own wait covers
     for name, module in model.named_modules():
         if layer is not None and name.startswith(layer + "."):

@@ -8,7 +8,7 @@ was waiting for, instead of hanging on a stuck worker.
 
 import concurrent.futures
 import itertools
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -173,10 +173,10 @@ class OverlapScheduler:
                 norms.append(self._grads.norm(slot))
         return norms
 
-    def clip(self, max_norm: float, norm_type: Any, *, device: torch.device,
-             error_if_nonfinite: bool) -> torch.Tensor:
-        """Clips the window's gradients by their total 2-norm: device ones now, host ones by the
-        step thread before stepping. Returns the total norm."""
+    def clip(self, max_norm: float, norm_type: Any, *, device: torch.device, error_if_nonfinite: bool,
+             combine: Callable[..., torch.Tensor] = combine_norms) -> torch.Tensor:
+        """Clips the window's gradients by their total 2-norm (``combine`` of their norms): device
+        ones now, host ones by the step thread before stepping. Returns the total norm."""
         window = self.window
         if not window.clipping:
             raise RuntimeError(
@@ -185,7 +185,7 @@ class OverlapScheduler:
             )
         if float(norm_type) != 2.0:
             raise ValueError(f"norm_type={norm_type}: an overlapped window clips by the 2-norm only.")
-        norm = combine_norms(self.norms(), device=device, error_if_nonfinite=error_if_nonfinite)
+        norm = combine(self.norms(), norm_type=2.0, device=device, error_if_nonfinite=error_if_nonfinite)
         window.coef = clip_coefficient(max_norm=max_norm, norm=norm)
         clip_([s.param.grad for s in self._table.slots if not s.offloaded and s.param.grad is not None],
               max_norm=max_norm, norm=norm)
@@ -270,14 +270,15 @@ class OverlapScheduler:
 
     # ----------------------------------------------------------------------- forward waits
 
-    def register_forward_waits(self, model: torch.nn.Module) -> None:
+    def register_forward_waits(self, model: torch.nn.Module, *, units: Optional[Sequence[Any]] = None) -> None:
         """Each module of ``model`` waits, right before its forward, for its own parameters' host
-        steps and uploads; ``model.state_dict()`` waits for all of them."""
+        steps and uploads; ``model.state_dict()`` waits for all of them. ``units``: the modules that
+        wait instead, as ``overlap.register_module_waits`` takes them."""
         def own(param: torch.nn.Parameter) -> Optional[Slot]:
             slot = self._table.slot_of.get(param)
             return slot if slot is not None and slot.offloaded else None
 
-        handles, _ = register_module_waits(model, own, self.wait_done, self.synchronize)
+        handles, _ = register_module_waits(model, own, self.wait_done, self.synchronize, units=units)
         self._hooks.extend(handles)
         self.forward_waits = True
 

@@ -29,7 +29,7 @@ stand-in streams of ``stream_order`` run them in ``step()``, and the stream chec
 """
 
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -459,14 +459,15 @@ class StateStreamer:
         self.wait_pending()
         self._streams.host_waits_stream(self._down)
 
-    def register_forward_waits(self, model: torch.nn.Module) -> None:
+    def register_forward_waits(self, model: torch.nn.Module, *, units: Optional[Sequence[Any]] = None) -> None:
         """Each module of ``model`` waits, right before its forward, for its own parameters'
-        updates, which are queued in the order of these modules; ``model.state_dict()`` waits for all."""
+        updates, which are queued in the order of these modules; ``model.state_dict()`` waits for all.
+        ``units``: the modules that wait instead, as ``overlap.register_module_waits`` takes them."""
         def own(param: torch.nn.Parameter) -> Optional[Slot]:
             slot = self._table.slot_of.get(param)
             return slot if slot is not None and slot.streamed else None
 
-        handles, ordered = register_module_waits(model, own, self.wait, self.synchronize)
+        handles, ordered = register_module_waits(model, own, self.wait, self.synchronize, units=units)
         self._hooks.extend(handles)
         for slot in ordered:
             self._order.setdefault(slot.index, len(self._order))

@@ -93,10 +93,10 @@ def build_optimizer(
     """
     chosen = settings.optimizer
     if chosen.kind is OptimizerKind.SHARDED_ENGINE:
-        # The engine over each rank's FSDP2 shards: to the loop a plain optimizer of the DTensors,
-        # whose gradients it measures and clips as FSDP2 with torch's AdamW would.
+        # The engine over each rank's FSDP2 shards, measuring and clipping the gradients over every
+        # rank as FSDP2 with torch's AdamW would.
         sharded = ShardedOffloadOptimizer(model.named_parameters(), **chosen.options)
-        run = RunOptimizer(sharded, params=sharded.params, clip_grad_norm=settings.clip_grad_norm, kind=chosen.kind)
+        run = HoldingOptimizer(sharded, model=model, clip_grad_norm=settings.clip_grad_norm, kind=chosen.kind)
     elif chosen.kind is OptimizerKind.IN_BACKWARD:
         optim_dict = {p: config.instantiate(cfg_optimizer, [p]) for p in model.parameters() if p.requires_grad}
         training.register_optim_in_bwd_hooks(model=model, optim_dict=optim_dict)

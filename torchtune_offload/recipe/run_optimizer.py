@@ -153,15 +153,18 @@ class OwnGradientsOptimizer(RunOptimizer):
 
 
 class HoldingOptimizer(OwnGradientsOptimizer):
-    """This project's engine (``OffloadOptimizer``): it holds, measures and clips the gradients
-    itself, may run its host steps beside the next forward, and reports its timings.
+    """This project's engine (``OffloadOptimizer``, or ``ShardedOffloadOptimizer`` on FSDP2's
+    shards): it holds, measures and clips the gradients itself (over every rank, on shards), may run
+    its host steps beside the next forward, and reports its timings.
 
     Args:
         model: with ``overlap``, each of its modules waits for its own parameters before its forward.
+        kind: ``OFFLOAD_ENGINE`` or ``SHARDED_ENGINE``.
     """
 
-    def __init__(self, optimizer: Any, *, model: torch.nn.Module, clip_grad_norm: Optional[float]) -> None:
-        super().__init__(optimizer, clip_grad_norm=clip_grad_norm, kind=OptimizerKind.OFFLOAD_ENGINE)
+    def __init__(self, optimizer: Any, *, model: torch.nn.Module, clip_grad_norm: Optional[float],
+                 kind: OptimizerKind = OptimizerKind.OFFLOAD_ENGINE) -> None:
+        super().__init__(optimizer, clip_grad_norm=clip_grad_norm, kind=kind)
         # With overlap on, step() returns at once and each module waits for its own weights.
         optimizer.register_forward_waits(model)
 
