@@ -37,6 +37,10 @@ from torchtune_offload.models import tiny_llama
 
 rank, world, store, case = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+if case.get("checked"):  # the whole run on the stream checker's virtual streams
+    from torchtune_offload.optim.stream_check import checked_streams
+    checked = checked_streams(drop_waits=[tuple(case["drop_wait"])] if case.get("drop_wait") else ())
+    checked.__enter__()
 
 
 def sharded_model():
@@ -121,17 +125,20 @@ print(json.dumps({
     "handoffs": engine.handoff_count(),
 }))
 engine.close()
+if case.get("checked"):
+    checked.__exit__(None, None, None)
 dist.destroy_process_group()
 """
 
 
-def _run_ranks(tmp_path: Path, case: dict, world: int = 2) -> list:
+def _run_ranks(tmp_path: Path, case: dict, world: int = 2, *, failing: bool = False) -> list:
+    """Each rank's result, or with ``failing`` each rank's output (every rank must then fail)."""
     procs = [zygote.Popen([sys.executable, "-c", _RANK, str(rank), str(world), str(tmp_path / "store"), json.dumps(case)],
                           cwd=REPO, env=working_tree_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(world)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
-    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    assert all((p.returncode != 0) == failing for p in procs), "\n".join(o[-3000:] for o in outs)
+    return outs if failing else [json.loads(o.strip().splitlines()[-1]) for o in outs]
 
 
 @pytest.mark.parametrize("case", [
@@ -165,6 +172,27 @@ def test_each_unit_waits_for_its_host_steps_before_fsdp2_all_gathers_it(tmp_path
     results = _run_ranks(tmp_path, dict(case, **({control: True} if control else {})))
     stale = [not (r["losses_equal"] and r["shards_equal"]) for r in results]
     assert stale == [control is not None] * 2, results
+
+
+@pytest.mark.parametrize("options", [dict(minimal_size=0, offload_gradients=True, overlap=True),
+                                     dict(minimal_size=0, overlap=True, update_on="device")],
+                         ids=["host-ring-overlap", "device-update-overlap"])
+def test_the_engines_accesses_on_fsdp2s_shards_are_ordered_under_the_stream_checker(tmp_path, options):
+    """The whole two-rank run inside ``checked_streams()``: the engine's copies of the gradient shards
+    FSDP2 hands over, its host steps and uploads are ordered by its streams (FSDP2's own work runs on
+    the current stream there, as it does once FSDP2 has joined its streams into it on a GPU)."""
+    results = _run_ranks(tmp_path, dict(accumulation=2, clip=1.0, steps=2, checked=True, options=options))
+    assert all(r["losses_equal"] and r["shards_equal"] for r in results), results
+
+
+def test_the_checker_sees_a_gradient_shard_copied_before_fsdp2_wrote_it(tmp_path):
+    """The calibration of the test above: without the copy stream's wait for the current stream,
+    where FSDP2's reduce-scatter wrote the shard, the checked run stops on an unordered access."""
+    dropped = ["transfer.py", "self.order.wait_stream(self.stream, self.order.current())"]
+    outputs = _run_ranks(tmp_path, dict(accumulation=2, clip=1.0, steps=2, checked=True, drop_wait=dropped,
+                                        options=dict(minimal_size=0, offload_gradients=True, overlap=True)),
+                         failing=True)  # each rank stops at the same access: no collective is left waiting
+    assert all("StreamOrderError: unordered accesses" in out and "_take_gradient" in out for out in outputs), outputs
 
 
 def test_the_total_norm_is_fsdp2s_global_one_for_every_norm_type(tmp_path):

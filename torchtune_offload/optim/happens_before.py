@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.cuda._sanitizer import FACTORY_FUNCTION_REGEX, zip_arguments
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_iter
 
 from torchtune_offload.optim.virtual_device import VirtualDevice, VirtualStream, internal
@@ -91,11 +91,13 @@ def _byte_range(tensor: torch.Tensor) -> Tuple[int, int]:
     return start, start + extent * tensor.element_size()
 
 
-def _key(tensor: torch.Tensor) -> Optional[int]:
+def _key(tensor: torch.Tensor) -> Optional[Tuple[int, int]]:
     if tensor.device.type != "cpu":
         return None  # meta tensors (probes) hold no memory; real device memory is not emulated
     storage = tensor.untyped_storage()
-    return storage.data_ptr() if storage.nbytes() else None
+    # The storage as well as the address: FSDP2 frees and re-makes its buffers by resizing their
+    # storage (unseen by the dispatcher), and another storage may then take the address.
+    return (storage._cdata, storage.data_ptr()) if storage.nbytes() else None
 
 
 #: Operations that hand a device value to Python, so the host waits for the stream on a GPU.
@@ -333,13 +335,16 @@ class Checker:
         likes: List[torch.Tensor] = []  # a factory's templates: their memory is not read
         for argument, value in zip_arguments(schema, args, kwargs):
             alias = argument.alias_info
-            tensors = [t for t in tree_iter(value) if isinstance(t, torch.Tensor)]
+            # A wrapper subclass (FSDP2's DTensors) holds no memory of its own: the operations on
+            # its local tensors are the accesses, and those the checker sees as they run.
+            tensors = [t for t in tree_iter(value) if isinstance(t, torch.Tensor)
+                       and not is_traceable_wrapper_subclass(t)]
             if alias is not None and alias.is_write:
                 writes.extend(tensors)
             elif alias is None:
                 (likes if factory else reads).extend(tensors)
         fresh = [t for ret, value in zip(schema.returns, (out,)) if ret.alias_info is None
-                 for t in tree_iter(value) if isinstance(t, torch.Tensor)]
+                 for t in tree_iter(value) if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t)]
         stack = _stack()
         with self.lock:
             self._raise_pending()
