@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from tests import zygote
-from tests.distributed.test_distributed_recipe import CONFIG, STEPS, TRAIN, TWO_RANKS, _losses, _tune_run_two_ranks
+from tests.distributed.test_distributed_recipe import (CONFIG, STEPS, TRAIN, TWO_RANKS, _losses, _run_in_process,
+                                                         _tune_run_two_ranks)
 from tests.recipe.test_config_check import _cfg as _tiny_cfg
 from tests.recipe_harness import tiny_asset_overrides, working_tree_env
 from torchtune_offload.distributed.sharded_offload import ShardedOffloadOptimizer
@@ -293,6 +294,24 @@ def test_the_distributed_recipe_trains_the_shards_with_the_engine_as_with_adamw_
     a = load_file(resumed / "epoch_1" / "model-00001-of-00001.safetensors")
     b = load_file(tmp_path / "engine" / "epoch_1" / "model-00001-of-00001.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [["optimizer.offload_gradients=True", "optimizer.overlap=True"],
+                                     ["optimizer.update_on=device", "optimizer.overlap=True"]],
+                         ids=["host-ring-overlap", "device-update-overlap"])
+def test_the_engine_on_one_cuda_ranks_shards_trains_as_fsdp2_with_adamw(tiny_assets, tmp_path, options):
+    """FSDP2 on one CUDA rank: the gradient shards reach the engine from FSDP2's reduce-scatter stream
+    (its hooks' copies wait on the current stream, which FSDP2 has made its reduce-scatter stream
+    there) and each unit waits for its uploads before FSDP2 all-gathers it. The losses are FSDP2 +
+    AdamW's; where the engine measures a host sum's norm on the CPU and FSDP2 a device gradient's
+    with CUDA's multi-tensor kernel, their last bits may differ, hence the tolerance."""
+    train = tiny_asset_overrides(tiny_assets) + ["device=cuda", "max_steps_per_epoch=4", "batch_size=8",
+                                                  "gradient_accumulation_steps=2", "clip_grad_norm=1.0"]
+    _run_in_process(train + [f"output_dir={tmp_path / 'adamw'}"])
+    _run_in_process(train + ENGINE + options + [f"output_dir={tmp_path / 'engine'}"])
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "engine")), torch.tensor(_losses(tmp_path / "adamw")),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("overrides, fragment", [
