@@ -8,7 +8,12 @@ position and RNG states are gathered beside them (``state["ranks"][rank]``) and 
 records the rank count. On resume rank 0 reads the checkpoint and scatters it back into the shards;
 each rank takes its own position and RNG states, so the run continues exactly. A checkpoint written
 on another number of ranks, or with another batching, is refused before any weight is read
-(``resume.no_checkpoint_problem``).
+(``resume.no_checkpoint_problem``), but for the engine on FSDP2's shards with element-by-element
+states and the same global batch: its per-rank states (or the single-device recipe's engine state)
+are re-sharded (:mod:`torchtune_offload.distributed.reshard`), each rank's data position is
+re-derived from the step (the sampler deals the global batches' samples out to the ranks in turn,
+so a rank's position is the step times its own batches' samples), and rank ``r`` takes the RNG
+states of old rank ``r`` modulo the old rank count.
 
 Why gather rather than ``torch.distributed.checkpoint``'s per-rank files: one format for every
 recipe, one atomic rename (a per-rank save needs every rank's files and a commit across ranks),
@@ -32,15 +37,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torchtune import utils
 
+from torchtune_offload.distributed.reshard import rank_files_problems, resharded_state, shard_layouts
 from torchtune_offload.recipe.checkpoints.atomic_save import fsync_tree
 from torchtune_offload.recipe.checkpoints.resume import batching, run_output_dir
 from torchtune_offload.recipe.checkpoints.step_checkpoints import (
+    STATE_FILE,
     WEIGHTS_FILE,
     ResumePoint,
     StepCheckpoints,
     describe,
     newest_checkpoint,
     rank_staging,
+    read_manifest,
     restore_rng_states,
     rng_states,
 )
@@ -98,6 +106,8 @@ class DistributedCheckpoints:
         self._mine: Optional[Dict[str, Any]] = None
         #: The checkpoint resumed from, on every rank (each reads its own optimizer state there).
         self._resumed_from: Optional[Path] = None
+        #: The rank count that wrote it (None: the single-device recipe).
+        self._written_by: Optional[int] = None
         self._store = StepCheckpoints(self._out, keep_last=keep_last) if rank == 0 else None
 
     # ------------------------------------------------------------------------------- resume
@@ -111,25 +121,52 @@ class DistributedCheckpoints:
             The run's position, the same on every rank.
 
         Raises:
-            ValueError: if the checkpoint's files do not belong together or do not fit the model.
+            ValueError: if the checkpoint's files do not belong together or do not fit the model, or
+                if its optimizer states, written by another rank count, cannot be re-sharded (before
+                any weight is read).
         """
         if not self._resume:
             return progress
         ranks: List[Any] = [None] * self.world_size
+        written_by = None
         if self.rank == 0:
             self._point = StepCheckpoints.load(newest_checkpoint(self._out))
+            written_by = read_manifest(self._point.path).get("ranks")
+            if written_by != self.world_size:
+                # The preflight let it through (resume.no_checkpoint_problem): the engine's states,
+                # to be re-sharded; every file is checked now, before any weight is read.
+                problems = rank_files_problems(optimizer_files(self._point.path, written_by=written_by))
+                if problems:
+                    raise ValueError(f"resume_from_checkpoint=True: {self._point.path} was written by "
+                                     f"{written_by or 'one'} rank(s) and its optimizer states cannot be re-sharded "
+                                     f"to this run's {self.world_size}:\n  - " + "\n  - ".join(problems) +
+                                     "\nResume with the rank count that wrote it, or start fresh from its weights "
+                                     "with resume_from_checkpoint=False in another output_dir.")
             progress.restore(self._point.state["progress"])
             self._store = StepCheckpoints(self._out, keep_last=self._keep_last, run_id=self._point.run_id)
             self._store.prune()  # a run killed between a save and its pruning left one too many
             self._read_weights(full_weights)
-            ranks = self._point.state.pop("ranks")
-        state = [dataclasses.asdict(progress), str(self._point.path) if self._point is not None else None]
+            ranks = self._positions(written_by)
+        state = [dataclasses.asdict(progress), str(self._point.path) if self._point is not None else None, written_by]
         dist.broadcast_object_list(state, src=0)
-        self._resumed_from = Path(state[1])
+        self._resumed_from, self._written_by = Path(state[1]), state[2]
         mine: List[Any] = [None]
         dist.scatter_object_list(mine, ranks if self.rank == 0 else None, src=0)
         self._mine = mine[0]
         return Progress(**state[0])
+
+    def _positions(self, written_by: Optional[int]) -> List[Dict[str, Any]]:
+        """Each rank's data position and RNG states from the checkpoint (rank 0). From another rank
+        count, or the single-device recipe, the position is left to :meth:`restore_position` to
+        re-derive, and rank ``r`` takes old rank ``r`` modulo the old count's RNG states (a model
+        drawing random numbers in training, with dropout, then draws others than an uninterrupted
+        run would)."""
+        state = self._point.state
+        saved = (state.pop("ranks") if written_by is not None else
+                 [{"dataloader": state.pop("dataloader"), "rng": state.pop("rng")}])
+        if len(saved) == self.world_size and written_by is not None:
+            return saved
+        return [{"dataloader": None, "rng": saved[r % len(saved)]["rng"]} for r in range(self.world_size)]
 
     def _read_weights(self, full: Dict[str, torch.Tensor]) -> None:
         path = self._point.path / WEIGHTS_FILE
@@ -153,10 +190,18 @@ class DistributedCheckpoints:
 
     def restore_optimizer(self, model: torch.nn.Module, optimizer: RunOptimizer, *, component: str) -> None:
         """Puts the checkpoint's optimizer state back: rank 0's full state scattered into the shards,
-        or, for the engine on FSDP2's shards, each rank's own file read by that rank. Collective."""
+        or, for the engine on FSDP2's shards, each rank's own file read by that rank (written by
+        another rank count: this rank's state cut from every rank's files,
+        :func:`~torchtune_offload.distributed.reshard.resharded_state`). Collective."""
         if optimizer.kind is OptimizerKind.SHARDED_ENGINE:
             self.take_optimizer_state()  # rank 0's record of the per-rank files, nothing to scatter
-            state = torch.load(self._resumed_from / rank_state_file(self.rank), map_location="cpu", weights_only=False)
+            if self._written_by == self.world_size:
+                state = torch.load(self._resumed_from / rank_state_file(self.rank), map_location="cpu",
+                                   weights_only=False)
+            else:
+                state = resharded_state(optimizer_files(self._resumed_from, written_by=self._written_by),
+                                        optimizer=optimizer.optimizer, layouts=shard_layouts(model.named_parameters()),
+                                        rank=self.rank, world_size=self.world_size)
             optimizer.load_state_dict(state, component=component)
             dist.barrier()
             return
@@ -169,16 +214,40 @@ class DistributedCheckpoints:
             return
         if progress.steps_run_in_epoch > 0:
             # At an epoch's start the sampler's order depends on the epoch alone.
-            dataloader.load_state_dict(self._mine["dataloader"])
+            position = self._mine["dataloader"]
+            if position is None:  # written by another rank count
+                position = position_after(dataloader, num_batches=progress.steps_run_in_epoch
+                                          * self._batching["gradient_accumulation_steps"],
+                                          batch_size=self._batching["batch_size"])
+            dataloader.load_state_dict(position)
         schedule = [self._point.state.get("lr_scheduler") if self._point is not None else None]
         dist.broadcast_object_list(schedule, src=0)
         if lr_scheduler is not None and schedule[0] is not None:
             lr_scheduler.load_state_dict(schedule[0])
         restore_rng_states(self._mine["rng"])
         if self._point is not None:
-            log.info(describe(self._point, steps_per_epoch=progress.steps_per_epoch)
-                     + f" Each of the {self.world_size} ranks takes its own data position and RNG states.")
+            each = f" Each of the {self.world_size} ranks takes its own data position and RNG states."
+            if self._written_by != self.world_size:
+                each = (f" Written by {f'{self._written_by} ranks' if self._written_by else 'the single-device recipe'}"
+                        f": the optimizer states are re-sharded to {self.world_size} ranks and each rank's data "
+                        "position is re-derived from the step.")
+                self._warn_if_epochs_differ(progress, dataloader)
+            log.info(describe(self._point, steps_per_epoch=progress.steps_per_epoch) + each)
         self._point = self._mine = None
+
+    def _warn_if_epochs_differ(self, progress: Progress, dataloader: Any) -> None:
+        """Rank 0, resuming from another rank count: warns where an epoch of the run that wrote the
+        checkpoint had another number of steps (the sampler pads the dataset to a multiple of the
+        rank count, and a rank's batches are whole), so epochs end at other steps than there."""
+        then = read_manifest(self._point.path).get("batching") or self._batching
+        per_rank = -(-len(dataloader.dataset) // (self._written_by or 1))
+        windows = per_rank // then["batch_size"] // then["gradient_accumulation_steps"]
+        old = windows if progress.max_steps_per_epoch is None else min(windows, progress.max_steps_per_epoch)
+        if old != progress.steps_per_epoch:
+            log.warning(f"An epoch had {old} steps in the run that wrote {self._point.path} and has "
+                        f"{progress.steps_per_epoch} here (the dataset's {len(dataloader.dataset)} samples are dealt "
+                        "out to another rank count): the data order within each global batch is kept, but epochs "
+                        "end at other steps than in that run.")
 
     # --------------------------------------------------------------------------------- save
 
@@ -230,3 +299,31 @@ class DistributedCheckpoints:
 def rank_state_file(rank: int) -> str:
     """The name of one rank's optimizer state in a checkpoint of the engine on FSDP2's shards."""
     return f"optimizer_rank{rank:05d}.pt"
+
+
+def optimizer_files(folder: Path, *, written_by: Optional[int]) -> List[Path]:
+    """The files holding the engine's optimizer states in the checkpoint ``folder``, in rank order:
+    one a rank, or (``written_by`` None: the single-device recipe) its training state."""
+    if written_by is None:
+        return [folder / STATE_FILE]
+    return [folder / rank_state_file(rank) for rank in range(written_by)]
+
+
+def position_after(dataloader: Any, *, num_batches: int, batch_size: int) -> Dict[str, Any]:
+    """``dataloader``'s state after ``num_batches`` batches of ``batch_size`` of its epoch: its own
+    state before any batch, with torchdata's counts of batches and of the sampler's samples set.
+
+    Raises:
+        ValueError: if the state is not torchdata's ``StatefulDataLoader`` one over a stateful sampler.
+    """
+    state = dict(dataloader.state_dict())
+    sampler = state.get("_sampler_iter_state")
+    if not isinstance(sampler, dict) or not isinstance(sampler.get("sampler_state"), dict) \
+            or "yielded" not in sampler["sampler_state"]:
+        raise ValueError("resume_from_checkpoint=True on another rank count: this dataloader's state "
+                         f"({sorted(state)}) is not the one whose position can be re-derived; resume with the "
+                         "rank count that wrote the checkpoint.")
+    samples = num_batches * batch_size
+    state.update(_num_yielded=num_batches, _sampler_iter_yielded=num_batches,
+                 _sampler_iter_state={**sampler, "samples_yielded": samples, "sampler_state": {"yielded": samples}})
+    return state

@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import utils
 
+from torchtune_offload.optim.capabilities import capabilities_of
 from torchtune_offload.recipe.checkpoints.atomic_save import COMPLETE_MARKER
 from torchtune_offload.recipe.checkpoints.step_checkpoints import (
     CHECKPOINTS_DIR,
@@ -27,7 +28,12 @@ from torchtune_offload.recipe.checkpoints.step_checkpoints import (
     read_manifest,
 )
 from torchtune_offload.recipe.checks.config import RecipeSettings
-from torchtune_offload.recipe.chosen_optimizer import describe_optimizer, identity_overrides
+from torchtune_offload.recipe.chosen_optimizer import (
+    ChosenOptimizer,
+    OptimizerKind,
+    describe_optimizer,
+    identity_overrides,
+)
 from torchtune_offload.recipe.progress import Progress
 
 log = utils.get_logger("INFO")
@@ -121,7 +127,10 @@ def _batching_problem(cfg: DictConfig, newest: Path, saved: Optional[Dict[str, A
 def no_checkpoint_problem(cfg: DictConfig, *, world_size: Optional[int] = None) -> Optional[str]:
     """Why ``resume_from_checkpoint=True`` cannot resume, else ``None``: no complete checkpoint,
     one of a finished run, or one written with another rank count, ``batch_size``,
-    ``gradient_accumulation_steps`` or optimizer (read from its manifest, before any weight).
+    ``gradient_accumulation_steps`` or optimizer (read from its manifest, before any weight). The
+    engine's states on FSDP2's shards continue on another rank count (or from the single-device
+    recipe's engine) where they are element by element and the global batch is the same: they are
+    re-sharded (:func:`_reshard_problem`).
 
     Args:
         cfg: the recipe config.
@@ -153,6 +162,9 @@ def no_checkpoint_problem(cfg: DictConfig, *, world_size: Optional[int] = None) 
     if saved == world_size:
         return (_batching_problem(cfg, newest, manifest.get("batching"))
                 or _optimizer_problem(cfg, newest, manifest.get("optimizer")))
+    engine = _engine_on_shards(cfg, manifest) if world_size is not None else None
+    if engine is not None:
+        return _reshard_problem(cfg, newest, manifest, engine=engine, world_size=world_size)
     if world_size is None:
         return (f"resume_from_checkpoint=True: {newest} was written by the distributed recipe on {saved} ranks. "
                 f"Resume it with tune run --nproc_per_node {saved} recipes/full_finetune_distributed.py.")
@@ -163,6 +175,58 @@ def no_checkpoint_problem(cfg: DictConfig, *, world_size: Optional[int] = None) 
             "Each rank's data position and RNG states are in it, so only the same rank count continues the run "
             f"exactly: resume with tune run --nproc_per_node {saved} (on several nodes, {saved} ranks in all), or "
             "start fresh in another output_dir.")
+
+
+def _engine_on_shards(cfg: DictConfig, manifest: Dict[str, Any]) -> Optional[ChosenOptimizer]:
+    """The distributed recipe's engine on FSDP2's shards where ``cfg`` runs it and the checkpoint
+    of ``manifest`` was written by the same optimizer (then its states can be re-sharded), else None."""
+    try:
+        chosen = describe_optimizer(cfg.get("optimizer"), in_backward=False, sharded=True)
+    except ValueError:
+        return None  # refused by the config check
+    if chosen.kind is not OptimizerKind.SHARDED_ENGINE or manifest.get("optimizer") != chosen.identity:
+        return None
+    return chosen
+
+
+def _reshard_problem(cfg: DictConfig, newest: Path, manifest: Dict[str, Any], *, engine: ChosenOptimizer,
+                     world_size: int) -> Optional[str]:
+    """Why the engine's states of ``newest``, written by another rank count (or by the single-device
+    recipe), cannot continue on ``world_size`` ranks, else None (they are re-sharded:
+    ``torchtune_offload.distributed.reshard``). Read from the manifest, before any weight."""
+    saved = manifest.get("ranks")
+    written = f"{saved} ranks" if saved is not None else "the single-device recipe"
+    back = (f"resume with tune run --nproc_per_node {saved}" if saved is not None else
+            "resume it with the single-device recipe")
+    fix = f"{back}, or start fresh from its weights with resume_from_checkpoint=False in another output_dir."
+    if not capabilities_of(engine.base_class).elementwise_update:
+        base = f"optimizer.optimizer_class={manifest['optimizer'].get('optimizer_class')}"
+        return (f"resume_from_checkpoint=True: {newest} holds the states of {base}, written by {written}, and this "
+                f"run has {world_size}: they are not kept element by element (8-bit states are quantized in blocks "
+                "of each rank's shard, and cutting the shards anew would requantize them), so they are not "
+                f"re-sharded. To continue, {fix}")
+    then, now = manifest.get("batching"), batching(cfg)
+    if not all(isinstance(v, int) for v in now.values()):
+        return None  # refused by the config check
+    if then is None:
+        return (f"resume_from_checkpoint=True: {newest} was written by {written} and this run has {world_size}; it "
+                "does not record its batch_size and gradient_accumulation_steps, so its data position cannot be "
+                f"re-derived. To continue, {fix}")
+    old_global = then["batch_size"] * then["gradient_accumulation_steps"] * (saved or 1)
+    new_global = now["batch_size"] * now["gradient_accumulation_steps"] * world_size
+    if old_global == new_global:
+        return None
+    per_rank, hint = old_global // world_size, ""
+    if old_global % world_size == 0:
+        hint = (f" (here: gradient_accumulation_steps={per_rank // now['batch_size']})"
+                if per_rank % now["batch_size"] == 0 else
+                f" (here: batch_size={per_rank} gradient_accumulation_steps=1)")
+    return (f"resume_from_checkpoint=True: {newest} was written by {written} with batch_size={then['batch_size']} "
+            f"gradient_accumulation_steps={then['gradient_accumulation_steps']}, a global batch of {old_global} "
+            f"samples; this run's is {now['batch_size']} x {now['gradient_accumulation_steps']} x {world_size} ranks = "
+            f"{new_global}. Its step count, LR schedule and data position are counted in global batches, so on "
+            f"another rank count only the same global batch continues it: set batch_size x "
+            f"gradient_accumulation_steps x ranks = {old_global}{hint}, or {fix}")
 
 
 class TrainingCheckpoints:
