@@ -99,7 +99,7 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
         self.param_groups = self.engine.param_groups
         self.state = self.engine.state
         self._hooks = []
-        if self.engine.hands_off_in_backward:
+        if self.engine.options.hands_off_in_backward:
             # FSDP2 calls these on its sharded parameters after each unit's reduce-scatter.
             self._hooks = [param.register_post_accumulate_grad_hook(functools.partial(self._take_gradient, alias))
                            for param, alias in self._pairs]
@@ -153,7 +153,7 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def grad_norm(self, norm_type: Union[float, str] = 2.0) -> torch.Tensor:
         """The total norm over every rank of the gradients the next step uses (a plain tensor)."""
-        if self.engine.hands_off_in_backward:
+        if self.engine.options.hands_off_in_backward:
             return self.engine.grad_norm(norm_type)
         return _full(torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], norm_type))
 
@@ -163,7 +163,7 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
         """Clips the gradients the next step uses by their total norm over every rank, as FSDP2 with
         torch's AdamW clips them (``get_total_norm`` and ``clip_grads_with_norm_``); returns that
         norm before clipping (a plain tensor)."""
-        if self.engine.hands_off_in_backward:
+        if self.engine.options.hands_off_in_backward:
             return self.engine.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
         params = [p for p in self.params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite)
@@ -211,7 +211,7 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
                 raise RuntimeError("FSDP2 moved a parameter shard to new storage after the optimizer was built "
                                    "(the model was moved or its sharded state re-created): build the optimizer "
                                    "after fully_shard and after the weights are loaded.")
-        if self.engine.hands_off_in_backward:
+        if self.engine.options.hands_off_in_backward:
             self.engine.step()
             return
         for param, alias in self._pairs:

@@ -42,10 +42,9 @@ __all__ = ["OffloadOptimizer", "STATE_DICT_FORMAT"]
 class OffloadOptimizer(Optimizer):
     """Runs a base optimizer's step on host copies of the parameters, with exact plain-optimizer math.
 
-    A drop-in superset of ``torchao.optim.CPUOffloadOptimizer``'s constructor that also runs on a
-    CPU-only machine (host copies are then kept apart from the parameters, an exact emulation of
-    the accelerator path), accumulates gradients with ``offload_gradients=True``, clips and scales
-    the gradients it steps on, and checkpoints by parameter name.
+    A drop-in superset of ``torchao.optim.CPUOffloadOptimizer``'s constructor that also runs on a CPU-only
+    machine (host copies then kept apart from the parameters, an exact emulation of the accelerator path),
+    accumulates with ``offload_gradients=True``, clips the gradients it steps on, checkpoints by name.
 
     Example::
 
@@ -74,22 +73,12 @@ class OffloadOptimizer(Optimizer):
     capabilities = ENGINE_CAPABILITIES
 
     def __init__(
-        self,
-        params: Any,
-        optimizer_class: OptimizerClassSpec = DEFAULT_BASE,
-        *,
-        offload_gradients: bool = False,
-        minimal_size: int = 4096,
-        master_dtype: Optional[Union[str, torch.dtype]] = None,
-        grad_sum_dtype: Optional[Union[str, torch.dtype]] = None,
-        fused_master_step: bool = True,
-        overlap: bool = False,
-        overlap_timeout_s: Optional[float] = None,
-        update_on: str = "host",
-        device_staging_mib: Optional[float] = None,
-        device_weights: Optional[str] = None,
-        grad_sum_on: str = "host",
-        **kwargs: Any,
+        self, params: Any, optimizer_class: OptimizerClassSpec = DEFAULT_BASE, *, offload_gradients: bool = False,
+        minimal_size: int = 4096, master_dtype: Optional[Union[str, torch.dtype]] = None,
+        grad_sum_dtype: Optional[Union[str, torch.dtype]] = None, fused_master_step: bool = True,
+        overlap: bool = False, overlap_timeout_s: Optional[float] = None, update_on: str = "host",
+        device_staging_mib: Optional[float] = None, device_weights: Optional[str] = None,
+        grad_sum_on: str = "host", **kwargs: Any,
     ) -> None:
         self.base_class = resolve_optimizer_class(optimizer_class)
         # A refused option value is named here, on a one-element probe, before any host buffer exists.
@@ -126,9 +115,8 @@ class OffloadOptimizer(Optimizer):
         self._scheduler = OverlapScheduler(self._table, self._grads, self._stepper, self._transfer,
                                            self._timings, timeout_s=opts.overlap_timeout_s)
         self._hooks = []
-        # How the per-tensor norms make the total norm: across FSDP2's ranks, ``sharded_offload``'s.
-        self._combine_norms = combine_norms
-        if self.hands_off_in_backward:
+        self._combine_norms = combine_norms  # of the per-tensor norms: see reduce_norms_with
+        if opts.hands_off_in_backward:
             self._hooks.extend(s.param.register_post_accumulate_grad_hook(self.on_gradient) for s in self._table.slots)
         defaults = {k: v for k, v in self._table.slots[0].optimizer.defaults.items() if k != "fused"}
         # Inheriting Optimizer lets torch's LR schedulers and torchtune's get_lr accept us; the
@@ -157,14 +145,8 @@ class OffloadOptimizer(Optimizer):
         return _plan_host_memory(named_groups(params), resolve_optimizer_class(optimizer_class), OffloadOptions.parse(
             **own), kwargs, device=device, gradient_accumulation_steps=gradient_accumulation_steps)
 
-    @property
-    def hands_off_in_backward(self) -> bool:
-        """Whether backward hands gradients to the engine as they arrive (:meth:`on_gradient`):
-        with ``offload_gradients`` or ``overlap``, where the host steps."""
-        return self.options.update_on == "host" and (self.options.offload_gradients or self.options.overlap)
-
     def on_gradient(self, param: torch.Tensor) -> None:
-        """The backward hook on each parameter (:attr:`hands_off_in_backward`): counted; its group
+        """The backward hook on each parameter (``options.hands_off_in_backward``): counted; its group
         is handed over once complete (``optim/handoff.py``). A wrapper whose parameters are not the
         ones autograd reaches (FSDP2's shards, ``distributed/sharded_offload.py``) calls it itself."""
         if param.grad is not None:
@@ -198,28 +180,21 @@ class OffloadOptimizer(Optimizer):
         if self.options.overlap and self.options.update_on == "host":
             self._scheduler.announce(clipping=clipping, param_groups=self.param_groups)
 
-    def register_forward_waits(self, model: torch.nn.Module, *,
-                               units: Optional[Sequence[Tuple[torch.nn.Module, Sequence[torch.nn.Parameter]]]] = None,
-                               ) -> None:
+    def register_forward_waits(self, model: torch.nn.Module, *, units: Optional[Sequence[Tuple[
+            torch.nn.Module, Sequence[torch.nn.Parameter]]]] = None) -> None:
         """Binds the engine to ``model``: FP8 images of its layer weights (``device_weights``; a
         ValueError if none), and with overlap each module waits, right before its forward, for its
         own parameters' steps and uploads (``model.state_dict()`` for all; a parameter read before
-        its module's forward needs :meth:`synchronize`), so ``step()`` returns at once.
-
-        Args:
-            model: the model trained.
-            units: the modules that wait instead, each for the listed parameters of this optimizer,
-                before its other pre-forward hooks (FSDP2's units, whose own pre-forward hook
-                all-gathers them; ``optim/overlap.py``).
-        """
+        its module's forward needs :meth:`synchronize`), so ``step()`` returns at once. ``units``:
+        the modules that wait instead, each for its listed parameters, before its other pre-forward
+        hooks (FSDP2's units, whose own pre-hook all-gathers them; ``overlap.register_module_waits``)."""
         self._weights.attach(model)
         self._scheduler.register_forward_waits(model, units=units)
         self._streamer.register_forward_waits(model, units=units)
 
     def reduce_norms_with(self, combine: Callable[..., torch.Tensor]) -> None:
-        """Makes ``combine`` (with :func:`~torchtune_offload.optim.grad_norm.combine_norms`'s
-        arguments) turn the per-tensor norms into the total norm that :meth:`grad_norm` and
-        :meth:`clip_grad_norm_` use: a sharded optimizer's reduction across ranks."""
+        """Makes ``combine`` (``grad_norm.combine_norms``'s arguments) turn the per-tensor norms into
+        the total norm :meth:`grad_norm` and :meth:`clip_grad_norm_` use (a reduction across ranks)."""
         self._combine_norms = combine
 
     def _grads_to_step(self):

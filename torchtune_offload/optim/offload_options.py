@@ -166,6 +166,12 @@ class OffloadOptions:
     def device_staging_bytes(self) -> int:
         return device_staging_bytes(self.device_staging_mib)
 
+    @property
+    def hands_off_in_backward(self) -> bool:
+        """Whether backward hands each gradient to the engine as it arrives
+        (``OffloadOptimizer.on_gradient``): with ``offload_gradients`` or ``overlap``, where the host steps."""
+        return self.update_on == "host" and (self.offload_gradients or self.overlap)
+
     def summary(self) -> str:
         """The options that set how the engine trains, as a run's first lines name them: those set
         away from their defaults (``offload_gradients, overlap, master_dtype=fp32``); empty if none is."""
