@@ -11,9 +11,9 @@ from torchtune_offload.optim.offload_options import OffloadOptions
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "torchtune_offload"
 #: Where option keys are read: the description, the config check's optimizer rules, the options'
-#: own parser, and the engine's checkpoint record (a saved state's keys, not a config's).
+#: own parser, and the engine's checkpoint record and its re-sharding (a saved state's keys, not a config's).
 READERS = {"recipe/chosen_optimizer.py", "recipe/checks/optimizer_rules.py", "optim/offload_options.py",
-           "optim/offload_checkpoint.py"}
+           "optim/offload_checkpoint.py", "distributed/reshard.py"}
 OPTION_KEYS = {f.name for f in dataclasses.fields(OffloadOptions)} | {"optimizer_class"}
 #: Where ``offload_gradients`` may be named in optim/: declared (offload_options), taken (the two
 #: offloaders), acted on (host_grads), sized (memory_plan), refused under torchtune's recipes (driver_check).

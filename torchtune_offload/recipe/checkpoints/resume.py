@@ -200,7 +200,8 @@ def _reshard_problem(cfg: DictConfig, newest: Path, manifest: Dict[str, Any], *,
             "resume it with the single-device recipe")
     fix = f"{back}, or start fresh from its weights with resume_from_checkpoint=False in another output_dir."
     if not capabilities_of(engine.base_class).elementwise_update:
-        base = f"optimizer.optimizer_class={manifest['optimizer'].get('optimizer_class')}"
+        # The checkpoint's optimizer is this run's (its identity matched): name it from the description.
+        base = f"optimizer.optimizer_class={engine.base_class.__module__}.{engine.base_class.__qualname__}"
         return (f"resume_from_checkpoint=True: {newest} holds the states of {base}, written by {written}, and this "
                 f"run has {world_size}: they are not kept element by element (8-bit states are quantized in blocks "
                 "of each rank's shard, and cutting the shards anew would requantize them), so they are not "
