@@ -15,15 +15,19 @@ the same global batch.
 Checkpoints to resume from are written every ``save_every_n_steps`` steps and at each epoch's end
 into ``output_dir/checkpoints`` (gathered to rank 0, with every rank's data position and RNG
 states: :mod:`torchtune_offload.recipe.checkpoints.distributed_checkpoints`); ``resume_from_checkpoint=True``
-continues exactly from the newest one on the same number of ranks.
+continues exactly from the newest one on the same number of ranks, and with ``torchtune_offload.OffloadOptimizer``
+(whose states each rank writes for its own shards) on another number of ranks too, at the same global batch, where
+its base optimizer's states are element by element (:mod:`torchtune_offload.distributed.reshard`).
 A run stops on every rank at its first nan or inf loss or gradient norm, naming the step and the
 last good checkpoint, and never saves non-finite weights (:mod:`torchtune_offload.recipe.divergence`).
 
 Weights are read on rank 0 only and broadcast shard by shard, so host memory holds one full copy
 per node, not one per rank. Before that, every rank checks that the node's host memory holds what
-its ranks will keep there (``host_memory_check``, as in the single-device recipes). ``fsdp_cpu_offload=True`` keeps the sharded parameters, gradients and
-optimizer state in host memory, where a plain ``torch.optim.AdamW`` then steps (the CPU offload of
-this setup; the offload optimizers of the single-device recipes are rejected with the reason).
+its ranks will keep there (``host_memory_check``, as in the single-device recipes).
+``optimizer._component_=torchtune_offload.OffloadOptimizer`` offloads each rank's optimizer states for
+its own shards (:mod:`torchtune_offload.distributed.sharded_offload`; with ``offload_gradients`` and
+``overlap`` as on one device). ``fsdp_cpu_offload=True`` instead keeps the sharded parameters, gradients
+and optimizer state in host memory, where a plain ``torch.optim.AdamW`` then steps.
 """
 
 import os
