@@ -260,19 +260,27 @@ def test_fsdp_cpu_offload_trains_like_shards_on_the_device(tiny_assets, tmp_path
 # ------------------------------------------------------------------------------- divergence
 
 
-def test_two_ranks_stop_together_at_the_step_that_diverged(tiny_assets, tmp_path):
+@pytest.mark.parametrize("optimizer, name", [
+    ([], "AdamW"),
+    # The engine on the shards with the gradients on the host: the norm it stops on is its own,
+    # reduced over both ranks.
+    (["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW",
+      "optimizer.minimal_size=0", "optimizer.offload_gradients=True", "optimizer.overlap=True"],
+     "ShardedOffloadOptimizer"),
+], ids=["adamw", "engine-offload-overlap"])
+def test_two_ranks_stop_together_at_the_step_that_diverged(tiny_assets, tmp_path, optimizer, name):
     # lr=1e37: step 1 moves every weight by about 1e37, step 2 overflows. Its loss is the mean over
     # both ranks and its norm the total over both ranks' shards, so both ranks raise at step 2; a rank
     # that went on would hang in the next collective until the timeout.
     cmd = [*TUNE, "run", "--nproc_per_node", "2", "recipes/full_finetune_distributed.py", "--config",
            str(CONFIG.relative_to(REPO)), "device=cpu", *tiny_asset_overrides(tiny_assets),
            "max_steps_per_epoch=4", "batch_size=4", "save_every_n_steps=1", "optimizer.lr=1e37",
-           "lr_scheduler.num_warmup_steps=0", f"output_dir={tmp_path}"]
+           "lr_scheduler.num_warmup_steps=0", f"output_dir={tmp_path}", *optimizer]
     result = zygote.run(cmd, cwd=REPO, env=working_tree_env(MASTER_ADDR="127.0.0.1"), stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, text=True, timeout=400)
     assert result.returncode != 0, result.stdout[-6000:]
     stops = result.stdout.count("TrainingDivergedError: Training diverged at step 2 (epoch 1, step 2 of 4) "
-                                "with optimizer AdamW:")
+                                f"with optimizer {name}")
     assert stops == 2, result.stdout[-6000:]  # one per rank
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000001"]
     weights = load_file(tmp_path / "checkpoints" / "step_00000001" / "model.safetensors")

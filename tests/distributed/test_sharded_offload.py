@@ -278,10 +278,12 @@ def test_the_distributed_recipe_trains_the_shards_with_the_engine_as_with_adamw_
                         train + ENGINE + ["optimizer.offload_gradients=True", "optimizer.overlap=True",
                                           f"output_dir={tmp_path / 'overlap'}"],
                         train + ENGINE + ["optimizer.optimizer_class=torchtune_offload.AdamW8bit",
+                                          "optimizer.offload_gradients=True", "optimizer.overlap=True",
                                           f"output_dir={tmp_path / 'eight_bit'}"])
     assert (_losses(tmp_path / "engine") == _losses(tmp_path / "device") == _losses(tmp_path / "overlap")
             == _losses(tmp_path / "adamw"))
-    # 8-bit states inside each rank's shards: not AdamW's math, and the loss falls as with it.
+    # 8-bit states inside each rank's shards (gradients offloaded, steps overlapped): not AdamW's
+    # math, and the loss falls as with it.
     eight_bit = _losses(tmp_path / "eight_bit")
     assert eight_bit[-1] < eight_bit[0] - 0.5, eight_bit
     checkpoint = sorted((tmp_path / "engine" / "checkpoints").glob("step_*"))[0]
