@@ -387,9 +387,11 @@ def test_compare_puts_finished_runs_side_by_side_and_refuses_bad_pairs(capsys, t
         assert code == 2 and said in err and out == "", err
 
 
-def test_plan_refuses_the_fsdp2_variants_by_name_and_points_at_the_sweep(capsys):
+def test_plan_refuses_the_fsdp2_variants_of_a_single_device_config_and_says_where_they_plan(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "--config", "tiny/full", "--variants", "config,fsdp2_offload"])
     _, err = capsys.readouterr()
     assert exit_.value.code == 2 and "--variants: fsdp2_offload run FSDP2 over several ranks" in err
+    # Planned per rank for a config of the distributed recipe; run by the sweep.
+    assert "config of the distributed recipe" in err and "with --nproc-per-node N" in err
     assert "scripts/benchmark_sweep.py --nproc-per-node N" in err

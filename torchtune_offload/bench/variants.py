@@ -40,7 +40,7 @@ class Variant:
         needs: training settings its optimizer needs (``key=value``), applied after the shared
             overrides, which they replace for this variant alone (the sweep says so).
         recipe: the recipe it runs: the single-device full fine-tune, or the distributed one
-            (FSDP2 over ``--nproc-per-node`` ranks; the planner does not plan those per rank).
+            (FSDP2 over ``--nproc-per-node`` ranks, which the planner plans per rank).
     """
 
     name: str
@@ -129,12 +129,21 @@ _ALL = (
             {"_component_": _ENGINE, "optimizer_class": _ADAMW}, recipe=DISTRIBUTED),
     Variant("fsdp2_offload_8bit", "FSDP2, OffloadOptimizer on each rank's shards, 8-bit AdamW states",
             {"_component_": _ENGINE, "optimizer_class": "torchtune_offload.AdamW8bit"}, recipe=DISTRIBUTED),
+    Variant("fsdp2_offload_8bit_grads_overlap", "FSDP2, OffloadOptimizer on each rank's shards, 8-bit AdamW states, "
+            "offload_gradients, host steps overlapped with the next forward",
+            {"_component_": _ENGINE, "optimizer_class": "torchtune_offload.AdamW8bit", "offload_gradients": True,
+             "overlap": True}, recipe=DISTRIBUTED),
+    Variant("fsdp2_offload_device_update", "FSDP2, OffloadOptimizer on each rank's shards, states in host memory, "
+            "updates on the device", {"_component_": _ENGINE, "optimizer_class": _ADAMW, "update_on": "device"},
+            recipe=DISTRIBUTED),
 )
 
 #: Every variant, by name, in the order tables list them.
 VARIANTS: Dict[str, Variant] = {v.name: v for v in _ALL}
 #: Those of the single-device recipe: the sweep's and the planner's defaults.
 SINGLE_DEVICE_VARIANTS = [name for name, v in VARIANTS.items() if not v.distributed]
+#: Those of the distributed recipe (FSDP2): the planner's for a config of that recipe.
+DISTRIBUTED_VARIANTS = [name for name, v in VARIANTS.items() if v.distributed]
 
 
 def legend(names: Iterable[str]) -> str:

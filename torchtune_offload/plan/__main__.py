@@ -12,6 +12,9 @@ is refused before anything is planned (exit 1); a variant the recipe refuses get
 row, the other rows as planned, and exit 1.
 With ``--machine`` (a preset or a ``tune-offload probe`` file), each variant's row also gets its
 predicted seconds per step, tok/s and bound (:mod:`torchtune_offload.plan.speed`).
+A config of the distributed recipe is planned per rank over ``--nproc-per-node`` ranks on one machine
+(default 1, as ``tune run`` starts one): each device's peak and the machine's host memory, for the
+config and the ``fsdp2_`` variants (:mod:`torchtune_offload.plan.fsdp`).
 """
 
 import argparse
@@ -26,14 +29,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from torchtune_offload.bench.arguments import check_output_file
-from torchtune_offload.bench.variants import SINGLE_DEVICE_VARIANTS, VARIANTS
+from torchtune_offload.bench.variants import DISTRIBUTED_VARIANTS, SINGLE_DEVICE_VARIANTS, VARIANTS
 from torchtune_offload.plan.fastest import fastest_fitting, math_change
 from torchtune_offload.plan.planner import (
     GIB,
     VariantPlan,
     default_device_budget,
     default_host_budget,
-    default_variants,
     load_config,
     plan_fine_tunes,
     plan_speed,
@@ -87,7 +89,7 @@ def main(argv: Optional[List[str]] = None, *, prog: str = "python -m torchtune_o
     """
     p = _parser(prog)
     args, machine = _checked_args(p, argv)
-    recipe = args.recipe or _recipe_of(args.config)
+    recipe = args.recipe
     cfg = _load_config(p, args)
     # Before anything is traced: a builder that cannot be imported ends the plan (exit 2), as below, and
     # what no variant's optimizer settings change (a misspelt key) refuses every variant alike (exit 1).
@@ -131,8 +133,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         "them); may also be given as the first argument, as validate and cat take it")
     p.add_argument("overrides", nargs="*", help="key=value overrides, as for tune run")
     p.add_argument("--recipe", choices=sorted(set(RECIPE_KINDS.values())), help="default: from the config's header")
-    p.add_argument("--variants", default=",".join(default_variants()),
-                   help=f"comma-separated: config (as given) and any of {', '.join(SINGLE_DEVICE_VARIANTS)}")
+    p.add_argument("--variants", help=f"comma-separated: config (as given) and any of {', '.join(SINGLE_DEVICE_VARIANTS)}"
+                   f" (default: all); for the distributed recipe any of {', '.join(DISTRIBUTED_VARIANTS)}")
+    p.add_argument("--nproc-per-node", type=int, help="the distributed recipe's ranks on this machine, as tune run's "
+                   "--nproc_per_node (default 1): the plan is one rank's device and the machine's host")
     p.add_argument("--device-gib", type=float, help="device memory budget (default: the --machine file's or "
                    "preset's device_memory_gib, else this machine's GPU)")
     p.add_argument("--host-gib", type=float, help="host memory budget (default: what this machine has available)")
@@ -147,6 +151,34 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--machine", help="predict each variant's speed on this machine: a preset "
                    f"({', '.join(preset_names())}) or a machine.json (tune-offload probe --output machine.json)")
     return p
+
+
+def _check_variants(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--variants`` and ``--nproc-per-node`` checked against the config's recipe (a bad one exits
+    through ``p.error``); the defaults filled in: every variant of the recipe, one rank."""
+    distributed = args.recipe == "distributed"
+    if args.nproc_per_node is not None and not distributed:
+        p.error(f"--nproc-per-node {args.nproc_per_node}: plans the distributed recipe per rank, and {args.config} runs "
+                f"the {args.recipe} recipe: give a config of recipes/full_finetune_distributed.py "
+                "(llama3_1/8B_full_distributed_offload, tiny/full_distributed; tune-offload ls), or --recipe distributed")
+    if distributed and args.nproc_per_node is None:
+        args.nproc_per_node = 1  # as tune run starts it without --nproc_per_node
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        p.error(f"--nproc-per-node {args.nproc_per_node}: must be at least 1")
+    mine = DISTRIBUTED_VARIANTS if distributed else SINGLE_DEVICE_VARIANTS
+    if args.variants is None:
+        args.variants = ",".join(["config", *mine])
+    unknown = [v for v in args.variants.split(",") if v != "config" and v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from config, {', '.join(mine)}")
+    other = [v for v in args.variants.split(",") if v in VARIANTS and v not in mine]
+    if other and distributed:
+        p.error(f"--variants: {', '.join(other)} run the single-device recipe, and {args.config} the distributed one: "
+                f"choose from config, {', '.join(mine)}")
+    if other:
+        p.error(f"--variants: {', '.join(other)} run FSDP2 over several ranks: the planner plans them per rank for a "
+                "config of the distributed recipe (tiny/full_distributed, llama3_1/8B_full_distributed_offload) with "
+                "--nproc-per-node N; the sweep runs them (scripts/benchmark_sweep.py --nproc-per-node N)")
 
 
 def _checked_args(p: argparse.ArgumentParser,
@@ -164,13 +196,8 @@ def _checked_args(p: argparse.ArgumentParser,
         args.config = _config_path(args.config)
     except ValueError as err:
         p.error(f"--config {args.config}: {err}")
-    unknown = [v for v in args.variants.split(",") if v != "config" and v not in VARIANTS]
-    if unknown:
-        p.error(f"--variants: unknown {unknown}; choose from config, {', '.join(SINGLE_DEVICE_VARIANTS)}")
-    sharded = [v for v in args.variants.split(",") if v in VARIANTS and VARIANTS[v].distributed]
-    if sharded:
-        p.error(f"--variants: {', '.join(sharded)} run FSDP2 over several ranks, which the planner does not plan "
-                "(it plans one device); the sweep runs them (scripts/benchmark_sweep.py --nproc-per-node N)")
+    args.recipe = args.recipe or _recipe_of(args.config)
+    _check_variants(p, args)
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: must be at least 1")
     for flag, gib in (("--device-gib", args.device_gib), ("--host-gib", args.host_gib)):
@@ -238,7 +265,7 @@ def _plan_all(args: argparse.Namespace, *, recipe: str, baseline: int,
     for name in args.variants.split(","):
         print(f"planning {name} ...", file=sys.stderr, flush=True)
         plan = plan_variant(str(args.config), args.overrides, name, recipe=recipe, seq_len=args.seq_len,
-                            baseline=baseline, traces=traces)
+                            baseline=baseline, traces=traces, nproc_per_node=args.nproc_per_node or 1)
         plan.notes += baseline_notes if plan.problem is None else []
         plans.append(plan)
     if with_fine_tunes:
@@ -273,17 +300,19 @@ def _report(args: argparse.Namespace, cfg: DictConfig, plans: List[VariantPlan],
     math_changes = {p.name: math_change(OmegaConf.to_container(variant_config(
         str(args.config), args.overrides, p.name), resolve=True), config=given) for p in plans}
     print(format_plans(plans, device=str(device), device_budget=budgets.device, host_budget=budgets.host,
-                       config_path=str(args.config), seq_len_note=f"batch {cfg.batch_size} x {seq_len} tokens",
+                       config_path=str(args.config), ranks=args.nproc_per_node,
+                       seq_len_note=f"batch {cfg.batch_size} x {seq_len} tokens{' a rank' if args.nproc_per_node else ''}",
                        fine_tunes=_fine_tune_block(fine, cfg, device_budget=budgets.device, host_budget=budgets.host),
                        speeds=speeds, machine=machine.name if machine else "", device_budget_note=budgets.device_note,
                        host_budget_note=budgets.host_note, math_changes=math_changes))
     if args.json:
         _write_json(args.json, plans, fine, speeds=speeds, machine=machine, budgets=budgets, device=device,
-                    math_changes=math_changes)
+                    math_changes=math_changes, ranks=args.nproc_per_node)
 
 
 def _write_json(path: Path, plans: List[VariantPlan], fine: List[VariantPlan], *, speeds: Optional[dict],
-                machine: Optional[Machine], budgets: _Budgets, device: torch.device, math_changes: dict) -> None:
+                machine: Optional[Machine], budgets: _Budgets, device: torch.device, math_changes: dict,
+                ranks: Optional[int] = None) -> None:
     """``--json``: the budgets, the machine, each plan with its speed, the fastest that fits, the fine-tunes."""
     entries = [asdict(p) for p in plans]
     if speeds is not None:
@@ -292,7 +321,7 @@ def _write_json(path: Path, plans: List[VariantPlan], fine: List[VariantPlan], *
             entry["speed"] = None if speed is None else speed.summary()
     fastest = None if speeds is None or str(device) == "cpu" else asdict(fastest_fitting(
         plans, speeds, device_budget=budgets.device, host_budget=budgets.host, math_changes=math_changes))
-    path.write_text(json.dumps({"device_budget": budgets.device, "host_budget": budgets.host,
+    path.write_text(json.dumps({"device_budget": budgets.device, "host_budget": budgets.host, "nproc_per_node": ranks,
                                 "machine": None if machine is None else {"name": machine.name, **machine.as_dict()},
                                 "plans": entries, "fastest": fastest, "fine_tunes": [asdict(p) for p in fine]},
                                indent=1))

@@ -89,12 +89,14 @@ def fastest_fitting(plans: List[VariantPlan], speeds: Mapping[str, Optional[Spee
 
 def fastest_block(plans: List[VariantPlan], speeds: Mapping[str, Optional[Speed]], *,
                   device_budget: Optional[int], host_budget: int,
-                  math_changes: Mapping[str, Optional[str]]) -> List[str]:
+                  math_changes: Mapping[str, Optional[str]], ranks: Optional[int] = None) -> List[str]:
     """Lines for under the planner's table: the fastest variant that fits, and the fastest with
     the optimizer's math unchanged where that is another one.
 
     Args:
         plans, speeds, device_budget, host_budget, math_changes: as for :func:`fastest_fitting`.
+        ranks: the distributed recipe's ranks: the speeds are one rank's without FSDP2's
+            collectives, so the lines rank the variants by them and say so, giving no tok/s.
     """
     best = fastest_fitting(plans, speeds, device_budget=device_budget, host_budget=host_budget,
                            math_changes=math_changes)
@@ -106,6 +108,8 @@ def fastest_block(plans: List[VariantPlan], speeds: Mapping[str, Optional[Speed]
     def line(name: str) -> str:
         s = speeds[name]
         text = f"{name}: {s.tokens_per_second:.0f} tok/s predicted, {s.step_seconds:.3g} s a step"
+        if ranks is not None:
+            text = f"{name}: {s.step_seconds:.3g} s a step on each rank, FSDP2's collectives not counted"
         if s.known_gaps:
             expected = expected_tokens_per_second(s)
             text += f" (about {expected:.0f} by what recorded runs of its kind made of such predictions)"
@@ -113,8 +117,11 @@ def fastest_block(plans: List[VariantPlan], speeds: Mapping[str, Optional[Speed]
         return text + (f"; its steps differ from AdamW's full-precision steps on the config: {change}"
                        if change else "")
 
-    lines = ["", f"Fastest that fits both budgets ({budgets}), by predicted tok/s, times the middle of its "
-                 "kind's known gap where it has one:", f"- {line(best.overall)}"]
+    basis = ("by predicted tok/s, times the middle of its kind's known gap where it has one" if ranks is None else
+             f"each of {ranks} devices and the machine's host; ranked by one rank's step without FSDP2's all-gathers "
+             "and reduce-scatters, the same in every fsdp2_ variant but fsdp2_cpu_offload, whose copies of the shards "
+             "in each pass are not counted either: the order of the variants that fit, not their speed")
+    lines = ["", f"Fastest that fits both budgets ({budgets}), {basis}:", f"- {line(best.overall)}"]
     if best.exact != best.overall:
         lines.append("- with AdamW's full-precision steps on the config's clipping and accumulation: "
                      + (line(best.exact) if best.exact else "none fits"))

@@ -38,6 +38,7 @@ from torchtune_offload.optim.host_buffers import offloads
 from torchtune_offload.optim.host_memory import device_sum_ring_bytes, optimizer_state_bytes, plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
                                                unquantised_twin)
+from torchtune_offload.plan.fsdp import fsdp_peak, fsdp_units, shard_bytes, shard_named
 from torchtune_offload.plan.recorded_runs import known_gaps
 from torchtune_offload.plan.speed import Machine, Speed, StepWork, device_syncs, predict
 from torchtune_offload.plan.step_traces import StepRequest, mark_lora, sequence_length, step_request
@@ -45,7 +46,7 @@ from torchtune_offload.plan.trace import (StepTrace, UntraceableModelError, buil
                                           micro_batch_loss, one_line)
 from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
 from torchtune_offload.recipe.checks.config import RECIPE_KEYS
-from torchtune_offload.recipe.checks.fit import available_host_memory
+from torchtune_offload.recipe.checks.fit import available_host_memory, sharded_host_memory_need
 from torchtune_offload.recipe.chosen_optimizer import ChosenOptimizer, OptimizerKind
 
 GIB = 1024**3
@@ -77,6 +78,12 @@ class VariantPlan:
     #: FP8 device weights: the device's bytes while the model loads, every weight in the model's
     #: dtype before the optimizer makes its images (more than the step peak where that is tight).
     load_bytes: Optional[int] = None
+    #: The distributed recipe's ranks on this machine (``--nproc-per-node``): the device figures are
+    #: then one rank's (every device holds about as much), the host figures the machine's, all its
+    #: ranks together; None for a single-device recipe.
+    ranks: Optional[int] = None
+    #: With ``ranks``: one rank's own host memory in training (its process and its optimizer's share).
+    rank_host_bytes: Optional[int] = None
 
     @property
     def device_need(self) -> int:
@@ -112,9 +119,10 @@ def variant_config(config_path: str, overrides: Sequence[str], name: str) -> Dic
     return load_config(config_path, [*overrides, *extra])
 
 
-def _device_state(settings: RecipeSettings, model: torch.nn.Module) -> Dict[str, int]:
-    """Optimizer state kept on the device and not traced with the step: (label, bytes)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
+def _device_state(settings: RecipeSettings, named: List[Tuple[str, torch.Tensor]]) -> Dict[str, int]:
+    """Optimizer state kept on the device and not traced with the step, for the trainable
+    parameters ``named`` (a rank's shards in the distributed recipe): (label, bytes)."""
+    trainable = [p for _, p in named]
     chosen = settings.optimizer
     opts = chosen.offload
     if opts is not None:
@@ -123,7 +131,6 @@ def _device_state(settings: RecipeSettings, model: torch.nn.Module) -> Dict[str,
         parts = {"optimizer state (parameters below minimal_size)": state}
         if opts.update_on == "device":
             # The states come to the device a slice at a time, through two staging buffers.
-            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             parts["state staging (update_on=device)"] = plan_device_staging(
                 named, base_class=chosen.base_class, options=chosen.base_options, minimal_size=opts.minimal_size,
                 staging_bytes=opts.device_staging_bytes)
@@ -193,23 +200,26 @@ def _step_work(settings: RecipeSettings, model: torch.nn.Module, tokens: int, *,
 
 
 def plan_variant(config_path: str, overrides: Sequence[str], name: str, *, recipe: str, seq_len: Optional[int],
-                 baseline: int, traces: Optional[Dict[tuple, StepTrace]] = None) -> VariantPlan:
+                 baseline: int, traces: Optional[Dict[tuple, StepTrace]] = None, nproc_per_node: int = 1) -> VariantPlan:
     """Predicts one variant's device and host peaks (or says why it cannot run).
 
     Args:
         traces: traced steps by what shapes them, shared between the variants of one config.
+        nproc_per_node: the distributed recipe's ranks on this machine (``recipe="distributed"``).
 
     Raises:
         UntraceableModelError: the configured model cannot be built or traced.
     """
     description = "the config as given" if name == "config" else VARIANTS[name].description
     return plan_config(variant_config(config_path, overrides, name), VariantPlan(name=name, description=description),
-                       recipe=recipe, seq_len=seq_len, baseline=baseline, traces=traces)
+                       recipe=recipe, seq_len=seq_len, baseline=baseline, traces=traces, nproc_per_node=nproc_per_node)
 
 
 def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Optional[int], baseline: int,
-                traces: Optional[Dict[tuple, StepTrace]] = None) -> VariantPlan:
-    """Fills ``plan`` with the device and host peaks of the run ``cfg`` describes (or why it cannot run).
+                traces: Optional[Dict[tuple, StepTrace]] = None, nproc_per_node: int = 1) -> VariantPlan:
+    """Fills ``plan`` with the device and host peaks of the run ``cfg`` describes (or why it cannot
+    run); for the distributed recipe, one rank's device and the machine's host over ``nproc_per_node``
+    ranks (:func:`_plan_ranks`).
 
     Raises:
         UntraceableModelError: ``cfg.model`` cannot be built or traced.
@@ -239,6 +249,9 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
     model = build_meta_model(cfg, settings)
     if mark is not None:
         mark(model)
+    if recipe == "distributed":
+        return _plan_ranks(plan, cfg, settings, model, trace=trace, seq_len=length, baseline=baseline,
+                           ranks=nproc_per_node)
     try:
         need = host_memory_need(cfg, settings, model=model,
                                 step_bytes=trace.peak_bytes if settings.device.type == "cpu" else None)
@@ -251,6 +264,12 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
                        **{f"{phase}: {k}": v for k, v in need.phases[phase].items()}}
     plan.host_bytes = baseline + need.peak
     plan.notes += list(need.notes)
+    _add_device_notes(plan, settings)
+    return plan
+
+
+def _add_device_notes(plan: VariantPlan, settings: RecipeSettings) -> None:
+    """The notes of a plan for a GPU: fake CPU tensors, and the reserved peak of an offload run."""
     if settings.device.type != "cpu":
         plan.notes.append("device figures are traced on fake CPU tensors: a GPU's allocator rounds and caches "
                           "on top (expect a few percent more)")
@@ -260,7 +279,100 @@ def plan_config(cfg: DictConfig, plan: VariantPlan, *, recipe: str, seq_len: Opt
                           f"{RESERVED_MARGIN:.0%}: the recipes run offload runs with expandable_segments "
                           "(unless PYTORCH_CUDA_ALLOC_CONF is set), whose pages leave little cached beside what is "
                           "allocated (the 8B batch-1 runs on an H100: 1.8-2.0% above; docs/fp8_weights.md)")
+
+
+def _plan_ranks(plan: VariantPlan, cfg: DictConfig, settings: RecipeSettings, model: torch.nn.Module, *,
+                trace: StepTrace, seq_len: int, baseline: int, ranks: int) -> VariantPlan:
+    """Fills ``plan`` for the distributed recipe over ``ranks`` ranks on one machine: one rank's
+    device (:mod:`torchtune_offload.plan.fsdp`: its shards, FSDP2's gathered units and whole
+    gradients at their peak, the activations of ``trace``, the optimizer's device state) and the
+    machine's host (every rank's process, and the pre-flight's node-wide figures,
+    :func:`~torchtune_offload.recipe.checks.fit.sharded_host_memory_need`: each rank's engine over
+    its own shards)."""
+    plan.ranks = ranks
+    parts, resident = _rank_device_parts(cfg, settings, model, trace=trace, ranks=ranks)
+    plan.device_parts = {k: v for k, v in parts.items() if v}
+    plan.device_bytes = sum(plan.device_parts.values())
+    plan.batch_size = settings.batch_size
+    need = sharded_host_memory_need(cfg, settings, world_size=ranks, local_world_size=ranks)
+    phases = {phase: dict(figures) for phase, figures in need.phases.items()}
+    notes = list(need.notes)
+    if settings.device.type == "cpu":  # each rank's "device" is this host: its gathered units and activations too
+        rest = plan.device_bytes - resident  # the shards are in the pre-flight's figures already
+        phases["training"][f"{ranks} ranks' gathered units, activations and buffers (planned per rank)"] = ranks * rest
+        notes = [n for n in notes if not n.startswith("activations and the layers FSDP2 gathers")]
+    phase = max(phases, key=lambda p: sum(phases[p].values()))
+    processes = f"{ranks} processes" if ranks > 1 else "1 process"
+    plan.host_parts = {f"{processes} (Python, PyTorch, torchtune), {baseline / GIB:.2f} GiB each": ranks * baseline,
+                       **{f"{phase}: {k}": v for k, v in phases[phase].items()}}
+    plan.host_bytes = ranks * baseline + sum(phases[phase].values())
+    plan.rank_host_bytes = baseline + sum(phases["training"].values()) // ranks
+    plan.notes += notes + [
+        f"distributed recipe over {ranks} ranks on this machine: the device figures are one rank's (every device "
+        "holds about as much: the shards are padded alike), the host figures the machine's, all ranks together "
+        f"({plan.rank_host_bytes / GIB:.2f} GiB a rank in training)",
+        "one rank's device peak is the sum of each part at its own largest (plan/fsdp.py): an upper bound; FSDP2's "
+        "gathered units and whole gradients are replayed from torch's fully_shard, unit by unit"]
+    if settings.device.type != "cpu":
+        work = _step_work(settings, model, settings.batch_size * seq_len, ops=trace.ops_per_micro_batch)
+        plan.work = _rank_work(work, settings)
+    _add_device_notes(plan, settings)
     return plan
+
+
+def _rank_device_parts(cfg: DictConfig, settings: RecipeSettings, model: torch.nn.Module, *, trace: StepTrace,
+                       ranks: int) -> Tuple[Dict[str, int], int]:
+    """One rank's device memory by part (:mod:`torchtune_offload.plan.fsdp`), and how much of it is
+    the parameter and gradient shards the pre-flight counts on the host of a ``device=cpu`` run."""
+    params, grads = shard_bytes(model, world_size=ranks)
+    units = fsdp_units(model, cfg, world_size=ranks)
+    peak = fsdp_peak(units, world_size=ranks, reshard_after_forward=settings.fsdp_reshard_after_forward,
+                     cpu_offload=settings.fsdp_cpu_offload)
+    chosen = settings.optimizer
+    if settings.fsdp_cpu_offload:
+        params, grads = 0, 0
+    elif chosen.kind is OptimizerKind.IN_BACKWARD:
+        grads = 0  # each gradient shard stepped and freed in backward
+    parts = {f"parameter shards (1/{ranks} of each, dim 0 padded)": params, "gradient shards": grads}
+    if chosen.kind is OptimizerKind.SHARDED_ENGINE and chosen.offload_gradients:
+        # Each unit's gradient shards go to the host after its reduce-scatter, freed once copied.
+        parts.pop("gradient shards")
+        parts["gradient shards on their way to the host (offload_gradients: the two largest units')"] = sum(
+            sorted(-(-u.grad_bytes // ranks) for u in units)[-2:])
+    parts.update({"buffers (not sharded)": trace.by_kind.get("Buffer", 0),
+                  f"FSDP2's gathered units and whole gradients at their peak ({peak.where})": peak.bytes,
+                  "activations and temporaries at their peak (one device's trace at the per-rank batch)":
+                      trace.working_bytes})
+    if settings.device.type != "cpu":
+        parts.update(_rank_device_state(settings, shard_named(model, world_size=ranks)))
+    return parts, params + grads
+
+
+def _rank_device_state(settings: RecipeSettings, named: List[Tuple[str, torch.Tensor]]) -> Dict[str, int]:
+    """The optimizer's device state over one rank's trainable shards ``named``: the engine's
+    (:func:`_device_state`), a torch optimizer's states of the shards, none with ``fsdp_cpu_offload``."""
+    chosen = settings.optimizer
+    if chosen.kind is OptimizerKind.SHARDED_ENGINE:
+        return _device_state(settings, named)
+    if settings.fsdp_cpu_offload:
+        return {}
+    state, _ = optimizer_state_bytes(chosen.optimizer_class, [p for _, p in named], chosen.base_options)
+    return {"optimizer state (the shards')": state}
+
+
+def _rank_work(work: StepWork, settings: RecipeSettings) -> StepWork:
+    """One rank's step as the speed model reads it: the whole model's matmuls on the rank's batch and
+    the whole model's update (:func:`plan_speed` gives each rank's PCIe link its 1/N of it; the ranks
+    share the host's cores and memory). The engine on the shards hands nothing over in backward
+    unless it offloads gradients or overlaps; FSDP2's CPU offload steps on the host after backward,
+    its copies one after another."""
+    chosen = settings.optimizer
+    opts = chosen.offload
+    if chosen.kind is OptimizerKind.SHARDED_ENGINE and not (opts.offload_gradients or opts.overlap):
+        work = replace(work, handoffs_per_micro_batch=0)
+    if settings.fsdp_cpu_offload:
+        work = replace(work, update="torchao", device_syncs=0)
+    return work
 
 
 def _fill_device_figures(plan: VariantPlan, settings: RecipeSettings, model: torch.nn.Module, *, trace: StepTrace,
@@ -270,7 +382,8 @@ def _fill_device_figures(plan: VariantPlan, settings: RecipeSettings, model: tor
     images, the weights at load."""
     plan.device_parts = {f"step peak: {k.lower()}": v for k, v in trace.by_kind.items() if v}
     if settings.device.type != "cpu":
-        for label, size in _device_state(settings, model).items():
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        for label, size in _device_state(settings, named).items():
             if "paged" in label:
                 plan.paged_bytes = size
                 plan.notes.append(f"{size / GIB:.2f} GiB of paged optimizer state in unified memory: on the device "
@@ -470,8 +583,13 @@ def plan_speed(plan: VariantPlan, machine: Machine, *, device_budget: Optional[i
     work = plan.work
     if plan.paged_bytes and device_budget is not None:
         work = replace(work, paged_excess_bytes=max(0, plan.device_bytes + plan.paged_bytes - device_budget))
+    if plan.ranks is not None:
+        # Each rank moves its 1/N of the update over a link of its own; the host's rates are shared.
+        machine = replace(machine, pcie_h2d_gbs=machine.pcie_h2d_gbs * plan.ranks,
+                          pcie_d2h_gbs=machine.pcie_d2h_gbs * plan.ranks)
     speed = predict(work, machine, samples_per_micro_batch=plan.batch_size)
-    return replace(speed, known_gaps=tuple(known_gaps(work)))
+    # The gaps are those of recorded single-device runs; no FSDP2 run is recorded.
+    return replace(speed, known_gaps=() if plan.ranks is not None else tuple(known_gaps(work)))
 
 
 def default_host_budget() -> int:

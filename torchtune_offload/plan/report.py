@@ -97,7 +97,7 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
                  config_path: str, seq_len_note: str, fine_tunes: str = "",
                  speeds: Optional[Dict[str, Optional[Speed]]] = None, machine: str = "",
                  device_budget_note: str = "", host_budget_note: str = "",
-                 math_changes: Optional[Mapping[str, Optional[str]]] = None) -> str:
+                 math_changes: Optional[Mapping[str, Optional[str]]] = None, ranks: Optional[int] = None) -> str:
     """A markdown table of the plans, with the budgets and a verdict per variant.
 
     Args:
@@ -112,6 +112,8 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
         math_changes: each variant's :func:`~torchtune_offload.plan.fastest.math_change`, by name:
             with ``speeds`` (and a device that is not the CPU), the fastest variant that fits is
             named under the table, and the fastest without such a change where that is another.
+        ranks: the distributed recipe's ranks on this machine: the device figures are one rank's,
+            the host figures the machine's, and the speeds leave FSDP2's collectives out (said).
     """
     lines = [f"Plan for {config_path} ({seq_len_note}); device {device}, budget "
              f"{'unknown (give --device-gib)' if device_budget is None else f'{device_budget / GIB:.1f} GiB'}"
@@ -120,14 +122,21 @@ def format_plans(plans: List[VariantPlan], *, device: str, device_budget: Option
              "| variant | device peak GiB | + paged GiB | fits device | host peak GiB | fits host |"
              + (" s/step | tok/s | bound | overlap hides at batch |" if speeds is not None else "") + " what |",
              "|---|---:|---:|:---:|---:|:---:|" + ("---:|---:|---|---:|" if speeds is not None else "") + "---|"]
+    if ranks is not None:
+        lines.insert(1, f"The distributed recipe over {ranks} rank(s) on one machine (docs/planner.md#fsdp2-per-rank): "
+                        "device figures are one rank's, each device against the device budget; host figures are "
+                        "the machine's, all ranks together.")
     if speeds is not None:
         cpu = " No speed for a CPU run: the model predicts a GPU's step (plan device=cuda)." if device == "cpu" else ""
-        lines.insert(1, f"Speed on {machine} (docs/planner.md#how-fast).{cpu}")
+        collectives = (" One rank's step without FSDP2's all-gathers and reduce-scatters, which the model has no "
+                       "interconnect rate for: not a prediction of the run's speed, a basis for ranking the variants "
+                       "that fit." if ranks is not None else "")
+        lines.insert(1 + (ranks is not None), f"Speed on {machine} (docs/planner.md#how-fast).{cpu}{collectives}")
     lines += [_table_row(p, device_budget=device_budget, host_budget=host_budget, speeds=speeds) for p in plans]
     predicted = {p.name: speeds[p.name] for p in plans if speeds and speeds.get(p.name)}
     if speeds is not None and math_changes is not None and device != "cpu":
         lines += fastest_block(plans, speeds, device_budget=device_budget, host_budget=host_budget,
-                               math_changes=math_changes)
+                               math_changes=math_changes, ranks=ranks)
     lines += known_gaps_block(predicted) + sums_elsewhere_block(predicted)
     # update_on=device moves the update to an accelerator; a CPU run has none to move it to.
     advice = None if device == "cpu" else update_on_advice(plans, device_budget=device_budget, host_budget=host_budget)

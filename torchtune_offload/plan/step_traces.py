@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from torchtune_offload.plan.fine_tunes import configured_fine_tune
+from torchtune_offload.plan.fsdp import output_is_unit
 from torchtune_offload.plan.trace import StepTrace, trace_training_step
 from torchtune_offload.recipe import RecipeSettings
 from torchtune_offload.recipe.checks.optimizer_rules import is_int
@@ -106,6 +107,9 @@ class StepRequest:
     mark_trainable: Optional[Callable[[torch.nn.Module], None]]
     fp8_weights: Optional[Tuple[int, bool]]
     key_without_optimizer: Optional[tuple] = None
+    #: The distributed recipe's step (one rank's model and batch; FSDP2's own memory is
+    #: ``plan/fsdp.py``'s): no optimizer traced, gradients kept, and its loss.
+    distributed: bool = False
 
     def describe(self) -> str:
         """The step in a few words, for messages."""
@@ -115,6 +119,8 @@ class StepRequest:
     def trace(self) -> StepTrace:
         """Traces the step (seconds for an 8B model)."""
         s = self.settings
+        if self.distributed:
+            return trace_training_step(self.cfg, s, seq_len=self.seq_len, row_chunked_loss=output_is_unit(self.cfg, s))
         return trace_training_step(self.cfg, s, seq_len=self.seq_len, mark_trainable=self.mark_trainable,
                                    free_gradients=_frees_gradients(s), make_optimizer=traced_optimizer(s),
                                    fp8_weights=self.fp8_weights)
@@ -158,9 +164,17 @@ def step_request(cfg: DictConfig, settings: RecipeSettings, *, recipe: str, seq_
     Returns:
         The request, keyed by what tells the steps of one plan apart. The variants and fine-tunes
         of one plan share the config's batch, dtype, activation settings and loss, so the key
-        leaves them out; a cache shared across plans would need them.
+        leaves them out; a cache shared across plans would need them. The distributed recipe's
+        variants share one step: one rank's forward and backward, whatever the optimizer.
     """
     settings = replace(settings, compile=False)
+    if recipe == "distributed":
+        policy = json.dumps(OmegaConf.to_container(OmegaConf.create({"p": cfg.get("fsdp_shard_policy"),
+                                                                     "c": cfg.get("custom_sharded_layers")})))
+        key = (recipe, min(settings.gradient_accumulation_steps, 2), str(settings.device), policy,
+               json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True), seq_len)
+        return StepRequest(key=key, cfg=cfg, settings=settings, seq_len=seq_len, mark_trainable=None,
+                           fp8_weights=None, distributed=True)
     free = _frees_gradients(settings)
     make = traced_optimizer(settings)
     fp8 = fp8_weights(settings)

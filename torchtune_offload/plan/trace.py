@@ -30,7 +30,6 @@ algorithms and its caching allocator rounds and fragments, so for a GPU the figu
 import time
 import warnings
 from collections import Counter
-from copy import deepcopy
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple, Union
@@ -38,15 +37,22 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple, Union
 import torch
 from omegaconf import DictConfig
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchao.dtypes.nf4tensor import NF4Tensor
-from torchtune import modules, training
+from torchtune import config, modules, training
 from torchtune.config._utils import _get_component_from_path
+from torchtune.modules.loss import CEWithChunkedOutputLoss
 
+from torchtune_offload.distributed.loss import RowChunkedLoss
 from torchtune_offload.optim.fp8_weights import fp8_candidates, hold_in_fp8, image_bytes
 from torchtune_offload.optim.handoff import BackwardHandoff, handoff_groups
+from torchtune_offload.plan.peak_tracker import KINDS as _KINDS
+from torchtune_offload.plan.peak_tracker import MIDDLE as _MIDDLE
+from torchtune_offload.plan.peak_tracker import OPT as _OPT
+from torchtune_offload.plan.peak_tracker import TOTAL as _TOTAL
+from torchtune_offload.plan.peak_tracker import WORKING_KINDS, Event, NoHook, PeakTracker
 from torchtune_offload.recipe import RecipeSettings, build_loss, loss_of_logits
 from torchtune_offload.recipe.checks.fit import meta_model
 from torchtune_offload.recipe.checks.meta_nf4 import copy_meta_model
@@ -82,6 +88,10 @@ class StepTrace:
             optimizer (no state, no step), as tracing it so would give; else None.
         ops_per_micro_batch: the aten operators the first micro-batch's forward, loss and backward
             dispatched, as ``plan/launch.py`` counts them (extrapolated to every layer with the peak).
+        working_bytes: the most memory alive at once that is no parameter, buffer, gradient or
+            optimizer state (activations, temporaries, the loss's), at its own moment of the step,
+            which need not be the peak's: what a rank of FSDP2 adds to the parameters it holds,
+            running the same model on its own batch (``plan/fsdp.py``).
     """
 
     peak_bytes: int
@@ -90,6 +100,7 @@ class StepTrace:
     traced_layers: Tuple[int, ...] = ()
     without_optimizer: Optional["StepTrace"] = None
     ops_per_micro_batch: int = 0
+    working_bytes: int = 0
 
 
 def trace_training_step(
@@ -101,6 +112,7 @@ def trace_training_step(
     free_gradients: Union[bool, str] = False,
     make_optimizer: Optional[Callable[[list], torch.optim.Optimizer]] = None,
     fp8_weights: Optional[Tuple[int, bool]] = None,
+    row_chunked_loss: bool = False,
 ) -> StepTrace:
     """Traces one training step of the run ``cfg`` describes, on fake tensors.
 
@@ -131,6 +143,9 @@ def trace_training_step(
         fp8_weights: ``(minimal_size, per_row)`` of ``device_weights`` FP8 images: the layers the
             engine would hold in FP8 compute as it makes them (widened in forward and backward),
             their images counted under ``FP8 weight images``.
+        row_chunked_loss: the distributed recipe's loss where the output projection is an FSDP2
+            unit of its own (``distributed/loss.py``): the projection runs once, and a chunked loss
+            upcasts its rows a chunk at a time, instead of the decoder projecting chunk by chunk.
     """
     start = time.perf_counter()
     model = build_meta_model(cfg, settings)
@@ -141,40 +156,48 @@ def trace_training_step(
         raise UntraceableModelError(_component(cfg), f"cannot be set up for a training step as the recipe sets "
                                     f"it up ({type(err).__name__}: {one_line(err)})") from err
     step = partial(_traced_step, cfg, settings, seq_len=seq_len, free_gradients=free_gradients,
-                   make_optimizer=make_optimizer, fp8_weights=fp8_weights)
+                   make_optimizer=make_optimizer, fp8_weights=fp8_weights, row_chunked_loss=row_chunked_loss)
     peak, peak_without, traced_layers, ops = _traced_peaks(step, model)
     seconds = time.perf_counter() - start
     without = None
     if peak_without is not None:
-        without = StepTrace(peak_bytes=peak_without[0], by_kind=peak_without[1], seconds=0.0,
-                            traced_layers=traced_layers, ops_per_micro_batch=ops)
-    total, by_kind = peak
+        (total, by_kind), working = peak_without
+        without = StepTrace(peak_bytes=total, by_kind=by_kind, seconds=0.0, traced_layers=traced_layers,
+                            ops_per_micro_batch=ops, working_bytes=working)
+    (total, by_kind), working = peak
     return StepTrace(peak_bytes=total, by_kind=by_kind, seconds=seconds, traced_layers=traced_layers,
-                     without_optimizer=without, ops_per_micro_batch=ops)
+                     without_optimizer=without, ops_per_micro_batch=ops, working_bytes=working)
+
+
+#: A step's peak ``(bytes, bytes by kind)`` and its working peak (:attr:`StepTrace.working_bytes`).
+_Peaks = Tuple[Tuple[int, Dict[str, int]], int]
 
 
 def _traced_peaks(step: Callable[..., "_Traced"], model: nn.Module) -> Tuple[
-        Tuple[int, Dict[str, int]], Optional[Tuple[int, Dict[str, int]]], Tuple[int, ...], int]:
-    """``step``'s peak on ``model``, its peak without the optimizer (or None), the layer counts traced
+        _Peaks, Optional[_Peaks], Tuple[int, ...], int]:
+    """``step``'s peaks on ``model``, its peaks without the optimizer (or None), the layer counts traced
     and a micro-batch's operators: extrapolated from reduced layers where that is exact, else traced whole."""
     layers = _identical_layers(model)
     if layers is not None and len(layers) > sum(REDUCED_LAYERS):
         small, large = (step(_with_first_layers(model, n), record=True) for n in REDUCED_LAYERS)
-        peak = _extrapolated_peak(small, large, num_layers=len(layers))
-        if peak is not None:
-            peak_without = None
+        peaks = _extrapolated_peaks(small, large, num_layers=len(layers))
+        if peaks is not None:
+            peaks_without = None
             if small.before_step is not None and large.before_step is not None:
-                peak_without = _extrapolated_peak(small.before_step, large.before_step, num_layers=len(layers))
+                peaks_without = _extrapolated_peaks(small.before_step, large.before_step, num_layers=len(layers))
             # A layer's operators run once per layer, the rest once (see _extrapolated_peak).
             per_layer = (large.ops - small.ops) // (large.num_layers - small.num_layers)
-            return peak, peak_without, REDUCED_LAYERS, small.ops + per_layer * (len(layers) - small.num_layers)
+            return peaks, peaks_without, REDUCED_LAYERS, small.ops + per_layer * (len(layers) - small.num_layers)
     whole = step(model, record=False)
-    return whole.peak, whole.before_step.peak if whole.before_step is not None else None, (), whole.ops
+    without = whole.before_step
+    return (whole.peak, whole.working), None if without is None else (without.peak, without.working), (), whole.ops
 
 
-#: Events of a traced step: after each operator, the layers running (their roles: see
-#: ``_role``) and the memory alive then, by kind (``_KINDS``).
-_Event = Tuple[FrozenSet[Any], Tuple[int, ...]]
+def _extrapolated_peaks(small: "_Traced", large: "_Traced", *, num_layers: int) -> Optional[_Peaks]:
+    """:func:`_extrapolated_peak` of the total and of the working memory; None where either is."""
+    peak = _extrapolated_peak(small, large, num_layers=num_layers)
+    working = _extrapolated_peak(small, large, num_layers=num_layers, of=_working)
+    return None if peak is None or working is None else (peak, _working(working[1]))
 
 
 @dataclass
@@ -184,11 +207,13 @@ class _Traced:
     stayed the same until its step (see :func:`trace_training_step`)."""
 
     peak: Tuple[int, Dict[str, int]]
-    events: List[_Event]
+    events: List[Event]
     num_layers: int
     before_step: Optional["_Traced"] = None
     #: The operators of the first micro-batch (:attr:`StepTrace.ops_per_micro_batch`).
     ops: int = 0
+    #: :attr:`StepTrace.working_bytes` of this trace.
+    working: int = 0
 
 
 def _freeing_hooks(model: nn.Module, free_gradients: Union[bool, str]) -> List[Any]:
@@ -215,10 +240,10 @@ def _freeing_hooks(model: nn.Module, free_gradients: Union[bool, str]) -> List[A
 
 
 def _set_up(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *,
-            fp8_weights: Optional[Tuple[int, bool]]) -> Tuple[FakeTensorMode, int, Any]:
+            fp8_weights: Optional[Tuple[int, bool]], row_chunked_loss: bool = False) -> Tuple[FakeTensorMode, int, Any]:
     """Sets the meta ``model`` up as the recipe would, on fake storage: activation checkpointing,
-    FP8 layer images where asked, RoPE caches, the loss. Returns the fake mode, the FP8 images'
-    bytes and the loss.
+    FP8 layer images where asked, RoPE caches, the loss (``row_chunked_loss``: see
+    :func:`trace_training_step`). Returns the fake mode, the FP8 images' bytes and the loss.
 
     Raises:
         UntraceableModelError: the recipe's set-up fails on this model.
@@ -239,6 +264,9 @@ def _set_up(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *,
             for module in model.modules():
                 if callable(getattr(module, "rope_init", None)):
                     module.rope_init()
+        if row_chunked_loss:  # as build_loss makes it for an FSDP2 output unit (traced eagerly, never compiled)
+            loss = config.instantiate(cfg.loss)
+            return mode, images, RowChunkedLoss(loss) if isinstance(loss, CEWithChunkedOutputLoss) else loss
         return mode, images, build_loss(cfg.loss, model, settings, verbose=False)
     except Exception as err:  # a model that is not a torchtune decoder, or a tensor type fake storage misses
         raise UntraceableModelError(_component(cfg), f"cannot be set up for a training step as the recipe sets "
@@ -248,22 +276,22 @@ def _set_up(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *,
 def _traced_step(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *, seq_len: int,
                  free_gradients: Union[bool, str],
                  make_optimizer: Optional[Callable[[list], torch.optim.Optimizer]],
-                 fp8_weights: Optional[Tuple[int, bool]], record: bool) -> _Traced:
+                 fp8_weights: Optional[Tuple[int, bool]], record: bool, row_chunked_loss: bool = False) -> _Traced:
     """Traces one step of the meta ``model`` (its trainable parameters marked), as
     :func:`trace_training_step` describes; ``record`` keeps every event for :func:`_extrapolated_peak`."""
-    mode, images, loss_fn = _set_up(cfg, settings, model, fp8_weights=fp8_weights)
+    mode, images, loss_fn = _set_up(cfg, settings, model, fp8_weights=fp8_weights, row_chunked_loss=row_chunked_loss)
     trainable = [p for p in model.parameters() if p.requires_grad]
     hooks = _freeing_hooks(model, free_gradients)
-    vocab = _vocab_size(cfg, model)
+    vocab = token_vocab_size(cfg, model)
     layers = getattr(model, "layers", None)
     with mode, warnings.catch_warnings():
         optimizer = make_optimizer(trainable) if make_optimizer is not None else None
-        tracker = _PeakTracker(layers=list(layers) if record else None)
+        tracker = PeakTracker(layers=list(layers) if record else None)
         # MemTracker hooks every parameter's gradient, which torch refuses for frozen ones (LoRA's
         # base weights): mark those as hooked already. They never get a gradient to track.
         for param in model.parameters():
             if not param.requires_grad:
-                tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+                tracker._param_to_grad_hook_handles[param] = (NoHook(), NoHook())
         # MemTracker warns about the gradients the free hook has just dropped; they are gone, as meant.
         warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
         # torchtune's RMSNorm hands torch an fp32 input with a bf16 weight, and torch's CPU kernel
@@ -288,7 +316,7 @@ def _traced_step(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *,
                     if not micro_batch:
                         ops = tracker.ops
                 if optimizer is not None:
-                    before_step = (tracker.peak(), len(tracker.events), tracker.now()[_OPT])
+                    before_step = (tracker.peak(), len(tracker.events), tracker.now()[_OPT], tracker.working_peak)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
         except Exception as err:  # whatever an operator of the model refuses on fake tensors
@@ -300,16 +328,18 @@ def _traced_step(cfg: DictConfig, settings: RecipeSettings, model: nn.Module, *,
     # parameters, not them): a constant added to every event.
     events = [(label, (*kinds, images)) for label, kinds in tracker.events]
     num_layers = len(layers) if layers is not None else 0
-    traced = _Traced(peak=_peak_of(tracker.peak(), images), events=events, num_layers=num_layers, ops=ops)
+    traced = _Traced(peak=_peak_of(tracker.peak(), images), events=events, num_layers=num_layers, ops=ops,
+                     working=tracker.working_peak)
     if before_step is not None:
-        peak, count, state_at_step = before_step
+        peak, count, state_at_step, working = before_step
         earlier = events[:count]
         # Exact only if the optimizer's state was the same from the first operator to its step
         # (the peak's figure stands for the events a whole-model trace does not keep).
         if state_at_step == state == peak[_OPT] and all(figures[_OPT] == state for _, figures in earlier):
             traced.before_step = _Traced(
                 peak=_peak_of(_less_state(peak, state), images),
-                events=[(label, _less_state(figures, state)) for label, figures in earlier], num_layers=num_layers)
+                events=[(label, _less_state(figures, state)) for label, figures in earlier], num_layers=num_layers,
+                working=working)
     return traced
 
 
@@ -330,11 +360,8 @@ def _peak_of(figures: Tuple[int, ...], images: int) -> Tuple[int, Dict[str, int]
 
 
 #: The layer counts of the two reduced traces a deep decoder's step is extrapolated from: with
-#: two layers at each end (``_role``), each count holds the first, second, second-last and last.
+#: two layers at each end (``peak_tracker.role``), each count holds the first, second, second-last and last.
 REDUCED_LAYERS = (4, 5)
-#: Layers at each end whose events are told apart from the middle ones'.
-_ENDS = 2
-_MIDDLE = "middle"
 _FP8_IMAGES = "FP8 weight images"
 
 
@@ -379,21 +406,27 @@ def _with_first_layers(model: nn.Module, num_layers: int) -> nn.Module:
         model.layers = layers
 
 
-def _role(index: int, num_layers: int) -> Any:
-    """What sets layer ``index`` apart: its place from either end, or none (a middle layer)."""
-    if index < _ENDS:
-        return index
-    if index >= num_layers - _ENDS:
-        return index - num_layers
-    return _MIDDLE
+def _working(figures: Any) -> int:
+    """The working memory (:attr:`StepTrace.working_bytes`) of an event's figures by kind (``_KINDS``,
+    then any more), or of a peak's figures by kind name."""
+    if isinstance(figures, dict):
+        return sum(figures.get(k.value, 0) for k in WORKING_KINDS)
+    return sum(figures[_KINDS.index(k)] for k in WORKING_KINDS)
 
 
-def _extrapolated_peak(small: _Traced, large: _Traced, *, num_layers: int) -> Optional[Tuple[int, Dict[str, int]]]:
-    """The peak of the step with ``num_layers`` identical layers, from traces with fewer.
+def _total(figures: Tuple[int, ...]) -> int:
+    """An event's total, the FP8 images beside what the tracker saw included."""
+    return figures[_TOTAL] + figures[-1]
+
+
+def _extrapolated_peak(small: _Traced, large: _Traced, *, num_layers: int,
+                       of: Callable[[Tuple[int, ...]], int] = _total) -> Optional[Tuple[int, Dict[str, int]]]:
+    """The peak of the step with ``num_layers`` identical layers, from traces with fewer: the event
+    where ``of`` its figures (default: the total) is largest.
 
     Why it is exact: the step's operators run in the same order at any depth, those outside the
     layers once, those of a layer once per layer. An event (the memory alive after an operator) is
-    keyed by the layers running then, each by its role (``_role``: the first two and the last two
+    keyed by the layers running then, each by its role (``peak_tracker.role``: the first two and the last two
     by place, the others ``_MIDDLE``), and by its place in that run of events. What is alive at an
     event outside the layers or in an end layer is what each layer holds at that moment (weights,
     gradients, saved inputs, optimizer state: the same for every layer before it, the same for
@@ -401,7 +434,8 @@ def _extrapolated_peak(small: _Traced, large: _Traced, *, num_layers: int) -> Op
     layers, which two traces give exactly. In a middle layer ``k`` it is linear in ``k`` too, so
     over the middle layers it is largest at the second or the second-last layer, both keyed; their
     events are left out. The peak is the largest event with ``num_layers`` layers, by kind as at
-    that event. Operators that allocate nothing are not events (``_PeakTracker``).
+    that event. Operators that allocate nothing are not events (``PeakTracker``). The same holds
+    for any sum of kinds (``of``: the working memory, :func:`_working`), each kind being linear too.
 
     Returns:
         ``(bytes, bytes by kind)``; ``None`` where the two traces' events do not line up (a step
@@ -415,7 +449,7 @@ def _extrapolated_peak(small: _Traced, large: _Traced, *, num_layers: int) -> Op
     for (_, few), (_, more) in zip(*runs):
         for a, b in zip(few, more):
             figures = [x + (y - x) * (num_layers - small.num_layers) // steps for x, y in zip(a, b)]
-            total = figures[_TOTAL] + figures[-1]
+            total = of(figures)
             if peak is None or total > peak[0]:
                 peak = (total, figures)
     if peak is None:
@@ -514,83 +548,7 @@ def one_line(err: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-#: The kinds of memory MemTracker counts, in the order of its snapshots, and their total.
-_KINDS = (*_MemRefType, _TOTAL_KEY)
-_OPT, _TOTAL = _KINDS.index(_MemRefType.OPT), _KINDS.index(_TOTAL_KEY)
-
-
-class _PeakTracker(MemTracker):
-    """``MemTracker`` keeping only the step's overall peak, which is all the planner reads, and,
-    given the decoder's ``layers``, every event (:data:`_Event`) for :func:`_extrapolated_peak`.
-
-    ``MemTracker`` also keeps each module's own peak: at every operator it passes over every
-    module seen so far, so a trace costs operators x modules. LoRA's adapters triple the modules of
-    a model: planning llama3_2 1B LoRA took 75 s against 33 s for the full fine-tune, and Llama 3.1
-    8B LoRA did not finish a variant in 9 minutes. The overall peak is updated exactly as
-    ``MemTracker`` updates it.
-    """
-
-    def __init__(self, *, layers: Optional[List[nn.Module]] = None):
-        super().__init__()
-        self._layers = layers
-        self._roles: Optional[Dict[str, Any]] = None
-        self._before = 0
-        self.events: List[_Event] = []
-        #: Operators dispatched so far, counted as ``plan/launch.py`` counts them.
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        if self._layers is not None:
-            self._before = self._total()
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-    def _update_peak_stats(self, peak_state) -> None:
-        del peak_state  # a module-level state; no module peaks are kept
-        for dev, snapshot in self._curr_mem_snap.items():
-            if self._peak_mem.get(dev, 0) < snapshot[_TOTAL_KEY]:
-                self._peak_mem[dev] = snapshot[_TOTAL_KEY]
-                self._peak_mem_snap[dev] = deepcopy(snapshot)
-        # After an operator that allocates nothing (a device query, a scalar read: torch's AdamW
-        # makes some per parameter, so their number grows with the layers) no more is alive than
-        # at the event before it, at any number of layers: it cannot be the peak, and leaving it
-        # out lines up the events of traces with different numbers of layers.
-        if self._layers is not None and (self._total() != self._before or not self.events):
-            snapshot = next(iter(self._curr_mem_snap.values()), {})
-            self.events.append((self._running(), tuple(snapshot.get(k, 0) for k in _KINDS)))
-
-    def now(self) -> Tuple[int, ...]:
-        """What is alive now, by kind (``_KINDS``)."""
-        snapshot = next(iter(self._curr_mem_snap.values()), {})
-        return tuple(int(snapshot.get(k, 0)) for k in _KINDS)
-
-    def peak(self) -> Tuple[int, ...]:
-        """What was alive at the peak so far, by kind (``_KINDS``)."""
-        snapshot = next(iter(self._peak_mem_snap.values()), {})
-        return tuple(int(snapshot.get(k, 0)) for k in _KINDS)
-
-    def _total(self) -> int:
-        # Fake tensors are all on one device (the CPU).
-        return sum(snapshot[_TOTAL_KEY] for snapshot in self._curr_mem_snap.values())
-
-    def _running(self) -> FrozenSet[Any]:
-        """The roles of the layers running now (``ModTracker`` names them once the model runs)."""
-        if self._roles is None:
-            names = [self._mod_tracker.get_known_fqn(layer) for layer in self._layers]
-            if None in names:
-                return frozenset()
-            self._roles = {name: _role(i, len(names)) for i, name in enumerate(names)}
-        return frozenset(self._roles[n] for n in self._mod_tracker.parents if n in self._roles)
-
-
-class _NoHook:
-    """A hook handle with nothing to remove."""
-
-    def remove(self) -> None:
-        pass
-
-
-def _vocab_size(cfg: DictConfig, model: nn.Module) -> int:
+def token_vocab_size(cfg: DictConfig, model: nn.Module) -> int:
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     if not embeddings:
         raise UntraceableModelError(_component(cfg), "no token embedding found, so the planner cannot make "

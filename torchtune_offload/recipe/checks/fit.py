@@ -199,7 +199,7 @@ def _add_model_on_the_host(model: nn.Module, *, load: Dict[str, int], train: Dic
         train["gradients"] = sum(nbytes(p) for p in model.parameters() if p.requires_grad)
 
 
-def _shard(param: torch.Tensor, world_size: int) -> torch.Tensor:
+def meta_shard(param: torch.Tensor, world_size: int) -> torch.Tensor:
     """One rank's FSDP2 shard of ``param`` on the meta device: dim 0 split in ``world_size``
     equal parts, padded (FSDP2 allocates every rank's shard at the padded size)."""
     if param.dim() == 0:
@@ -228,7 +228,7 @@ def sharded_host_memory_need(
     offload = settings.fsdp_cpu_offload if fsdp_cpu_offload is None else fsdp_cpu_offload
     model = meta_model(cfg.model, settings)
     params = list(model.parameters())
-    shards = [_shard(p, world_size) for p in params]
+    shards = [meta_shard(p, world_size) for p in params]
     trainable = [shard for shard, p in zip(shards, params) if p.requires_grad]
     on_host = settings.device.type == "cpu" or offload
     notes = ["activations and the layers FSDP2 gathers for forward and backward of a device=cpu run are not "
