@@ -151,7 +151,11 @@ def _run_ranks(tmp_path: Path, case: dict, world: int = 2, *, failing: bool = Fa
     dict(accumulation=1, clip=None, options=dict(minimal_size=0, overlap=True)),
     # The default minimal_size: small shards step on the device, in the window too.
     dict(accumulation=2, clip=0.5, options=dict(offload_gradients=True, overlap=True)),
-], ids=["plain", "clip-accumulate", "device-update", "offload-gradients", "overlap", "overlap-offload-minimal-size"])
+    # Later micro-batches' shards added on the device.
+    dict(accumulation=3, clip=1.0, options=dict(minimal_size=0, offload_gradients=True, overlap=True,
+                                                grad_sum_on="device")),
+], ids=["plain", "clip-accumulate", "device-update", "offload-gradients", "overlap", "overlap-offload-minimal-size",
+        "device-sums"])
 def test_two_ranks_train_as_fsdp2_with_plain_adamw_bit_for_bit(tmp_path, case):
     results = _run_ranks(tmp_path, dict(case, steps=3))
     for rank, result in enumerate(results):
