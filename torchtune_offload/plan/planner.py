@@ -478,8 +478,8 @@ def _fine_tune_cfg(cfg: DictConfig, fine_tune: FineTune) -> DictConfig:
 
 
 def default_variants() -> List[str]:
-    """The configured optimizer, then the sweep's single-device variants (the planner plans one
-    device, not FSDP2's ranks)."""
+    """The configured optimizer, then the sweep's single-device variants: a single-device config's
+    (a config of the distributed recipe gets the ``fsdp2_`` ones, ``plan/__main__.py``)."""
     return ["config", *SINGLE_DEVICE_VARIANTS]
 
 
