@@ -171,9 +171,10 @@ def test_sigkill_at_a_random_step_then_resume_is_exact(straight, tiny_assets, tm
     assert len(complete_checkpoints(out)) == 2
 
 
-#: The engine on each rank's shards (``distributed/sharded_offload.py``), whose losses are plain AdamW's.
+#: The engine on each rank's shards (``distributed/sharded_offload.py``), gradients offloaded and host steps
+#: overlapped (a checkpoint then waits for the steps in flight), whose losses are plain AdamW's.
 ENGINE = ["optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW",
-          "optimizer.minimal_size=0"]
+          "optimizer.minimal_size=0", "optimizer.offload_gradients=True", "optimizer.overlap=True"]
 
 
 def test_the_engine_on_shards_killed_at_a_random_step_resumes_as_the_straight_adamw_run(straight, tiny_assets,
