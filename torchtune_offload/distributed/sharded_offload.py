@@ -63,6 +63,20 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
     optimizer whose ``param_groups`` are the engine's, so an LR scheduler built on it sets the
     learning rate the engine steps with.
 
+    Example (each rank; the distributed recipe does this with ``optimizer._component_=
+    torchtune_offload.OffloadOptimizer``)::
+
+        opt = ShardedOffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", lr=1e-5,
+                                      offload_gradients=True, overlap=True)
+        opt.register_forward_waits(model)  # with overlap: each unit waits before FSDP2 gathers it
+        for micro_batch in window[:-1]:
+            loss_of(micro_batch).backward()
+        opt.expect_final_backward(clipping=True)
+        loss_of(window[-1]).backward()
+        opt.clip_grad_norm_(1.0)  # over every rank
+        opt.step()
+        opt.zero_grad()
+
     Args:
         named_params: ``model.named_parameters()`` of a model sharded with ``fully_shard``, after
             its weights are loaded (the engine copies them to the host here).
