@@ -21,7 +21,9 @@ is what keeps the GPU waiting.
 
 Per step it reports seconds, the aten ops the training thread dispatches (from a profile of one
 more step: the ops no other aten op called, on that thread alone, so that the engine's worker
-threads are not counted and a compiled graph counts as no op), and the engine's hand-offs in
+threads are not counted and a compiled graph counts as no op), of them those FP8 device weights'
+design needs (its quantizations and widenings, :data:`DESIGN_FUNCTIONS`, found by the profile's
+Python calls) with the ratio to plain AdamW's ops plus them, and the engine's hand-offs in
 backward (one per transformer layer or bucket of other parameters a micro-batch; with
 ``--per-parameter`` also each hooked mode with one per parameter, side by side). Prints a markdown table naming the CPU.
 """
@@ -29,6 +31,7 @@ backward (one per transformer layer or bucket of other parameters a micro-batch;
 import argparse
 import copy
 import json
+import re
 import statistics
 import sys
 import time
@@ -64,6 +67,12 @@ ENGINE_MODES: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "update-on-device": ("update_on: device, overlap", dict(update_on="device", overlap=True)),
 }
 PLAIN = "plain AdamW"
+#: The functions whose ops a mode's design needs beyond plain AdamW's, counted apart as they run: FP8
+#: device weights' quantization of each held weight after its host step (``DeviceWeights._quantize``:
+#: the scales, the values, the scales in the weight's dtype) and the widening of its image before
+#: each use (``dequantize``: the cast and the product; three a micro-batch with activation
+#: checkpointing, none where a compiled layer widens inside its graph).
+DESIGN_FUNCTIONS = re.compile(r"fp8_weights\.py\(\d+\): (_quantize|dequantize)$")
 #: The profiled range of the counted step, which names the training thread in the profile.
 STEP_RANGE = "bench_launching_thread: step"
 #: torchao's wrapper's ``--modes`` key and row name.
@@ -113,6 +122,9 @@ class Trainee:
                 scheduler = engine._scheduler
                 scheduler.handoff = BackwardHandoff(range(len(named)), scheduler.take_backward_grads)
             self.run = HoldingOptimizer(engine, model=self.model, clip_grad_norm=CLIP)
+        #: Whether the mode's design needs ops of :data:`DESIGN_FUNCTIONS` (FP8 device weights).
+        options = ENGINE_MODES.get(key.removesuffix(PER_PARAMETER), ("", {}))[1]
+        self.design_ops = options.get("device_weights") is not None
         self.accum = accum
         gen = torch.Generator().manual_seed(0)
         self.batches = [torch.randint(0, VOCAB_SIZE, (1, TOKENS + 1), generator=gen).to(device) for _ in range(accum)]
@@ -173,20 +185,32 @@ def timed_steps(trainee: Trainee, steps: int) -> List[float]:
     return seconds
 
 
+def _in_design_function(event: Any) -> bool:
+    """Whether a profiled op ran inside one of :data:`DESIGN_FUNCTIONS` (from the profile's Python calls)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if DESIGN_FUNCTIONS.search(parent.name):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
 def counted_step(trainee: Trainee) -> Dict[str, Optional[int]]:
     """One step's aten ops dispatched by this (the training) thread, from a profile of it (a
     compiled graph's kernels are no aten op; a dispatch mode would make dynamo run the graph's ops
-    one by one), and the engine's hand-offs."""
+    one by one), those of them its design needs (:data:`DESIGN_FUNCTIONS`, found by the profile's
+    Python calls; None for a mode without them), and the engine's hand-offs."""
     before = trainee.handoffs()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_stack=trainee.design_ops) as prof:
         with record_function(STEP_RANGE):
             trainee.step()
     trainee.run.synchronize()
     after = trainee.handoffs()
     events = prof.events()
     training = next(e.thread for e in events if e.name == STEP_RANGE)
-    ops = sum(1 for e in events if e.thread == training and e.name.startswith("aten::") and not _nested(e))
-    return {"ops": ops, "handoffs": None if before is None else after - before}
+    counted = [e for e in events if e.thread == training and e.name.startswith("aten::") and not _nested(e)]
+    design = sum(map(_in_design_function, counted)) if trainee.design_ops else None
+    return {"ops": len(counted), "design_ops": design, "handoffs": None if before is None else after - before}
 
 
 def measure(trainees: Dict[str, Any], *, rounds: int, steps: int, log: Callable[[str], None]) -> Dict[str, Dict]:
@@ -206,14 +230,21 @@ def measure(trainees: Dict[str, Any], *, rounds: int, steps: int, log: Callable[
 
 def table(results: Dict[str, Dict], skipped: Dict[str, str], *, header: str) -> str:
     plain_ops = results[PLAIN]["ops"]
-    lines = [header, "", "| mode | s/step | x plain (median of rounds) | aten ops/step | x plain | engine hand-offs/step |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [header, "", "| mode | s/step | x plain (median of rounds) | aten ops/step | x plain | "
+             "of them design ops | x (plain + design ops) | engine hand-offs/step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         handoffs = "" if r["handoffs"] is None else str(r["handoffs"])
+        design = r["design_ops"]
+        apart = "| |" if design is None else f"{design} | {r['ops'] / (plain_ops + design):.2f} |"
         lines.append(f"| {name} | {r['seconds']:.3f} | {r['ratio']:.2f} | {r['ops']} | {r['ops'] / plain_ops:.2f} | "
-                     f"{handoffs} |")
+                     f"{apart} {handoffs} |")
     for name, why in skipped.items():
-        lines.append(f"| {name} | does not run here: {why} | | | | |")
+        lines.append(f"| {name} | does not run here: {why} | | | | | | |")
+    if any(r["design_ops"] is not None for r in results.values()):
+        lines += ["", "Design ops: the ops FP8 device weights' design needs, counted as they run: each held weight's "
+                      "quantization after its host step (DeviceWeights._quantize) and each widening of its image "
+                      "(dequantize: three a micro-batch with activation checkpointing, none inside a compiled layer)."]
     return "\n".join(lines)
 
 

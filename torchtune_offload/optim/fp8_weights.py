@@ -60,11 +60,45 @@ def _row_chunks(rows: int, cols: int) -> Iterator[slice]:
         yield slice(start, min(rows, start + step))
 
 
-def _power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two ``s`` with ``amax / s <= FP8_MAX`` (1 where ``amax`` is 0)."""
-    amax = amax.float()
-    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
-    return torch.where(amax > 0, scale, torch.ones_like(scale))
+class _Quantizer:
+    """:func:`quantize` of one weight into fixed buffers, its views made once and its temporaries
+    given: each call dispatches the same ten operations for a weight of one row chunk (the norm,
+    six for the scales, three for the values) and allocates nothing.
+
+    Args:
+        weight: the master (2-D, any float dtype).
+        out: its FP8 values (``weight``'s shape).
+        scale_out: its fp32 scales (:func:`scale_shape`).
+        per_row: one scale per output row, else one for the tensor.
+        wide: an fp32 buffer of at least one row chunk's elements (the quotient before its cast).
+        positive: a bool buffer of at least ``scale_out``'s elements.
+        one: a 0-d fp32 tensor holding 1.
+    """
+
+    def __init__(self, weight: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor, *, per_row: bool,
+                 wide: torch.Tensor, positive: torch.Tensor, one: torch.Tensor) -> None:
+        rows, cols = weight.shape
+        self.weight, self.out, self.scale, self.per_row, self.one = weight, out, scale_out, per_row, one
+        self.positive = positive[:scale_out.numel()].view(scale_out.shape)
+        chunks = list(_row_chunks(rows, cols))
+        if len(chunks) == 1:  # no slicing at all: one chunk is the whole weight
+            chunks = [slice(None)]
+        self.chunks = [(weight[c], out[c], scale_out[c] if per_row else scale_out,
+                        wide[:weight[c].numel()].view(weight[c].shape)) for c in chunks]
+
+    def __call__(self) -> None:
+        weight, scale = self.weight, self.scale
+        # The largest magnitude per row (or of the tensor), exact: abs and max round nothing.
+        torch.linalg.vector_norm(weight, float("inf"), dim=1 if self.per_row else None, keepdim=True,
+                                 dtype=torch.float32, out=scale)
+        # The smallest power of two s with amax / s <= FP8_MAX, in place; 1 where amax is not positive.
+        torch.gt(scale, 0, out=self.positive)
+        scale.div_(FP8_MAX).log2_().ceil_().exp2_()
+        torch.where(self.positive, scale, self.one, out=scale)
+        for w, q, s, wide in self.chunks:
+            # Division by a power of two is exact; the cast to FP8 is the one rounding.
+            torch.div(w, s, out=wide)
+            q.copy_(wide.clamp_(-FP8_MAX, FP8_MAX))
 
 
 @torch.no_grad()
@@ -83,25 +117,31 @@ def quantize(weight: torch.Tensor, *, per_row: bool, out: Optional[torch.Tensor]
     Returns:
         ``(out, scale_out)``.
     """
-    rows, cols = weight.shape
     out = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device) if out is None else out
     if scale_out is None:
         scale_out = torch.empty(scale_shape(weight.shape, per_row=per_row), dtype=torch.float32, device=weight.device)
-    chunks = list(_row_chunks(rows, cols))
-    # abs and max are exact in any dtype: the amax is the master's own.
-    amax = torch.cat([weight[c].abs().amax(dim=1) for c in chunks]).view(rows, 1)
-    scale_out.copy_(_power_of_two_scale(amax if per_row else amax.amax().view(1, 1)))
-    for c in chunks:
-        # Division by a power of two is exact; the cast to FP8 is the one rounding.
-        wide = weight[c].float().div(scale_out[c] if per_row else scale_out)
-        out[c].copy_(wide.clamp_(-FP8_MAX, FP8_MAX))
+    _Quantizer(weight, out, scale_out, per_row=per_row,
+               **_temporaries([weight.shape], per_row=per_row, device=weight.device))()
     return out, scale_out
 
 
+def _temporaries(shapes: List[torch.Size], *, per_row: bool, device: torch.device) -> Dict[str, torch.Tensor]:
+    """What :class:`_Quantizer` needs beside its buffers, for weights of these shapes: an fp32
+    buffer as large as their largest row chunk, a bool per row, a 1."""
+    chunk = max(min(rows * cols, max(1, _CHUNK_ELEMENTS // max(cols, 1)) * cols) for rows, cols in shapes)
+    rows = max(rows for rows, _ in shapes) if per_row else 1
+    return dict(wide=torch.empty(chunk, dtype=torch.float32, device=device),
+                positive=torch.empty(rows, dtype=torch.bool, device=device),
+                one=torch.ones((), dtype=torch.float32, device=device))
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``q * scale`` in ``dtype`` (exact for bf16, fp16 and fp32: the scale is a power of two)."""
+    """``q * scale`` in ``dtype`` (exact for bf16, fp16 and fp32: the scale is a power of two).
+
+    A scale already in ``dtype`` (a held weight's device scale) is used as it is: the widening is
+    then two operations, the cast and the product."""
     wide = q.to(dtype)
-    return wide.mul_(scale.to(dtype))
+    return wide.mul_(scale if scale.dtype == dtype else scale.to(dtype))
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -160,9 +200,11 @@ class _WholeLayerRecompute:
 
 
 class _Held:
-    """One weight held in FP8 on the device: its slot, module, device image and host scales."""
+    """One weight held in FP8 on the device: its slot, module, device image (values and scales in
+    the parameter's dtype), its fp32 host scales, and what its uploads quantize into (made once per
+    host gradient buffer: the values in its first bytes, the scales in the parameter's dtype after them)."""
 
-    __slots__ = ("slot", "module", "q", "scale", "host_scale")
+    __slots__ = ("slot", "module", "q", "scale", "host_scale", "buffer", "quantizer", "q_host", "scale_host")
 
     def __init__(self, slot: Slot, module: nn.Linear, q: torch.Tensor, scale: torch.Tensor,
                  host_scale: torch.Tensor) -> None:
@@ -171,6 +213,10 @@ class _Held:
         self.q = q
         self.scale = scale
         self.host_scale = host_scale
+        self.buffer: Optional[torch.Tensor] = None
+        self.quantizer: Optional[_Quantizer] = None
+        self.q_host: Optional[torch.Tensor] = None
+        self.scale_host: Optional[torch.Tensor] = None
 
 
 def _eligible_linears(model: nn.Module) -> Dict[int, Tuple[str, nn.Linear]]:
@@ -191,7 +237,7 @@ def _eligible_linears(model: nn.Module) -> Dict[int, Tuple[str, nn.Linear]]:
 
 def hold_in_fp8(module: nn.Linear, *, per_row: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Makes ``module`` compute with an FP8 image of its weight: new (uninitialised) FP8 values
-    and scales on the weight's device, the weight's own storage reduced to one element, and the
+    and scales (in the weight's dtype) on the weight's device, the weight's own storage reduced to one element, and the
     forward replaced by :func:`fp8_linear`. The caller fills the image.
 
     Returns:
@@ -199,7 +245,8 @@ def hold_in_fp8(module: nn.Linear, *, per_row: bool) -> Tuple[torch.Tensor, torc
     """
     weight = module.weight
     q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
-    scale = torch.empty(scale_shape(weight.shape, per_row=per_row), dtype=torch.float32, device=weight.device)
+    # In the weight's dtype, as the widening multiplies by it (a power of two: the same value).
+    scale = torch.empty(scale_shape(weight.shape, per_row=per_row), dtype=weight.dtype, device=weight.device)
     # The full-size device weight goes: one element, expanded to the parameter's shape.
     weight.data = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
 
@@ -219,9 +266,9 @@ def fp8_candidates(model: nn.Module, *, minimal_size: int) -> Dict[str, nn.Linea
 
 
 def image_bytes(weight: torch.Tensor, *, per_row: bool) -> int:
-    """Device bytes of one weight's FP8 image: one per element, four per scale."""
+    """Device bytes of one weight's FP8 image: one per element, and its scales in the weight's dtype."""
     rows, cols = scale_shape(weight.shape, per_row=per_row)
-    return weight.numel() + 4 * rows * cols
+    return weight.numel() + rows * cols * weight.element_size()
 
 
 class DeviceWeights:
@@ -248,6 +295,10 @@ class DeviceWeights:
         self._held: Dict[int, _Held] = {}
         self.attached = False
         self._hooks: List[object] = []
+        # The quantizations' temporaries, shared by the held weights (made when bound); the lock
+        # only guards against two threads quantizing at once, which the engine never does.
+        self._temporaries: Dict[str, torch.Tensor] = {}
+        self._quantizing = stream_check.HostLock()
 
     def holds(self, slot: Slot) -> bool:
         """The slot's device weight is an FP8 image."""
@@ -277,10 +328,13 @@ class DeviceWeights:
             raise ValueError(f"optimizer.device_weights={self.mode}: the model has no offloaded nn.Linear weight under a "
                              "'layers' container (a torchtune TransformerDecoder's), so nothing would be held in "
                              "FP8. Remove optimizer.device_weights, or lower optimizer.minimal_size.")
+        with stream_check.host_work():  # host memory, made once: each quantization allocates nothing
+            self._temporaries = _temporaries([s.step_param.shape for s, _ in chosen], per_row=self.per_row,
+                                             device=torch.device("cpu"))
         for slot, module in chosen:
             q, scale = hold_in_fp8(module, per_row=self.per_row)
             held = _Held(slot, module, q=q, scale=scale,
-                         host_scale=self._transfer.host_empty_like(torch.empty(scale.shape)))
+                         host_scale=self._transfer.host_empty_like(torch.empty(scale.shape, dtype=torch.float32)))
             self._held[slot.index] = held
             # The new device buffers were allocated on the compute stream.
             self._transfer.uploads_wait_for_compute()
@@ -294,14 +348,28 @@ class DeviceWeights:
         self.attached = True
 
     def _upload_fresh(self, held: _Held) -> None:
-        """Quantizes a master into a new host buffer and uploads it (attach and checkpoint loads),
-        waiting for the copy so that one weight's buffer is alive at a time."""
+        """Quantizes a master into new host buffers and uploads them (attach and checkpoint loads:
+        the gradient buffer may hold a sum then), waiting for the copies so that one weight's
+        buffers are alive at a time."""
         with stream_check.host_work():
             q_host = self._transfer.host_empty_like(torch.empty(held.q.shape, dtype=FP8_DTYPE))
-            quantize(held.slot.step_param, per_row=self.per_row, out=q_host, scale_out=held.host_scale)
-        self._transfer.to_device(held.q, q_host)
-        self._transfer.to_device(held.scale, held.host_scale)
+            scale_host = self._transfer.host_empty_like(torch.empty(held.scale.shape, dtype=held.scale.dtype))
+            self._quantize(held.slot.step_param, q_host, held.host_scale, scale_host)
+        self._upload(held, q_host, scale_host)
         self._transfer.synchronize()
+
+    def _quantize(self, master: torch.Tensor, q_host: torch.Tensor, host_scale: torch.Tensor,
+                  scale_host: torch.Tensor, quantizer: Optional[_Quantizer] = None) -> None:
+        """``quantize(master)`` into ``q_host`` and ``host_scale``, the scales also in ``scale_host``'s dtype."""
+        with self._quantizing:
+            quantizer = quantizer or _Quantizer(master, q_host, host_scale, per_row=self.per_row, **self._temporaries)
+            quantizer()
+            scale_host.copy_(host_scale)
+
+    def _upload(self, held: _Held, q_host: torch.Tensor, scale_host: torch.Tensor) -> object:
+        """The FP8 values and scales up, in one launch; returns its event (see ``TransferEngine.to_device``)."""
+        return self._transfer.timed_copies([held.q, held.scale], [q_host, scale_host], kind="param",
+                                           stream=self._transfer.h2d_stream)
 
     def check_bound(self) -> None:
         """Raises RuntimeError where FP8 weights were asked for but the model was never bound."""
@@ -321,22 +389,41 @@ class DeviceWeights:
             self._upload_fresh(held)
 
     def upload(self, slot: Slot) -> Optional[object]:
-        """After a host step: quantizes the slot's master into its consumed gradient buffer (one
-        byte per element of it) and uploads the FP8 bytes and scales.
+        """After a host step: quantizes the slot's master into its consumed gradient buffer (the
+        FP8 values in its first bytes, the scales in the parameter's dtype after them) and uploads them.
 
         Returns:
             The upload's event (see ``TransferEngine.to_device``).
         """
         held = self._held[slot.index]
-        buffer = slot.host_grad.view(-1).view(torch.uint8)[: slot.param.numel()]
-        q_host = buffer.view(FP8_DTYPE).view(slot.param.shape)
+        if held.buffer is not slot.host_grad:
+            self._bind_buffer(held)
         with stream_check.host_work():
-            quantize(slot.step_param, per_row=self.per_row, out=q_host, scale_out=held.host_scale)
-        self._transfer.to_device(held.q, q_host)
-        return self._transfer.to_device(held.scale, held.host_scale)
+            self._quantize(slot.step_param, held.q_host, held.host_scale, held.scale_host, held.quantizer)
+        return self._upload(held, held.q_host, held.scale_host)
+
+    def _bind_buffer(self, held: _Held) -> None:
+        """Makes the views :meth:`upload` quantizes into, once per gradient buffer: the values in
+        its first bytes, the scales after them (in a host buffer of their own where the gradient
+        buffer has no room: a weight of one or two columns)."""
+        slot = held.slot
+        flat = slot.host_grad.view(-1).view(torch.uint8)
+        numel = slot.param.numel()
+        held.q_host = flat[:numel].view(FP8_DTYPE).view(slot.param.shape)
+        size = held.scale.element_size()
+        start = -(-numel // size) * size
+        stop = start + held.scale.numel() * size
+        if stop <= flat.numel():
+            held.scale_host = flat[start:stop].view(held.scale.dtype).view(held.scale.shape)
+        else:
+            with stream_check.host_work():
+                held.scale_host = self._transfer.host_empty_like(torch.empty(held.scale.shape, dtype=held.scale.dtype))
+        held.quantizer = _Quantizer(slot.step_param, held.q_host, held.host_scale, per_row=self.per_row,
+                                    **self._temporaries)
+        held.buffer = slot.host_grad
 
     def device_image(self, slot: Slot) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The slot's FP8 values and scales on the device (for tests and checks)."""
+        """The slot's FP8 values and scales (in the parameter's dtype) on the device (for tests and checks)."""
         held = self._held[slot.index]
         return held.q, held.scale
 

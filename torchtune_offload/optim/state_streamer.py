@@ -34,165 +34,40 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from torchtune_offload.optim.capabilities import capabilities_of
-from torchtune_offload.optim.host_arena import ALLOCATOR, PageLockError, buffer_bytes, host_buffers
-from torchtune_offload.optim.host_buffers import probe_state
+from torchtune_offload.optim.host_arena import ALLOCATOR, PageLockError, host_buffers
 from torchtune_offload.optim.overlap import register_module_waits
 from torchtune_offload.optim.param_table import ParameterTable, Slot
+# The plans are read from here too (``host_memory``, ``offload_checkpoint``).
+from torchtune_offload.optim.state_plan import (  # noqa: F401
+    SLICE_ELEMENTS, Layout, Plan, cached_layout, check_created, describe_mismatch, largest_slice_bytes, layout_mismatch,
+    placed_scalar, plan_state_bytes, slice_bytes, slice_plan, staged_views, state_layout, unit_of)
 from torchtune_offload.optim.transfer import TransferEngine
 
-#: Slices are whole multiples of this many elements (2 KiB of fp32, a multiple of any vector width).
-SLICE_ELEMENTS = 512
-#: Each staged state starts at a multiple of this many bytes of its staging buffer.
-STAGING_ALIGNMENT = 256
+def allocate_host_states(plans: Dict[int, Plan], *, pinning: str) -> Tuple[Dict[int, Dict[str, torch.Tensor]], str]:
+    """Every streamed slot's array states, each at a page boundary, in one block per dtype
+    (``torch.save`` refuses views of one storage as different dtypes: 8-bit codes and their fp32
+    absmax go in two blocks). Returns them by slot and key, and the pinning they got."""
+    specs = [(index, key, shape, dtype) for index, plan in plans.items() for key, shape, dtype in plan.layout]
 
+    def carve(pinning: str) -> List[torch.Tensor]:
+        made: Dict[Tuple[int, str], torch.Tensor] = {}
+        for dtype in dict.fromkeys(spec[3] for spec in specs):
+            members = [spec for spec in specs if spec[3] == dtype]
+            buffers = host_buffers([(shape, dtype) for _, _, shape, _ in members], pinning=pinning)
+            made.update(((index, key), tensor) for (index, key, _, _), tensor in zip(members, buffers))
+        return [made[(index, key)] for index, key, _, _ in specs]
 
-def _staged_bytes(numel: int, dtype: torch.dtype) -> int:
-    return -(-numel * dtype.itemsize // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
-
-
-#: ``(key, shape, dtype)`` of each array state of a slot, in the base optimizer's order.
-Layout = List[Tuple[str, torch.Size, torch.dtype]]
-
-
-def state_layout(cls: type, options: Dict[str, Any], param: torch.Tensor) -> Tuple[Layout, List[str]]:
-    """The array states (``(key, shape, dtype)``) and the scalar state keys optimizer ``cls``
-    built with ``options`` keeps for ``param``, probed on meta tensors.
-
-    Raises:
-        ValueError: if the optimizer cannot step on meta tensors (its states then cannot be
-            planned before they exist).
-    """
     try:
-        state = probe_state(cls, param.shape, param.dtype, options)
-    except Exception as err:  # any optimizer may fail on meta tensors; say which and why
-        raise ValueError(
-            f"optimizer.update_on=device: {cls.__name__}'s state could not be sized on meta tensors "
-            f"({type(err).__name__}: {err}), so its host buffers cannot be planned. Use optimizer.update_on=host."
-        ) from None
-    arrays = [(k, v.shape, v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    scalars = [k for k in state if k not in {a[0] for a in arrays}]
-    return arrays, scalars
-
-
-def cached_layout(cache: Dict[tuple, Tuple[Layout, List[str]]], cls: type, options: Dict[str, Any],
-                   param: torch.Tensor, *, group: int = 0) -> Tuple[Layout, List[str]]:
-    """:func:`state_layout`, probed once per optimizer class, parameter group (its options can
-    change the states: amsgrad, momentum), shape and dtype."""
-    key = (cls, group, param.shape, param.dtype)
-    if key not in cache:
-        cache[key] = state_layout(cls, options, param)
-    return cache[key]
-
-
-def plan_state_bytes(layout: Layout, *, pinning: str) -> int:
-    """Host bytes of one slot's array states as :class:`StateStreamer` allocates them."""
-    return sum(buffer_bytes(int(torch.Size(shape).numel()) * dtype.itemsize, pinning=pinning)
-               for _, shape, dtype in layout)
-
-
-class _Plan:
-    """How one streamed slot is staged: its layout, and its slices ``(start, stop)`` in elements
-    (one slice of the whole tensor when staged whole)."""
-
-    __slots__ = ("layout", "scalars", "whole", "slices")
-
-    def __init__(self, layout: Layout, scalars: List[str], *, whole: bool, slices: List[Tuple[int, int]]) -> None:
-        self.layout = layout
-        self.scalars = scalars
-        self.whole = whole
-        self.slices = slices
-
-
-def slice_plan(key: str, cls: type, param: torch.Tensor, layout: Layout, scalars: List[str],
-                half_bytes: int) -> _Plan:
-    """Slices of parameter ``key`` (stepped by ``cls``) that fit one staging buffer of ``half_bytes``.
-
-    Raises:
-        ValueError: naming ``optimizer.device_staging_mib`` if one buffer cannot hold what must
-            be staged at once.
-    """
-    numel = param.numel()
-    elementwise = (capabilities_of(cls).elementwise_update and param.is_contiguous()
-                   and all(torch.Size(shape).numel() == numel for _, shape, _ in layout))
-    padding = STAGING_ALIGNMENT * len(layout)
-    if not elementwise:
-        if not capabilities_of(cls).elementwise_update:
-            why_whole = "its update is not declared elementwise"
-        elif not param.is_contiguous():
-            why_whole = "the parameter is not contiguous"
-        else:
-            why_whole = "its states are not shaped like the parameter"
-        need = sum(_staged_bytes(torch.Size(s).numel(), d) for _, s, d in layout)
-        if need > half_bytes:
-            raise ValueError(
-                f"optimizer.device_staging_mib: {key}'s {cls.__name__} states are staged "
-                f"whole ({need / 2**20:.3g} MiB; {why_whole}), but one of the two staging buffers "
-                f"holds {half_bytes / 2**20:.3g} MiB. Set optimizer.device_staging_mib to at least "
-                f"{2 * need / 2**20:.3g}, or optimizer.update_on=host."
-            )
-        return _Plan(layout, scalars, whole=True, slices=[(0, numel)])
-    per_element = sum(d.itemsize for _, _, d in layout)
-    if not per_element:  # no array state (SGD without momentum): the update needs no staging
-        return _Plan(layout, scalars, whole=True, slices=[(0, numel)])
-    span = (half_bytes - padding) // per_element // SLICE_ELEMENTS * SLICE_ELEMENTS
-    if span <= 0:
-        raise ValueError(
-            f"optimizer.device_staging_mib: a staging buffer of {half_bytes} bytes cannot hold one slice of "
-            f"{SLICE_ELEMENTS} elements of {key}'s states ({per_element} bytes each). Set "
-            f"optimizer.device_staging_mib to at least {2 * (SLICE_ELEMENTS * per_element + padding) / 2**20:.3g}."
-        )
-    return _Plan(layout, scalars, whole=False, slices=[(a, min(a + span, numel)) for a in range(0, numel, span)])
-
-
-def _slice_bytes(plan: _Plan, start: int, stop: int) -> int:
-    """Staging bytes of one slice: each state at an aligned offset."""
-    if plan.whole:
-        return sum(_staged_bytes(torch.Size(s).numel(), d) for _, s, d in plan.layout)
-    return sum(_staged_bytes(stop - start, d) for _, _, d in plan.layout)
-
-
-def largest_slice_bytes(plans: List[_Plan]) -> int:
-    return max((_slice_bytes(plan, a, b) for plan in plans for a, b in plan.slices), default=0)
-
-
-def _layout_mismatch(layout: Layout, state: Dict[str, Any]) -> Optional[Tuple[str, str, str]]:
-    """The first state of ``layout`` that ``state`` lacks or holds in another shape or dtype, as
-    ``(key, what state holds, what the layout plans)``; None if all match."""
-    for key, shape, dtype in layout:
-        value = state.get(key)
-        if not isinstance(value, torch.Tensor) or value.shape != torch.Size(shape) or value.dtype != dtype:
-            found = f"{value.dtype}{list(value.shape)}" if isinstance(value, torch.Tensor) else "missing"
-            return key, found, f"{dtype}{list(shape)}"
-    return None
-
-
-def _describe(mismatch: Tuple[str, str, str]) -> str:
-    key, found, planned = mismatch
-    return f"state {key!r} is {found}, {planned} planned"
-
-
-def _check_created(slot: Slot, plan: _Plan, state: Dict[str, Any], start: int, stop: int) -> None:
-    """The states the base optimizer created at its first step are those planned from the probe
-    (never copied into buffers of another size or dtype)."""
-    planned = {key for key, _, _ in plan.layout}
-    extra = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and k not in planned]
-    layout = plan.layout if plan.whole else [(k, torch.Size([stop - start]), d) for k, _, d in plan.layout]
-    mismatch = _layout_mismatch(layout, state)
-    problem = f"created states {extra} it did not plan" if extra else mismatch and _describe(mismatch)
-    if problem:
-        raise RuntimeError(f"{slot.key}: {type(slot.optimizer).__name__} {problem} (by its probe on meta tensors); "
-                           "its states depend on more than its options, shape and dtype. Use "
-                           "optimizer.update_on=host with it.")
-
-
-def _placed_scalar(value: Any, param: torch.Tensor, group: Dict[str, Any]) -> Any:
-    """A loaded scalar state where torch's optimizers keep it: a step count on the parameter's
-    device for fused or capturable kernels, else on the host, as saved."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    if group.get("fused") or group.get("capturable"):
-        return value.to(device=param.device, dtype=torch.float32)
-    return value.clone()
+        made = carve(pinning)
+    except PageLockError as err:
+        warnings.warn(f"host memory could not be page-locked in place ({err}); pinning each state buffer with "
+                      "torch's allocator instead, which rounds it up to a power of two", stacklevel=4)
+        pinning = ALLOCATOR
+        made = carve(pinning)
+    host: Dict[int, Dict[str, torch.Tensor]] = {index: {} for index in plans}
+    for (index, key, _, _), tensor in zip(specs, made):
+        host[index][key] = tensor
+    return host, pinning
 
 
 class StateStreamer:
@@ -214,15 +89,14 @@ class StateStreamer:
         self._table = table
         self._transfer = transfer
         self.overlap = overlap
-        self._plans: Dict[int, _Plan] = {}
+        self._plans: Dict[int, Plan] = {}
         cache: Dict[tuple, Tuple[Layout, List[str]]] = {}
         for slot in table.streamed:
             cls = type(slot.optimizer)
             layout = cached_layout(cache, cls, table.group_options[slot.group_index], slot.param,
                                     group=slot.group_index)
             self._plans[slot.index] = slice_plan(slot.key, cls, slot.param, *layout, staging_bytes // 2)
-        self.pinning = table.pinning
-        self._host = self._allocate_host_states()
+        self._host, self.pinning = allocate_host_states(self._plans, pinning=table.pinning)
         self._initialised = {index: self._adopt_constructed_states(table.slots[index]) for index in self._plans}
         # bitsandbytes' kernels ignore torch's current stream: its updates are never moved to a side stream.
         self._side_stream_safe = all(capabilities_of(type(s.optimizer)).kernels_on_current_stream for s in table.streamed)
@@ -239,9 +113,13 @@ class StateStreamer:
             for buffer in self._buffers:
                 # Freed with the streamer, the buffers wait for every side stream's use of them.
                 self._streams.keep_for(buffer, stream)
+        # Allocated on the compute stream: the first upload (of a slot whose base optimizer made its
+        # states in its constructor, Adagrad's) must not write the buffers before that is done.
+        self._streams.wait_stream(self._up, self._streams.current())
         self._buffer_free: List[Optional[object]] = [None, None]
-        # (buffer, slot, slice) -> the slice's staged views of its states in that buffer.
-        self._views: Dict[Tuple[int, int, int, int], Dict[str, torch.Tensor]] = {}
+        self._views = _Views(self._plans, self._buffers, self._host)
+        # The module whose forward waits for each slot (its runs stay within it).
+        self._units = {slot.index: unit_of(slot.key) for slot in table.streamed}
         self._downloaded: Dict[int, Optional[object]] = {}
         self._next_buffer = 0
         # Queued updates (overlap with forward waits): slot index -> the event that ends its update.
@@ -252,32 +130,6 @@ class StateStreamer:
 
     # ------------------------------------------------------------------------- memory
 
-    def _allocate_host_states(self) -> Dict[int, Dict[str, torch.Tensor]]:
-        """Every streamed slot's array states, each at a page boundary, in one block per dtype
-        (``torch.save`` refuses views of one storage as different dtypes: 8-bit codes and their
-        fp32 absmax go in two blocks)."""
-        specs = [(index, key, shape, dtype) for index, plan in self._plans.items() for key, shape, dtype in plan.layout]
-        try:
-            made = self._carve(specs)
-        except PageLockError as err:
-            warnings.warn(f"host memory could not be page-locked in place ({err}); pinning each state buffer with "
-                          "torch's allocator instead, which rounds it up to a power of two", stacklevel=4)
-            self.pinning = ALLOCATOR
-            made = self._carve(specs)
-        host: Dict[int, Dict[str, torch.Tensor]] = {index: {} for index in self._plans}
-        for (index, key, _, _), tensor in zip(specs, made):
-            host[index][key] = tensor
-        return host
-
-    def _carve(self, specs: List[Tuple[int, str, torch.Size, torch.dtype]]) -> List[torch.Tensor]:
-        made: Dict[Tuple[int, str], torch.Tensor] = {}
-        for dtype in dict.fromkeys(spec[3] for spec in specs):
-            members = [spec for spec in specs if spec[3] == dtype]
-            for (index, key, _, _), tensor in zip(members, host_buffers([(shape, dtype) for _, _, shape, _ in members],
-                                                                         pinning=self.pinning)):
-                made[(index, key)] = tensor
-        return [made[(index, key)] for index, key, _, _ in specs]
-
     def _adopt_constructed_states(self, slot: Slot) -> bool:
         """Moves array states the base optimizer made in its constructor (Adagrad's ``sum``) into
         the host buffers, freeing their device copies. Returns whether the slot has states now."""
@@ -285,10 +137,10 @@ class StateStreamer:
         if not state:
             return False
         plan = self._plans[slot.index]
-        mismatch = _layout_mismatch(plan.layout, state)
+        mismatch = layout_mismatch(plan.layout, state)
         if mismatch:
             raise RuntimeError(f"{slot.key}: {type(slot.optimizer).__name__}'s constructor made states its meta probe "
-                               f"did not plan ({_describe(mismatch)}); use optimizer.update_on=host with it.")
+                               f"did not plan ({describe_mismatch(mismatch)}); use optimizer.update_on=host with it.")
         with torch.no_grad():
             for key, _, _ in plan.layout:
                 self._host[slot.index][key].copy_(state[key])
@@ -316,19 +168,6 @@ class StateStreamer:
 
     # ------------------------------------------------------------------------- the update
 
-    def _staged_views(self, buffer: torch.Tensor, plan: _Plan, start: int, stop: int) -> Dict[str, torch.Tensor]:
-        views, offset = {}, 0
-        for key, shape, dtype in plan.layout:
-            numel = torch.Size(shape).numel() if plan.whole else stop - start
-            view = buffer[offset:offset + numel * dtype.itemsize].view(dtype)
-            views[key] = view.view(shape) if plan.whole else view
-            offset += _staged_bytes(numel, dtype)
-        return views
-
-    def _host_slice(self, slot: Slot, key: str, start: int, stop: int) -> torch.Tensor:
-        tensor = self._host[slot.index][key]
-        return tensor if self._plans[slot.index].whole else tensor.view(-1)[start:stop]
-
     def _run(self, slot: Slot, grad: torch.Tensor, stream: object) -> Optional[object]:
         """Updates ``slot`` on the device with ``grad``, slice by slice, on ``stream`` (the compute
         or update stream). Returns the event that ends its last update."""
@@ -341,12 +180,14 @@ class StateStreamer:
         self._streams.wait_event(self._up, self._downloaded.get(slot.index))
         computed, new_scalars, done = None, scalars, False
         try:
-            for start, stop in plan.slices:
-                computed, new_scalars = self._run_slice(slot, grad, stream, start, stop, scalars)
+            last = len(plan.slices) - 1
+            for i, (start, stop) in enumerate(plan.slices):
+                computed, new_scalars = self._run_slice(slot, grad, stream, start, stop, scalars, last=i == last)
             done = True
         finally:
             # Whatever happened, the base optimizer steps the parameter and keeps the host states
-            # (a failed step keeps the scalars it had, so state_dict() never saves staging memory).
+            # (a failed step keeps the scalars it had, as far as the base optimizer left them, so
+            # state_dict() never saves staging memory).
             opt.param_groups[0]["params"] = [param]
             opt.state.clear()
             if done or self._initialised[slot.index]:
@@ -356,7 +197,7 @@ class StateStreamer:
         return computed
 
     def _run_slice(self, slot: Slot, grad: torch.Tensor, stream: object, start: int, stop: int,
-                   scalars: Dict[str, Any]) -> Tuple[Optional[object], Dict[str, Any]]:
+                   scalars: Dict[str, Any], *, last: bool) -> Tuple[Optional[object], Dict[str, Any]]:
         """One slice of :meth:`_run`: upload, update, download. Returns the update's event and the
         scalar states after it."""
         plan = self._plans[slot.index]
@@ -368,60 +209,133 @@ class StateStreamer:
         if plan.layout:  # a base optimizer without array states (SGD without momentum) stages nothing
             index = self._next_buffer
             self._next_buffer ^= 1
-            key = (index, slot.index, start, stop)
-            staged = self._views.get(key)
-            if staged is None:  # made once: a view kept costs the launching thread no op
-                staged = self._views[key] = self._staged_views(self._buffers[index], plan, start, stop)
+            staged = self._views.staged(index, slot, start, stop)
             order.wait_event(self._up, self._buffer_free[index])
             if not initialised:
                 # A slot's first step writes the buffer on the update's own stream, with no
                 # upload to order it after the download that last read this buffer.
                 order.wait_event(stream, self._buffer_free[index])
-        if initialised:
-            uploaded = None
-            for key, view in staged.items():
-                uploaded = self._transfer.timed_copy(view, self._host_slice(slot, key, start, stop),
-                                                     kind="state_up", stream=self._up)
+        host = self._views.host(slot, start, stop)
+        if initialised and staged:
+            uploaded = self._transfer.timed_copies(list(staged.values()), [host[k] for k in staged],
+                                                   kind="state_up", stream=self._up)
             order.wait_event(stream, uploaded)
-        view = slot.param.detach() if plan.whole else slot.param.detach().view(-1)[start:stop]
+        view = self._views.param(slot, start, stop)
         view.grad = grad if plan.whole else grad.view(-1)[start:stop]
         with order.on(stream):
-            # Every slice starts from the scalars before the step (each takes one step); a scalar
-            # on the device (a fused kernel's step count) is copied on the update's stream.
-            state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
+            # Every slice starts from the scalars before the step (each takes one step): the last
+            # from the slot's own, which the base optimizer advances in place as plain training does.
+            state = dict(scalars) if last else self._views.spare_scalars(slot, scalars)
             if initialised:
                 state.update(staged)
             opt.param_groups[0]["params"] = [view]
             opt.state.clear()
             if state:
                 opt.state[view] = state
-            opt.step()
+            try:
+                opt.step()
+            finally:
+                view.grad = None
             result = opt.state[view]
             if not initialised:
-                _check_created(slot, plan, result, start, stop)
+                check_created(slot, plan, result, start, stop)
                 # The states the first step created go through the staging buffer too, and are
                 # freed on this stream right away: the device never holds more than one slice of them.
                 for key, target in staged.items():
                     target.copy_(result[key])
             computed = order.record(stream)
-        view.grad = None
         new_scalars = {k: result[k] for k in plan.scalars if k in result}
         if index is not None:
-            self._download(slot, staged, index=index, computed=computed, start=start, stop=stop)
+            self._download([slot], list(staged.values()), [host[k] for k in staged], index=index, computed=computed)
         return computed, new_scalars
 
-    def _download(self, slot: Slot, staged: Dict[str, torch.Tensor], *, index: int, computed: object, start: int,
-                  stop: int) -> None:
-        """Copies one slice's states from staging buffer ``index`` back to host memory once its update
-        (the event ``computed``) is done; the buffer is free again when the last copy is."""
+    def _download(self, slots: List[Slot], staged: List[torch.Tensor], host: List[torch.Tensor], *, index: int,
+                  computed: object) -> None:
+        """Copies states from staging buffer ``index`` back to host memory once their update (the
+        event ``computed``) is done; the buffer is free again when the copies are."""
         order = self._streams
         order.wait_event(self._down, computed)
-        freed = None
-        for key, target in staged.items():
-            freed = self._transfer.timed_copy(self._host_slice(slot, key, start, stop), target,
-                                              kind="state_down", stream=self._down)
+        freed = self._transfer.timed_copies(host, staged, kind="state_down", stream=self._down)
         self._buffer_free[index] = freed
-        self._downloaded[slot.index] = freed
+        for slot in slots:
+            self._downloaded[slot.index] = freed
+
+    # --------------------------------------------------------------- batches of whole slots
+
+    def _batch_key(self, slot: Slot) -> Optional[tuple]:
+        """What slots stepped together share, or None where the slot is stepped alone: a slot that
+        has its states, staged in one slice of an elementwise update, goes with its neighbours of
+        the same optimizer class, parameter group (the same options) and module
+        (:func:`_unit`, so that no module's forward waits for another's update)."""
+        plan = self._plans[slot.index]
+        if plan.whole or len(plan.slices) != 1 or not self._initialised[slot.index]:
+            return None
+        return type(slot.optimizer), slot.group_index, self._units[slot.index]
+
+    def _batches(self, slots: List[Slot]) -> List[List[Slot]]:
+        """``slots`` in runs, in their order, each run stepped at once: consecutive slots of one
+        :meth:`_batch_key` whose states fit one staging buffer together, or one slot alone."""
+        capacity = self._buffers[0].numel() if self._buffers else 0
+        runs: List[List[Slot]] = []
+        key, size = None, 0
+        for slot in slots:
+            this = self._batch_key(slot)
+            need = self._views.run_bytes[slot.index]
+            if this is None or this != key or size + need > capacity:
+                runs.append([])
+                key, size = this, 0
+            runs[-1].append(slot)
+            size += need
+        return runs
+
+    def _run_batch(self, slots: List[Slot], stream: object) -> Optional[object]:
+        """Updates ``slots`` (one of :meth:`_batches`) on ``stream``; returns the event that ends it.
+
+        A run of whole slots goes through one staging buffer together: one upload of all their
+        states, one step of the first slot's base optimizer over all their parameters (torch's
+        optimizers step the tensors of a group one by one, or in one multi-tensor kernel where
+        they default to it, the arithmetic of each tensor its own), one download."""
+        if self._batch_key(slots[0]) is None:
+            (slot,) = slots
+            return self._run(slot, slot.param.grad, stream)
+        order = self._streams
+        index = self._next_buffer
+        self._next_buffer ^= 1
+        staged = self._views.run(index, slots)
+        for slot in slots:
+            # The previous step's downloads of these slots must be in host memory before uploads read them.
+            self._streams.wait_event(self._up, self._downloaded.get(slot.index))
+        order.wait_event(self._up, self._buffer_free[index])
+        targets = [view for views in staged for view in views.values()]
+        sources = [self._host[s.index][k] for s, views in zip(slots, staged) for k in views]
+        uploaded = self._transfer.timed_copies(targets, sources, kind="state_up", stream=self._up)
+        order.wait_event(stream, uploaded)
+        opt = slots[0].optimizer
+        group = opt.param_groups[0]
+        own = [s.optimizer.state[s.param] for s in slots]  # host states and scalars
+        with order.on(stream):
+            group["params"] = [s.param for s in slots]
+            opt.state.clear()
+            for slot, state, views in zip(slots, own, staged):
+                opt.state[slot.param] = {**state, **views}
+            stepped = None
+            try:
+                opt.step()
+                stepped = [opt.state[s.param] for s in slots]
+            finally:
+                # Whatever happened, each base optimizer steps its parameter on its host states.
+                group["params"] = [slots[0].param]
+                opt.state.clear()
+                opt.state[slots[0].param] = own[0]
+            # Scalar states advanced in place are the slots' own; one the base optimizer replaced
+            # (a Python number) is written back.
+            for slot, state, after in zip(slots, own, stepped):
+                for k in self._plans[slot.index].scalars:
+                    if k in after and after[k] is not state.get(k):
+                        state[k] = after[k]
+            computed = order.record(stream)
+        self._download(slots, targets, sources, index=index, computed=computed)
+        return computed
 
     # -------------------------------------------------------------------------- queueing
 
@@ -431,18 +345,23 @@ class StateStreamer:
         registered module's forward waits for (``overlap`` with forward waits; on an accelerator
         only for base optimizers whose kernels run on torch's current stream)."""
         queue = self.overlap and self.forward_waits and self._side_stream_safe
+        # Every step stages its runs in the same buffers: their views, made once, serve every step.
+        self._next_buffer = 0
         queued = sorted((s for s in slots if queue and s.index in self._order), key=lambda s: self._order[s.index])
         waiting = {s.index for s in queued}
-        for slot in slots:
-            if slot.index not in waiting:  # nothing would wait for it: now, on the compute stream
-                self._run(slot, slot.param.grad, self._streams.current())
+        # What nothing would wait for: now, on the compute stream.
+        for run in self._batches([s for s in slots if s.index not in waiting]):
+            self._run_batch(run, self._streams.current())
         if queued:
             # The updates run on a side stream, in the next forward's order.
             self._streams.wait_stream(self._update_stream, self._streams.current())
         for slot in queued:
             grad = slot.param.grad
             self._streams.keep_for(grad, self._update_stream)
-            self._pending[slot.index] = self._run(slot, grad, self._update_stream)
+        for run in self._batches(queued):
+            done = self._run_batch(run, self._update_stream)
+            for slot in run:
+                self._pending[slot.index] = done
 
     def wait(self, slot: Slot) -> None:
         """Orders what comes next on the compute stream after the slot's queued update."""
@@ -500,7 +419,7 @@ class StateStreamer:
             # loader would move them to the parameter's device).
             slot.optimizer.load_state_dict({"state": {}, "param_groups": saved["param_groups"]})
             group = slot.optimizer.param_groups[0]
-            slot.optimizer.state[slot.param] = {k: _placed_scalar(v, slot.param, group)
+            slot.optimizer.state[slot.param] = {k: placed_scalar(v, slot.param, group)
                                                 for k, v in arrays.items() if k not in planned}
         if not arrays:
             self._initialised[slot.index] = False
@@ -513,7 +432,7 @@ class StateStreamer:
         self._initialised[slot.index] = True
 
     def _layout_problem(self, slot: Slot, arrays: Dict[str, Any]) -> Optional[str]:
-        mismatch = _layout_mismatch(self._plans[slot.index].layout, arrays)
+        mismatch = layout_mismatch(self._plans[slot.index].layout, arrays)
         if mismatch is None:
             return None
         key, found, planned = mismatch
@@ -547,3 +466,73 @@ class StateStreamer:
                 handle.remove()
             self._hooks.clear()
             self.forward_waits = False
+
+
+class _Views:
+    """The views :class:`StateStreamer`'s updates stage, step and copy through, each made once (a
+    view kept costs the launching thread no op): a slice's or a run's states in a staging buffer, a
+    slice of a slot's host states and of its parameter, and the scalars a slot's slices but its last
+    start from."""
+
+    def __init__(self, plans: Dict[int, Plan], buffers: List[torch.Tensor],
+                 host: Dict[int, Dict[str, torch.Tensor]]) -> None:
+        self._plans = plans
+        self._buffers = buffers
+        self._host = host
+        self._staged: Dict[Tuple[int, int, int, int], Dict[str, torch.Tensor]] = {}
+        self._runs: Dict[Tuple[int, Tuple[int, ...]], List[Dict[str, torch.Tensor]]] = {}
+        self._host_slices: Dict[Tuple[int, int, int], Dict[str, torch.Tensor]] = {}
+        self._params: Dict[Tuple[int, int, int], torch.Tensor] = {}
+        self._spares: Dict[int, Dict[str, torch.Tensor]] = {}
+        #: Each slot's staging bytes in a run (all of its states, whole).
+        self.run_bytes = {index: slice_bytes(plan, 0, plan.slices[-1][1]) for index, plan in plans.items()}
+
+    def staged(self, index: int, slot: Slot, start: int, stop: int) -> Dict[str, torch.Tensor]:
+        """One slice's states in staging buffer ``index``."""
+        key = (index, slot.index, start, stop)
+        if key not in self._staged:
+            self._staged[key] = staged_views(self._buffers[index], self._plans[slot.index], start, stop)
+        return self._staged[key]
+
+    def run(self, index: int, slots: List[Slot]) -> List[Dict[str, torch.Tensor]]:
+        """The states of a run of whole slots in staging buffer ``index``, one after the other,
+        each shaped as the slot's own."""
+        key = (index, tuple(s.index for s in slots))
+        if key not in self._runs:
+            views, offset = [], 0
+            for slot in slots:
+                views.append(staged_views(self._buffers[index], self._plans[slot.index], 0, slot.param.numel(),
+                                          offset=offset, shaped=True))
+                offset += self.run_bytes[slot.index]
+            self._runs[key] = views
+        return self._runs[key]
+
+    def host(self, slot: Slot, start: int, stop: int) -> Dict[str, torch.Tensor]:
+        """The slot's host states over one slice."""
+        key = (slot.index, start, stop)
+        if key not in self._host_slices:
+            whole = self._plans[slot.index].whole
+            self._host_slices[key] = {k: t if whole else t.view(-1)[start:stop]
+                                      for k, t in self._host[slot.index].items()}
+        return self._host_slices[key]
+
+    def param(self, slot: Slot, start: int, stop: int) -> torch.Tensor:
+        """What the base optimizer steps for one slice: a detached view of the parameter."""
+        key = (slot.index, start, stop)
+        if key not in self._params:
+            param = slot.param.detach()
+            self._params[key] = param if self._plans[slot.index].whole else param.view(-1)[start:stop]
+        return self._params[key]
+
+    def spare_scalars(self, slot: Slot, scalars: Dict[str, Any]) -> Dict[str, Any]:
+        """A copy of the slot's scalar states, its tensors copied into buffers made once (on the
+        current stream: a fused kernel's step count is a device tensor)."""
+        spares = self._spares.setdefault(slot.index, {})
+        out = {}
+        for key, value in scalars.items():
+            if isinstance(value, torch.Tensor):
+                if key not in spares:
+                    spares[key] = torch.empty_like(value)
+                value = spares[key].copy_(value)
+            out[key] = value
+        return out

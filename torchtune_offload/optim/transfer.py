@@ -122,12 +122,15 @@ class TransferEngine:
 
     def timed_copies(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, kind: str,
                      stream: object) -> object:
-        """:meth:`timed_copy` of each pair in turn, timed together (one pair of events)."""
+        """:meth:`timed_copy` of each pair in turn, timed together (one pair of events), launched as one
+        operation (``torch._foreach_copy_``: the copies of ``copy_``, one dispatch for all)."""
         order = self.order
         with order.on(stream):
             begin = order.record(stream, timing=True)
-            for dst, src in zip(dsts, srcs):
-                dst.copy_(src, non_blocking=True)
+            if len(dsts) == 1:
+                dsts[0].copy_(srcs[0], non_blocking=True)
+            elif dsts:
+                torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
             end = order.record(stream, timing=True)
         with self._lock:
             self._timed.append((kind, begin, end))
