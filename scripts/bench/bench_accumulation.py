@@ -188,7 +188,7 @@ def main() -> None:
     def micro_batch() -> None:
         for p, g in zip(params, grads):
             p.grad = g
-            opt._on_grad(p)  # the backward hook, as autograd calls it
+            opt.on_gradient(p)  # the backward hook, as autograd calls it
         opt._staging.drain()
 
     # What each micro-batch's chunks hold once copied: the additions alone read these.

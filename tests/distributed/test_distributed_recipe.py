@@ -328,9 +328,9 @@ OFFLOAD = ["optimizer.optimizer_class=torch.optim.AdamW", "clip_grad_norm=null"]
     "overrides,expected",
     [
         pytest.param(
-            ["optimizer._component_=torchtune_offload.OffloadOptimizer", *OFFLOAD, "optimizer.offload_gradients=True"],
-            ["optimizer.offload_gradients=True on FSDP2's shards"],
-            id="offload-optimizer-gradients"),
+            ["optimizer._component_=torchtune_offload.OffloadOptimizer", *OFFLOAD, "optimizer.device_weights=fp8"],
+            ["optimizer.device_weights=fp8 with this recipe"],
+            id="offload-optimizer-fp8"),
         pytest.param(
             ["optimizer._component_=torchtune_offload.CPUOffloadOptimizer", *OFFLOAD],
             ["optimizer._component_=torchtune_offload.CPUOffloadOptimizer", "fsdp_cpu_offload=True"],

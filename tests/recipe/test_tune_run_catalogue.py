@@ -129,9 +129,9 @@ CASES: Dict[str, Case] = {
     # The distributed recipe (two ranks; the earlier run is a single-device one).
     "dist_save_every_word": Case(["save_every_n_steps=often"], ("save_every_n_steps='often'", "integer >= 1"),
                                  kind="distributed"),
-    "dist_offload_optimizer_overlap": Case([*OFFLOAD, "optimizer.overlap=True"],
-                                           ("optimizer.overlap=True on FSDP2's shards", "Remove it (~optimizer.overlap)"),
-                                           kind="distributed"),
+    "dist_offload_optimizer_fp8": Case([*OFFLOAD, "optimizer.device_weights=fp8"],
+                                       ("optimizer.device_weights=fp8 with this recipe", "Remove it (~optimizer.device_weights)"),
+                                       kind="distributed"),
     "dist_fsdp_cpu_offload_on_cpu": Case(["fsdp_cpu_offload=True"], ("fsdp_cpu_offload=True with device=cpu",
                                                                      "Set fsdp_cpu_offload=False"), kind="distributed"),
     "dist_shard_policy_typo": Case(["fsdp_shard_policy=[layer]"], ("fsdp_shard_policy[0]='layer'",), kind="distributed"),
