@@ -113,8 +113,7 @@ def load_config(config_path: str, overrides: Sequence[str]) -> DictConfig:
 
 
 def variant_config(config_path: str, overrides: Sequence[str], name: str) -> DictConfig:
-    """The config variant ``name`` (``config``: the config as given, or one of ``bench/variants.py``)
-    is planned with: the config and ``overrides``, then what the variant sets, as the sweep runs it."""
+    """Variant ``name``'s config (``config`` or one of ``bench/variants.py``), as the sweep runs it."""
     extra = VARIANTS[name].overrides(config_path) if name != "config" else []
     return load_config(config_path, [*overrides, *extra])
 
@@ -283,12 +282,9 @@ def _add_device_notes(plan: VariantPlan, settings: RecipeSettings) -> None:
 
 def _plan_ranks(plan: VariantPlan, cfg: DictConfig, settings: RecipeSettings, model: torch.nn.Module, *,
                 trace: StepTrace, seq_len: int, baseline: int, ranks: int) -> VariantPlan:
-    """Fills ``plan`` for the distributed recipe over ``ranks`` ranks on one machine: one rank's
-    device (:mod:`torchtune_offload.plan.fsdp`: its shards, FSDP2's gathered units and whole
-    gradients at their peak, the activations of ``trace``, the optimizer's device state) and the
-    machine's host (every rank's process, and the pre-flight's node-wide figures,
-    :func:`~torchtune_offload.recipe.checks.fit.sharded_host_memory_need`: each rank's engine over
-    its own shards)."""
+    """Fills ``plan`` for the distributed recipe over ``ranks`` ranks on one machine: one rank's device
+    (:mod:`torchtune_offload.plan.fsdp`) and the machine's host (every rank's process, and the pre-flight's
+    node-wide figures, ``recipe.checks.fit.sharded_host_memory_need``: each rank's engine over its shards)."""
     plan.ranks = ranks
     parts, resident = _rank_device_parts(cfg, settings, model, trace=trace, ranks=ranks)
     plan.device_parts = {k: v for k, v in parts.items() if v}
@@ -361,14 +357,11 @@ def _rank_device_state(settings: RecipeSettings, named: List[Tuple[str, torch.Te
 
 
 def _rank_work(work: StepWork, settings: RecipeSettings) -> StepWork:
-    """One rank's step as the speed model reads it: the whole model's matmuls on the rank's batch and
-    the whole model's update (:func:`plan_speed` gives each rank's PCIe link its 1/N of it; the ranks
-    share the host's cores and memory). The engine on the shards hands nothing over in backward
-    unless it offloads gradients or overlaps; FSDP2's CPU offload steps on the host after backward,
-    its copies one after another."""
+    """One rank's step as the speed model reads it: the whole model's matmuls on the rank's batch and the
+    whole update (:func:`plan_speed` gives each rank's link its 1/N). The engine on the shards hands over
+    in backward only as on one device; FSDP2's CPU offload steps on the host after backward, serially."""
     chosen = settings.optimizer
-    opts = chosen.offload
-    if chosen.kind is OptimizerKind.SHARDED_ENGINE and not (opts.offload_gradients or opts.overlap):
+    if chosen.kind is OptimizerKind.SHARDED_ENGINE and not chosen.offload.hands_off_in_backward:
         work = replace(work, handoffs_per_micro_batch=0)
     if settings.fsdp_cpu_offload:
         work = replace(work, update="torchao", device_syncs=0)
@@ -483,8 +476,7 @@ def default_variants() -> List[str]:
     return ["config", *SINGLE_DEVICE_VARIANTS]
 
 
-#: The miniature decoder of :func:`miniature_step`: torchtune's Llama 3 blocks at shapes NF4 can
-#: quantise (every base weight a multiple of 64 x 256 elements) and that run in milliseconds.
+#: :func:`miniature_step`'s decoder: Llama 3 blocks NF4 can quantise (weights multiples of 64 x 256), in ms.
 _MINIATURE = {"vocab_size": 512, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "embed_dim": 256,
               "intermediate_dim": 512, "max_seq_len": 128}
 
