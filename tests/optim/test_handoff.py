@@ -69,6 +69,29 @@ def test_the_engine_hands_over_once_per_layer_and_bucket():
     opt.close()
 
 
+def test_groups_given_to_the_engine_are_handed_over_whole_and_the_rest_as_before():
+    """``group_handoff`` (an FSDP2 unit's parameters, ``distributed/sharded_offload.py``): the given
+    groups replace the layers' and buckets' of their members; the training is plain AdamW's."""
+    model, plain = _llama(), _llama()
+    opt = OffloadOptimizer(model.named_parameters(), minimal_size=0, offload_gradients=True, lr=1e-3)
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    # Two layers as one group, the third layer's parameters two groups, the rest untouched.
+    third = list(model.layers[2].parameters())
+    opt.group_handoff([[*model.layers[0].parameters(), *model.layers[1].parameters()], third[:2], third[2:]])
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    for step in range(2):
+        before = opt.handoff_count()
+        model(tokens).float().mean().backward()
+        plain(tokens).float().mean().backward()
+        # 1 + 2 groups of layers, and the embedding, the final norm and the output in one bucket or two
+        assert 3 < opt.handoff_count() - before <= 3 + 2, opt.handoff_count() - before
+        for optimizer in (opt, reference):
+            optimizer.step()
+            optimizer.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+    opt.close()
+
+
 def _raise(_grad):
     raise RuntimeError("a backward that stops half way")
 

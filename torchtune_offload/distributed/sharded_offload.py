@@ -189,19 +189,23 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
         self.engine.expect_final_backward(clipping=clipping)
 
     def register_forward_waits(self, model: torch.nn.Module) -> None:
-        """With ``overlap``, makes each FSDP2 unit of ``model`` wait for its shards' host steps (and
-        those of the units FSDP2 prefetches from it) before FSDP2's pre-forward hook all-gathers them.
+        """Binds the engine to ``model``'s FSDP2 units: backward hands each unit's gradient shards over
+        together (they arrive together, after its reduce-scatter), and with ``overlap`` each unit waits
+        for its shards' host steps (and those of the units FSDP2 prefetches from it) before FSDP2's
+        pre-forward hook all-gathers them.
 
         Raises:
             ValueError: if ``model`` has no FSDP2 unit (``fully_shard``) over these parameters.
         """
         alias_of = {id(param): alias for param, alias in self._pairs}
-        units = [(module, [alias_of[id(p)] for p in params if id(p) in alias_of])
-                 for module, params in _fsdp_units(model)]
-        if self._pairs and any(isinstance(p, DTensor) for p, _ in self._pairs) and not any(p for _, p in units):
+        units = [(module, [alias_of[id(p)] for p in own if id(p) in alias_of],
+                  [alias_of[id(p)] for p in prefetched if id(p) in alias_of])
+                 for module, own, prefetched in _fsdp_units(model)]
+        if self._pairs and any(isinstance(p, DTensor) for p, _ in self._pairs) and not any(o for _, o, _ in units):
             raise ValueError("ShardedOffloadOptimizer.register_forward_waits: the model has no FSDP2 unit holding "
                              "this optimizer's parameters; call it with the model sharded by fully_shard.")
-        self.engine.register_forward_waits(model, units=units)
+        self.engine.group_handoff([own for _, own, _ in units if own])
+        self.engine.register_forward_waits(model, units=[(m, own + prefetched) for m, own, prefetched in units])
 
     def step_timings(self) -> Dict[str, float]:
         """The engine's ``step_timings()``."""
@@ -289,9 +293,9 @@ def _full(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def _fsdp_units(model: torch.nn.Module) -> List[Tuple[torch.nn.Module, List[torch.Tensor]]]:
-    """Each FSDP2 unit of ``model`` (a ``fully_shard`` module), in ``model.modules()`` order, and the
-    parameters its pre-forward hook all-gathers: its own (those of no unit inside it) and those of
+def _fsdp_units(model: torch.nn.Module) -> List[Tuple[torch.nn.Module, List[torch.Tensor], List[torch.Tensor]]]:
+    """Each FSDP2 unit of ``model`` (a ``fully_shard`` module), in ``model.modules()`` order, with the
+    parameters its pre-forward hook all-gathers: its own (those of no unit inside it), and those of
     the units it prefetches (``set_modules_to_forward_prefetch``, held in FSDP2's private state)."""
     owned = {}
     for module in model.modules():
@@ -301,9 +305,8 @@ def _fsdp_units(model: torch.nn.Module) -> List[Tuple[torch.nn.Module, List[torc
             owned[module] = [p for p in module.parameters() if id(p) not in inner]
     units = []
     for module, params in owned.items():
-        for state in getattr(module._get_fsdp_state(), "_states_to_forward_prefetch", []):
-            for target in state._modules:
-                params = params + owned.get(target, [])
-        units.append((module, params))
+        prefetched = [p for state in getattr(module._get_fsdp_state(), "_states_to_forward_prefetch", [])
+                      for target in state._modules for p in owned.get(target, [])]
+        units.append((module, params, prefetched))
     return units
 

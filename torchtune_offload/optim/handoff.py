@@ -121,6 +121,11 @@ class BackwardHandoff:
         return self._group_of[index]
 
     @property
+    def groups(self) -> List[int]:
+        """Each parameter's hand-off group, by position."""
+        return list(self._group_of)
+
+    @property
     def collected(self) -> int:
         """How many parameters are collected and not yet handed over."""
         return sum(len(c) for c in self._collected.values())

@@ -5,6 +5,14 @@ A facade over collaborators, each the only writer of its own state (docs/archite
 ``slot_step`` (updates), ``overlap_scheduler`` (host work on worker threads), ``state_streamer``
 (``update_on="device"``: states streamed to the device's update), ``step_timings``,
 ``offload_checkpoint`` and ``memory_report``.
+
+Example::
+
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", lr=1e-4, offload_gradients=True)
+    loss.backward()
+    opt.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
 """
 
 import time
@@ -44,16 +52,8 @@ class OffloadOptimizer(Optimizer):
 
     A drop-in superset of ``torchao.optim.CPUOffloadOptimizer``'s constructor that also runs on a CPU-only
     machine (host copies then kept apart from the parameters, an exact emulation of the accelerator path),
-    accumulates with ``offload_gradients=True``, clips the gradients it steps on, checkpoints by name.
-
-    Example::
-
-        opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", lr=1e-4,
-                               offload_gradients=True)
-        loss.backward()
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
+    accumulates with ``offload_gradients=True``, clips the gradients it steps on, checkpoints by name
+    (an example in the module's docstring).
 
     Args:
         params: ``model.named_parameters()`` (recommended: checkpoints are then keyed by name),
@@ -151,6 +151,11 @@ class OffloadOptimizer(Optimizer):
         ones autograd reaches (FSDP2's shards, ``distributed/sharded_offload.py``) calls it itself."""
         if param.grad is not None:
             self._scheduler.on_backward_grad(self._table.slot_of[param])
+
+    def group_handoff(self, groups: Sequence[Sequence[torch.nn.Parameter]]) -> None:
+        """Hands backward's gradients over per group of ``groups`` (each this optimizer's parameters whose
+        gradients arrive together, e.g. an FSDP2 unit's), not per layer and bucket; the rest as before."""
+        self._scheduler.group_handoff([[self._table.slot_of[p] for p in group] for group in groups])
 
     def handoff_count(self) -> int:
         """How many groups of gradients the engine has taken from backward (``optim/handoff.py``)."""

@@ -65,6 +65,18 @@ class OverlapScheduler:
             handoff_groups([s.key for s in table.slots], [s.param.numel() * s.param.element_size() for s in table.slots]),
             self.take_backward_grads)
 
+    def group_handoff(self, groups: Sequence[Sequence[Slot]]) -> None:
+        """Makes each of ``groups`` one hand-off group (``OffloadOptimizer.group_handoff``); slots in none
+        keep their layer's or bucket's group."""
+        ids = list(self.handoff.groups)
+        fresh = max(ids, default=-1) + 1
+        for number, group in enumerate(groups, start=fresh):
+            for slot in group:
+                ids[slot.index] = number
+        self.handoff.flush()
+        count, self.handoff = self.handoff.count, BackwardHandoff(ids, self.take_backward_grads)
+        self.handoff.count = count
+
     def pending(self, slot: Slot) -> Optional[concurrent.futures.Future]:
         """The slot's queued host step, if any (for tests and diagnostics)."""
         return self._queued[slot.index].done
