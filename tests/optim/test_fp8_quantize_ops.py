@@ -13,6 +13,8 @@ from torch.profiler import ProfilerActivity, profile
 import torchtune_offload.optim.fp8_weights as fp8_weights
 from tests.optim.test_fp8_weights import DTYPE, build, data, layered
 from torchtune_offload.optim.fp8_weights import FP8_DTYPE, FP8_MAX, dequantize, quantize
+from torchtune_offload.optim.state_plan import unit_of
+from torchtune_offload.optim.transfer import TransferEngine
 
 
 def reference_quantize(weight: torch.Tensor, *, per_row: bool):
@@ -157,4 +159,31 @@ def test_a_weight_without_room_for_its_scales_in_its_gradient_buffer_uploads_the
     wide = next(h for h in opt._weights._held.values() if h.slot.key == "layers.0.2.weight")
     start = wide.slot.host_grad.data_ptr()
     assert start < wide.scale_host.data_ptr() < start + wide.slot.host_grad.numel() * 2
+    opt.close()
+
+
+def test_a_serial_step_uploads_each_modules_new_weights_in_one_launch(monkeypatch):
+    model = layered()
+    opt = build(model, offload_gradients=True)
+    owner = {id(s.param): s.key for s in opt._table.offloaded}
+    owner.update((id(t), s.key) for s in opt._weights.held for t in opt._weights.device_image(s))
+    launches = []
+    original = TransferEngine.timed_copies
+
+    def spy(self, dsts, srcs, *, kind, stream):
+        if kind == "param":
+            launches.append([owner[id(d)] for d in dsts])
+        return original(self, dsts, srcs, kind=kind, stream=stream)
+
+    monkeypatch.setattr(TransferEngine, "timed_copies", spy)
+    x, y = data(1)[0]
+    ((model(x).float() - y.float()) ** 2).mean().backward()
+    opt.step()
+    modules = {}
+    for slot in opt._table.offloaded:
+        modules.setdefault(unit_of(slot.key), []).append(slot.key)
+    # Each module's slots in one launch: an FP8 weight's values and scales, any other weight itself.
+    assert [sorted(set(keys)) for keys in launches] == [sorted(keys) for keys in modules.values()]
+    held = {s.key for s in opt._weights.held}
+    assert all(len(keys) == len(set(keys)) + len(held & set(keys)) for keys in launches)
     opt.close()

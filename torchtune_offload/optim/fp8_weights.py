@@ -389,18 +389,26 @@ class DeviceWeights:
             self._upload_fresh(held)
 
     def upload(self, slot: Slot) -> Optional[object]:
-        """After a host step: quantizes the slot's master into its consumed gradient buffer (the
-        FP8 values in its first bytes, the scales in the parameter's dtype after them) and uploads them.
+        """After a host step: :meth:`images` and their upload in one launch.
 
         Returns:
             The upload's event (see ``TransferEngine.to_device``).
+        """
+        return self._transfer.timed_copies(*self.images(slot), kind="param", stream=self._transfer.h2d_stream)
+
+    def images(self, slot: Slot) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """After a host step: quantizes the slot's master into its consumed gradient buffer (the
+        FP8 values in its first bytes, the scales in the parameter's dtype after them).
+
+        Returns:
+            What its upload copies: the device tensors, and the host tensors to copy into them.
         """
         held = self._held[slot.index]
         if held.buffer is not slot.host_grad:
             self._bind_buffer(held)
         with stream_check.host_work():
             self._quantize(slot.step_param, held.q_host, held.host_scale, held.scale_host, held.quantizer)
-        return self._upload(held, held.q_host, held.scale_host)
+        return [held.q, held.scale], [held.q_host, held.scale_host]
 
     def _bind_buffer(self, held: _Held) -> None:
         """Makes the views :meth:`upload` quantizes into, once per gradient buffer: the values in

@@ -10,7 +10,7 @@ path and the scheduling as they are.
 """
 
 from contextlib import nullcontext
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -20,6 +20,7 @@ import torchtune_offload.optim.fused_step as fused_step
 from torchtune_offload.optim.host_buffers import converted_before_step
 from torchtune_offload.optim.host_grads import HostGradients
 from torchtune_offload.optim.param_table import ParameterTable, Slot
+from torchtune_offload.optim.state_plan import unit_of
 from torchtune_offload.optim.state_streamer import StateStreamer
 from torchtune_offload.optim.step_timings import StepTimings
 import torchtune_offload.optim.stream_check as stream_check
@@ -145,13 +146,24 @@ class SlotStepper:
         Returns:
             the upload's event (see ``TransferEngine.to_device``).
         """
+        self._step_on_host(slot, waited=waited, grad_scale=grad_scale)
+        return self._upload(*self._uploads(slot))
+
+    def _step_on_host(self, slot: Slot, *, waited: bool, grad_scale: Optional[torch.Tensor] = None) -> None:
         # Host code: what the base optimizer creates from nothing (its step count) is host memory.
         with self._timings.host_step(waited=waited), stream_check.host_work():
             self.step_slot(slot, slot.host_grad, grad_scale=grad_scale)
+
+    def _uploads(self, slot: Slot) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """What a host-stepped slot's upload copies: device tensors, and the host tensors for them."""
         if self.fp8(slot):
             # Re-quantized into the consumed gradient buffer: the caller marks it consumed.
-            return self.device_weights.upload(slot)
-        return self._transfer.to_device(slot.param, slot.result)
+            return self.device_weights.images(slot)
+        return [slot.param], [slot.result]
+
+    def _upload(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> object:
+        """Copies ``srcs`` into ``dsts`` on the upload stream, in one launch; returns its event."""
+        return self._transfer.timed_copies(dsts, srcs, kind="param", stream=self._transfer.h2d_stream)
 
     def fp8(self, slot: Slot) -> bool:
         """The slot's device weight is an FP8 image (its upload overwrites its host gradient buffer)."""
@@ -170,13 +182,25 @@ class SlotStepper:
                 self._grads.send_for_step(slot)
                 ready.append(slot)
         self.step_on_device()
+        # Each module's new weights go up in one launch, once all its slots are stepped.
+        dsts: List[torch.Tensor] = []
+        srcs: List[torch.Tensor] = []
+        unit = None
         for slot in ready:
             self._grads.finish(slot)
-            self.host_step(slot, waited=True)
+            self._step_on_host(slot, waited=True)
+            if unit_of(slot.key) != unit and dsts:
+                self._upload(dsts, srcs)
+                dsts, srcs = [], []
+            unit = unit_of(slot.key)
+            for pending, made in zip((dsts, srcs), self._uploads(slot)):
+                pending.extend(made)
             if slot.out is slot.host_grad or not self._grads.summed_on_host(slot) or self.fp8(slot):
                 # The buffer now holds the new weights, or only a copy of the device gradient: it
                 # is no gradient sum, and the next backward must not add into it.
                 self._grads.consumed(slot)
+        if dsts:
+            self._upload(dsts, srcs)
         # The next forward must see the new parameters.
         self._transfer.compute_waits_for_copies()
 
