@@ -44,6 +44,7 @@ from torchtune import training
 
 from torchtune_offload import AdamW8bit, OffloadOptimizer
 from torchtune_offload.bench.machine import cpu_name
+from torchtune_offload.bench.trace_summary import called_by_aten
 from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, checkpointed_llama, chosen_models
 from torchtune_offload.optim.handoff import BackwardHandoff
 from torchtune_offload.recipe.chosen_optimizer import OptimizerKind
@@ -85,16 +86,6 @@ PER_PARAMETER = ", hand-off per parameter"
 def _hooked(options: Dict[str, Any]) -> bool:
     """Whether the engine takes gradients from backward hooks in this mode."""
     return options.get("update_on", "host") == "host" and (options.get("offload_gradients") or options.get("overlap"))
-
-
-def _nested(event: Any) -> bool:
-    """Whether a profiled aten op was called by another aten op (not dispatched by the thread itself)."""
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name.startswith("aten::"):
-            return True
-        parent = parent.cpu_parent
-    return False
 
 
 class Trainee:
@@ -208,7 +199,7 @@ def counted_step(trainee: Trainee) -> Dict[str, Optional[int]]:
     after = trainee.handoffs()
     events = prof.events()
     training = next(e.thread for e in events if e.name == STEP_RANGE)
-    counted = [e for e in events if e.thread == training and e.name.startswith("aten::") and not _nested(e)]
+    counted = [e for e in events if e.thread == training and e.name.startswith("aten::") and not called_by_aten(e)]
     design = sum(map(_in_design_function, counted)) if trainee.design_ops else None
     return {"ops": len(counted), "design_ops": design, "handoffs": None if before is None else after - before}
 

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 from tests.optim.side_by_side import through_a_file
 from torchtune_offload import OffloadOptimizer
+from torchtune_offload.bench.trace_summary import dispatched_aten_ops
 from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES
 from torchtune_offload.optim.state_streamer import StateStreamer
 from torchtune_offload.optim.stream_check import StreamOrderError, checked_streams
@@ -199,22 +199,6 @@ def test_a_failed_run_leaves_each_optimizer_on_its_host_states():
         assert all(state[slot.param][k] is host[k] for k in host), slot.key
 
 
-def _aten_ops(fn):
-    """The aten ops ``fn`` dispatches that no other aten op called."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-
-    def nested(event):
-        parent = event.cpu_parent
-        while parent is not None:
-            if parent.name.startswith("aten::"):
-                return True
-            parent = parent.cpu_parent
-        return False
-
-    return [e.name for e in prof.events() if e.name.startswith("aten::") and not nested(e)]
-
-
 def test_a_runs_ops_are_the_plain_steps_and_one_copy_each_way(runs):
     """The launching thread's cost: beside the base optimizer's own step, each run dispatches
     one upload and one download of all its states, and nothing per parameter."""
@@ -228,8 +212,8 @@ def test_a_runs_ops_are_the_plain_steps_and_one_copy_each_way(runs):
         x, y = data[4]
         ((m(x) - y) ** 2).sum().backward()
     runs.clear()
-    plain = _aten_ops(ref_opt.step)
-    ours = _aten_ops(opt.step)
+    plain = dispatched_aten_ops(ref_opt.step)
+    ours = dispatched_aten_ops(opt.step)
     assert len(runs) == 5
     assert sorted(ours) == sorted(plain + ["aten::_foreach_copy_"] * 2 * len(runs))
 

@@ -8,10 +8,10 @@ needs. Both must give the plain formulation's bits: it is written out here as th
 import pytest
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 import torchtune_offload.optim.fp8_weights as fp8_weights
 from tests.optim.test_fp8_weights import DTYPE, build, data, layered
+from torchtune_offload.bench.trace_summary import dispatched_aten_ops
 from torchtune_offload.optim.fp8_weights import FP8_DTYPE, FP8_MAX, dequantize, quantize
 from torchtune_offload.optim.state_plan import unit_of
 from torchtune_offload.optim.transfer import TransferEngine
@@ -71,24 +71,6 @@ def test_quantize_and_widen_give_the_plain_formulations_bits(per_row, chunk, mon
         assert torch.equal(_bits(wide), _bits(reference_dequantize(want_q, want_scale, w.dtype))), name
 
 
-def _top_level_ops(fn):
-    """The aten ops ``fn`` dispatches that no other aten op called, in order."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-
-    def nested(event):
-        parent = event.cpu_parent
-        while parent is not None:
-            if parent.name.startswith("aten::"):
-                return True
-            parent = parent.cpu_parent
-        return False
-
-    events = sorted((e for e in prof.events() if e.name.startswith("aten::") and not nested(e)),
-                    key=lambda e: e.time_range.start)
-    return [e.name for e in events]
-
-
 #: One held weight's upload after its host step: the scales (norm, six), the values (three), the
 #: scales in the weight's dtype, and one launch of both copies. Nothing is allocated.
 UPLOAD_OPS = ["aten::linalg_vector_norm", "aten::gt", "aten::div_", "aten::log2_", "aten::ceil_", "aten::exp2_",
@@ -104,7 +86,7 @@ def test_an_upload_dispatches_the_quantization_and_one_copy_launch():
     opt.zero_grad()
     for slot in opt._weights.held:
         opt.synchronize()  # the previous upload has read the buffer before it is written again
-        assert _top_level_ops(lambda: opt._weights.upload(slot)) == UPLOAD_OPS, slot.key
+        assert dispatched_aten_ops(lambda: opt._weights.upload(slot)) == UPLOAD_OPS, slot.key
     opt.synchronize()
     # What the uploads left on the device is the quantized masters, the scales in the weight's dtype.
     for slot in opt._weights.held:
@@ -121,7 +103,7 @@ def test_a_widening_is_the_cast_and_the_product():
     layer = model.layers[0].up
     x = torch.randn(6, 64, dtype=DTYPE)
     with torch.no_grad():
-        ops = _top_level_ops(lambda: layer(x))
+        ops = dispatched_aten_ops(lambda: layer(x))
     assert ops == ["aten::to", "aten::mul_", "aten::linear"]
     opt.close()
 

@@ -16,7 +16,9 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple
+
+from torch.profiler import ProfilerActivity, profile
 
 from torchtune_offload.optim.step_timings import PROFILE_PREFIX
 
@@ -396,3 +398,22 @@ def format_summary(summary: TraceSummary) -> str:
         lines.append(f"No {PROFILE_PREFIX}... ranges: the engine did not run, or the profiler did not record "
                      "its threads (profiler.all_threads).")
     return "\n".join(lines)
+
+
+def called_by_aten(event: Any) -> bool:
+    """Whether a ``torch.profiler`` event of an aten op was called by another aten op (its work), not
+    dispatched by its thread itself."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def dispatched_aten_ops(fn: Callable[[], Any]) -> List[str]:
+    """The aten ops ``fn`` dispatches that no other aten op called, in the order they started."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = [e for e in prof.events() if e.name.startswith("aten::") and not called_by_aten(e)]
+    return [e.name for e in sorted(events, key=lambda e: e.time_range.start)]
