@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.optim.side_by_side import through_a_file
+from tests.optim.side_by_side import read_saved_states, through_a_file
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.bench.trace_summary import dispatched_aten_ops
 from torchtune_offload.optim.capabilities import PLAIN_CAPABILITIES
@@ -224,10 +224,7 @@ def _checked_run(drop=()):
         opt = device_opt(model, lr=1e-2, overlap=True)
         opt.register_forward_waits(model)
         train(model, opt, batches(8), clip=0.5)
-        saved = opt.state_dict()
-        for value in saved["state"].values():
-            for tensor in value["optimizer"]["state"].get(0, {}).values():
-                tensor.sum()
+        read_saved_states(opt)
         opt.close()
     return model
 

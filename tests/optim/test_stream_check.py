@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.optim.side_by_side import assert_same_params, batches, tiny_model, train, twin
+from tests.optim.side_by_side import assert_same_params, batches, read_saved_states, tiny_model, train, twin
 from tests.optim.test_overlap import train_windows
 from tests.torchao_on_cpu import torchao_on_cpu
 from torchtune_offload import CPUOffloadOptimizer
@@ -253,10 +253,7 @@ def _run(scenario: str, *, drop=()) -> torch.nn.Module:
             opt.register_forward_waits(model)
         train_windows(model, opt, data, grad_accum=grad_accum, clip=clip, announce=announce)
         # A checkpoint reads the host states and weights, as the recipes' saves do.
-        saved = opt.state_dict()
-        for value in saved["state"].values():
-            for tensor in value["optimizer"]["state"].get(0, {}).values():
-                tensor.sum()
+        read_saved_states(opt)
         opt.close()
     return model
 
