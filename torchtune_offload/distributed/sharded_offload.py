@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torchtune import training
 
 from torchtune_offload.optim.capabilities import OptimizerCapabilities
-from torchtune_offload.optim.grad_norm import combine_norms
+from torchtune_offload.optim.grad_norm import check_finite, combine_norms
 from torchtune_offload.optim.memory_report import OffloadMemoryReport
 from torchtune_offload.optim.offload_optimizer import OffloadOptimizer
 from torchtune_offload.optim.offload_options import OffloadOptions
@@ -117,8 +117,9 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
             # FSDP2 calls these on its sharded parameters after each unit's reduce-scatter.
             self._hooks = [param.register_post_accumulate_grad_hook(functools.partial(self._take_gradient, alias))
                            for param, alias in self._pairs]
-            self.engine.reduce_norms_with(self._reduce_over_ranks)
-        #: The placements of a per-tensor norm of a shard, by norm type (what DTensor's norm gives).
+        self.engine.reduce_norms_with(self._reduce_over_ranks)
+        #: The sharded parameters, and the placements of a per-tensor norm of a shard by norm type.
+        self._sharded = [p for p, _ in self._pairs if isinstance(p, DTensor)]
         self._norm_placements: Dict[float, Any] = {}
 
     # The engine's base optimizer and options, as the recipes' log names them.
@@ -149,27 +150,31 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
         """The total norm of every rank's shards from this rank's per-shard norms, reduced as
         ``torch.nn.utils.get_total_norm`` reduces FSDP2's DTensor gradients (each shard's norm a
         partial DTensor norm, then the norm of their stack), so clipping keeps FSDP2's bits."""
-        sharded = [p for p, _ in self._pairs if isinstance(p, DTensor)]
-        if not sharded or not norms:
+        if not self._sharded or not norms:
             return combine_norms(norms, norm_type=norm_type, device=device, error_if_nonfinite=error_if_nonfinite)
         order = float(norm_type)
         if order not in self._norm_placements:
-            smallest = min(sharded, key=lambda p: p.numel())
+            smallest = min(self._sharded, key=lambda p: p.numel())
             self._norm_placements[order] = torch._foreach_norm([smallest.detach()], order)[0].placements
-        mesh, placements = sharded[0].device_mesh, self._norm_placements[order]
+        mesh, placements = self._sharded[0].device_mesh, self._norm_placements[order]
         total = combine_norms([DTensor.from_local(n.to(device), mesh, placements, run_check=False) for n in norms],
                               norm_type=order, device=device).full_tensor()
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"The total norm of order {order} for gradients is non-finite, so it cannot be "
-                               "clipped. Pass error_if_nonfinite=False to clip anyway.")
+        if error_if_nonfinite:
+            check_finite(total, norm_type=order)
         return total
+
+    def _lend_gradients(self) -> None:
+        """Without the backward hand-off, points each alias's ``.grad`` at its shard's local gradient,
+        which backward left on the DTensor: the engine measures, clips and steps those."""
+        if not self.engine.options.hands_off_in_backward:
+            for param, alias in self._pairs:
+                alias.grad = None if param.grad is None else _local(param.grad)
 
     @torch.no_grad()
     def grad_norm(self, norm_type: Union[float, str] = 2.0) -> torch.Tensor:
         """The total norm over every rank of the gradients the next step uses (a plain tensor)."""
-        if self.engine.options.hands_off_in_backward:
-            return self.engine.grad_norm(norm_type)
-        return _full(torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], norm_type))
+        self._lend_gradients()
+        return self.engine.grad_norm(norm_type)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: Union[float, str] = 2.0, *,
@@ -177,12 +182,8 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
         """Clips the gradients the next step uses by their total norm over every rank, as FSDP2 with
         torch's AdamW clips them (``get_total_norm`` and ``clip_grads_with_norm_``); returns that
         norm before clipping (a plain tensor)."""
-        if self.engine.options.hands_off_in_backward:
-            return self.engine.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
-        params = [p for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return _full(norm)
+        self._lend_gradients()
+        return self.engine.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
     def expect_final_backward(self, *, clipping: bool) -> None:
         """``OffloadOptimizer.expect_final_backward``: the next backward ends the window."""
@@ -229,14 +230,11 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
                 raise RuntimeError("FSDP2 moved a parameter shard to new storage after the optimizer was built "
                                    "(the model was moved or its sharded state re-created): build the optimizer "
                                    "after fully_shard and after the weights are loaded.")
-        if self.engine.options.hands_off_in_backward:
-            self.engine.step()
-            return
-        for param, alias in self._pairs:
-            alias.grad = None if param.grad is None else _local(param.grad)
+        self._lend_gradients()
         self.engine.step()
-        for _, alias in self._pairs:
-            alias.grad = None  # the DTensor's gradient stays the one the caller zeroes
+        if not self.engine.options.hands_off_in_backward:
+            for _, alias in self._pairs:
+                alias.grad = None  # the DTensor's gradient stays the one the caller zeroes
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the sharded parameters' gradients (and the engine's)."""
@@ -286,11 +284,6 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
             handle.remove()
         self._hooks.clear()
         self.engine.close()
-
-
-def _full(norm: torch.Tensor) -> torch.Tensor:
-    """A total norm as a plain tensor (DTensor gradients give a replicated DTensor)."""
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def _fsdp_units(model: torch.nn.Module) -> List[Tuple[torch.nn.Module, List[torch.Tensor], List[torch.Tensor]]]:

@@ -120,12 +120,18 @@ def combine_norms(
     if len(norms) == 0:
         return torch.tensor(0.0, device=device)
     result = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
-    if error_if_nonfinite and torch.logical_or(result.isnan(), result.isinf()):
+    if error_if_nonfinite:
+        check_finite(result, norm_type=norm_type)
+    return result
+
+
+def check_finite(total: torch.Tensor, *, norm_type: float) -> None:
+    """Raises ``clip_grad_norm_``'s error for a total norm that is nan or inf (reading it waits for its device)."""
+    if torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be "
             "clipped. Pass error_if_nonfinite=False to clip anyway."
         )
-    return result
 
 
 def total_norm(
