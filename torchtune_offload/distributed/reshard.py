@@ -106,7 +106,7 @@ def rank_files_problems(paths: Sequence[Path]) -> List[str]:
             problem = _header_problem(engine, header, path)
         if problem is not None:
             return [problem]
-        header = header or engine
+        header = header or {k: v for k, v in engine.items() if k != "state"}  # rank 0's header, not its states
         problems += [p for name, saved in engine["state"].items() for p in [_slot_problem(name, saved, path)] if p]
         if problems:
             return problems

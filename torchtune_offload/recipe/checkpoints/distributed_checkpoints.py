@@ -164,7 +164,7 @@ class DistributedCheckpoints:
         state = self._point.state
         saved = (state.pop("ranks") if written_by is not None else
                  [{"dataloader": state.pop("dataloader"), "rng": state.pop("rng")}])
-        if len(saved) == self.world_size and written_by is not None:
+        if written_by == self.world_size:
             return saved
         return [{"dataloader": None, "rng": saved[r % len(saved)]["rng"]} for r in range(self.world_size)]
 
