@@ -47,6 +47,8 @@ from torchtune_offload.bench.machine import cpu_name
 from torchtune_offload.bench.trace_summary import called_by_aten
 from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, checkpointed_llama, chosen_models
 from torchtune_offload.optim.handoff import BackwardHandoff
+from torchtune_offload.optim.offload_options import OffloadOptions
+from torchtune_offload.optim.optimizer_class import split_options
 from torchtune_offload.recipe.chosen_optimizer import OptimizerKind
 from torchtune_offload.recipe.run_optimizer import HoldingOptimizer, RunOptimizer
 
@@ -85,7 +87,8 @@ PER_PARAMETER = ", hand-off per parameter"
 
 def _hooked(options: Dict[str, Any]) -> bool:
     """Whether the engine takes gradients from backward hooks in this mode."""
-    return options.get("update_on", "host") == "host" and (options.get("offload_gradients") or options.get("overlap"))
+    own, _ = split_options(OffloadOptimizer.__init__, {k: v for k, v in options.items() if k != "optimizer_class"})
+    return OffloadOptions.parse(**own).hands_off_in_backward
 
 
 class Trainee:

@@ -25,7 +25,7 @@ from torchtune_offload.optim.host_buffers import converted_before_step, host_buf
 from torchtune_offload.optim.offload_options import OffloadOptions
 from torchtune_offload.optim.param_table import named_groups
 from torchtune_offload.optim.staging import NUM_CHUNKS, StagingRing, device_ring_bytes
-from torchtune_offload.optim.state_streamer import Layout, cached_layout, largest_slice_bytes, plan_state_bytes, slice_plan
+from torchtune_offload.optim.state_plan import Layout, cached_layout, largest_slice_bytes, plan_state_bytes, slice_plan
 
 
 @dataclass

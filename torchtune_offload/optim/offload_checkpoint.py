@@ -7,7 +7,8 @@ import torch
 
 import torchtune_offload.optim.stream_check as stream_check
 from torchtune_offload.optim.param_table import ParameterTable, Slot
-from torchtune_offload.optim.state_streamer import StateStreamer, state_layout
+from torchtune_offload.optim.state_plan import state_layout
+from torchtune_offload.optim.state_streamer import StateStreamer
 
 STATE_DICT_FORMAT = "torchtune_offload.OffloadOptimizer/1"
 

@@ -189,10 +189,11 @@ class SlotStepper:
         for slot in ready:
             self._grads.finish(slot)
             self._step_on_host(slot, waited=True)
-            if unit_of(slot.key) != unit and dsts:
+            this = unit_of(slot.key)
+            if this != unit and dsts:
                 self._upload(dsts, srcs)
                 dsts, srcs = [], []
-            unit = unit_of(slot.key)
+            unit = this
             for pending, made in zip((dsts, srcs), self._uploads(slot)):
                 pending.extend(made)
             if slot.out is slot.host_grad or not self._grads.summed_on_host(slot) or self.fp8(slot):

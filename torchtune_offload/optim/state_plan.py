@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from torchtune_offload.optim.capabilities import capabilities_of
+from torchtune_offload.optim.handoff import layer_prefix
 from torchtune_offload.optim.host_arena import buffer_bytes
 from torchtune_offload.optim.host_buffers import probe_state
 from torchtune_offload.optim.param_table import Slot
@@ -130,11 +131,7 @@ def unit_of(key: str) -> str:
     """The module whose forward waits for parameter ``key``: a transformer layer (``...layers.<i>``)
     for the parameters inside it, as ``overlap.register_module_waits`` waits, else the parameter's
     own module."""
-    parts = key.split(".")
-    for i in range(len(parts) - 1):
-        if parts[i] == "layers" and parts[i + 1].isdigit():
-            return ".".join(parts[:i + 2])
-    return ".".join(parts[:-1])
+    return layer_prefix(key) or key.rpartition(".")[0]
 
 
 def layout_mismatch(layout: Layout, state: Dict[str, Any]) -> Optional[Tuple[str, str, str]]:

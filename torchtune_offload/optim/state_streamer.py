@@ -37,10 +37,9 @@ from torchtune_offload.optim.capabilities import capabilities_of
 from torchtune_offload.optim.host_arena import ALLOCATOR, PageLockError, host_buffers
 from torchtune_offload.optim.overlap import register_module_waits
 from torchtune_offload.optim.param_table import ParameterTable, Slot
-# The plans are read from here too (``host_memory``, ``offload_checkpoint``).
-from torchtune_offload.optim.state_plan import (  # noqa: F401
-    SLICE_ELEMENTS, Layout, Plan, cached_layout, check_created, describe_mismatch, largest_slice_bytes, layout_mismatch,
-    placed_scalar, plan_state_bytes, slice_bytes, slice_plan, staged_views, state_layout, unit_of)
+from torchtune_offload.optim.state_plan import (
+    Layout, Plan, cached_layout, check_created, describe_mismatch, largest_slice_bytes, layout_mismatch,
+    placed_scalar, plan_state_bytes, slice_bytes, slice_plan, staged_views, unit_of)
 from torchtune_offload.optim.transfer import TransferEngine
 
 def allocate_host_states(plans: Dict[int, Plan], *, pinning: str) -> Tuple[Dict[int, Dict[str, torch.Tensor]], str]:
@@ -266,7 +265,7 @@ class StateStreamer:
         """What slots stepped together share, or None where the slot is stepped alone: a slot that
         has its states, staged in one slice of an elementwise update, goes with its neighbours of
         the same optimizer class, parameter group (the same options) and module
-        (:func:`_unit`, so that no module's forward waits for another's update)."""
+        (``state_plan.unit_of``, so that no module's forward waits for another's update)."""
         plan = self._plans[slot.index]
         if plan.whole or len(plan.slices) != 1 or not self._initialised[slot.index]:
             return None
@@ -318,7 +317,6 @@ class StateStreamer:
             opt.state.clear()
             for slot, state, views in zip(slots, own, staged):
                 opt.state[slot.param] = {**state, **views}
-            stepped = None
             try:
                 opt.step()
                 stepped = [opt.state[s.param] for s in slots]
