@@ -65,6 +65,7 @@ ENGINE_TEST_FILES = (
     "tests/optim/test_transfer_and_capabilities.py", "tests/optim/test_host_arena.py",
     "tests/optim/test_llama_width.py", "tests/optim/test_fused_step.py", "tests/optim/test_host_add.py",
     "tests/optim/test_fp8_weights.py", "tests/optim/test_slot_step.py", "tests/optim/test_handoff.py",
+    "tests/optim/test_device_update_batches.py", "tests/optim/test_fp8_quantize_ops.py",
 )
 _PLAIN, _CHECKED = "plain", "checked"
 

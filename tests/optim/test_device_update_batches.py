@@ -2,7 +2,6 @@
 states fit one staging buffer together go up, are stepped by one call of the base optimizer and
 come back together; side by side with the same optimizer without offload, bit for bit."""
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -249,17 +248,3 @@ def test_runs_on_virtual_streams_give_the_emulations_results():
 def test_each_wait_of_a_run_is_one_the_checker_needs(site):
     with pytest.raises(StreamOrderError):
         _checked_run(drop=[("state_streamer.py", site)])
-
-
-@pytest.mark.streams_as_is
-def test_the_first_upload_waits_for_the_staging_buffers_allocation():
-    """Adagrad makes its states in its constructor, so its first step uploads them into staging
-    buffers the compute stream allocated: without the upload stream's wait for it, the checker
-    sees the race."""
-    site = ("state_streamer.py", "self._streams.wait_stream(self._up, self._streams.current())")
-    for drop, raises in (((), False), ((site,), True)):
-        model = layered()
-        with pytest.raises(StreamOrderError) if raises else contextlib.nullcontext():
-            with checked_streams(drop_waits=drop):
-                opt = device_opt(model, "torch.optim.Adagrad", lr=1e-2, initial_accumulator_value=0.1)
-                train(model, opt, batches(4))

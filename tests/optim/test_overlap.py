@@ -320,7 +320,8 @@ class _Delays:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.max_s = max_s
-        for name in ("to_host", "to_device"):
+        # Every copy down goes through to_host_many (to_host calls it), every upload through to_device_many.
+        for name in ("to_host_many", "to_device_many"):
             self._wrap(monkeypatch, TransferEngine, name)
         self._wrap(monkeypatch, SlotStepper, "step_slot")
 

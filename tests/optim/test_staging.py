@@ -104,6 +104,22 @@ def test_the_engine_adds_a_later_micro_batchs_group_through_the_ring_at_once(ove
     opt.close()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_engine_adds_a_later_micro_batchs_group_through_the_device_ring_at_once(overlap):
+    """The same with grad_sum_on=device: the group's six fp32 sums (76,832 bytes, the largest 61,440, the
+    ring's chunk) go up, are added and come down in three chunks a micro-batch, not one a sum: the
+    sums that arrive before the largest share one, the largest fills one, the two after it share one
+    (a sum that fits a chunk is not cut)."""
+    model = tiny_model()
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", offload_gradients=True, overlap=overlap,
+                           grad_sum_on="device", minimal_size=0, lr=1e-2)
+    train(model, opt, batches(num=3), grad_accum=3, clip=0.5, scale_grads=opt.scale_grads_,
+          clip_grads=opt.clip_grad_norm_)
+    assert opt._staging.chunk_bytes == 96 * 160 * 4
+    assert opt._staging.issued == 2 * 3
+    opt.close()
+
+
 def test_ring_times_its_additions_on_its_own_thread(monkeypatch):
     """``added_seconds`` is the time inside the additions (what bench_accumulation.py reports as the
     host's work per micro-batch), cumulative, complete after a drain; ``waited_seconds`` the caller's
@@ -291,6 +307,51 @@ def test_device_ring_sums_equal_in_order_adds_bit_for_bit(dtype, sum_dtype, chun
     with pytest.raises(ValueError, match="num_chunks"):
         DeviceSumRing(TransferEngine(torch.device("cpu")), device=torch.device("cpu"), num_chunks=0)
 
+
+
+@pytest.mark.streams_as_is
+@pytest.mark.parametrize("checked", [False, True], ids=["emulated", "checked streams"])
+def test_device_ring_adds_a_group_in_packed_chunks_cutting_only_sums_longer_than_one(checked, monkeypatch):
+    """add_many_and_measure: a hand-off group's sums packed into chunks, one upload, one addition and
+    one download call a chunk; a sum that fits a chunk is never cut (it starts the next chunk
+    instead), so its norm is tensor_norm's bits; a longer one is cut at chunk boundaries, as alone.
+    The sums are add_'s, bit for bit, and each pair's token is that of the chunk holding its last piece."""
+    g = torch.Generator().manual_seed(0)
+    chunk_bytes = 256
+    numels = [10, 30, 40, 3, 64, 150, 1, 2]  # float32: 64 elements a chunk
+    adds, downloads = [], []
+    foreach_add = torch._foreach_add_
+    monkeypatch.setattr(torch, "_foreach_add_", lambda dsts, srcs: adds.append(len(dsts)) or foreach_add(dsts, srcs))
+    with checked_streams() if checked else contextlib.nullcontext():
+        transfer = TransferEngine(torch.device("cpu"))
+        timed_copies = transfer.timed_copies
+        monkeypatch.setattr(transfer, "timed_copies", lambda dsts, srcs, **kw: downloads.append(
+            sum(d.numel() * d.element_size() for d in dsts)) or timed_copies(dsts, srcs, **kw))
+        ring = DeviceSumRing(transfer, device=torch.device("cpu"), chunk_bytes=chunk_bytes, num_chunks=3)
+        sums = [stream_check.host_tensor(torch.randn(n, generator=g)) for n in numels]
+        for _ in range(2):
+            grads = [torch.randn(n, generator=g) for n in numels]
+            expected = [t + grad for t, grad in zip(sums, grads)]
+            before = ring.issued
+            tokens, norms = ring.add_many_and_measure(list(zip(sums, grads)))
+            ring.drain()
+            for got, want in zip(sums, expected):
+                assert torch.equal(got, want)
+            # 10+30 | 40+3 | 64 | 150 cut 64+64+22, then 1+2 after it
+            assert ring.issued - before == len(downloads) == 6
+            assert downloads == [40 + 120, 160 + 12, 256, 256, 256, 88 + 4 + 8]  # bytes copied down
+            assert tokens == [before + i for i in (1, 1, 2, 2, 3, 6, 6, 6)]
+            for numel, norm, want in zip(numels, norms, expected):
+                if numel <= 64:
+                    assert torch.equal(norm, torch.linalg.vector_norm(want))
+                else:
+                    pieces = [torch.linalg.vector_norm(p, dtype=torch.float32) for p in want.split(64)]
+                    assert torch.equal(norm, torch.linalg.vector_norm(torch.stack(pieces)))
+            downloads.clear()
+        assert adds == [2, 2, 3] * 2  # one call a chunk of several pieces
+        with pytest.raises(ValueError, match="after"):
+            ring.add_many([(sums[0], grads[0])], after=[None, None])
+        ring.close()
 
 @pytest.mark.streams_as_is
 @pytest.mark.parametrize("sum_dtype", [torch.float32, torch.bfloat16])

@@ -239,6 +239,11 @@ SCENARIOS = {
                                                           grad_sum_on="device"), 3, 0.5, True),
     "device update": (lambda m: _device_update(m), 2, 1.0, False),
     "device update overlap": (lambda m: _device_update(m, overlap=True), 1, None, False),
+    # Adagrad makes its states in its constructor: its first step uploads them into staging buffers
+    # the compute stream allocated.
+    "device update Adagrad": (lambda m: OffloadOptimizer(
+        m.named_parameters(), "torch.optim.Adagrad", minimal_size=MINIMAL_SIZE, lr=1e-2, initial_accumulator_value=0.1,
+        update_on="device", device_staging_mib=STAGING_MIB), 2, None, False),
 }
 
 
@@ -300,6 +305,7 @@ WAITS = {
     ("state_streamer.py", "self._streams.keep_for(grad, self._update_stream)"): "device update overlap",
     ("state_streamer.py", "self._streams.wait_event(self._streams.current(), self._pending.pop(slot.index))"): "device update overlap",
     ("state_streamer.py", "self._streams.host_waits_stream(self._down)"): "device update",
+    ("state_streamer.py", "self._streams.wait_stream(self._up, self._streams.current())"): "device update Adagrad",
     ("overlap_scheduler.py", "self._result(queued.landed,"): "overlap offload_gradients",
     ("overlap_scheduler.py", "self._transfer.compute_waits_for(queued.param_event)"): "overlap",
 }
@@ -411,17 +417,17 @@ def test_later_micro_batches_summed_on_the_device_wait_for_none_of_the_sums(over
 def test_the_later_pass_wait_measure_sees_a_wait_added_to_the_device_ring(wait, monkeypatch):
     """The measure above is calibrated: a wait for the ring's downloads added after each addition,
     by the compute stream or by the training thread, is seen in every later pass."""
-    original = DeviceSumRing._add_into
+    original = DeviceSumRing._add_many
 
-    def add_then_wait(self, dst, src, after, **kwargs):
-        added = original(self, dst, src, after, **kwargs)
+    def add_then_wait(self, pairs, after, **kwargs):
+        added = original(self, pairs, after, **kwargs)
         if wait == "compute stream":
             self._transfer.compute_waits_for_copies()
         else:
             self._transfer.synchronize()
         return added
 
-    monkeypatch.setattr(DeviceSumRing, "_add_into", add_then_wait)
+    monkeypatch.setattr(DeviceSumRing, "_add_many", add_then_wait)
     assert _waits_in_later_passes(grad_sum_on="device", overlap=True) == [True, True]
 
 

@@ -29,7 +29,7 @@ def test_cpu_transfer_copies_synchronously_into_separate_unpinned_buffers():
     engine.wait(event)
     assert engine.copy_seconds()["grad"] >= 0
     dst = torch.zeros_like(src)
-    engine.to_device(dst, host * 2)
+    engine.to_device_many([dst], [host * 2])
     engine.compute_waits_for_copies()
     torch.testing.assert_close(dst, src * 2, rtol=0, atol=0)
 
@@ -39,7 +39,7 @@ def test_to_device_casts_like_copy():
     engine = TransferEngine(torch.device("cpu"))
     master = torch.randn(4, dtype=torch.float32)
     dst = torch.empty(4, dtype=torch.bfloat16)
-    engine.to_device(dst, master)
+    engine.to_device_many([dst], [master])
     torch.testing.assert_close(dst, master.to(torch.bfloat16), rtol=0, atol=0)
 
 

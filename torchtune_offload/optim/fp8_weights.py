@@ -367,9 +367,8 @@ class DeviceWeights:
             scale_host.copy_(host_scale)
 
     def _upload(self, held: _Held, q_host: torch.Tensor, scale_host: torch.Tensor) -> object:
-        """The FP8 values and scales up, in one launch; returns its event (see ``TransferEngine.to_device``)."""
-        return self._transfer.timed_copies([held.q, held.scale], [q_host, scale_host], kind="param",
-                                           stream=self._transfer.h2d_stream)
+        """The FP8 values and scales up, in one launch; returns its event (see ``TransferEngine.to_device_many``)."""
+        return self._transfer.to_device_many([held.q, held.scale], [q_host, scale_host])
 
     def check_bound(self) -> None:
         """Raises RuntimeError where FP8 weights were asked for but the model was never bound."""
@@ -392,9 +391,9 @@ class DeviceWeights:
         """After a host step: :meth:`images` and their upload in one launch.
 
         Returns:
-            The upload's event (see ``TransferEngine.to_device``).
+            The upload's event (see ``TransferEngine.to_device_many``).
         """
-        return self._transfer.timed_copies(*self.images(slot), kind="param", stream=self._transfer.h2d_stream)
+        return self._transfer.to_device_many(*self.images(slot))
 
     def images(self, slot: Slot) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """After a host step: quantizes the slot's master into its consumed gradient buffer (the

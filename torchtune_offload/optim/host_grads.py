@@ -112,28 +112,31 @@ class HostGradients:
         for slot, norm in zip(measured, tensor_norms([slot.param.grad for slot in measured])):
             self._records[slot.index].norm = norm
         copies: List[Tuple[Slot, torch.Tensor]] = []
-        added: List[Tuple[Slot, torch.Tensor]] = []  # into their host sums through the host's ring
+        added: List[Tuple[Slot, torch.Tensor]] = []  # into their host sums through the ring
         for slot in slots:
             record, grad = self._records[slot.index], slot.param.grad
             if self.summed_on_host(slot):
                 if record.state is GradState.EMPTY:
                     copies.append((slot, grad))
                     record.staged = None
-                elif self.staging.on_device:
-                    record.staged, record.norm = self.staging.add_and_measure(slot.host_grad, grad, after=record.event)
                 else:
-                    record.norm = None
                     added.append((slot, grad))
                 record.state = GradState.ARRIVING
-                slot.param.grad = None  # held in copies until its copy is issued
+                slot.param.grad = None  # held in copies or added until its copy is issued
             elif in_window and slot.offloaded:
                 copies.append((slot, grad))
                 record.staged = None
                 record.state = GradState.ARRIVING
         if added:
-            tokens = self.staging.add_many([(slot.host_grad, grad) for slot, grad in added])
-            for (slot, _), token in zip(added, tokens):
+            pairs = [(slot.host_grad, grad) for slot, grad in added]
+            if self.staging.on_device:  # the device measures each sum it leaves
+                tokens, norms = self.staging.add_many_and_measure(
+                    pairs, after=[self._records[slot.index].event for slot, _ in added])
+            else:  # the host ring's sums are measured on the host once they land
+                tokens, norms = self.staging.add_many(pairs), [None] * len(added)
+            for (slot, _), token, norm in zip(added, tokens, norms):
                 self._records[slot.index].staged = token
+                self._records[slot.index].norm = norm
         if copies:
             event = self._transfer.to_host_many([slot.host_grad for slot, _ in copies], [g for _, g in copies],
                                                 release_source=True)

@@ -144,7 +144,7 @@ class SlotStepper:
             grad_scale: a clipping factor for the gradient (see :meth:`step_slot`).
 
         Returns:
-            the upload's event (see ``TransferEngine.to_device``).
+            the upload's event (see ``TransferEngine.to_device_many``).
         """
         self._step_on_host(slot, waited=waited, grad_scale=grad_scale)
         return self._upload(*self._uploads(slot))
@@ -163,7 +163,7 @@ class SlotStepper:
 
     def _upload(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> object:
         """Copies ``srcs`` into ``dsts`` on the upload stream, in one launch; returns its event."""
-        return self._transfer.timed_copies(dsts, srcs, kind="param", stream=self._transfer.h2d_stream)
+        return self._transfer.to_device_many(dsts, srcs)
 
     def fp8(self, slot: Slot) -> bool:
         """The slot's device weight is an FP8 image (its upload overwrites its host gradient buffer)."""

@@ -24,15 +24,15 @@ import collections
 import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from torchtune_offload.optim.grad_norm import tensor_norm
+from torchtune_offload.optim.grad_norm import tensor_norms
 import torchtune_offload.optim.host_add as host_add
 from torchtune_offload.optim.step_timings import profiled
 import torchtune_offload.optim.stream_check as stream_check
-from torchtune_offload.optim.transfer import TransferEngine
+from torchtune_offload.optim.transfer import TransferEngine, copy_all
 
 #: Bytes of one chunk, and how many chunks the ring holds: the bound on staging memory.
 CHUNK_BYTES = 32 * 2**20
@@ -49,6 +49,25 @@ def device_ring_bytes(*, largest_bytes: int) -> int:
 
 def _torch_add(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.add_(src)
+
+
+def _add_all(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
+    """``dsts[i].add_(srcs[i])`` for each i, launched as one operation where there are several (the
+    same roundings: each addition in float32, then to ``dsts[i]``'s dtype)."""
+    if len(dsts) == 1:
+        dsts[0].add_(srcs[0])
+    else:
+        torch._foreach_add_(dsts, srcs)
+
+
+class _Piece(NamedTuple):
+    """Where one piece of a pair's tensors is staged: the pair's position in its call, the first
+    element and the length of the piece, and its view of the chunk."""
+
+    pair: int
+    start: int
+    length: int
+    staged: torch.Tensor
 
 
 class _ChunkRing:
@@ -71,7 +90,7 @@ class _ChunkRing:
         # Allocated on first use: a run without accumulation never needs them.
         self._chunks: List[torch.Tensor] = []
         # Views of the chunks, made once: each as each dtype a piece of it was staged in (_typed),
-        # and the device ring's whole sums by shape.
+        # and each piece staged in it by place, length and shape (_staged).
         self._views: Dict[tuple, torch.Tensor] = {}
         self._next = 0
         self._issued = 0
@@ -138,15 +157,69 @@ class _ChunkRing:
             raise ValueError(f"{type(self).__name__}.add_into: {src.dtype}{list(src.shape)} into "
                              f"{dst.dtype}{list(dst.shape)}")
 
-    def _pieces(self, src: torch.Tensor, element_size: int) -> Iterator[Tuple[int, int, int]]:
-        """``(chunk index, start, length)`` of each piece of ``src`` in turn, ``element_size``
-        bytes an element in a chunk; each piece is a new addition (:attr:`issued` counts it)."""
-        per_chunk = self.chunk_bytes // element_size
-        for start in range(0, src.numel(), per_chunk):
-            index = self._next
-            self._next = (index + 1) % self.num_chunks
-            self._issued += 1
-            yield index, start, min(per_chunk, src.numel() - start)
+    def _claim(self) -> int:
+        """The next chunk in the ring, counted as a new addition (:attr:`issued`); each ring adds
+        what must precede its reuse."""
+        index = self._next
+        self._next = (index + 1) % self.num_chunks
+        self._issued += 1
+        return index
+
+    def _layout(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], dtypes: Sequence[torch.dtype],
+                tokens: List[int], *, unbroken: bool) -> Iterator[Tuple[int, List[_Piece]]]:
+        """Packs the pieces of each ``(dst, src)`` pair, staged as ``dtypes[i]``, into as few chunks as
+        they fill, in order: yields each chunk's index and pieces once the chunk is full (claiming the
+        next only after the caller has issued it), and appends each pair's token to ``tokens``.
+
+        With ``unbroken``, a pair that does not fit in what is left of a chunk starts a new one: a
+        pair that fits one chunk is one piece, and a longer one is cut at chunk boundaries."""
+        index: Optional[int] = None
+        used = 0
+        pieces: List[_Piece] = []
+        for number, ((_, src), dtype) in enumerate(zip(pairs, dtypes)):
+            size, start, numel = dtype.itemsize, 0, src.numel()
+            fresh = unbroken and used > 0 and -(-used // CHUNK_ALIGN) * CHUNK_ALIGN + numel * size > self.chunk_bytes
+            while start < numel:
+                offset = -(-used // CHUNK_ALIGN) * CHUNK_ALIGN  # any dtype views a piece
+                if index is None or fresh or offset + size > self.chunk_bytes:
+                    fresh = False
+                    if pieces:
+                        yield index, pieces
+                    index, offset, pieces = self._claim(), 0, []
+                length = min((self.chunk_bytes - offset) // size, numel - start)
+                # A whole tensor is staged in its shape (fewer ops than flat slices of it and its sum).
+                shape = src.shape if length == numel else None
+                pieces.append(_Piece(number, start, length, self._staged(index, dtype, offset // size, length, shape)))
+                used, start = offset + length * size, start + length
+            tokens.append(self._issued)
+        if pieces:
+            yield index, pieces
+
+    def _staged(self, index: int, dtype: torch.dtype, first: int, length: int,
+                shape: Optional[torch.Size]) -> torch.Tensor:
+        """Elements ``first`` to ``first + length`` of chunk ``index`` as ``dtype``, viewed as
+        ``shape`` (if given), made once: a model's groups come back in the same layout every
+        micro-batch, and a view kept costs the launching thread no op."""
+        key = (index, dtype, first, length, shape)
+        view = self._views.get(key)
+        if view is None:
+            view = self._typed(index, dtype)[first : first + length]
+            view = self._views[key] = view if shape is None else view.view(shape)
+        return view
+
+    @staticmethod
+    def _parts(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], piece: _Piece,
+               flats: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The ``(sum, gradient)`` parts a piece covers: the tensors themselves for a whole one,
+        else slices of their flattened selves (made once per pair in ``flats``; a gradient that is
+        not contiguous is flattened into a copy)."""
+        dst, src = pairs[piece.pair]
+        if piece.length == src.numel():
+            return dst, src
+        flat = flats.get(piece.pair)
+        if flat is None:
+            flat = flats[piece.pair] = (dst.view(-1), src.reshape(-1))
+        return flat[0][piece.start : piece.start + piece.length], flat[1][piece.start : piece.start + piece.length]
 
     def _chunk(self, index: int) -> torch.Tensor:
         """Chunk ``index``, allocated on first use; each ring says where."""
@@ -259,49 +332,26 @@ class StagingRing(_ChunkRing):
 
     def _claim(self) -> int:
         """The next chunk, once its previous addition is done (the wait counted as the caller's)."""
-        index = self._next
-        self._next = (index + 1) % self.num_chunks
-        self._issued += 1
+        index = super()._claim()
         start_wait = time.perf_counter()
         with profiled("sum: wait for a chunk"):
             self._retire(index)
         self._waited_seconds += time.perf_counter() - start_wait
         return index
 
-    def _issue(self, index: int, pieces: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-        """Copies ``(host sum piece, device piece, staged view)`` pieces down into chunk ``index``
-        together, and queues their additions on the adder thread."""
-        event = self._transfer.to_host_many([staged for _, _, staged in pieces], [src for _, src, _ in pieces],
-                                            release_source=True)
-        if self._adder is None:
-            self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-staging-add")
-        done = stream_check.submit(self._adder, self._finish, [(dst, staged) for dst, _, staged in pieces], event)
-        self._pending[index] = (self._issued, done)
-
     def _add_many(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List[int]:
+        """Per chunk of the pairs' pieces: one copy call down into it, one event, and the pieces'
+        additions as one job of the adder thread."""
         tokens: List[int] = []
-        index, used = None, 0
-        pieces: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for dst, src in pairs:
-            size, start, numel = src.element_size(), 0, src.numel()
-            flat: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # made once, for a split tensor only
-            while start < numel:
-                offset = -(-used // CHUNK_ALIGN) * CHUNK_ALIGN  # any dtype views a piece
-                if index is None or offset + size > self.chunk_bytes:
-                    if pieces:
-                        self._issue(index, pieces)
-                    index, offset, pieces = self._claim(), 0, []
-                length = min((self.chunk_bytes - offset) // size, numel - start)
-                staged = self._typed(index, src.dtype)[offset // size : offset // size + length]
-                if length == numel:  # whole: the tensors as they are (fewer ops on this thread)
-                    pieces.append((dst, src, staged.view(src.shape)))
-                else:
-                    flat = flat or (dst.view(-1), src.reshape(-1))
-                    pieces.append((flat[0][start : start + length], flat[1][start : start + length], staged))
-                used, start = offset + length * size, start + length
-            tokens.append(self._issued)
-        if pieces:
-            self._issue(index, pieces)
+        flats: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        for index, pieces in self._layout(pairs, [src.dtype for _, src in pairs], tokens, unbroken=False):
+            parts = [self._parts(pairs, piece, flats) for piece in pieces]
+            event = self._transfer.to_host_many([piece.staged for piece in pieces], [src for _, src in parts],
+                                                release_source=True)
+            if self._adder is None:
+                self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-staging-add")
+            work = [(dst, piece.staged) for (dst, _), piece in zip(parts, pieces)]
+            self._pending[index] = (self._issued, stream_check.submit(self._adder, self._finish, work, event))
         return tokens
 
     def drain_until(self, token: Optional[int]) -> None:
@@ -390,101 +440,127 @@ class DeviceSumRing(_ChunkRing):
         Returns:
             A token for :meth:`drain_until`: the addition is in ``dst`` once that returns.
         """
-        self._check(dst, src)
-        with self._locked():
-            return self._add_into(dst, src, after, measure=False)[0]
+        return self.add_many([(dst, src)], after=[after])[0]
+
+    @torch.no_grad()
+    def add_many(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], *,
+                 after: Optional[Sequence[Optional[object]]] = None) -> List[int]:
+        """:meth:`add_into` of each ``(dst, src)`` (a hand-off group's gradients, ``after[i]`` the
+        event of ``dst``'s last writer outside this ring, if any), packed into as few chunks as they
+        fill: per chunk one upload call, one addition call and one download call.
+
+        Returns:
+            Each pair's token for :meth:`drain_until`.
+        """
+        return self._add_checked(pairs, after, measure=False)[0]
 
     @torch.no_grad()
     def add_and_measure(self, dst: torch.Tensor, src: torch.Tensor, *,
                         after: Optional[object] = None) -> Tuple[int, torch.Tensor]:
-        """:meth:`add_into`, and the 2-norm of the sum it leaves in ``dst``, measured on the device
-        from the chunks as the addition leaves them: the sum's norm without a pass over the host
-        sum (on an H100's host, torch's 2-norm of 16 GB of bf16 sums ran on one core, 2.4 s a step,
+        """:meth:`add_into`, and the 2-norm of the sum it leaves in ``dst`` (see :meth:`add_many_and_measure`).
+
+        Returns:
+            ``(token, norm)``: the token as :meth:`add_into`'s, the norm as :meth:`add_many_and_measure`'s.
+        """
+        tokens, norms = self.add_many_and_measure([(dst, src)], after=[after])
+        return tokens[0], norms[0]
+
+    @torch.no_grad()
+    def add_many_and_measure(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], *,
+                             after: Optional[Sequence[Optional[object]]] = None
+                             ) -> Tuple[List[int], List[torch.Tensor]]:
+        """:meth:`add_many`, and the 2-norm of each sum it leaves, measured on the device from the
+        chunks as the additions leave them: the sums' norms without a pass over the host sums (on an
+        H100's host, torch's 2-norm of 16 GB of bf16 sums ran on one core, 2.4 s a step,
         docs/gpu_results.md).
 
         A sum that fits one chunk is measured as :func:`tensor_norm` measures the host sum (the same
-        bits where the device is the host); a longer one from its pieces' norms, taken and combined
-        in float32 and rounded to the sum's dtype once. On a GPU the device's reduction adds in
-        another order than the host's, so the norm, and a clipping factor made from it, may differ
-        from the host ring's in the last bits; the sums themselves do not.
+        bits where the device is the host; a chunk's whole sums in one :func:`tensor_norms` call); a
+        longer one from its pieces' norms, taken and combined in float32 and rounded to the sum's
+        dtype once. On a GPU the device's reduction adds in another order than the host's, so the
+        norm, and a clipping factor made from it, may differ from the host ring's in the last bits;
+        the sums themselves do not.
 
         Returns:
-            ``(token, norm)``: the token as :meth:`add_into`'s; the norm a 0-dim device tensor, ready
-            for the host once :meth:`drain_until` of the token returns (and, on the device, for any
-            stream launched after that).
+            ``(tokens, norms)``: the tokens as :meth:`add_many`'s; each norm a 0-dim device tensor,
+            ready for the host once :meth:`drain_until` of its token returns (and, on the device, for
+            any stream launched after that).
         """
-        self._check(dst, src)
-        with self._locked():
-            return self._add_into(dst, src, after, measure=True)
+        return self._add_checked(pairs, after, measure=True)
 
-    def _add_into(self, dst: torch.Tensor, src: torch.Tensor, after: Optional[object], *,
-                  measure: bool) -> Tuple[int, Optional[torch.Tensor]]:
+    def _add_checked(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                     after: Optional[Sequence[Optional[object]]], *, measure: bool) -> Tuple[List[int], List]:
+        after = [None] * len(pairs) if after is None else list(after)
+        if len(after) != len(pairs):
+            raise ValueError(f"{type(self).__name__}.add_many: {len(after)} events after for {len(pairs)} pairs")
+        for dst, src in pairs:
+            self._check(dst, src)
+        with self._locked():
+            return self._add_many(pairs, after, measure=measure)
+
+    def _add_many(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], after: List[Optional[object]], *,
+                  measure: bool) -> Tuple[List[int], List]:
         transfer, order = self._transfer, self._transfer.order
         up, down = transfer.h2d_stream, transfer.stream
-        # A sum that fits one chunk goes as it is (fewer ops on the launching thread); a longer one in
-        # pieces of its flattened self (src_flat: a copy of a gradient that is not contiguous).
-        numel = src.numel()
-        split = numel * dst.element_size() > self.chunk_bytes
-        dst_flat, src_flat = (dst.view(-1), src.reshape(-1)) if split else (dst, src)
-        # The sum's last writers, before its first chunk goes up.
-        for event in (after, self._written.get(dst.data_ptr())):
-            order.wait_event(up, event)
-        # The gradient is made on the compute stream.
-        order.wait_stream(down, order.current())
-        end = None
-        parts: List[torch.Tensor] = []
-        norm = None
-        for index, start, length in self._pieces(src, dst.element_size()):
-            if split:
-                chunk = self._typed(index, dst.dtype)[:length]
-                host, grad = dst_flat[start : start + length], src_flat[start : start + length]
-            else:
-                chunk, host, grad = self._shaped(index, dst.dtype, dst.shape), dst, src
-            # The last piece's norm completes the sum's, before that piece's download: the event the
-            # host waits for in drain_until comes after it.
-            whole, last = not split, start + length == numel
+        # The sums' last writers, before their first chunk goes up.
+        for (dst, _), first in zip(pairs, after):
+            for event in (first, self._written.get(dst.data_ptr())):
+                order.wait_event(up, event)
+        tokens: List[int] = []
+        norms: List[Optional[torch.Tensor]] = [None] * len(pairs)
+        split_norms: Dict[int, List[torch.Tensor]] = {}  # a split sum's pieces' norms so far
+        flats: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # a split pair's flattened tensors
+        # Unbroken: a sum's norm is that of its pieces, which the host's does not equal where
+        # it need not be cut.
+        for index, pieces in self._layout(pairs, [dst.dtype for dst, _ in pairs], tokens, unbroken=True):
+            parts = [self._parts(pairs, piece, flats) for piece in pieces]
+            hosts, grads = [host for host, _ in parts], [grad for _, grad in parts]
+            chunks = [piece.staged for piece in pieces]
             # The chunk's previous download must have read it before this upload overwrites it.
             order.wait_event(up, self._read_down[index])
             with order.on(up):
-                chunk.copy_(host, non_blocking=True)
+                copy_all(chunks, hosts)
             order.wait_event(down, order.record(up))
+            # The gradients are made on the compute stream (a flat copy of a split one just now).
+            order.wait_stream(down, order.current())
             with order.on(down), profiled("sum: add"):
-                chunk.add_(grad)
+                _add_all(chunks, grads)
                 if measure:
-                    norm = self._measure(chunk, parts, whole=whole, last=last, dtype=dst.dtype)
-            end = transfer.timed_copy(host, chunk, kind="grad", stream=down)
+                    # A sum's norm is complete before its last piece's download: the event the host
+                    # waits for in drain_until comes after it.
+                    self._measure(pairs, pieces, norms, split_norms)
+            end = transfer.timed_copies(hosts, chunks, kind="grad", stream=down)
             self._read_down[index] = end
             self._pending.append((self._issued, end))
-        self._written[dst.data_ptr()] = end
-        # The caller drops the gradient (and src_flat is a copy of it where it was not
-        # contiguous): keep the memory the additions read until they have read it.
-        for read in (src, src_flat) if split else (src,):
+            for piece in pieces:
+                self._written[pairs[piece.pair][0].data_ptr()] = end
+        # The caller drops the gradients (and a flat copy of one that was not contiguous): keep the
+        # memory the additions read until they have read it.
+        for read in [src for _, src in pairs] + [flat for _, flat in flats.values()]:
             order.keep_for(read, down)
-        if norm is not None:
+        for norm in norms if measure else ():
             # Made on the download stream, read on the compute stream (clipping): its memory
             # waits for that reader before the allocator hands it out again.
             order.keep_for(norm, order.current())
-        return self._issued, norm
-
-    def _shaped(self, index: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        """The start of chunk ``index`` viewed as a ``dtype`` tensor of ``shape``, made once: a
-        model's sums come in a few shapes, and a view kept costs the launching thread no op."""
-        view = self._views.get((index, dtype, shape))
-        if view is None:
-            view = self._views[index, dtype, shape] = self._typed(index, dtype)[:shape.numel()].view(shape)
-        return view
+        return tokens, norms
 
     @staticmethod
-    def _measure(chunk: torch.Tensor, parts: List[torch.Tensor], *, whole: bool, last: bool,
-                 dtype: torch.dtype) -> Optional[torch.Tensor]:
-        """One piece of the sum, just added, in ``chunk``: its norm kept in ``parts``; the sum's
-        norm once ``last`` (see :meth:`add_and_measure`), else None."""
-        if whole:
-            return tensor_norm(chunk)
-        parts.append(torch.linalg.vector_norm(chunk, dtype=torch.float32))
-        if not last:
-            return None
-        return torch.linalg.vector_norm(torch.stack(parts)).to(dtype)
+    def _measure(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], pieces: List[_Piece],
+                 norms: List[Optional[torch.Tensor]], split_norms: Dict[int, List[torch.Tensor]]) -> None:
+        """The pieces of one chunk, just added: each whole sum's norm into ``norms``, a split sum's
+        piece norm kept in ``split_norms`` and, at its last piece, the sum's norm from them (see
+        :meth:`add_many_and_measure`)."""
+        whole = [piece for piece in pieces if piece.length == pairs[piece.pair][1].numel()]
+        for piece, norm in zip(whole, tensor_norms([piece.staged for piece in whole])):
+            norms[piece.pair] = norm
+        for piece in pieces:
+            dst, src = pairs[piece.pair]
+            if piece.length == src.numel():
+                continue
+            parts = split_norms.setdefault(piece.pair, [])
+            parts.append(torch.linalg.vector_norm(piece.staged, dtype=torch.float32))
+            if piece.start + piece.length == src.numel():
+                norms[piece.pair] = torch.linalg.vector_norm(torch.stack(parts)).to(dst.dtype)
 
     def drain_until(self, token: Optional[int]) -> None:
         """Blocks the host until the additions started up to the one :meth:`add_into` returned

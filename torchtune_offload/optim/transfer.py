@@ -25,6 +25,15 @@ from torchtune_offload.optim.stream_order import StreamOrder
 COPY_KINDS = ("grad", "param", "state_up", "state_down")
 
 
+def copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i], non_blocking=True)`` for each i, on the current stream, launched as
+    one operation (``torch._foreach_copy_``: the copies of ``copy_``, one dispatch) where there are several."""
+    if len(dsts) == 1:
+        dsts[0].copy_(srcs[0], non_blocking=True)
+    else:
+        torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+
+
 class TransferEngine:
     """Copies tensors between one device and host memory.
 
@@ -101,36 +110,31 @@ class TransferEngine:
             self.order.keep_for(src, self.stream)
         return end
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> object:
-        """Copies host ``src`` into device ``dst`` on the upload stream; safe from any thread.
+    def to_device_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> object:
+        """Copies each host ``srcs[i]`` into device ``dsts[i]`` on the upload stream, in one launch;
+        safe from any thread.
 
         The compute stream does not see the result until :meth:`compute_waits_for_copies` or
         :meth:`compute_waits_for` the returned event.
 
         Returns:
-            The copy's event.
+            The event that ends the copies.
         """
-        return self.timed_copy(dst, src, kind="param", stream=self.h2d_stream)
-
-    def timed_copy(self, dst: torch.Tensor, src: torch.Tensor, *, kind: str, stream: object) -> object:
-        """Copies ``src`` into ``dst`` on ``stream``, counting its time under ``kind``.
-
-        Returns:
-            The event that ends the copy.
-        """
-        return self.timed_copies([dst], [src], kind=kind, stream=stream)
+        return self.timed_copies(dsts, srcs, kind="param", stream=self.h2d_stream)
 
     def timed_copies(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, kind: str,
                      stream: object) -> object:
-        """:meth:`timed_copy` of each pair in turn, timed together (one pair of events), launched as one
-        operation (``torch._foreach_copy_``: the copies of ``copy_``, one dispatch for all)."""
+        """Copies each ``srcs[i]`` into ``dsts[i]`` on ``stream``, in one launch (:func:`copy_all`),
+        their time counted together under ``kind``.
+
+        Returns:
+            The event that ends the copies.
+        """
         order = self.order
         with order.on(stream):
             begin = order.record(stream, timing=True)
-            if len(dsts) == 1:
-                dsts[0].copy_(srcs[0], non_blocking=True)
-            elif dsts:
-                torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+            if dsts:
+                copy_all(dsts, srcs)
             end = order.record(stream, timing=True)
         with self._lock:
             self._timed.append((kind, begin, end))
@@ -142,7 +146,7 @@ class TransferEngine:
         self.order.wait_stream(self.h2d_stream, self.order.current())
 
     def compute_waits_for(self, event: Optional[object]) -> None:
-        """Makes later work on the compute stream wait for one copy (an event from :meth:`to_device`;
+        """Makes later work on the compute stream wait for one copy (an event from :meth:`to_device_many`;
         None: nothing)."""
         self.order.wait_event(self.order.current(), event)
 
