@@ -44,10 +44,10 @@ from torchtune import config, training, utils
 
 from torchtune_offload.distributed import (
     exit_without_finalizing,
-    parse_shard_policy,
     plan_shard,
     set_host_threads,
     shard_model,
+    shard_policy_of,
 )
 from torchtune_offload.recipe import (
     DistributedCheckpoints,
@@ -105,9 +105,7 @@ class FullFinetuneRecipeDistributed:
                 cfg, s, ranks=(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))),
                 log_figures=int(os.environ.get("LOCAL_RANK", 0)) == 0))
         s = self.settings
-        self._policy = parse_shard_policy(
-            cfg.get("fsdp_shard_policy"), custom_sharded_layers=cfg.get("custom_sharded_layers")
-        )
+        self._policy = shard_policy_of(cfg)
         # Built on the meta device, the model costs nothing yet and the policy can be checked
         # against its module names now.
         self._model = instantiate_model(cfg.model, s, device=torch.device("meta"))

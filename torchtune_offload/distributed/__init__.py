@@ -18,6 +18,7 @@ from torchtune_offload.distributed.policies import (
     plan_shard,
     policy_problems,
     shard_model,
+    shard_policy_of,
 )
 from torchtune_offload.distributed.rank_exit import exit_without_finalizing
 
@@ -41,4 +42,5 @@ __all__ = [
     "policy_problems",
     "set_host_threads",
     "shard_model",
+    "shard_policy_of",
 ]

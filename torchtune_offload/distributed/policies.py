@@ -220,6 +220,16 @@ def parse_shard_policy(spec: Any, *, custom_sharded_layers: Any = None) -> List[
     return policies
 
 
+def shard_policy_of(cfg: Any) -> List[Policy]:
+    """The shard policy a recipe config asks for (its ``fsdp_shard_policy`` and
+    ``custom_sharded_layers``), parsed by :func:`parse_shard_policy`.
+
+    Raises:
+        ValueError: listing every invalid item.
+    """
+    return parse_shard_policy(cfg.get("fsdp_shard_policy"), custom_sharded_layers=cfg.get("custom_sharded_layers"))
+
+
 # ---------------------------------------------------------------------------------- plan
 
 

@@ -54,8 +54,13 @@ def scale_shape(shape: torch.Size, *, per_row: bool) -> Tuple[int, int]:
     return (shape[0], 1) if per_row else (1, 1)
 
 
+def _rows_per_chunk(cols: int) -> int:
+    """Rows of ``cols`` elements quantized at a time: :data:`_CHUNK_ELEMENTS` worth, at least one."""
+    return max(1, _CHUNK_ELEMENTS // max(cols, 1))
+
+
 def _row_chunks(rows: int, cols: int) -> Iterator[slice]:
-    step = max(1, _CHUNK_ELEMENTS // max(cols, 1))
+    step = _rows_per_chunk(cols)
     for start in range(0, rows, step):
         yield slice(start, min(rows, start + step))
 
@@ -128,7 +133,7 @@ def quantize(weight: torch.Tensor, *, per_row: bool, out: Optional[torch.Tensor]
 def _temporaries(shapes: List[torch.Size], *, per_row: bool, device: torch.device) -> Dict[str, torch.Tensor]:
     """What :class:`_Quantizer` needs beside its buffers, for weights of these shapes: an fp32
     buffer as large as their largest row chunk, a bool per row, a 1."""
-    chunk = max(min(rows * cols, max(1, _CHUNK_ELEMENTS // max(cols, 1)) * cols) for rows, cols in shapes)
+    chunk = max(min(rows, _rows_per_chunk(cols)) * cols for rows, cols in shapes)
     rows = max(rows for rows, _ in shapes) if per_row else 1
     return dict(wide=torch.empty(chunk, dtype=torch.float32, device=device),
                 positive=torch.empty(rows, dtype=torch.bool, device=device),

@@ -137,27 +137,28 @@ def register_module_waits(model: torch.nn.Module, own: Callable[[torch.nn.Parame
         The hook handles, and the slots in the order of the modules that own them (the order of
         ``model.modules()``, the forward's for torchtune's models).
     """
-    handles, ordered = [], []
-    if units is not None:
-        seen = set()
-        for module, params in units:
-            slots = list(dict.fromkeys(slot for slot in map(own, params) if slot is not None))
-            if slots:
-                ordered.extend(slot for slot in slots if slot not in seen)
-                seen.update(slots)
-                handles.append(module.register_forward_pre_hook(functools.partial(_wait_for, wait, slots),
-                                                                prepend=True))
-        handles.append(model.register_state_dict_pre_hook(lambda *_args, **_kwargs: synchronize()))
-        return handles, ordered
+    # FSDP2's unit all-gathers in its own pre-forward hook: the wait goes before it.
+    prepend = units is not None
+    handles, ordered, seen = [], [], set()
+    for module, params in layer_units(model) if units is None else units:
+        slots = list(dict.fromkeys(slot for slot in map(own, params) if slot is not None))
+        if slots:
+            ordered.extend(slot for slot in slots if slot not in seen)
+            seen.update(slots)
+            handles.append(module.register_forward_pre_hook(functools.partial(_wait_for, wait, slots), prepend=prepend))
+    handles.append(model.register_state_dict_pre_hook(lambda *_args, **_kwargs: synchronize()))
+    return handles, ordered
+
+
+def layer_units(model: torch.nn.Module) -> List[Tuple[torch.nn.Module, List[torch.nn.Parameter]]]:
+    """The modules of ``model`` that wait, in ``model.modules()`` order, each with the parameters it
+    waits for: a transformer layer (the outermost module named ``...layers.<i>``) all of its own and
+    its modules', any other module outside a layer its own."""
+    units = []
     layer = None  # the name of the layer being walked, whose modules its own wait covers
     for name, module in model.named_modules():
         if layer is not None and name.startswith(layer + "."):
             continue
         layer = name if name and layer_prefix(name) == name else None
-        params = module.parameters(recurse=layer is not None)
-        slots = [slot for slot in map(own, params) if slot is not None]
-        if slots:
-            ordered.extend(slots)
-            handles.append(module.register_forward_pre_hook(functools.partial(_wait_for, wait, slots)))
-    handles.append(model.register_state_dict_pre_hook(lambda *_args, **_kwargs: synchronize()))
-    return handles, ordered
+        units.append((module, list(module.parameters(recurse=layer is not None))))
+    return units

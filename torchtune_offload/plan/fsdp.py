@@ -35,7 +35,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from torchtune_offload.distributed.policies import parse_shard_policy, plan_shard
+from torchtune_offload.distributed.policies import plan_shard, shard_policy_of
 from torchtune_offload.recipe import RecipeSettings
 from torchtune_offload.recipe.checks.fit import meta_model, meta_shard
 
@@ -61,21 +61,17 @@ class Unit:
     early_grad_bytes: int = 0
 
 
-def _shard_policy(cfg: DictConfig) -> list:
-    return parse_shard_policy(cfg.get("fsdp_shard_policy"), custom_sharded_layers=cfg.get("custom_sharded_layers"))
-
-
 def output_is_unit(cfg: DictConfig, settings: RecipeSettings) -> bool:
     """Whether ``cfg``'s shard policy makes the output projection a unit of its own, for which the
     recipe's chunked loss projects once (``distributed/loss.py``)."""
-    return "output" in plan_shard(meta_model(cfg.model, settings), _shard_policy(cfg)).units
+    return "output" in plan_shard(meta_model(cfg.model, settings), shard_policy_of(cfg)).units
 
 
 def fsdp_units(model: nn.Module, cfg: DictConfig, *, world_size: int) -> List[Unit]:
     """The root, then the units of ``cfg``'s shard policy in the order the forward runs them (the
     order the model registers them, as a torchtune decoder calls them), each with its bytes gathered
     over ``world_size`` ranks (``model`` on the meta device)."""
-    names = plan_shard(model, _shard_policy(cfg)).units
+    names = plan_shard(model, shard_policy_of(cfg)).units
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     names = sorted(names, key=lambda n: order.get(n, -1))
     sizes: Dict[str, List[int]] = {name: [0, 0, 0] for name in [ROOT, *names]}

@@ -25,7 +25,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtune import modules, training
 
-from torchtune_offload.distributed.policies import parse_shard_policy, shard_model
+from torchtune_offload.distributed.policies import shard_model, shard_policy_of
 from torchtune_offload.plan.planner import GIB, load_config, plan_variant
 from torchtune_offload.plan.step_traces import sequence_length
 from torchtune_offload.plan.trace import token_vocab_size
@@ -59,8 +59,7 @@ def tracked(config: str, overrides: List[str], *, ranks: int) -> Dict[str, Any]:
         model = meta_model(cfg.model, settings)
         if settings.enable_activation_checkpointing:
             training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
-        shard_model(model, policy=parse_shard_policy(cfg.get("fsdp_shard_policy"),
-                                                     custom_sharded_layers=cfg.get("custom_sharded_layers")),
+        shard_model(model, policy=shard_policy_of(cfg),
                     reshard_after_forward=settings.fsdp_reshard_after_forward)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
