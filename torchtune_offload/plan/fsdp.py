@@ -31,7 +31,6 @@ the loss).
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-import torch
 from omegaconf import DictConfig
 from torch import nn
 
@@ -189,8 +188,3 @@ def shard_bytes(model: nn.Module, *, world_size: int) -> Tuple[int, int]:
     params = [(meta_shard(p, world_size), p.requires_grad) for p in model.parameters()]
     size = [t.numel() * t.element_size() for t, _ in params]
     return sum(size), sum(s for s, (_, trainable) in zip(size, params) if trainable)
-
-
-def shard_named(model: nn.Module, *, world_size: int) -> List[Tuple[str, torch.Tensor]]:
-    """One rank's trainable shards by name, on the meta device, marked trainable."""
-    return [(n, meta_shard(p, world_size).requires_grad_()) for n, p in model.named_parameters() if p.requires_grad]

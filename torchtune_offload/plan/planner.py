@@ -38,7 +38,7 @@ from torchtune_offload.optim.host_buffers import offloads
 from torchtune_offload.optim.host_memory import device_sum_ring_bytes, optimizer_state_bytes, plan_device_staging
 from torchtune_offload.plan.fine_tunes import (DEFAULT_ADAPTERS, FineTune, configured_fine_tune, fine_tunes,
                                                unquantised_twin)
-from torchtune_offload.plan.fsdp import fsdp_peak, fsdp_units, shard_bytes, shard_named
+from torchtune_offload.plan.fsdp import fsdp_peak, fsdp_units, shard_bytes
 from torchtune_offload.plan.recorded_runs import known_gaps
 from torchtune_offload.plan.speed import Machine, Speed, StepWork, device_syncs, predict
 from torchtune_offload.plan.step_traces import StepRequest, mark_lora, sequence_length, step_request
@@ -46,7 +46,7 @@ from torchtune_offload.plan.trace import (StepTrace, UntraceableModelError, buil
                                           micro_batch_loss, one_line)
 from torchtune_offload.recipe import RecipeSettings, check_recipe_config, host_memory_need
 from torchtune_offload.recipe.checks.config import RECIPE_KEYS
-from torchtune_offload.recipe.checks.fit import available_host_memory, sharded_host_memory_need
+from torchtune_offload.recipe.checks.fit import available_host_memory, sharded_host_memory_need, trainable_shards
 from torchtune_offload.recipe.chosen_optimizer import ChosenOptimizer, OptimizerKind
 
 GIB = 1024**3
@@ -340,7 +340,7 @@ def _rank_device_parts(cfg: DictConfig, settings: RecipeSettings, model: torch.n
                   "activations and temporaries at their peak (one device's trace at the per-rank batch)":
                       trace.working_bytes})
     if settings.device.type != "cpu":
-        parts.update(_rank_device_state(settings, shard_named(model, world_size=ranks)))
+        parts.update(_rank_device_state(settings, trainable_shards(model, world_size=ranks)))
     return parts, params + grads
 
 

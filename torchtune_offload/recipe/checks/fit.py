@@ -208,6 +208,12 @@ def meta_shard(param: torch.Tensor, world_size: int) -> torch.Tensor:
     return torch.empty((rows, *param.shape[1:]), dtype=param.dtype, device="meta")
 
 
+def trainable_shards(model: nn.Module, *, world_size: int) -> List[Tuple[str, torch.Tensor]]:
+    """One rank's shards of ``model``'s trainable parameters by name (:func:`meta_shard`), marked
+    trainable: what each rank's optimizer is built over."""
+    return [(n, meta_shard(p, world_size).requires_grad_()) for n, p in model.named_parameters() if p.requires_grad]
+
+
 def sharded_host_memory_need(
     cfg: DictConfig,
     settings: RecipeSettings,
@@ -255,9 +261,7 @@ def sharded_host_memory_need(
         train["gradient shards"] = held(trainable)
     if chosen.kind is OptimizerKind.SHARDED_ENGINE:
         # Each rank's engine over its own shards, wherever the device is.
-        named = [(n, shard.requires_grad_()) for (n, p), shard in zip(model.named_parameters(), shards)
-                 if p.requires_grad]
-        plan = optimizer_plan(chosen, named, settings)
+        plan = optimizer_plan(chosen, trainable_shards(model, world_size=world_size), settings)
         for purpose, size in plan.parts.items():
             train[f"{purpose} (engine, all ranks)"] = local_world_size * size
         notes += list(plan.notes)
