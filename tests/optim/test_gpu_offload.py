@@ -51,7 +51,7 @@ def test_sums_added_on_the_device_equal_the_host_rings_bit_for_bit(overlap, ring
     """grad_sum_on=device on real streams: the sums go up, are added by the device and come back
     down; a tiny ring (64-byte chunks) splits every gradient and reuses each chunk many times.
     Without clipping the runs are the same bits. With clipping the device ring's sums are still the
-    host ring's bits, but their norms are the device's reduction (DeviceSumRing.add_and_measure)
+    host ring's bits, but their norms are the device's reduction (DeviceSumRing.add_many_and_measure)
     against the host's, so the clipped runs agree to rounding."""
     device = _device()
     base = tiny_model(device=device).to(dtype)

@@ -357,7 +357,7 @@ def test_device_ring_adds_a_group_in_packed_chunks_cutting_only_sums_longer_than
 @pytest.mark.parametrize("sum_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("checked", [False, True], ids=["emulated", "checked streams"])
 def test_device_ring_measures_each_sum_it_leaves(sum_dtype, checked):
-    """add_and_measure: the 2-norm of the sum the addition leaves, from the chunks. A sum within one
+    """add_many_and_measure: the 2-norm of the sum the addition leaves, from the chunks. A sum within one
     chunk gives tensor_norm's bits; a longer one its pieces' float32 norms combined, rounded once.
     On streams the norm is read only after drain_until(token), as the engine's clipping reads it."""
     g = torch.Generator().manual_seed(0)
@@ -369,7 +369,7 @@ def test_device_ring_measures_each_sum_it_leaves(sum_dtype, checked):
             total = stream_check.host_tensor(torch.randn(numel, generator=g).to(sum_dtype))
             grad = torch.randn(numel, generator=g).to(sum_dtype)
             expected = total + grad
-            token, norm = ring.add_and_measure(total, grad)
+            (token,), (norm,) = ring.add_many_and_measure([(total, grad)])
             ring.drain_until(token)
             assert torch.equal(total, expected) and norm.dtype == sum_dtype and norm.dim() == 0
             if numel <= per_chunk:

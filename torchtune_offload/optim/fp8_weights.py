@@ -360,7 +360,8 @@ class DeviceWeights:
             q_host = self._transfer.host_empty_like(torch.empty(held.q.shape, dtype=FP8_DTYPE))
             scale_host = self._transfer.host_empty_like(torch.empty(held.scale.shape, dtype=held.scale.dtype))
             self._quantize(held.slot.step_param, q_host, held.host_scale, scale_host)
-        self._upload(held, q_host, scale_host)
+        # Values and scales up in one launch.
+        self._transfer.to_device_many([held.q, held.scale], [q_host, scale_host])
         self._transfer.synchronize()
 
     def _quantize(self, master: torch.Tensor, q_host: torch.Tensor, host_scale: torch.Tensor,
@@ -370,10 +371,6 @@ class DeviceWeights:
             quantizer = quantizer or _Quantizer(master, q_host, host_scale, per_row=self.per_row, **self._temporaries)
             quantizer()
             scale_host.copy_(host_scale)
-
-    def _upload(self, held: _Held, q_host: torch.Tensor, scale_host: torch.Tensor) -> object:
-        """The FP8 values and scales up, in one launch; returns its event (see ``TransferEngine.to_device_many``)."""
-        return self._transfer.to_device_many([held.q, held.scale], [q_host, scale_host])
 
     def check_bound(self) -> None:
         """Raises RuntimeError where FP8 weights were asked for but the model was never bound."""
@@ -392,14 +389,6 @@ class DeviceWeights:
         for held in self._held.values():
             self._upload_fresh(held)
 
-    def upload(self, slot: Slot) -> Optional[object]:
-        """After a host step: :meth:`images` and their upload in one launch.
-
-        Returns:
-            The upload's event (see ``TransferEngine.to_device_many``).
-        """
-        return self._transfer.to_device_many(*self.images(slot))
-
     def images(self, slot: Slot) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """After a host step: quantizes the slot's master into its consumed gradient buffer (the
         FP8 values in its first bytes, the scales in the parameter's dtype after them).
@@ -415,7 +404,7 @@ class DeviceWeights:
         return [held.q, held.scale], [held.q_host, held.scale_host]
 
     def _bind_buffer(self, held: _Held) -> None:
-        """Makes the views :meth:`upload` quantizes into, once per gradient buffer: the values in
+        """Makes the views :meth:`images` quantizes into, once per gradient buffer: the values in
         its first bytes, the scales after them (in a host buffer of their own where the gradient
         buffer has no room: a weight of one or two columns)."""
         slot = held.slot

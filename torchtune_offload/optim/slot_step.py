@@ -147,7 +147,7 @@ class SlotStepper:
             the upload's event (see ``TransferEngine.to_device_many``).
         """
         self._step_on_host(slot, waited=waited, grad_scale=grad_scale)
-        return self._upload(*self._uploads(slot))
+        return self._transfer.to_device_many(*self._uploads(slot))
 
     def _step_on_host(self, slot: Slot, *, waited: bool, grad_scale: Optional[torch.Tensor] = None) -> None:
         # Host code: what the base optimizer creates from nothing (its step count) is host memory.
@@ -160,10 +160,6 @@ class SlotStepper:
             # Re-quantized into the consumed gradient buffer: the caller marks it consumed.
             return self.device_weights.images(slot)
         return [slot.param], [slot.result]
-
-    def _upload(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> object:
-        """Copies ``srcs`` into ``dsts`` on the upload stream, in one launch; returns its event."""
-        return self._transfer.to_device_many(dsts, srcs)
 
     def fp8(self, slot: Slot) -> bool:
         """The slot's device weight is an FP8 image (its upload overwrites its host gradient buffer)."""
@@ -191,7 +187,7 @@ class SlotStepper:
             self._step_on_host(slot, waited=True)
             this = unit_of(slot.key)
             if this != unit and dsts:
-                self._upload(dsts, srcs)
+                self._transfer.to_device_many(dsts, srcs)
                 dsts, srcs = [], []
             unit = this
             for pending, made in zip((dsts, srcs), self._uploads(slot)):
@@ -201,7 +197,7 @@ class SlotStepper:
                 # is no gradient sum, and the next backward must not add into it.
                 self._grads.consumed(slot)
         if dsts:
-            self._upload(dsts, srcs)
+            self._transfer.to_device_many(dsts, srcs)
         # The next forward must see the new parameters.
         self._transfer.compute_waits_for_copies()
 

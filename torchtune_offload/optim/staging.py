@@ -60,6 +60,11 @@ def _add_all(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
         torch._foreach_add_(dsts, srcs)
 
 
+def _aligned(offset: int) -> int:
+    """``offset`` rounded up to :data:`CHUNK_ALIGN`: where the next piece in a chunk starts, so that any dtype views it."""
+    return -(-offset // CHUNK_ALIGN) * CHUNK_ALIGN
+
+
 class _Piece(NamedTuple):
     """Where one piece of a pair's tensors is staged: the pair's position in its call, the first
     element and the length of the piece, and its view of the chunk."""
@@ -178,9 +183,9 @@ class _ChunkRing:
         pieces: List[_Piece] = []
         for number, ((_, src), dtype) in enumerate(zip(pairs, dtypes)):
             size, start, numel = dtype.itemsize, 0, src.numel()
-            fresh = unbroken and used > 0 and -(-used // CHUNK_ALIGN) * CHUNK_ALIGN + numel * size > self.chunk_bytes
+            fresh = unbroken and used > 0 and _aligned(used) + numel * size > self.chunk_bytes
             while start < numel:
-                offset = -(-used // CHUNK_ALIGN) * CHUNK_ALIGN  # any dtype views a piece
+                offset = _aligned(used)
                 if index is None or fresh or offset + size > self.chunk_bytes:
                     fresh = False
                     if pieces:
@@ -453,17 +458,6 @@ class DeviceSumRing(_ChunkRing):
             Each pair's token for :meth:`drain_until`.
         """
         return self._add_checked(pairs, after, measure=False)[0]
-
-    @torch.no_grad()
-    def add_and_measure(self, dst: torch.Tensor, src: torch.Tensor, *,
-                        after: Optional[object] = None) -> Tuple[int, torch.Tensor]:
-        """:meth:`add_into`, and the 2-norm of the sum it leaves in ``dst`` (see :meth:`add_many_and_measure`).
-
-        Returns:
-            ``(token, norm)``: the token as :meth:`add_into`'s, the norm as :meth:`add_many_and_measure`'s.
-        """
-        tokens, norms = self.add_many_and_measure([(dst, src)], after=[after])
-        return tokens[0], norms[0]
 
     @torch.no_grad()
     def add_many_and_measure(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], *,
