@@ -1,7 +1,7 @@
 """The launching thread's cost of each engine mode against plain AdamW, side by side in one run.
 
 Usage: python scripts/bench/bench_launching_thread.py [--model 8B] [--rounds 5] [--steps 4] [--accum 4]
-       [--modes KEY,KEY...] [--compiled] [--per-parameter] [--device cpu|cuda] [--json FILE]
+       [--modes KEY,KEY...] [--compiled] [--per-parameter] [--threads 1] [--device cpu|cuda] [--json FILE]
 
 The model is a real architecture (``torchtune_offload.models.narrow``: llama3_1 8B's 32 layers and
 parameter tensors by default) narrowed to width 64, in bf16, with activation checkpointing on every
@@ -19,24 +19,34 @@ median over rounds of its median step time over plain AdamW's in the same round.
 models train on the GPU (each step ends with a synchronization), where the launching thread's work
 is what keeps the GPU waiting.
 
-Per step it reports seconds, the aten ops the training thread dispatches (from a profile of one
-more step: the ops no other aten op called, on that thread alone, so that the engine's worker
-threads are not counted and a compiled graph counts as no op), of them those FP8 device weights'
-design needs (its quantizations and widenings, :data:`DESIGN_FUNCTIONS`, found by the profile's
-Python calls) with the ratio to plain AdamW's ops plus them, and the engine's hand-offs in
-backward (one per transformer layer or bucket of other parameters a micro-batch; with
-``--per-parameter`` also each hooked mode with one per parameter, side by side). Prints a markdown table naming the CPU.
+Torch's operators run on one intra-op thread unless ``--threads`` says otherwise: at width 64 an
+operator's own work takes microseconds, and with more threads every operator that goes parallel
+(matrix products, inductor's kernels) also pays OpenMP's start and join of its team, work that a GPU
+does on the device, not on the launching thread, and that would hide the engine's work in a longer
+step (2026-12-07, 2-core Xeon: plain AdamW's step took 0.77 s eager and 0.81 s compiled on two
+threads, 0.48 s and 0.28 s on one).
+
+Per step it reports seconds (for FP8 device weights also the seconds its design's functions take,
+:data:`DESIGN_FUNCTIONS`, timed in further steps, with the ratio to plain AdamW's plus them), the
+aten ops the training thread dispatches (from a profile of one more step: the ops no other aten op
+called, on that thread alone, so that the engine's worker threads are not counted and a compiled
+graph counts as no op), of them those FP8 device weights' design needs (found by the profile's
+Python calls) with the ratio to plain AdamW's ops plus them, and the engine's hand-offs in backward
+(one per transformer layer or bucket of other parameters a micro-batch; with ``--per-parameter``
+also each hooked mode with one per parameter, side by side). Prints a markdown table naming the CPU.
 """
 
 import argparse
+import contextlib
 import copy
+import functools
 import gc
 import json
 import re
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +57,7 @@ from torchtune_offload import AdamW8bit, OffloadOptimizer
 from torchtune_offload.bench.machine import cpu_name
 from torchtune_offload.bench.trace_summary import called_by_aten
 from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, checkpointed_llama, chosen_models
+from torchtune_offload.optim import fp8_weights
 from torchtune_offload.optim.handoff import BackwardHandoff
 from torchtune_offload.optim.offload_options import OffloadOptions
 from torchtune_offload.optim.optimizer_class import split_options
@@ -71,12 +82,18 @@ ENGINE_MODES: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "update-on-device": ("update_on: device, overlap", dict(update_on="device", overlap=True)),
 }
 PLAIN = "plain AdamW"
-#: The functions whose ops a mode's design needs beyond plain AdamW's, counted apart as they run: FP8
-#: device weights' quantization of each held weight after its host step (``DeviceWeights._quantize``:
-#: the scales, the values, the scales in the weight's dtype) and the widening of its image before
-#: each use (``dequantize``: the cast and the product; three a micro-batch with activation
-#: checkpointing, none where a compiled layer widens inside its graph).
-DESIGN_FUNCTIONS = re.compile(r"fp8_weights\.py\(\d+\): (_quantize|dequantize)$")
+#: The functions whose ops a mode's design needs beyond plain AdamW's, counted and timed apart as they
+#: run, each by where it is looked up when called and its name: FP8 device weights' quantization of
+#: each held weight after its host step (``DeviceWeights._quantize``: the scales, the values, the
+#: scales in the weight's dtype) and the widening of its image before each use (``dequantize``: the
+#: cast and the product; three a micro-batch with activation checkpointing, none where a compiled
+#: layer widens inside its graph).
+#: The third item says whether a compiled layer traces the function into its graph (its seconds are
+#: then not timed apart: a wrapped global would also make dynamo recompile).
+DESIGN_FUNCTIONS: Tuple[Tuple[Any, str, bool], ...] = ((fp8_weights.DeviceWeights, "_quantize", False),
+                                                       (fp8_weights, "dequantize", True))
+#: A profiled Python call of one of :data:`DESIGN_FUNCTIONS`.
+DESIGN_CALL = re.compile(r"fp8_weights\.py\(\d+\): (%s)$" % "|".join(name for _, name, _ in DESIGN_FUNCTIONS))
 #: The profiled range of the counted step, which names the training thread in the profile.
 STEP_RANGE = "bench_launching_thread: step"
 #: torchao's wrapper's ``--modes`` key and row name.
@@ -121,6 +138,7 @@ class Trainee:
         options = ENGINE_MODES.get(key.removesuffix(PER_PARAMETER), ("", {}))[1]
         self.design_ops = options.get("device_weights") is not None
         self.accum = accum
+        self.compiled = compiled
         gen = torch.Generator().manual_seed(0)
         self.batches = [torch.randint(0, VOCAB_SIZE, (1, TOKENS + 1), generator=gen).to(device) for _ in range(accum)]
 
@@ -143,6 +161,10 @@ class Trainee:
     def close(self) -> None:
         self.run.synchronize()
         self.run.close()
+
+
+def _threads(count: int) -> str:
+    return f"{count} intra-op thread" + ("s" if count != 1 else "")
 
 
 def row_name(key: str) -> str:
@@ -185,7 +207,7 @@ def _in_design_function(event: Any) -> bool:
     """Whether a profiled op ran inside one of :data:`DESIGN_FUNCTIONS` (from the profile's Python calls)."""
     parent = event.cpu_parent
     while parent is not None:
-        if DESIGN_FUNCTIONS.search(parent.name):
+        if DESIGN_CALL.search(parent.name):
             return True
         parent = parent.cpu_parent
     return False
@@ -209,6 +231,47 @@ def counted_step(trainee: Trainee) -> Dict[str, Optional[int]]:
     return {"ops": len(counted), "design_ops": design, "handoffs": None if before is None else after - before}
 
 
+@contextlib.contextmanager
+def _design_functions_timed(spans: List[float], *, compiled: bool) -> Iterator[None]:
+    """Wraps :data:`DESIGN_FUNCTIONS` (with compiled layers, those called outside the graphs) so that
+    each call's seconds, on whichever thread it runs, are appended to ``spans``."""
+    def timed(function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spans.append(time.perf_counter() - start)
+        return wrapper
+
+    originals = [(owner, name, getattr(owner, name)) for owner, name, traced in DESIGN_FUNCTIONS
+                 if not (compiled and traced)]
+    for owner, name, function in originals:
+        setattr(owner, name, timed(function))
+    try:
+        yield
+    finally:
+        for owner, name, function in originals:
+            setattr(owner, name, function)
+
+
+def design_seconds(trainee: Trainee, steps: int) -> Optional[float]:
+    """The median over ``steps`` more steps of the seconds a step spends inside :data:`DESIGN_FUNCTIONS`
+    (None for a mode without them; with compiled layers the widenings inside the graphs are not counted)."""
+    if not trainee.design_ops:
+        return None
+    spans: List[float] = []
+    per_step = []
+    with _design_functions_timed(spans, compiled=trainee.compiled):
+        for _ in range(steps):
+            spans.clear()
+            trainee.step()
+            trainee.run.synchronize()  # the quantizations of this step's host steps too
+            per_step.append(sum(spans))
+    return statistics.median(per_step)
+
+
 def measure(trainees: Dict[str, Any], *, rounds: int, steps: int, log: Callable[[str], None]) -> Dict[str, Dict]:
     runnable = {n: t for n, t in trainees.items() if isinstance(t, Trainee)}
     # Every mode's model, optimizer and compiled graphs stay alive in this one process: frozen, so that
@@ -225,27 +288,31 @@ def measure(trainees: Dict[str, Any], *, rounds: int, steps: int, log: Callable[
             ratios[name].append(per_round[name][-1] / per_round[PLAIN][-1])
         log(f"round {r + 1} of {rounds}: " + ", ".join(f"{n} {per_round[n][-1]:.3f} s" for n in runnable))
     counts = {name: counted_step(trainee) for name, trainee in runnable.items()}
+    design = {name: design_seconds(trainee, steps) for name, trainee in runnable.items()}
     return {name: {"seconds": statistics.median(per_round[name]), "ratio": statistics.median(ratios[name]),
-                   "ratios": ratios[name], **counts[name]} for name in runnable}
+                   "ratios": ratios[name], "design_seconds": design[name], **counts[name]} for name in runnable}
 
 
 def table(results: Dict[str, Dict], skipped: Dict[str, str], *, header: str) -> str:
-    plain_ops = results[PLAIN]["ops"]
-    lines = [header, "", "| mode | s/step | x plain (median of rounds) | aten ops/step | x plain | "
-             "of them design ops | x (plain + design ops) | engine hand-offs/step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    plain_ops, plain_seconds = results[PLAIN]["ops"], results[PLAIN]["seconds"]
+    lines = [header, "", "| mode | s/step | x plain (median of rounds) | of them design s | x (plain + design s) | "
+             "aten ops/step | x plain | of them design ops | x (plain + design ops) | engine hand-offs/step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         handoffs = "" if r["handoffs"] is None else str(r["handoffs"])
-        design = r["design_ops"]
+        design, design_s = r["design_ops"], r["design_seconds"]
+        time_apart = ("| |" if design_s is None
+                      else f"{design_s:.3f} | {r['seconds'] / (plain_seconds + design_s):.2f} |")
         apart = "| |" if design is None else f"{design} | {r['ops'] / (plain_ops + design):.2f} |"
-        lines.append(f"| {name} | {r['seconds']:.3f} | {r['ratio']:.2f} | {r['ops']} | {r['ops'] / plain_ops:.2f} | "
-                     f"{apart} {handoffs} |")
+        lines.append(f"| {name} | {r['seconds']:.3f} | {r['ratio']:.2f} | {time_apart} {r['ops']} | "
+                     f"{r['ops'] / plain_ops:.2f} | {apart} {handoffs} |")
     for name, why in skipped.items():
-        lines.append(f"| {name} | does not run here: {why} | | | | | | |")
+        lines.append(f"| {name} | does not run here: {why} | | | | | | | | |")
     if any(r["design_ops"] is not None for r in results.values()):
-        lines += ["", "Design ops: the ops FP8 device weights' design needs, counted as they run: each held weight's "
-                      "quantization after its host step (DeviceWeights._quantize) and each widening of its image "
-                      "(dequantize: three a micro-batch with activation checkpointing, none inside a compiled layer)."]
+        lines += ["", "Design ops and s: what FP8 device weights' design needs, counted and timed as it runs: "
+                      "each held weight's quantization after its host step (DeviceWeights._quantize) and each "
+                      "widening of its image (dequantize: three a micro-batch with activation checkpointing; inside "
+                      "a compiled layer it is part of the graph, neither counted nor timed apart)."]
     return "\n".join(lines)
 
 
@@ -261,6 +328,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--compiled", action="store_true", help="compile every layer, as compile: True does")
     parser.add_argument("--per-parameter", action="store_true",
                         help="also run each engine mode whose backward hooks work with the hand-off per parameter")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch's intra-op threads (default 1: see the module's docstring)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the models train (default cpu)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
@@ -270,7 +339,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(str(err))
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
-    for key in ("rounds", "steps", "accum"):
+    for key in ("rounds", "steps", "accum", "threads"):
         if getattr(args, key) < 1:
             parser.error(f"--{key} must be at least 1")
     keys = [*ENGINE_MODES, TORCHAO] if args.modes is None else args.modes.split(",")
@@ -280,6 +349,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.per_parameter:
         keys += [k + PER_PARAMETER for k in keys if k in ENGINE_MODES and _hooked(ENGINE_MODES[k][1])]
     keys = [PLAIN, *keys]
+    torch.set_num_threads(args.threads)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     log(f"building {len(keys)} modes ({'compiled' if args.compiled else 'eager'}) ...")
     device = torch.device(args.device)
@@ -294,7 +364,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             if isinstance(t, Trainee):
                 t.close()
     where = torch.cuda.get_device_name(device) + ", " if device.type == "cuda" else ""
-    header = (f"{where}{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+    header = (f"{where}{cpu_name()}, {_threads(torch.get_num_threads())}, torch {torch.__version__}; "
               f"{NARROW_MODELS[args.model][0]} at width {WIDTH}, bf16, activation checkpointing, "
               f"{'compiled layers' if args.compiled else 'eager'}; {args.accum} micro-batches of 1 x {TOKENS} "
               f"tokens a step, clip {CLIP}; {args.rounds} interleaved rounds of {args.steps} steps after {WARMUP} "

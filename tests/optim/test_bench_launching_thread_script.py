@@ -1,11 +1,16 @@
 """scripts/bench/bench_launching_thread.py: every mode side by side with plain AdamW, in one table."""
 
+import importlib.util
 import json
 import re
+import threading
 
 import pytest
+import torch
 
 from tests import zygote
+from tests.recipe_harness import REPO
+from torchtune_offload.optim import fp8_weights
 
 
 def test_prints_each_mode_against_plain_adamw_with_ops_and_handoffs(tmp_path):
@@ -13,8 +18,8 @@ def test_prints_each_mode_against_plain_adamw_with_ops_and_handoffs(tmp_path):
                             "--accum", "2", "--modes", "overlap,torchao",
                             "--per-parameter", "--json", str(tmp_path / "r.json"))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert re.search(r"^.+, \d+ threads, torch .+; llama3_2 1B at width 64, bf16, activation checkpointing, eager; "
-                     r"2 micro-batches of 1 x 16 tokens a step, clip 1.0; 2 interleaved rounds", out.stdout, flags=re.M)
+    assert re.search(r"^.+, 1 intra-op thread, torch .+; llama3_2 1B at width 64, bf16, activation checkpointing, "
+                     r"eager; 2 micro-batches of 1 x 16 tokens a step, clip 1.0; 2 interleaved rounds", out.stdout, flags=re.M)
     rows = dict(re.findall(r"^\| ([^|]+) \| ([0-9.]+) \| ", out.stdout, flags=re.M))
     assert set(rows) == {"plain AdamW", "offload_gradients, overlap", "offload_gradients, overlap, hand-off per parameter"}
     results = json.loads((tmp_path / "r.json").read_text())["results"]
@@ -31,7 +36,36 @@ def test_prints_each_mode_against_plain_adamw_with_ops_and_handoffs(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--modes", "overlap,fast"], "--modes: unknown fast; choose from host-ring, device-sums, overlap"),
     (["--device", "cuda"], "--device cuda: no CUDA device here"),
+    (["--threads", "0"], "--threads must be at least 1"),
 ])
 def test_bad_arguments_are_refused_naming_the_fix(args, message):
     out = zygote.run_script("bench/bench_launching_thread.py", *args)
     assert out.returncode == 2 and message in out.stderr
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_launching_thread",
+                                                  REPO / "scripts/bench/bench_launching_thread.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_design_functions_are_timed_on_any_thread_and_put_back_after(compiled):
+    script = _script()
+    originals = {name: getattr(owner, name) for owner, name, _ in script.DESIGN_FUNCTIONS}
+    spans = []
+    q, scale = fp8_weights.quantize(torch.randn(4, 8), per_row=True)
+    with script._design_functions_timed(spans, compiled=compiled):
+        # A compiled layer traces the widening into its graph: it stays unwrapped (a wrapped
+        # global would make dynamo recompile), the quantization after the host step is timed.
+        assert (fp8_weights.dequantize is originals["dequantize"]) == compiled
+        assert fp8_weights.DeviceWeights._quantize is not originals["_quantize"]
+        widened = []
+        worker = threading.Thread(target=lambda: widened.append(fp8_weights.dequantize(q, scale, torch.bfloat16)))
+        worker.start()
+        worker.join()
+    assert torch.equal(widened[0], originals["dequantize"](q, scale, torch.bfloat16))
+    assert len(spans) == (0 if compiled else 1) and all(s >= 0 for s in spans)
+    assert {name: getattr(owner, name) for owner, name, _ in script.DESIGN_FUNCTIONS} == originals

@@ -58,6 +58,8 @@ class SlotStepper:
         # stepping at once, which neither the serial path nor the overlap step thread does.
         self._converted = conversion_buffers(table.offloaded, fused_master_step=fused_master_step)
         self._converting = stream_check.HostLock()
+        # The module whose forward waits for each offloaded slot: its uploads go in one launch.
+        self._units = {slot.index: unit_of(slot.key) for slot in table.offloaded}
 
     @property
     def conversion_bytes(self) -> int:
@@ -185,7 +187,7 @@ class SlotStepper:
         for slot in ready:
             self._grads.finish(slot)
             self._step_on_host(slot, waited=True)
-            this = unit_of(slot.key)
+            this = self._units[slot.index]
             if this != unit and dsts:
                 self._transfer.to_device_many(dsts, srcs)
                 dsts, srcs = [], []
