@@ -22,9 +22,8 @@ is what keeps the GPU waiting.
 Torch's operators run on one intra-op thread unless ``--threads`` says otherwise: at width 64 an
 operator's own work takes microseconds, and with more threads every operator that goes parallel
 (matrix products, inductor's kernels) also pays OpenMP's start and join of its team, work that a GPU
-does on the device, not on the launching thread, and that would hide the engine's work in a longer
-step (2026-12-07, 2-core Xeon: plain AdamW's step took 0.77 s eager and 0.81 s compiled on two
-threads, 0.48 s and 0.28 s on one).
+does on the device, not on the launching thread, and that hides the engine's work in a longer step
+(docs/benchmarks.md gives both).
 
 Per step it reports seconds (for FP8 device weights also the seconds its design's functions take,
 :data:`DESIGN_FUNCTIONS`, timed in further steps, with the ratio to plain AdamW's plus them), the
@@ -87,9 +86,8 @@ PLAIN = "plain AdamW"
 #: each held weight after its host step (``DeviceWeights._quantize``: the scales, the values, the
 #: scales in the weight's dtype) and the widening of its image before each use (``dequantize``: the
 #: cast and the product; three a micro-batch with activation checkpointing, none where a compiled
-#: layer widens inside its graph).
-#: The third item says whether a compiled layer traces the function into its graph (its seconds are
-#: then not timed apart: a wrapped global would also make dynamo recompile).
+#: layer widens inside its graph). The third item says whether a compiled layer traces the function
+#: into its graph: its seconds are then not timed apart (a wrapped global would make dynamo recompile).
 DESIGN_FUNCTIONS: Tuple[Tuple[Any, str, bool], ...] = ((fp8_weights.DeviceWeights, "_quantize", False),
                                                        (fp8_weights, "dequantize", True))
 #: A profiled Python call of one of :data:`DESIGN_FUNCTIONS`.

@@ -19,7 +19,8 @@ def test_prints_each_mode_against_plain_adamw_with_ops_and_handoffs(tmp_path):
                             "--per-parameter", "--json", str(tmp_path / "r.json"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^.+, 1 intra-op thread, torch .+; llama3_2 1B at width 64, bf16, activation checkpointing, "
-                     r"eager; 2 micro-batches of 1 x 16 tokens a step, clip 1.0; 2 interleaved rounds", out.stdout, flags=re.M)
+                     r"eager; 2 micro-batches of 1 x 16 tokens a step, clip 1.0; 2 interleaved rounds", out.stdout,
+                     flags=re.M)
     rows = dict(re.findall(r"^\| ([^|]+) \| ([0-9.]+) \| ", out.stdout, flags=re.M))
     assert set(rows) == {"plain AdamW", "offload_gradients, overlap", "offload_gradients, overlap, hand-off per parameter"}
     results = json.loads((tmp_path / "r.json").read_text())["results"]
