@@ -12,7 +12,7 @@ other rank count must continue the uninterrupted one exactly.
 import re
 import shutil
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -23,7 +23,6 @@ from tests.distributed.test_distributed_recipe import CONFIG, _cfg, _losses, _ru
 from tests.recipe_harness import load_recipe_module, tiny_asset_overrides
 from torchtune_offload.distributed.reshard import (
     ShardLayout,
-    chunk_rows,
     rank_files_problems,
     reshard_engine_state,
     resharded_state,
@@ -37,6 +36,14 @@ from torchtune_offload.recipe.chosen_optimizer import describe_optimizer
 
 #: Uneven rows: 5 over 2 ranks is 3 + 2, over 3 ranks 2 + 2 + 1; "b" has fewer rows than 3 ranks.
 SHAPES = {"w": (5, 3), "b": (2,), "e": (7, 4)}
+
+
+def chunk_rows(num_rows: int, *, rank: int, num_ranks: int) -> Tuple[int, int]:
+    """Rows ``[start, stop)`` of ``rank`` when ``torch.chunk`` cuts ``num_rows`` rows ``num_ranks`` ways
+    (FSDP2's cut; a rank past the last piece holds none)."""
+    pieces = torch.arange(num_rows).chunk(num_ranks)
+    start = sum(len(piece) for piece in pieces[:rank])
+    return start, start + (len(pieces[rank]) if rank < len(pieces) else 0)
 
 
 def _full(dtype: torch.dtype = torch.float32, seed: int = 0) -> Dict[str, torch.Tensor]:

@@ -58,13 +58,6 @@ class ShardLayout:
         return (self.stop - self.start, *self.global_shape[1:])
 
 
-def chunk_rows(num_rows: int, *, rank: int, num_ranks: int) -> Tuple[int, int]:
-    """Rows ``[start, stop)`` of ``rank`` when ``num_rows`` rows are cut as ``torch.chunk`` cuts
-    them (FSDP2's cut): ``ceil(num_rows / num_ranks)`` rows a rank, the last ones shorter or empty."""
-    size = -(-num_rows // num_ranks)
-    return min(rank * size, num_rows), min((rank + 1) * size, num_rows)
-
-
 def shard_layout(name: str, param: torch.Tensor) -> ShardLayout:
     """This rank's rows of ``param``: a DTensor sharded on dim 0 over a 1-D mesh (FSDP2's), or a
     plain tensor, held whole.
