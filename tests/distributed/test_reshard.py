@@ -288,3 +288,23 @@ def test_8bit_states_on_another_rank_count_are_refused_before_any_weight_is_read
     message = str(err.value)
     assert "AdamW8bit, written by 2 ranks, and this run has 1" in message, message
     assert "resume with tune run --nproc_per_node 2" in message and "resume_from_checkpoint=False" in message
+
+
+def test_rank_files_that_do_not_belong_together_are_refused_at_load_naming_the_rank_count_to_resume_with(
+        trained, tiny_assets, tmp_path):
+    """The preflight reads only the manifest; the rank files themselves are checked as the checkpoint
+    is loaded, before any weight is read, and refused with the same remedy (here two files of the
+    same size swapped, which the manifest's sizes do not catch)."""
+    stopped = _stopped_at_step_2(trained["two"], tmp_path)
+    first, second = (stopped / "checkpoints" / "step_00000002" / f"optimizer_rank{k:05d}.pt" for k in range(2))
+    assert first.stat().st_size == second.stat().st_size
+    first.rename(tmp_path / "swap.pt")
+    second.rename(first)
+    (tmp_path / "swap.pt").rename(second)
+    with pytest.raises(ValueError) as err:
+        _run_in_process(tiny_asset_overrides(tiny_assets) + STEPS + ADAMW + ONE + [
+            f"output_dir={stopped}", "resume_from_checkpoint=True"])
+    message = str(err.value)
+    assert "was written by 2 rank(s) and its optimizer states cannot be re-sharded to this run's 1" in message, message
+    assert f"{first}: written by rank 1 of 2, given as rank 0" in message, message
+    assert "To continue, resume with tune run --nproc_per_node 2, or start fresh from its weights" in message, message

@@ -34,9 +34,15 @@ from torchtune_offload.optim.offload_checkpoint import STATE_DICT_FORMAT
 
 #: The key a slot's master weights are cut under, beside its base optimizer's states (no state has it).
 _MASTER = "\0master"
-#: What to do when a checkpoint cannot be re-sharded.
-_FIX = ("Resume with the rank count that wrote it (tune run --nproc_per_node {n}), or start fresh from its "
-        "weights with resume_from_checkpoint=False.")
+
+
+def reshard_fix(ranks: Optional[int]) -> str:
+    """The clause that says what to do where a checkpoint's optimizer states cannot continue on this
+    run's rank count: resume with the rank count that wrote it (``ranks``; None: the single-device
+    recipe), or start fresh from its weights."""
+    back = (f"resume with tune run --nproc_per_node {ranks}" if ranks is not None else
+            "resume it with the single-device recipe")
+    return f"{back}, or start fresh from its weights with resume_from_checkpoint=False in another output_dir."
 
 
 @dataclass(frozen=True)
@@ -370,4 +376,4 @@ def _finished(slot: Dict[str, Any], layout: ShardLayout, header: Mapping[str, An
 
 def _refuse(problems: List[str], num_ranks: int) -> None:
     raise ValueError(f"optimizer states written by {num_ranks} rank(s) cannot be re-sharded:\n  - "
-                     + "\n  - ".join(problems) + "\n" + _FIX.format(n=num_ranks))
+                     + "\n  - ".join(problems) + "\nTo continue, " + reshard_fix(num_ranks))

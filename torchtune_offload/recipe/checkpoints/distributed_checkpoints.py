@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torchtune import utils
 
-from torchtune_offload.distributed.reshard import rank_files_problems, resharded_state, shard_layouts
+from torchtune_offload.distributed.reshard import rank_files_problems, reshard_fix, resharded_state, shard_layouts
 from torchtune_offload.recipe.checkpoints.atomic_save import fsync_tree
 from torchtune_offload.recipe.checkpoints.resume import batching, run_output_dir
 from torchtune_offload.recipe.checkpoints.step_checkpoints import (
@@ -140,8 +140,7 @@ class DistributedCheckpoints:
                     raise ValueError(f"resume_from_checkpoint=True: {self._point.path} was written by "
                                      f"{written_by or 'one'} rank(s) and its optimizer states cannot be re-sharded "
                                      f"to this run's {self.world_size}:\n  - " + "\n  - ".join(problems) +
-                                     "\nResume with the rank count that wrote it, or start fresh from its weights "
-                                     "with resume_from_checkpoint=False in another output_dir.")
+                                     "\nTo continue, " + reshard_fix(written_by))
             progress.restore(self._point.state["progress"])
             self._store = StepCheckpoints(self._out, keep_last=self._keep_last, run_id=self._point.run_id)
             self._store.prune()  # a run killed between a save and its pruning left one too many

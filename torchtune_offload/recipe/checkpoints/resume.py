@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import utils
 
+from torchtune_offload.distributed.reshard import reshard_fix
 from torchtune_offload.optim.capabilities import capabilities_of
 from torchtune_offload.recipe.checkpoints.atomic_save import COMPLETE_MARKER
 from torchtune_offload.recipe.checkpoints.step_checkpoints import (
@@ -196,9 +197,7 @@ def _reshard_problem(cfg: DictConfig, newest: Path, manifest: Dict[str, Any], *,
     ``torchtune_offload.distributed.reshard``). Read from the manifest, before any weight."""
     saved = manifest.get("ranks")
     written = f"{saved} ranks" if saved is not None else "the single-device recipe"
-    back = (f"resume with tune run --nproc_per_node {saved}" if saved is not None else
-            "resume it with the single-device recipe")
-    fix = f"{back}, or start fresh from its weights with resume_from_checkpoint=False in another output_dir."
+    fix = reshard_fix(saved)
     if not capabilities_of(engine.base_class).elementwise_update:
         # The checkpoint's optimizer is this run's (its identity matched): name it from the description.
         base = f"optimizer.optimizer_class={engine.base_class.__module__}.{engine.base_class.__qualname__}"
