@@ -26,12 +26,13 @@ def _operands(dst_dtype, src_dtype, n=N):
 @needs_compiler
 @pytest.mark.parametrize("dst_dtype,src_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
                                                  (torch.float32, torch.float32)])
-@pytest.mark.parametrize("n", [N, host_add.PARALLEL_MIN + 5])  # one thread, and all of them
-def test_same_bits_as_torch_add(dst_dtype, src_dtype, n):
+@pytest.mark.parametrize("n, threads", [(N, None), (host_add.PARALLEL_MIN + 5, None),  # one thread, and all of them
+                                        (N, 3), (host_add.PARALLEL_MIN + 5, 1)])  # as a benchmark sets them
+def test_same_bits_as_torch_add(dst_dtype, src_dtype, n, threads):
     dst, src = _operands(dst_dtype, src_dtype, n)
     ref = dst.clone().add_(src)
     assert host_add.supports(dst, src)
-    host_add.add_(dst, src)
+    host_add.add_(dst, src, threads=threads)
     assert torch.equal(dst.view(torch.int16 if dst_dtype == torch.bfloat16 else torch.int32)[~ref.isnan()],
                        ref.view(torch.int16 if dst_dtype == torch.bfloat16 else torch.int32)[~ref.isnan()])
     assert torch.equal(dst.isnan(), ref.isnan())

@@ -68,7 +68,8 @@ def supports(dst: torch.Tensor, src: torch.Tensor) -> bool:
             and dst.is_contiguous() and src.is_contiguous() and dst.numel() == src.numel())
 
 
-def add_(dst: torch.Tensor, src: torch.Tensor, *, library: Optional[ctypes.CDLL] = None) -> None:
+def add_(dst: torch.Tensor, src: torch.Tensor, *, library: Optional[ctypes.CDLL] = None,
+         threads: Optional[int] = None) -> None:
     """``dst.add_(src)`` with the same result, in one multi-threaded pass where :func:`supports` says so.
 
     Args:
@@ -76,6 +77,8 @@ def add_(dst: torch.Tensor, src: torch.Tensor, *, library: Optional[ctypes.CDLL]
         src: a host tensor with as many elements.
         library: the build to add with (from :func:`bind_kernels`; a benchmark compares builds);
             None, this process's build.
+        threads: the C pass's threads (a benchmark sets them); None, torch's intra-op threads, or one
+            below :data:`PARALLEL_MIN` elements.
     """
     if not supports(dst, src):
         library = None
@@ -85,5 +88,6 @@ def add_(dst: torch.Tensor, src: torch.Tensor, *, library: Optional[ctypes.CDLL]
         dst.add_(src.view_as(dst))
         return
     stream_check.host_access(reads=[dst, src], writes=[dst], what="the host gradient addition (C)")
-    threads = torch.get_num_threads() if dst.numel() >= PARALLEL_MIN else 1
+    if threads is None:
+        threads = torch.get_num_threads() if dst.numel() >= PARALLEL_MIN else 1
     getattr(library, _KERNELS[dst.dtype, src.dtype])(dst.data_ptr(), src.data_ptr(), dst.numel(), threads)
