@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs that docs/gpu_results.md lists as not yet made (the list at its end), in one run on a CUDA
+# The GPU runs not yet made (docs/gpu_results.md records those made), in one run on a CUDA
 # machine with the project's dependencies: each step capped, all of them within one deadline, and what they
 # print packed into four files of OUT_DIR.
 #
@@ -7,10 +7,15 @@
 #   launching    scripts/bench/bench_launching_thread.py on the GPU: the narrowed 8B's step with every engine
 #                mode against plain AdamW, the hand-off per layer and per parameter side by side, eager then
 #                compiled
+#   hostwork     scripts/bench/bench_launching_beside_host_work.py on the machine's CPU: the launching thread's
+#                micro-batch beside the engine's host addition on every core, on all but one, under OpenMP's
+#                default wait policy and OMP_WAIT_POLICY=PASSIVE
 #   fsdp2        the engine on FSDP2's shards with one CUDA rank (offload_gradients + overlap, update_on device +
 #                overlap) against FSDP2 + AdamW: the hand-off from FSDP2's reduce-scatter stream and the waits
 #                before its all-gather, which the CPU's stream checker runs without FSDP2's streams; then the
 #                same under TORCH_CUDA_SANITIZER=1
+#   8b-b1-passive   8b-b1 (below) with OMP_WAIT_POLICY=PASSIVE: the host passes' OpenMP threads sleep after each
+#                pass instead of spinning beside the launching thread
 #   8b-b1-compiled  8b-b1 (below) with compile=True: each layer compiled as torchtune compiles it
 #   8b-a8        8b-b1 with 8 micro-batches a step: whether the host step hides behind a longer window
 #   tests        pytest -m gpu, all of it but the overlap stress test, first the files that a 170 s cap did not
@@ -32,8 +37,8 @@
 #   hoststep     torchao's host step (one fused AdamW per tensor), and the 2-norm over the host gradients that
 #                torchao's wrapper and the first offload_gradients path measured before each step, each beside
 #                torch's one-optimizer step, all cores
-# Without STEP arguments every step runs, in the order launching, fsdp2, 8b-b1, 8b-b1-compiled, 8b-a8, probe,
-# sanitizer, tests, 8b-b2, 1b-profiles, hoststep.
+# Without STEP arguments every step runs, in the order launching, hostwork, fsdp2, 8b-b1, 8b-b1-passive,
+# 8b-b1-compiled, 8b-a8, probe, sanitizer, tests, 8b-b2, 1b-profiles, hoststep.
 #
 # Each step gets its cap (below) or the time left of BUDGET_S (counted from this script's start, default 540: a
 # run of 600 s less the install and a margin), whichever is less, and is skipped, saying so, when less than its
@@ -58,8 +63,8 @@ export PYTHON=$PY
 # The launching thread's benchmark and the 8B runs first: the gap they measure (the 8B's passes against the speed
 # model) is the largest, and on an H100 at 2d796b6 a cap stopped the 8B profile before its trace was written. The
 # tests passed at 2d796b6 as far as they ran; the sanitizer's sets are those not yet seen passing under it.
-steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(launching fsdp2 8b-b1 8b-b1-compiled 8b-a8 probe sanitizer tests
-                                              8b-b2 1b-profiles hoststep)
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(launching hostwork fsdp2 8b-b1 8b-b1-passive 8b-b1-compiled 8b-a8
+                                              probe sanitizer tests 8b-b2 1b-profiles hoststep)
 log=$out/checks.log
 
 #: step -> "cap minimum" in seconds. An 8B step writes its random-init checkpoint first (65-108 s, once per
@@ -70,7 +75,7 @@ log=$out/checks.log
 #: sweep runs 11 steps at least (scripts/gpu_results.sh), and a cap that stops it after the trace keeps the trace.
 #: A 1B variant loads, runs its 11 steps and saves in more than 96 s (an H100 at 2fdd865 gave torchao's 96 s
 #: after the 1B checkpoint's 14 s of writing, and it had not finished): 1b-profiles gives each 100 s.
-declare -A CAPS=([launching]="240 120" [fsdp2]="150 60" [8b-b1-compiled]="480 330" [8b-a8]="480 360"
+declare -A CAPS=([launching]="240 120" [hostwork]="90 40" [8b-b1-passive]="430 300" [fsdp2]="150 60" [8b-b1-compiled]="480 330" [8b-a8]="480 360"
                  [tests]="170 60" [probe]="70 40" [sanitizer]="150 40" [8b-b1]="430 300"
                  [8b-b2]="330 280" [1b-profiles]="430 130" [hoststep]="150 60")
 for step in "${steps[@]}"; do
@@ -116,6 +121,9 @@ command_of() {
                       --per-parameter --json "$1/launching-eager.json" || exit
                     "$0" scripts/bench/bench_launching_thread.py --device cuda --model 8B --rounds 5 --steps 3 \
                       --per-parameter --compiled --json "$1/launching-compiled.json"' "$PY" "$work") ;;
+    hostwork) cmd=("$PY" scripts/bench/bench_launching_beside_host_work.py) ;;
+    8b-b1-passive) cmd=("${sweep_8b[@]}" OMP_WAIT_POLICY=PASSIVE BATCH_SIZE=1 TAG=b1-passive "${device_sums[@]}"
+                        bash scripts/gpu_results.sh "$work/8b-b1-passive" sweep:8B:24) ;;
     8b-b1-compiled) cmd=("${sweep_8b[@]}" BATCH_SIZE=1 TAG=b1-compiled "${device_sums[@]}"
                          OVERRIDES="clip_grad_norm=1.0 compile=True" bash scripts/gpu_results.sh "$work/8b-b1-compiled" sweep:8B:24) ;;
     8b-a8) cmd=("${sweep_8b[@]}" BATCH_SIZE=1 TAG=a8 "${device_sums[@]}" ACCUMULATION=8

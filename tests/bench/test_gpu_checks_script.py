@@ -16,10 +16,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_checks.sh"
 
-#: Stands in for python, logging each call's arguments: a sweep writes its table and a variant folder
+#: Stands in for python, logging each call's arguments (and an OMP_WAIT_POLICY it runs under): a sweep writes its table and a variant folder
 #: with a profiler trace, the summary names its folder, the host-step benchmark prints a table.
 FAKE_PYTHON = """#!/usr/bin/env bash
-echo "$*" >> "$FAKE_CALLS"
+echo "$*${OMP_WAIT_POLICY:+ [OMP_WAIT_POLICY=$OMP_WAIT_POLICY]}" >> "$FAKE_CALLS"
 case " $* " in
   *benchmark_sweep.py*)
     out=$(echo "$*" | sed -E 's/.*--output-dir ([^ ]+).*/\\1/')
@@ -30,6 +30,7 @@ case " $* " in
     [ -n "${FAKE_HANG:-}" ] && { touch "$FAKE_HANG"; sleep 60; } ;;
   *profile_summary.py*) echo "summary of $2" ;;
   *bench_host_step.py*) echo "| host step | Mparam/s |" ;;
+  *bench_launching_beside_host_work.py*) echo "| host addition beside the micro-batches |" ;;
   *"-m torchtune_offload.cli probe"*) echo "device_sync_us = 104.0" ;;
   *" -m pytest "*) echo "2 passed" ;;
   *) exit 0 ;;
@@ -41,7 +42,9 @@ def _run(tmp_path: Path, *steps: str, budget: int = 1000, **env) -> subprocess.C
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
-    env = {**os.environ, "PYTHON": str(fake), "FAKE_CALLS": str(tmp_path / "calls"), "BUDGET_S": str(budget),
+    # As on a GPU machine, OpenMP's wait policy unset (the CPU suite sets it): a step that sets it shows it.
+    inherited = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {**inherited, "PYTHON": str(fake), "FAKE_CALLS": str(tmp_path / "calls"), "BUDGET_S": str(budget),
            "WORK": str(tmp_path / "work"), **env}
     return subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out"), *steps], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
@@ -123,7 +126,9 @@ def test_a_stopped_run_still_packs_what_is_done(tmp_path, stop):
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
     hung = tmp_path / "hung"
-    env = {**os.environ, "PYTHON": str(fake), "FAKE_CALLS": str(tmp_path / "calls"), "BUDGET_S": "1000",
+    # As on a GPU machine, OpenMP's wait policy unset (the CPU suite sets it): a step that sets it shows it.
+    inherited = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {**inherited, "PYTHON": str(fake), "FAKE_CALLS": str(tmp_path / "calls"), "BUDGET_S": "1000",
            "WORK": str(tmp_path / "work"), "FAKE_HANG": str(hung)}
     proc = subprocess.Popen(["bash", str(SCRIPT), str(tmp_path / "out"), "hoststep", "1b-profiles"], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -202,3 +207,22 @@ def test_the_launching_thread_steps_run_the_benchmark_and_the_8b_run_compiled_an
     for sweep in (compiled, accum8):
         assert "--variants offload_grads_overlap_device_sums" in sweep and "clip_grad_norm=1.0" in sweep
         assert "batch_size=1 " in sweep and "profiler.enabled=True" in sweep
+
+
+def test_the_host_work_steps_time_the_launching_thread_beside_it_and_the_8b_run_with_sleeping_threads(tmp_path):
+    r = _run(tmp_path, "hostwork", "8b-b1", "8b-b1-passive", budget=2000)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = (tmp_path / "out" / "checks.log").read_text()
+    assert log.index("=== hostwork ") < log.index("=== 8b-b1 ") < log.index("=== 8b-b1-passive ")
+    assert "| host addition beside the micro-batches |" in log
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c for c in calls if "bench_launching_beside_host_work.py" in c] == [
+        "scripts/bench/bench_launching_beside_host_work.py"]
+    default, passive = [c for c in calls if "benchmark_sweep.py" in c]
+    # The same 8B run, the second with the host passes' OpenMP threads sleeping after each pass.
+    assert "OMP_WAIT_POLICY" not in default and passive.endswith(" [OMP_WAIT_POLICY=PASSIVE]")
+    for sweep in (default, passive):
+        for key in ("--variants offload_grads_overlap_device_sums", "batch_size=1 ", "gradient_accumulation_steps=4 ",
+                    "clip_grad_norm=1.0", "profiler.enabled=True"):
+            assert key in sweep, (key, sweep)
+    assert "sweep-8B-24-b1-passive" in passive
