@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtune_offload.bench.machine import cpu_name
+from torchtune_offload.distributed.host_threads import host_threads_per_rank
 from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, checkpointed_llama, chosen_models
 from torchtune_offload.optim import host_add
 
@@ -119,13 +120,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     for key in ("micro_batches", "elements"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be at least 1")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = host_threads_per_rank()  # this process's cores (one rank)
     if args.child:
         print(json.dumps({threads: measure(model=args.model, micro_batches=args.micro_batches,
                                            elements=args.elements, host_threads=threads)
                           for threads in host_threads_compared(cores)}))
         return
-    if host_add._library() is None:
+    if not host_add.available():
         sys.exit("the host addition's C pass could not be built here (see the warning), so there is nothing to time")
     results = {}
     for policy in POLICIES:

@@ -31,7 +31,7 @@ def _operands(dst_dtype, src_dtype, n=N):
 def test_same_bits_as_torch_add(dst_dtype, src_dtype, n, threads):
     dst, src = _operands(dst_dtype, src_dtype, n)
     ref = dst.clone().add_(src)
-    assert host_add.supports(dst, src)
+    assert host_add.supports(dst, src) and host_add.available()
     host_add.add_(dst, src, threads=threads)
     assert torch.equal(dst.view(torch.int16 if dst_dtype == torch.bfloat16 else torch.int32)[~ref.isnan()],
                        ref.view(torch.int16 if dst_dtype == torch.bfloat16 else torch.int32)[~ref.isnan()])
@@ -129,6 +129,7 @@ def test_without_a_compiler_it_warns_once_and_adds_with_torch(monkeypatch, tmp_p
             host_add.add_(dst, src)
         host_add.add_(dst, src)  # no second warning, no second build
         assert torch.equal(dst[~ref.isnan()], ref.add_(src)[~ref.isnan()])
+        assert not host_add.available()
     finally:
         host_add._library.cache_clear()
 

@@ -61,6 +61,11 @@ def bind_kernels(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
+def available() -> bool:
+    """Whether this process's build of the loop exists (else :func:`add_` uses torch's ``add_``)."""
+    return _library() is not None
+
+
 def supports(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether the loop adds ``src`` into ``dst``: contiguous host tensors of one size, a bf16 or
     fp32 sum of a bf16 or fp32 operand no wider than it."""
