@@ -42,46 +42,49 @@ def host_threads_compared(cores: int) -> List[int]:
     return sorted({0, max(1, cores - 1), cores})
 
 
-def measure(*, model: str, micro_batches: int, elements: int, host_threads: int) -> float:
-    """The training thread's median seconds per micro-batch while a host addition on
-    ``host_threads`` threads (0: none) repeats on another thread."""
+def measure(*, model: str, micro_batches: int, elements: int, thread_counts: List[int]) -> Dict[int, float]:
+    """The training thread's median seconds per micro-batch while a host addition on each of
+    ``thread_counts`` threads (0: none) repeats on another thread, by thread count."""
     torch.set_num_threads(1)
     net = checkpointed_llama(model, width=WIDTH, max_seq_len=TOKENS)
     tokens = torch.randint(0, VOCAB_SIZE, (1, TOKENS + 1), generator=torch.Generator().manual_seed(0))
+    dst = torch.zeros(elements)
+    src = torch.ones(elements, dtype=torch.bfloat16)
 
     def micro_batch() -> None:
         logits = net(tokens[:, :-1])
         F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
         net.zero_grad(set_to_none=True)
 
+    def beside(host_threads: int) -> float:
+        stop = threading.Event()
+
+        def host_work() -> None:
+            while not stop.is_set():
+                host_add.add_(dst, src, threads=host_threads)
+
+        worker = threading.Thread(target=host_work, daemon=True) if host_threads else None
+        if worker is not None:
+            worker.start()
+        try:
+            seconds = []
+            for _ in range(micro_batches):
+                start = time.perf_counter()
+                micro_batch()
+                seconds.append(time.perf_counter() - start)
+        finally:
+            stop.set()
+            if worker is not None:
+                worker.join()
+        return statistics.median(seconds)
+
     for _ in range(WARMUP):
         micro_batch()
-    dst = torch.zeros(elements)
-    src = torch.ones(elements, dtype=torch.bfloat16)
-    stop = threading.Event()
-
-    def host_work() -> None:
-        while not stop.is_set():
-            host_add.add_(dst, src, threads=host_threads)
-
-    worker = threading.Thread(target=host_work, daemon=True) if host_threads else None
-    if worker is not None:
-        worker.start()
-    try:
-        seconds = []
-        for _ in range(micro_batches):
-            start = time.perf_counter()
-            micro_batch()
-            seconds.append(time.perf_counter() - start)
-    finally:
-        stop.set()
-        if worker is not None:
-            worker.join()
-    return statistics.median(seconds)
+    return {threads: beside(threads) for threads in thread_counts}
 
 
 def run_policy(policy: Optional[str], args: argparse.Namespace) -> Dict[int, float]:
-    """:func:`measure` of each host thread count in a fresh process with OMP_WAIT_POLICY=``policy``."""
+    """:func:`measure` in a fresh process with OMP_WAIT_POLICY=``policy``."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if policy is not None:
         env["OMP_WAIT_POLICY"] = policy
@@ -122,9 +125,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             parser.error(f"--{key.replace('_', '-')} must be at least 1")
     cores = host_threads_per_rank()  # this process's cores (one rank)
     if args.child:
-        print(json.dumps({threads: measure(model=args.model, micro_batches=args.micro_batches,
-                                           elements=args.elements, host_threads=threads)
-                          for threads in host_threads_compared(cores)}))
+        print(json.dumps(measure(model=args.model, micro_batches=args.micro_batches, elements=args.elements,
+                                 thread_counts=host_threads_compared(cores))))
         return
     if not host_add.available():
         sys.exit("the host addition's C pass could not be built here (see the warning), so there is nothing to time")

@@ -86,7 +86,8 @@ def test_an_upload_dispatches_the_quantization_and_one_copy_launch():
     opt.zero_grad()
     for slot in opt._weights.held:
         opt.synchronize()  # the previous upload has read the buffer before it is written again
-        assert dispatched_aten_ops(lambda: opt._transfer.to_device_many(*opt._weights.images(slot))) == UPLOAD_OPS, slot.key
+        upload = lambda: opt._transfer.to_device_many(*opt._weights.images(slot))  # noqa: E731
+        assert dispatched_aten_ops(upload) == UPLOAD_OPS, slot.key
     opt.synchronize()
     # What the uploads left on the device is the quantized masters, the scales in the weight's dtype.
     for slot in opt._weights.held:

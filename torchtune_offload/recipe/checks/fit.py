@@ -235,7 +235,8 @@ def sharded_host_memory_need(
     model = meta_model(cfg.model, settings)
     params = list(model.parameters())
     shards = [meta_shard(p, world_size) for p in params]
-    trainable = [shard for shard, p in zip(shards, params) if p.requires_grad]
+    named_trainable = trainable_shards(model, world_size=world_size)
+    trainable = [shard for _, shard in named_trainable]
     on_host = settings.device.type == "cpu" or offload
     notes = ["activations and the layers FSDP2 gathers for forward and backward of a device=cpu run are not "
              "counted"] if settings.device.type == "cpu" else []
@@ -261,7 +262,7 @@ def sharded_host_memory_need(
         train["gradient shards"] = held(trainable)
     if chosen.kind is OptimizerKind.SHARDED_ENGINE:
         # Each rank's engine over its own shards, wherever the device is.
-        plan = optimizer_plan(chosen, trainable_shards(model, world_size=world_size), settings)
+        plan = optimizer_plan(chosen, named_trainable, settings)
         for purpose, size in plan.parts.items():
             train[f"{purpose} (engine, all ranks)"] = local_world_size * size
         notes += list(plan.notes)
