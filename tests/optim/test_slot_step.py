@@ -70,3 +70,59 @@ def test_no_buffer_where_nothing_is_converted_or_the_fused_pass_reads_the_gradie
                            minimal_size=MINIMAL_SIZE, lr=1e-2, **options)
     assert opt._stepper._converted == {} and opt._stepper.conversion_bytes == 0
     opt.close()
+
+
+def _groups(model, *, split: bool):
+    """Weights and biases in one parameter group, or in two (weight decay on the weights only)."""
+    named = list(model.named_parameters())
+    if not split:
+        return [{"params": named}]
+    return [{"params": [(n, p) for n, p in named if n.endswith("weight")]},
+            {"params": [(n, p) for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
+
+
+#: Per case: weights and biases in two parameter groups, the base options, and the sizes of the base
+#: optimizer calls of three steps.
+ONE_CALL_CASES = {
+    # Each Linear's weight and bias in one call.
+    "one group": (False, {}, [2] * 9),
+    # Options differ between the groups: each parameter alone.
+    "two groups": (True, {}, [1] * 18),
+    # The multi-tensor loop's temporaries cover a run: a run holds at most the largest weight's
+    # bytes, which the largest weight and its bias exceed.
+    "foreach": (False, {"foreach": True}, [1] * 6 + [2] * 6),
+}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("case", list(ONE_CALL_CASES))
+def test_a_modules_slots_step_in_one_call_with_plain_adamws_bits(monkeypatch, overlap, case):
+    """Every parameter offloaded: each Linear's weight and bias are one module's run, stepped by one
+    call of the weight's base optimizer, with plain AdamW's bits, clipping and accumulation included."""
+    split, options, expected = ONE_CALL_CASES[case]
+    base = tiny_model().to(torch.bfloat16)
+    data = [(x.to(torch.bfloat16), y.to(torch.bfloat16)) for x, y in batches(num=9)]
+    plain, ours = twin(base), twin(base)
+
+    def torch_groups(model):
+        return [{**g, "params": [p for _, p in g["params"]]} for g in _groups(model, split=split)]
+
+    reference = torch.optim.AdamW(torch_groups(plain), lr=1e-2, weight_decay=0.1, **options)
+    train_windows(plain, reference, data, grad_accum=3, clip=0.5)
+    calls = []
+    stepped = torch.optim.AdamW.step
+
+    def counted(self, *args, **kwargs):
+        calls.append(len(self.param_groups[0]["params"]))
+        return stepped(self, *args, **kwargs)
+
+    opt = OffloadOptimizer(_groups(ours, split=split), "torch.optim.AdamW", overlap=overlap,
+                           offload_gradients=True, minimal_size=0, lr=1e-2, weight_decay=0.1, **options)
+    opt.register_forward_waits(ours)
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    train_windows(ours, opt, data, grad_accum=3, clip=0.5)
+    assert all(slot.offloaded for slot in opt._table.slots)
+    opt.close()  # after the step thread's last steps
+    monkeypatch.undo()
+    assert_same_params(plain, ours, rtol=0, atol=0)
+    assert sorted(calls) == expected

@@ -154,13 +154,17 @@ class OverlapScheduler:
 
     @torch.no_grad()
     def _host_steps(self, slots: List[Slot], coef: Optional[torch.Tensor]) -> None:
-        """Step thread: steps each landed slot on the host, in turn, and sends its new weights up."""
-        for slot in slots:
-            self._result(self._queued[slot.index].landed, f"{slot.key}: the landing of its gradient")
-            # The clipping factor goes with the step, which scales the gradient or has its pass do it as it reads.
-            self._queued[slot.index].param_event = self._stepper.host_step(slot, waited=False, grad_scale=coef)
-            # The window's sum is consumed: the next backward starts a fresh one.
-            self._grads.consumed(slot)
+        """Step thread: steps the landed slots on the host, a module's together, and sends each
+        module's new weights up as soon as they are stepped."""
+        for unit in self._stepper.by_unit(slots):
+            for slot in unit:
+                self._result(self._queued[slot.index].landed, f"{slot.key}: the landing of its gradient")
+            # The clipping factor goes with the step, which scales the gradients or has its pass do it as it reads.
+            event = self._stepper.host_step(unit, waited=False, grad_scale=coef)
+            for slot in unit:
+                self._queued[slot.index].param_event = event
+                # The window's sum is consumed: the next backward starts a fresh one.
+                self._grads.consumed(slot)
 
     def _land_stragglers(self, window: Window) -> None:
         """Hands over the gradients of parameters the final backward did not reach (used only in

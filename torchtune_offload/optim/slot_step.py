@@ -23,6 +23,7 @@ from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.state_plan import unit_of
 from torchtune_offload.optim.state_streamer import StateStreamer
 from torchtune_offload.optim.step_timings import StepTimings
+from torchtune_offload.optim.step_together import STEPPED_TOGETHER, runs, step_together
 import torchtune_offload.optim.stream_check as stream_check
 from torchtune_offload.optim.transfer import TransferEngine
 
@@ -60,6 +61,11 @@ class SlotStepper:
         self._converting = stream_check.HostLock()
         # The module whose forward waits for each offloaded slot: its uploads go in one launch.
         self._units = {slot.index: unit_of(slot.key) for slot in table.offloaded}
+        # Where a slot's options take the multi-tensor loop (foreach=True), a run stepped together
+        # holds at most the largest parameter's bytes: its temporaries (one state's worth of the
+        # whole run) then never exceed one slot's alone. The single-tensor loop and the fused
+        # kernel make one tensor's temporaries at a time, or none.
+        self._together_bytes = table.largest_offloaded_bytes
 
     @property
     def conversion_bytes(self) -> int:
@@ -137,24 +143,73 @@ class SlotStepper:
                     slot.optimizer.step()
         self._streamer.update(streamed)
 
-    def host_step(self, slot: Slot, *, waited: bool, grad_scale: Optional[torch.Tensor] = None) -> object:
-        """Steps an offloaded slot on its landed host gradient and sends its new weights up.
+    def host_step(self, slots: List[Slot], *, waited: bool, grad_scale: Optional[torch.Tensor] = None) -> object:
+        """Steps offloaded slots of one module on their landed host gradients and sends their new
+        weights up in one launch.
 
         Args:
-            slot: an offloaded slot whose gradient is complete in ``slot.host_grad``.
+            slots: offloaded slots of one module (see :meth:`by_unit`) whose gradients are complete
+                in ``slot.host_grad``.
             waited: the training thread runs it (serial), so all of it counts as waiting.
-            grad_scale: a clipping factor for the gradient (see :meth:`step_slot`).
+            grad_scale: a clipping factor for the gradients (see :meth:`step_slot`).
 
         Returns:
             the upload's event (see ``TransferEngine.to_device_many``).
         """
-        self._step_on_host(slot, waited=waited, grad_scale=grad_scale)
-        return self._transfer.to_device_many(*self._uploads(slot))
+        self._step_on_host(slots, waited=waited, grad_scale=grad_scale)
+        dsts: List[torch.Tensor] = []
+        srcs: List[torch.Tensor] = []
+        for slot in slots:
+            for pending, made in zip((dsts, srcs), self._uploads(slot)):
+                pending.extend(made)
+        return self._transfer.to_device_many(dsts, srcs)
 
-    def _step_on_host(self, slot: Slot, *, waited: bool, grad_scale: Optional[torch.Tensor] = None) -> None:
+    def by_unit(self, slots: List[Slot]) -> List[List[Slot]]:
+        """``slots`` in runs of consecutive ones of one module (``state_plan.unit_of``): what one
+        :meth:`host_step` takes, so that each module's weights go up as soon as they are stepped."""
+        return runs(slots, key=lambda slot: self._units[slot.index], nbytes=lambda slot: 0, bound=0)
+
+    def _step_on_host(self, slots: List[Slot], *, waited: bool, grad_scale: Optional[torch.Tensor] = None) -> None:
         # Host code: what the base optimizer creates from nothing (its step count) is host memory.
         with self._timings.host_step(waited=waited), stream_check.host_work():
-            self.step_slot(slot, slot.host_grad, grad_scale=grad_scale)
+            for run in runs(slots, key=self._together_key, nbytes=_multi_tensor_bytes, bound=self._together_bytes):
+                if len(run) == 1:
+                    self.step_slot(run[0], run[0].host_grad, grad_scale=grad_scale)
+                else:
+                    self._step_run(run, grad_scale=grad_scale)
+
+    def _together_key(self, slot: Slot) -> Optional[tuple]:
+        """What offloaded slots stepped by one base-optimizer call share (``optim/step_together.py``),
+        or None where the slot steps alone: torch's Adam or AdamW stepping the host gradient itself
+        (no master, no conversion), with host-side options only (no tensor learning rate, not
+        capturable or differentiable); its class and parameter group (the same options) are the key."""
+        optimizer = slot.optimizer
+        if type(optimizer) not in STEPPED_TOGETHER or slot.has_master:
+            return None
+        if slot.host_grad.dtype != slot.step_param.dtype or slot.host_grad.device.type != "cpu":
+            return None
+        group = optimizer.param_groups[0]
+        if group.get("capturable") or group.get("differentiable") or isinstance(group["lr"], torch.Tensor):
+            return None
+        return type(optimizer), slot.group_index
+
+    def _step_run(self, run: List[Slot], *, grad_scale: Optional[torch.Tensor]) -> None:
+        """Steps a run of :meth:`_together_key` with its first slot's base optimizer: each slot's
+        update as :meth:`step_slot`'s, to the bit."""
+        grads = [slot.host_grad for slot in run]
+        if grad_scale is not None:
+            torch._foreach_mul_(grads, grad_scale)  # each gradient's mul_, in one dispatch
+        params = [slot.step_param for slot in run]
+        for param, grad in zip(params, grads):
+            param.grad = grad
+        optimizer = run[0].optimizer
+        try:
+            after = step_together(optimizer, params, [slot.optimizer.state[slot.step_param] for slot in run])
+        finally:
+            for param in params:
+                param.grad = None
+        for slot, state in zip(run, after):
+            slot.optimizer.state[slot.step_param] = state
 
     def _uploads(self, slot: Slot) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """What a host-stepped slot's upload copies: device tensors, and the host tensors for them."""
@@ -180,28 +235,24 @@ class SlotStepper:
                 self._grads.send_for_step(slot)
                 ready.append(slot)
         self.step_on_device()
-        # Each module's new weights go up in one launch, once all its slots are stepped.
-        dsts: List[torch.Tensor] = []
-        srcs: List[torch.Tensor] = []
-        unit = None
-        for slot in ready:
-            self._grads.finish(slot)
-            self._step_on_host(slot, waited=True)
-            this = self._units[slot.index]
-            if this != unit and dsts:
-                self._transfer.to_device_many(dsts, srcs)
-                dsts, srcs = [], []
-            unit = this
-            for pending, made in zip((dsts, srcs), self._uploads(slot)):
-                pending.extend(made)
-            if slot.out is slot.host_grad or not self._grads.summed_on_host(slot) or self.fp8(slot):
-                # The buffer now holds the new weights, or only a copy of the device gradient: it
-                # is no gradient sum, and the next backward must not add into it.
-                self._grads.consumed(slot)
-        if dsts:
-            self._transfer.to_device_many(dsts, srcs)
+        # Each module's slots are stepped together and their new weights go up in one launch.
+        for unit in self.by_unit(ready):
+            for slot in unit:
+                self._grads.finish(slot)
+            self.host_step(unit, waited=True)
+            for slot in unit:
+                if slot.out is slot.host_grad or not self._grads.summed_on_host(slot) or self.fp8(slot):
+                    # The buffer now holds the new weights, or only a copy of the device gradient: it
+                    # is no gradient sum, and the next backward must not add into it.
+                    self._grads.consumed(slot)
         # The next forward must see the new parameters.
         self._transfer.compute_waits_for_copies()
+
+def _multi_tensor_bytes(slot: Slot) -> int:
+    """The slot's share of a run's temporaries where its options take the multi-tensor loop."""
+    if not slot.optimizer.param_groups[0].get("foreach"):
+        return 0
+    return slot.param.numel() * slot.param.element_size()
 
 
 def conversion_buffers(offloaded: List[Slot], *, fused_master_step: bool) -> Dict[torch.dtype, torch.Tensor]:

@@ -40,6 +40,7 @@ from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.state_plan import (
     Layout, Plan, cached_layout, check_created, describe_mismatch, largest_slice_bytes, layout_mismatch,
     placed_scalar, plan_state_bytes, slice_bytes, slice_plan, staged_views, unit_of)
+from torchtune_offload.optim.step_together import runs, step_together
 from torchtune_offload.optim.transfer import TransferEngine
 
 def allocate_host_states(plans: Dict[int, Plan], *, pinning: str) -> Tuple[Dict[int, Dict[str, torch.Tensor]], str]:
@@ -275,17 +276,7 @@ class StateStreamer:
         """``slots`` in runs, in their order, each run stepped at once: consecutive slots of one
         :meth:`_batch_key` whose states fit one staging buffer together, or one slot alone."""
         capacity = self._buffers[0].numel() if self._buffers else 0
-        runs: List[List[Slot]] = []
-        key, size = None, 0
-        for slot in slots:
-            this = self._batch_key(slot)
-            need = self._views.run_bytes[slot.index]
-            if this is None or this != key or size + need > capacity:
-                runs.append([])
-                key, size = this, 0
-            runs[-1].append(slot)
-            size += need
-        return runs
+        return runs(slots, key=self._batch_key, nbytes=lambda slot: self._views.run_bytes[slot.index], bound=capacity)
 
     def _run_batch(self, slots: List[Slot], stream: object) -> Optional[object]:
         """Updates ``slots`` (one of :meth:`_batches`) on ``stream``; returns the event that ends it.
@@ -309,22 +300,11 @@ class StateStreamer:
         sources = [self._host[s.index][k] for s, views in zip(slots, staged) for k in views]
         uploaded = self._transfer.timed_copies(targets, sources, kind="state_up", stream=self._up)
         order.wait_event(stream, uploaded)
-        opt = slots[0].optimizer
-        group = opt.param_groups[0]
         own = [s.optimizer.state[s.param] for s in slots]  # host states and scalars
         with order.on(stream):
-            group["params"] = [s.param for s in slots]
-            opt.state.clear()
-            for slot, state, views in zip(slots, own, staged):
-                opt.state[slot.param] = {**state, **views}
-            try:
-                opt.step()
-                stepped = [opt.state[s.param] for s in slots]
-            finally:
-                # Whatever happened, each base optimizer steps its parameter on its host states.
-                group["params"] = [slots[0].param]
-                opt.state.clear()
-                opt.state[slots[0].param] = own[0]
+            # One call of the first slot's optimizer, each parameter on its scalars and staged arrays.
+            stepped = step_together(slots[0].optimizer, [s.param for s in slots],
+                                    [{**state, **views} for state, views in zip(own, staged)])
             # Scalar states advanced in place are the slots' own; one the base optimizer replaced
             # (a Python number) is written back.
             for slot, state, after in zip(slots, own, stepped):

@@ -1,0 +1,71 @@
+"""Several parameters stepped by one call of one base optimizer.
+
+torch's optimizers step the tensors of a parameter group one by one (the single-tensor loop), or in
+one multi-tensor (``foreach``) or fused kernel call; either way each tensor's arithmetic is its own.
+The engine keeps one base optimizer per parameter (its slot), and a call of ``step`` costs tens of
+microseconds of wrapper Python before any arithmetic: for slots of one optimizer class and one
+parameter group, lending the first slot's optimizer all of their parameters and states for one call
+gives each slot the update its own optimizer would have made, for one call's Python. The state
+streamer steps its staged runs this way, the host step each module's offloaded slots.
+
+Each slot's options are its own optimizer's (single-tensor loop, ``foreach`` or fused, as built):
+the multi-tensor loop is not chosen in its place, as on the CPU torch's ``_foreach_mul_`` rounds a
+scalar to a bfloat16 tensor's dtype before multiplying where ``Tensor.mul_`` multiplies in float
+(0.95 times bfloat16 0.89453125 gives 0.84765625 against 0.8515625), which would change plain
+AdamW's bits on bfloat16 parameters.
+"""
+
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+#: Base optimizer classes whose step of several tensors computes each tensor's update as a step
+#: of it alone does, in each of their loops (torch's own Adam and AdamW; a subclass may change ``step``).
+STEPPED_TOGETHER = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def step_together(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                  states: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Steps ``params`` (their ``.grad`` set) with one ``step`` call of ``optimizer``, whose one
+    parameter group's options apply to all of them, each from its state in ``states``.
+
+    The optimizer's own parameters and state are as before once it returns, whether the step raised
+    or not.
+
+    Args:
+        optimizer: a base optimizer with one parameter group.
+        params: the parameters to step.
+        states: each parameter's state (an empty dict for one not stepped yet, which the step fills).
+
+    Returns:
+        each parameter's state after the step: the dict given, unless the optimizer replaced it.
+    """
+    group = optimizer.param_groups[0]
+    own_params, own_state = group["params"], dict(optimizer.state)
+    group["params"] = list(params)
+    optimizer.state.clear()
+    for param, state in zip(params, states):
+        optimizer.state[param] = state
+    try:
+        optimizer.step()
+        return [optimizer.state[param] for param in params]
+    finally:
+        group["params"] = own_params
+        optimizer.state.clear()
+        optimizer.state.update(own_state)
+
+
+def runs(items: Sequence[Any], *, key: Callable[[Any], Optional[tuple]], nbytes: Callable[[Any], int],
+         bound: int) -> List[List[Any]]:
+    """``items`` cut into runs, in their order: consecutive items of one ``key`` (None: alone) whose
+    ``nbytes`` add up to at most ``bound`` (a larger item alone)."""
+    out: List[List[Any]] = []
+    current, size = None, 0
+    for item in items:
+        this, need = key(item), nbytes(item)
+        if this is None or this != current or size + need > bound:
+            out.append([])
+            current, size = this, 0
+        out[-1].append(item)
+        size += need
+    return out
