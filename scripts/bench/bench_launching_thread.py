@@ -1,7 +1,8 @@
 """The launching thread's cost of each engine mode against plain AdamW, side by side in one run.
 
 Usage: python scripts/bench/bench_launching_thread.py [--model 8B] [--rounds 5] [--steps 4] [--accum 4]
-       [--modes KEY,KEY...] [--compiled] [--per-parameter] [--threads 1] [--device cpu|cuda] [--json FILE]
+       [--modes KEY,KEY...] [--compiled] [--per-parameter] [--threads 1] [--cpu-defaults]
+       [--device cpu|cuda] [--json FILE]
 
 The model is a real architecture (``torchtune_offload.models.narrow``: llama3_1 8B's 32 layers and
 parameter tensors by default) narrowed to width 64, in bf16, with activation checkpointing on every
@@ -24,6 +25,15 @@ operator's own work takes microseconds, and with more threads every operator tha
 (matrix products, inductor's kernels) also pays OpenMP's start and join of its team, work that a GPU
 does on the device, not on the launching thread, and that hides the engine's work in a longer step
 (docs/benchmarks.md gives both).
+
+The optimizers are built as the recipes build them on a GPU machine, where the launching thread's
+work matters: plain AdamW takes torch's multi-tensor loop (``foreach``, torch's default for CUDA
+tensors), and the engine's host steps of torch's AdamW take torch's fused CPU kernel (what
+OffloadOptimizer chooses on an accelerator; torchao's wrapper chooses it everywhere). On a CPU-only
+machine torch and the engine default to the single-tensor loop instead (the engine so that its
+emulation keeps plain AdamW's bits): ``--cpu-defaults`` builds them so, which times a dozen Python-
+dispatched operators a parameter in plain AdamW's step and in the engine's host-step thread, whose
+interpreter lock the launching thread then waits for.
 
 Per step it reports seconds (for FP8 device weights also the seconds its design's functions take,
 :data:`DESIGN_FUNCTIONS`, timed in further steps, with the ratio to plain AdamW's plus them), the
@@ -110,15 +120,18 @@ def _hooked(options: Dict[str, Any]) -> bool:
 class Trainee:
     """One mode's model, optimizer (as the recipes adapt it) and step."""
 
-    def __init__(self, key: str, base: torch.nn.Module, *, accum: int, compiled: bool, device: torch.device) -> None:
+    def __init__(self, key: str, base: torch.nn.Module, *, accum: int, compiled: bool, device: torch.device,
+                 cpu_defaults: bool = False) -> None:
         self.name = row_name(key)
         self.device = device
         self.model = copy.deepcopy(base).to(device)
         if compiled:
             training.compile_model(self.model, verbose=False)
         params = [p for p in self.model.parameters() if p.requires_grad]
+        as_on_gpu = device.type == "cpu" and not cpu_defaults
         if key == PLAIN:
-            self.run = RunOptimizer(torch.optim.AdamW(params, lr=LR), params=params, clip_grad_norm=CLIP,
+            loop = {"foreach": True} if as_on_gpu else {}
+            self.run = RunOptimizer(torch.optim.AdamW(params, lr=LR, **loop), params=params, clip_grad_norm=CLIP,
                                     kind=OptimizerKind.PLAIN)
         elif key == TORCHAO:
             from torchao.optim import CPUOffloadOptimizer  # optional: where torchao's offloader runs
@@ -127,7 +140,9 @@ class Trainee:
                                     clip_grad_norm=CLIP, kind=OptimizerKind.TORCHAO_OFFLOAD)
         else:
             named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]  # as the recipes pass them
-            engine = OffloadOptimizer(named, minimal_size=0, lr=LR, **ENGINE_MODES[key.removesuffix(PER_PARAMETER)][1])
+            options = ENGINE_MODES[key.removesuffix(PER_PARAMETER)][1]
+            kernel = {"fused": True} if as_on_gpu and "optimizer_class" not in options else {}  # torch's AdamW
+            engine = OffloadOptimizer(named, minimal_size=0, lr=LR, **options, **kernel)
             if key.endswith(PER_PARAMETER):
                 scheduler = engine._scheduler
                 scheduler.handoff = BackwardHandoff(range(len(named)), scheduler.take_backward_grads)
@@ -165,6 +180,15 @@ def _threads(count: int) -> str:
     return f"{count} intra-op thread" + ("s" if count != 1 else "")
 
 
+def _built_as(device: torch.device, cpu_defaults: bool) -> str:
+    """How the optimizers are built, as the table's header says it."""
+    if device.type == "cuda":
+        return "as torch builds them"
+    if cpu_defaults:
+        return "with the CPU's defaults (single-tensor loops)"
+    return "as on a GPU machine (plain AdamW foreach, the engine's host AdamW fused)"
+
+
 def row_name(key: str) -> str:
     """The table's name of a ``--modes`` key (or of plain AdamW, or a key with :data:`PER_PARAMETER`)."""
     if key == PLAIN:
@@ -174,14 +198,15 @@ def row_name(key: str) -> str:
     return ENGINE_MODES[key.removesuffix(PER_PARAMETER)][0] + (PER_PARAMETER if key.endswith(PER_PARAMETER) else "")
 
 
-def build(keys: List[str], *, model: str, accum: int, compiled: bool, device: torch.device) -> Dict[str, Any]:
+def build(keys: List[str], *, model: str, accum: int, compiled: bool, device: torch.device,
+          cpu_defaults: bool = False) -> Dict[str, Any]:
     """Each mode's :class:`Trainee` by its row name, or the reason it does not run here."""
     base = checkpointed_llama(model, width=WIDTH, max_seq_len=TOKENS)
     out: Dict[str, Any] = {}
     for key in keys:
         name = row_name(key)
         try:
-            out[name] = Trainee(key, base, accum=accum, compiled=compiled, device=device)
+            out[name] = Trainee(key, base, accum=accum, compiled=compiled, device=device, cpu_defaults=cpu_defaults)
             for _ in range(WARMUP):  # compiles, allocates the engine's buffers
                 out[name].step()
             out[name].run.synchronize()
@@ -328,6 +353,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="also run each engine mode whose backward hooks work with the hand-off per parameter")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch's intra-op threads (default 1: see the module's docstring)")
+    parser.add_argument("--cpu-defaults", action="store_true",
+                        help="build the optimizers as torch and the engine do on a CPU-only machine (see above)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the models train (default cpu)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
@@ -335,6 +362,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         chosen_models(args.model)
     except ValueError as err:
         parser.error(str(err))
+    if args.device == "cuda" and args.cpu_defaults:
+        parser.error("--cpu-defaults: only with --device cpu (on a GPU the optimizers are built as there)")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     for key in ("rounds", "steps", "accum", "threads"):
@@ -351,7 +380,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     log(f"building {len(keys)} modes ({'compiled' if args.compiled else 'eager'}) ...")
     device = torch.device(args.device)
-    trainees = build(keys, model=args.model, accum=args.accum, compiled=args.compiled, device=device)
+    trainees = build(keys, model=args.model, accum=args.accum, compiled=args.compiled, device=device,
+                     cpu_defaults=args.cpu_defaults)
     if not isinstance(trainees[PLAIN], Trainee):
         sys.exit(f"plain AdamW does not run: {trainees[PLAIN]}")
     skipped = {n: t for n, t in trainees.items() if not isinstance(t, Trainee)}
@@ -365,8 +395,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     header = (f"{where}{cpu_name()}, {_threads(torch.get_num_threads())}, torch {torch.__version__}; "
               f"{NARROW_MODELS[args.model][0]} at width {WIDTH}, bf16, activation checkpointing, "
               f"{'compiled layers' if args.compiled else 'eager'}; {args.accum} micro-batches of 1 x {TOKENS} "
-              f"tokens a step, clip {CLIP}; {args.rounds} interleaved rounds of {args.steps} steps after {WARMUP} "
-              "warm-up")
+              f"tokens a step, clip {CLIP}; optimizers {_built_as(device, args.cpu_defaults)}; "
+              f"{args.rounds} interleaved rounds of {args.steps} steps after {WARMUP} warm-up")
     print(table(results, skipped, header=header))
     if args.json:
         with open(args.json, "w") as f:

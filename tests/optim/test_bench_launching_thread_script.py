@@ -10,6 +10,7 @@ import torch
 
 from tests import zygote
 from tests.recipe_harness import REPO
+from torchtune_offload.models.narrow import checkpointed_llama
 from torchtune_offload.optim import fp8_weights
 
 
@@ -19,7 +20,8 @@ def test_prints_each_mode_against_plain_adamw_with_ops_and_handoffs(tmp_path):
                             "--per-parameter", "--json", str(tmp_path / "r.json"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^.+, 1 intra-op thread, torch .+; llama3_2 1B at width 64, bf16, activation checkpointing, "
-                     r"eager; 2 micro-batches of 1 x 16 tokens a step, clip 1.0; 2 interleaved rounds", out.stdout,
+                     r"eager; 2 micro-batches of 1 x 16 tokens a step, clip 1.0; optimizers as on a GPU machine "
+                     r"\(plain AdamW foreach, the engine's host AdamW fused\); 2 interleaved rounds", out.stdout,
                      flags=re.M)
     rows = dict(re.findall(r"^\| ([^|]+) \| ([0-9.]+) \| ", out.stdout, flags=re.M))
     assert set(rows) == {"plain AdamW", "offload_gradients, overlap", "offload_gradients, overlap, hand-off per parameter"}
@@ -38,10 +40,29 @@ def test_prints_each_mode_against_plain_adamw_with_ops_and_handoffs(tmp_path):
     (["--modes", "overlap,fast"], "--modes: unknown fast; choose from host-ring, device-sums, overlap"),
     (["--device", "cuda"], "--device cuda: no CUDA device here"),
     (["--threads", "0"], "--threads must be at least 1"),
+    (["--cpu-defaults", "--device", "cuda"], "--cpu-defaults: only with --device cpu"),
 ])
 def test_bad_arguments_are_refused_naming_the_fix(args, message):
     out = zygote.run_script("bench/bench_launching_thread.py", *args)
     assert out.returncode == 2 and message in out.stderr
+
+
+@pytest.mark.parametrize("cpu_defaults", [False, True])
+def test_optimizers_are_built_as_on_a_gpu_machine_unless_asked_for_the_cpus_defaults(cpu_defaults):
+    """As on a GPU machine: plain AdamW's multi-tensor loop and the engine's host AdamW on the fused
+    kernel (AdamW8bit keeps its own step); with ``--cpu-defaults`` torch's and the engine's CPU choices."""
+    script = _script()
+    base = checkpointed_llama("1B", width=64, max_seq_len=16)
+    made = {key: script.Trainee(key, base, accum=1, compiled=False, device=torch.device("cpu"),
+                                cpu_defaults=cpu_defaults) for key in (script.PLAIN, "host-ring", "8bit")}
+    try:
+        assert made[script.PLAIN].run.optimizer.param_groups[0]["foreach"] is (None if cpu_defaults else True)
+        slot = made["host-ring"].run.optimizer._table.offloaded[0]
+        assert slot.optimizer.param_groups[0]["fused"] is (None if cpu_defaults else True)
+        assert "fused" not in made["8bit"].run.optimizer._table.offloaded[0].optimizer.param_groups[0]
+    finally:
+        for trainee in made.values():
+            trainee.close()
 
 
 def _script():
