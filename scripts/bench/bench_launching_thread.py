@@ -85,7 +85,10 @@ ENGINE_MODES: Dict[str, Tuple[str, Dict[str, Any]]] = {
                             dict(offload_gradients=True, overlap=True, grad_sum_on="device")),
     "overlap-only": ("overlap (gradients on the device)", dict(overlap=True)),
     "offload-only": ("offload (gradients on the device)", dict()),
-    "8bit": ("AdamW8bit base, offload_gradients", dict(optimizer_class=AdamW8bit, offload_gradients=True)),
+    # Every tensor of the real 8B has at least AdamW8bit's min_8bit_size (4096) elements and takes its
+    # 8-bit pass; narrowed, the norms and key/value projections would take the fp32-moment path instead.
+    "8bit": ("AdamW8bit base, offload_gradients", dict(optimizer_class=AdamW8bit, offload_gradients=True,
+                                                       min_8bit_size=0)),
     "fp32-masters": ("fp32 masters, offload_gradients", dict(offload_gradients=True, master_dtype="fp32")),
     "fp8": ("device_weights: fp8, offload_gradients", dict(offload_gradients=True, device_weights="fp8")),
     "update-on-device": ("update_on: device, overlap", dict(update_on="device", overlap=True)),

@@ -9,7 +9,7 @@ import torch
 
 from tests.optim.side_by_side import assert_same_params, batches, tiny_model, twin
 from tests.optim.test_overlap import MINIMAL_SIZE, train_windows
-from torchtune_offload import OffloadOptimizer
+from torchtune_offload import AdamW8bit, OffloadOptimizer
 from torchtune_offload.optim import slot_step
 
 #: Options whose host gradients are converted before each step, and the dtype they are converted to.
@@ -91,6 +91,8 @@ ONE_CALL_CASES = {
     # The multi-tensor loop's temporaries cover a run: a run holds at most the largest weight's
     # bytes, which the largest weight and its bias exceed.
     "foreach": (False, {"foreach": True}, [1] * 6 + [2] * 6),
+    # AdamW8bit (8-bit moments for the weights, fp32 for the biases) takes the clipping factor in its step.
+    "AdamW8bit": (False, {"min_8bit_size": 1000}, [2] * 9),
 }
 
 
@@ -98,8 +100,10 @@ ONE_CALL_CASES = {
 @pytest.mark.parametrize("case", list(ONE_CALL_CASES))
 def test_a_modules_slots_step_in_one_call_with_plain_adamws_bits(monkeypatch, overlap, case):
     """Every parameter offloaded: each Linear's weight and bias are one module's run, stepped by one
-    call of the weight's base optimizer, with plain AdamW's bits, clipping and accumulation included."""
+    call of the weight's base optimizer, with the bits of the base optimizer alone (torch's AdamW or
+    AdamW8bit over the whole model), clipping and accumulation included."""
     split, options, expected = ONE_CALL_CASES[case]
+    base_class = AdamW8bit if case == "AdamW8bit" else torch.optim.AdamW
     base = tiny_model().to(torch.bfloat16)
     data = [(x.to(torch.bfloat16), y.to(torch.bfloat16)) for x, y in batches(num=9)]
     plain, ours = twin(base), twin(base)
@@ -107,19 +111,19 @@ def test_a_modules_slots_step_in_one_call_with_plain_adamws_bits(monkeypatch, ov
     def torch_groups(model):
         return [{**g, "params": [p for _, p in g["params"]]} for g in _groups(model, split=split)]
 
-    reference = torch.optim.AdamW(torch_groups(plain), lr=1e-2, weight_decay=0.1, **options)
+    reference = base_class(torch_groups(plain), lr=1e-2, weight_decay=0.1, **options)
     train_windows(plain, reference, data, grad_accum=3, clip=0.5)
     calls = []
-    stepped = torch.optim.AdamW.step
+    stepped = base_class.step
 
     def counted(self, *args, **kwargs):
         calls.append(len(self.param_groups[0]["params"]))
         return stepped(self, *args, **kwargs)
 
-    opt = OffloadOptimizer(_groups(ours, split=split), "torch.optim.AdamW", overlap=overlap,
+    opt = OffloadOptimizer(_groups(ours, split=split), base_class, overlap=overlap,
                            offload_gradients=True, minimal_size=0, lr=1e-2, weight_decay=0.1, **options)
     opt.register_forward_waits(ours)
-    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    monkeypatch.setattr(base_class, "step", counted)
     train_windows(ours, opt, data, grad_accum=3, clip=0.5)
     assert all(slot.offloaded for slot in opt._table.slots)
     opt.close()  # after the step thread's last steps

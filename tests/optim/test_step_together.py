@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from torchtune_offload import AdamW8bit
+from torchtune_offload.optim.capabilities import capabilities_of
 from torchtune_offload.optim.step_together import runs, step_together
 
 SHAPES = [(7, 5), (3,), (16, 4), (1,)]
@@ -54,6 +56,44 @@ def test_one_call_is_each_slots_own_step_bit_for_bit(cls, dtype, options):
     # The lending optimizer is its own again: one parameter, its state.
     assert slots[0].param_groups[0]["params"] == [together[0]]
     assert list(slots[0].state) == [together[0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "grad_scale"])
+def test_adamw8bit_in_one_call_is_each_slots_own_step_bit_for_bit(dtype, scaled):
+    """AdamW8bit's C pass per tensor, 8-bit moments for the two larger tensors and fp32 ones for the
+    others (min_8bit_size=16), with and without a clipping factor that its step takes."""
+    alone = [torch.nn.Parameter(p) for p in _params(dtype)]
+    together = [torch.nn.Parameter(p) for p in _params(dtype)]
+    own = [AdamW8bit([p], lr=1e-2, weight_decay=0.1, min_8bit_size=16) for p in alone]
+    slots = [AdamW8bit([p], lr=1e-2, weight_decay=0.1, min_8bit_size=16) for p in together]
+    for step in range(12):
+        scale = {"grad_scale": torch.tensor(0.5 + step / 24)} if scaled else {}
+        for p, g in zip(alone, _grads(step, dtype)):
+            p.grad = g
+        for opt in own:
+            opt.step(**scale)
+        for p, g in zip(together, _grads(step, dtype)):
+            p.grad = g
+        after = step_together(slots[0], together, [opt.state[p] for opt, p in zip(slots, together)], **scale)
+        for opt, p, state in zip(slots, together, after):
+            opt.state[p] = state
+        for a, b in zip(alone, together):
+            assert torch.equal(a, b), f"step {step}"
+    for opt_a, opt_b, a, b in zip(own, slots, alone, together):
+        for key, value in opt_a.state[a].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(opt_b.state[b][key])), key
+
+
+def test_which_optimizers_step_tensors_apart():
+    class Mine(torch.optim.AdamW):
+        pass
+
+    assert capabilities_of(torch.optim.AdamW).steps_tensors_apart
+    assert capabilities_of(torch.optim.Adam).steps_tensors_apart
+    assert capabilities_of(AdamW8bit).steps_tensors_apart
+    assert not capabilities_of(Mine).steps_tensors_apart  # a subclass may change step
+    assert not capabilities_of(torch.optim.SGD).steps_tensors_apart
 
 
 def test_the_lending_optimizer_is_restored_when_the_step_raises():

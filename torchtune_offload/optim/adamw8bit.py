@@ -312,6 +312,7 @@ class AdamW8bit(torch.optim.Optimizer):
         PLAIN_CAPABILITIES,
         runs_under_fsdp2=False,
         scales_gradients_in_step=True,
+        steps_tensors_apart=True,
         reasons={
             **PLAIN_CAPABILITIES.reasons,
             "runs_under_fsdp2": "its 8-bit states are quantized in blocks of 256 elements of a whole tensor, "

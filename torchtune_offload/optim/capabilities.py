@@ -49,6 +49,9 @@ class OptimizerCapabilities:
         scales_gradients_in_step: its ``step(grad_scale=...)`` takes a clipping factor and steps as
             after ``p.grad.mul_(grad_scale)``, to the bit, leaving the gradients unscaled (where its
             pass can, it multiplies as it reads them, sparing a pass of their own).
+        steps_tensors_apart: a step over several tensors of one parameter group gives each the update
+            a step of it alone gives, to the bit (each tensor's arithmetic and state its own), so the
+            engine steps a module's offloaded slots with one call (``optim/step_together.py``).
         reasons: for a capability it lacks (by attribute name), why; named in error messages.
     """
 
@@ -66,6 +69,7 @@ class OptimizerCapabilities:
     scales_gradients_in_step: bool = False
     elementwise_update: bool = False
     kernels_on_current_stream: bool = True
+    steps_tensors_apart: bool = False
     reasons: Mapping[str, str] = field(default_factory=dict)
 
     def why_not(self, capability: str) -> str:
@@ -120,6 +124,9 @@ _PLAIN_BY_MODULE_PREFIX: Mapping[str, OptimizerCapabilities] = {
 #: torch's classes cannot declare it themselves.
 _ELEMENTWISE_TORCH = frozenset({"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam",
                                 "Adadelta", "Rprop", "ASGD"})
+#: torch's optimizers that step several tensors as each alone (``OptimizerCapabilities.steps_tensors_apart``),
+#: in each of their loops (single-tensor, foreach, fused): tests/optim/test_step_together.py checks them.
+_APART_TORCH = frozenset({"Adam", "AdamW"})
 
 
 def capabilities_of(optimizer_class: type) -> OptimizerCapabilities:
@@ -136,5 +143,6 @@ def capabilities_of(optimizer_class: type) -> OptimizerCapabilities:
         if module.startswith(prefix):
             return capabilities
     if module.startswith("torch.optim") and optimizer_class.__name__ in _ELEMENTWISE_TORCH:
-        return dataclasses.replace(PLAIN_CAPABILITIES, elementwise_update=True)
+        return dataclasses.replace(PLAIN_CAPABILITIES, elementwise_update=True,
+                                   steps_tensors_apart=optimizer_class.__name__ in _APART_TORCH)
     return PLAIN_CAPABILITIES

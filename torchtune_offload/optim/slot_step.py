@@ -23,7 +23,7 @@ from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.state_plan import unit_of
 from torchtune_offload.optim.state_streamer import StateStreamer
 from torchtune_offload.optim.step_timings import StepTimings
-from torchtune_offload.optim.step_together import STEPPED_TOGETHER, runs, step_together
+from torchtune_offload.optim.step_together import runs, step_together
 import torchtune_offload.optim.stream_check as stream_check
 from torchtune_offload.optim.transfer import TransferEngine
 
@@ -180,11 +180,12 @@ class SlotStepper:
 
     def _together_key(self, slot: Slot) -> Optional[tuple]:
         """What offloaded slots stepped by one base-optimizer call share (``optim/step_together.py``),
-        or None where the slot steps alone: torch's Adam or AdamW stepping the host gradient itself
-        (no master, no conversion), with host-side options only (no tensor learning rate, not
-        capturable or differentiable); its class and parameter group (the same options) are the key."""
+        or None where the slot steps alone: an optimizer that declares ``steps_tensors_apart``
+        stepping the host gradient itself (no master, no conversion), with host-side options only
+        (no tensor learning rate, not capturable or differentiable); its class and parameter group
+        (the same options) are the key."""
         optimizer = slot.optimizer
-        if type(optimizer) not in STEPPED_TOGETHER or slot.has_master:
+        if not capabilities_of(type(optimizer)).steps_tensors_apart or slot.has_master:
             return None
         if slot.host_grad.dtype != slot.step_param.dtype or slot.host_grad.device.type != "cpu":
             return None
@@ -195,16 +196,22 @@ class SlotStepper:
 
     def _step_run(self, run: List[Slot], *, grad_scale: Optional[torch.Tensor]) -> None:
         """Steps a run of :meth:`_together_key` with its first slot's base optimizer: each slot's
-        update as :meth:`step_slot`'s, to the bit."""
+        update as :meth:`step_slot`'s, to the bit (the clipping factor too: an optimizer that
+        scales gradients in its step takes it, else each gradient is scaled in place first)."""
+        optimizer = run[0].optimizer
         grads = [slot.host_grad for slot in run]
+        step_options = {}
         if grad_scale is not None:
-            torch._foreach_mul_(grads, grad_scale)  # each gradient's mul_, in one dispatch
+            if capabilities_of(type(optimizer)).scales_gradients_in_step:
+                step_options["grad_scale"] = grad_scale
+            else:
+                torch._foreach_mul_(grads, grad_scale)  # each gradient's mul_, in one dispatch
         params = [slot.step_param for slot in run]
         for param, grad in zip(params, grads):
             param.grad = grad
-        optimizer = run[0].optimizer
         try:
-            after = step_together(optimizer, params, [slot.optimizer.state[slot.step_param] for slot in run])
+            after = step_together(optimizer, params, [slot.optimizer.state[slot.step_param] for slot in run],
+                                  **step_options)
         finally:
             for param in params:
                 param.grad = None

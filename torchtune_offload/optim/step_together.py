@@ -3,9 +3,10 @@
 torch's optimizers step the tensors of a parameter group one by one (the single-tensor loop), or in
 one multi-tensor (``foreach``) or fused kernel call; either way each tensor's arithmetic is its own.
 The engine keeps one base optimizer per parameter (its slot), and a call of ``step`` costs tens of
-microseconds of wrapper Python before any arithmetic: for slots of one optimizer class and one
-parameter group, lending the first slot's optimizer all of their parameters and states for one call
-gives each slot the update its own optimizer would have made, for one call's Python. The state
+microseconds of wrapper Python before any arithmetic: for slots of one optimizer class that declares
+``steps_tensors_apart`` (``optim/capabilities.py``) and of one parameter group, lending the first
+slot's optimizer all of their parameters and states for one call gives each slot the update its own
+optimizer would have made, for one call's Python. The state
 streamer steps its staged runs this way, the host step each module's offloaded slots.
 
 Each slot's options are its own optimizer's (single-tensor loop, ``foreach`` or fused, as built):
@@ -19,13 +20,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-#: Base optimizer classes whose step of several tensors computes each tensor's update as a step
-#: of it alone does, in each of their loops (torch's own Adam and AdamW; a subclass may change ``step``).
-STEPPED_TOGETHER = (torch.optim.Adam, torch.optim.AdamW)
-
-
 def step_together(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
-                  states: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+                  states: Sequence[Dict[str, Any]], **step_options: Any) -> List[Dict[str, Any]]:
     """Steps ``params`` (their ``.grad`` set) with one ``step`` call of ``optimizer``, whose one
     parameter group's options apply to all of them, each from its state in ``states``.
 
@@ -36,6 +32,7 @@ def step_together(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tenso
         optimizer: a base optimizer with one parameter group.
         params: the parameters to step.
         states: each parameter's state (an empty dict for one not stepped yet, which the step fills).
+        **step_options: for ``optimizer.step`` (AdamW8bit's ``grad_scale``).
 
     Returns:
         each parameter's state after the step: the dict given, unless the optimizer replaced it.
@@ -47,7 +44,7 @@ def step_together(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tenso
     for param, state in zip(params, states):
         optimizer.state[param] = state
     try:
-        optimizer.step()
+        optimizer.step(**step_options)
         return [optimizer.state[param] for param in params]
     finally:
         group["params"] = own_params
