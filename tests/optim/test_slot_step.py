@@ -98,7 +98,7 @@ ONE_CALL_CASES = {
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("case", list(ONE_CALL_CASES))
-def test_a_modules_slots_step_in_one_call_with_plain_adamws_bits(monkeypatch, overlap, case):
+def test_a_modules_slots_step_in_one_call_with_the_base_optimizers_bits(monkeypatch, overlap, case):
     """Every parameter offloaded: each Linear's weight and bias are one module's run, stepped by one
     call of the weight's base optimizer, with the bits of the base optimizer alone (torch's AdamW or
     AdamW8bit over the whole model), clipping and accumulation included."""

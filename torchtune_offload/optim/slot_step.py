@@ -29,7 +29,7 @@ from torchtune_offload.optim.transfer import TransferEngine
 
 
 class SlotStepper:
-    """Steps slots: serially after backward, or one at a time for the overlap step thread.
+    """Steps slots: serially after backward, or a module's at a time for the overlap step thread.
 
     Args:
         table: the slots.
@@ -254,6 +254,7 @@ class SlotStepper:
                     self._grads.consumed(slot)
         # The next forward must see the new parameters.
         self._transfer.compute_waits_for_copies()
+
 
 def _multi_tensor_bytes(slot: Slot) -> int:
     """The slot's share of a run's temporaries where its options take the multi-tensor loop."""
