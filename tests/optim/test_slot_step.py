@@ -130,3 +130,33 @@ def test_a_modules_slots_step_in_one_call_with_the_base_optimizers_bits(monkeypa
     monkeypatch.undo()
     assert_same_params(plain, ours, rtol=0, atol=0)
     assert sorted(calls) == expected
+
+
+def test_a_step_that_raises_still_sends_up_the_slots_stepped_before_it(monkeypatch):
+    """A module's weight and bias in two parameter groups are two runs: where the bias's step raises,
+    the weight, already stepped, has its new weights sent up and is handed to ``done``."""
+    model = tiny_model().to(torch.bfloat16)
+    opt = OffloadOptimizer(_groups(model, split=True), "torch.optim.AdamW", offload_gradients=True,
+                           minimal_size=0, lr=1e-2)
+    x, y = batches(num=1)[0]
+    before = model[0].weight.detach().clone()
+    ((model(x.to(torch.bfloat16)) - y.to(torch.bfloat16)) ** 2).sum().backward()
+    stepper = opt._stepper
+    weight, bias = opt._table.slot_of_key["0.weight"], opt._table.slot_of_key["0.bias"]
+    for slot in (weight, bias):
+        opt._grads.finish(slot)
+    stepped = stepper.step_slot
+
+    def failing(slot, grad, **options):
+        if slot is bias:
+            raise RuntimeError("the bias's step failed")
+        return stepped(slot, grad, **options)
+
+    monkeypatch.setattr(stepper, "step_slot", failing)
+    done = []
+    with pytest.raises(RuntimeError, match="the bias's step failed"), torch.no_grad():  # as step() runs it
+        stepper.host_step([weight, bias], waited=True, done=lambda slot, event: done.append((slot, event)))
+    assert [slot for slot, _ in done] == [weight]
+    opt._transfer.compute_waits_for(done[0][1])
+    assert not torch.equal(model[0].weight, before) and torch.equal(model[0].weight, weight.result)
+    opt.close()

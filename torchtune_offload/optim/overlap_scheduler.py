@@ -160,11 +160,13 @@ class OverlapScheduler:
             for slot in unit:
                 self._result(self._queued[slot.index].landed, f"{slot.key}: the landing of its gradient")
             # The clipping factor goes with the step, which scales the gradients or has its pass do it as it reads.
-            event = self._stepper.host_step(unit, waited=False, grad_scale=coef)
-            for slot in unit:
-                self._queued[slot.index].param_event = event
-                # The window's sum is consumed: the next backward starts a fresh one.
-                self._grads.consumed(slot)
+            self._stepper.host_step(unit, waited=False, done=self._stepped, grad_scale=coef)
+
+    def _stepped(self, slot: Slot, event: object) -> None:
+        """Step thread: the slot's new weights are on their way up (``event``); the window's sum is
+        consumed, so the next backward starts a fresh one."""
+        self._queued[slot.index].param_event = event
+        self._grads.consumed(slot)
 
     def _land_stragglers(self, window: Window) -> None:
         """Hands over the gradients of parameters the final backward did not reach (used only in

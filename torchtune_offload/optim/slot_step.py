@@ -10,7 +10,7 @@ path and the scheduling as they are.
 """
 
 from contextlib import nullcontext
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -29,7 +29,7 @@ from torchtune_offload.optim.transfer import TransferEngine
 
 
 class SlotStepper:
-    """Steps slots: serially after backward, or a module's at a time for the overlap step thread.
+    """Steps slots, a module's offloaded ones at a time: serially after backward, or on the overlap step thread.
 
     Args:
         table: the slots.
@@ -61,6 +61,9 @@ class SlotStepper:
         self._converting = stream_check.HostLock()
         # The module whose forward waits for each offloaded slot: its uploads go in one launch.
         self._units = {slot.index: unit_of(slot.key) for slot in table.offloaded}
+        # What each offloaded slot's base optimizer declares, read once: capabilities_of builds a
+        # torch class's anew at each call, and the host step asks for every slot at every step.
+        self._capabilities = {slot.index: capabilities_of(type(slot.optimizer)) for slot in table.offloaded}
         # Where a slot's options take the multi-tensor loop (foreach=True), a run stepped together
         # holds at most the largest parameter's bytes: its temporaries (one state's worth of the
         # whole run) then never exceed one slot's alone. The single-tensor loop and the fused
@@ -143,7 +146,8 @@ class SlotStepper:
                     slot.optimizer.step()
         self._streamer.update(streamed)
 
-    def host_step(self, slots: List[Slot], *, waited: bool, grad_scale: Optional[torch.Tensor] = None) -> object:
+    def host_step(self, slots: List[Slot], *, waited: bool, done: Callable[[Slot, object], None],
+                  grad_scale: Optional[torch.Tensor] = None) -> None:
         """Steps offloaded slots of one module on their landed host gradients and sends their new
         weights up in one launch.
 
@@ -151,25 +155,33 @@ class SlotStepper:
             slots: offloaded slots of one module (see :meth:`by_unit`) whose gradients are complete
                 in ``slot.host_grad``.
             waited: the training thread runs it (serial), so all of it counts as waiting.
+            done: called with each stepped slot and its upload's event (see
+                ``TransferEngine.to_device_many``) once the upload is launched; where a step raises,
+                the slots stepped before it are sent up and given to ``done`` all the same.
             grad_scale: a clipping factor for the gradients (see :meth:`step_slot`).
-
-        Returns:
-            the upload's event (see ``TransferEngine.to_device_many``).
         """
-        self._step_on_host(slots, waited=waited, grad_scale=grad_scale)
-        dsts: List[torch.Tensor] = []
-        srcs: List[torch.Tensor] = []
-        for slot in slots:
-            for pending, made in zip((dsts, srcs), self._uploads(slot)):
-                pending.extend(made)
-        return self._transfer.to_device_many(dsts, srcs)
+        stepped: List[Slot] = []
+        try:
+            self._step_on_host(slots, stepped, waited=waited, grad_scale=grad_scale)
+        finally:
+            if stepped:
+                dsts: List[torch.Tensor] = []
+                srcs: List[torch.Tensor] = []
+                for slot in stepped:
+                    for pending, made in zip((dsts, srcs), self._uploads(slot)):
+                        pending.extend(made)
+                event = self._transfer.to_device_many(dsts, srcs)
+                for slot in stepped:
+                    done(slot, event)
 
     def by_unit(self, slots: List[Slot]) -> List[List[Slot]]:
         """``slots`` in runs of consecutive ones of one module (``state_plan.unit_of``): what one
         :meth:`host_step` takes, so that each module's weights go up as soon as they are stepped."""
         return runs(slots, key=lambda slot: self._units[slot.index], nbytes=lambda slot: 0, bound=0)
 
-    def _step_on_host(self, slots: List[Slot], *, waited: bool, grad_scale: Optional[torch.Tensor] = None) -> None:
+    def _step_on_host(self, slots: List[Slot], stepped: List[Slot], *, waited: bool,
+                      grad_scale: Optional[torch.Tensor] = None) -> None:
+        """Steps ``slots`` run by run (:meth:`_together_key`), appending each run to ``stepped`` once done."""
         # Host code: what the base optimizer creates from nothing (its step count) is host memory.
         with self._timings.host_step(waited=waited), stream_check.host_work():
             for run in runs(slots, key=self._together_key, nbytes=_multi_tensor_bytes, bound=self._together_bytes):
@@ -177,6 +189,7 @@ class SlotStepper:
                     self.step_slot(run[0], run[0].host_grad, grad_scale=grad_scale)
                 else:
                     self._step_run(run, grad_scale=grad_scale)
+                stepped.extend(run)
 
     def _together_key(self, slot: Slot) -> Optional[tuple]:
         """What offloaded slots stepped by one base-optimizer call share (``optim/step_together.py``),
@@ -185,7 +198,7 @@ class SlotStepper:
         (no tensor learning rate, not capturable or differentiable); its class and parameter group
         (the same options) are the key."""
         optimizer = slot.optimizer
-        if not capabilities_of(type(optimizer)).steps_tensors_apart or slot.has_master:
+        if not self._capabilities[slot.index].steps_tensors_apart or slot.has_master:
             return None
         if slot.host_grad.dtype != slot.step_param.dtype or slot.host_grad.device.type != "cpu":
             return None
@@ -202,7 +215,7 @@ class SlotStepper:
         grads = [slot.host_grad for slot in run]
         step_options = {}
         if grad_scale is not None:
-            if capabilities_of(type(optimizer)).scales_gradients_in_step:
+            if self._capabilities[run[0].index].scales_gradients_in_step:
                 step_options["grad_scale"] = grad_scale
             else:
                 torch._foreach_mul_(grads, grad_scale)  # each gradient's mul_, in one dispatch
@@ -246,14 +259,15 @@ class SlotStepper:
         for unit in self.by_unit(ready):
             for slot in unit:
                 self._grads.finish(slot)
-            self.host_step(unit, waited=True)
-            for slot in unit:
-                if slot.out is slot.host_grad or not self._grads.summed_on_host(slot) or self.fp8(slot):
-                    # The buffer now holds the new weights, or only a copy of the device gradient: it
-                    # is no gradient sum, and the next backward must not add into it.
-                    self._grads.consumed(slot)
+            self.host_step(unit, waited=True, done=self._consumed_if_no_sum)
         # The next forward must see the new parameters.
         self._transfer.compute_waits_for_copies()
+
+    def _consumed_if_no_sum(self, slot: Slot, _event: object) -> None:
+        """After a serial host step: a buffer that now holds the new weights, or held only a copy of
+        the device gradient, is no gradient sum, and the next backward must not add into it."""
+        if slot.out is slot.host_grad or not self._grads.summed_on_host(slot) or self.fp8(slot):
+            self._grads.consumed(slot)
 
 
 def _multi_tensor_bytes(slot: Slot) -> int:

@@ -6,8 +6,9 @@ The engine keeps one base optimizer per parameter (its slot), and a call of ``st
 microseconds of wrapper Python before any arithmetic: for slots of one optimizer class that declares
 ``steps_tensors_apart`` (``optim/capabilities.py``) and of one parameter group, lending the first
 slot's optimizer all of their parameters and states for one call gives each slot the update its own
-optimizer would have made, for one call's Python. The state
-streamer steps its staged runs this way, the host step each module's offloaded slots.
+optimizer would have made, for one call's Python. The host step steps each module's offloaded slots
+this way; the state streamer its staged runs, by its own rule (whole slots of an elementwise update,
+``StateStreamer._batch_key``).
 
 Each slot's options are its own optimizer's (single-tensor loop, ``foreach`` or fused, as built):
 the multi-tensor loop is not chosen in its place, as on the CPU torch's ``_foreach_mul_`` rounds a
