@@ -46,9 +46,10 @@ def test_to_device_casts_like_copy():
 def test_plain_torch_optimizers_get_the_defaults():
     for cls in (torch.optim.AdamW, torch.optim.SGD, torch.optim.Adam, torch.optim.LBFGS):
         caps = capabilities_of(cls)
-        # Only elementwise_update differs (torch's classes cannot declare it; a table does).
-        assert dataclasses.replace(caps, elementwise_update=False) == PLAIN_CAPABILITIES
+        # Only elementwise_update and steps_tensors_apart differ (torch's classes cannot declare them; tables do).
+        assert dataclasses.replace(caps, elementwise_update=False, steps_tensors_apart=False) == PLAIN_CAPABILITIES
         assert caps.elementwise_update == (cls is not torch.optim.LBFGS)
+        assert caps.steps_tensors_apart == (cls in (torch.optim.Adam, torch.optim.AdamW))
         assert caps.can_clip and caps.runs_under_fsdp2 and caps.steps_in_backward
         assert not caps.offloads and caps.device_types is None
 
