@@ -131,7 +131,7 @@ class Trainee:
         if compiled:
             training.compile_model(self.model, verbose=False)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        as_on_gpu = device.type == "cpu" and not cpu_defaults
+        as_on_gpu = _as_on_gpu(device, cpu_defaults)
         if key == PLAIN:
             loop = {"foreach": True} if as_on_gpu else {}
             self.run = RunOptimizer(torch.optim.AdamW(params, lr=LR, **loop), params=params, clip_grad_norm=CLIP,
@@ -183,13 +183,16 @@ def _threads(count: int) -> str:
     return f"{count} intra-op thread" + ("s" if count != 1 else "")
 
 
+def _as_on_gpu(device: torch.device, cpu_defaults: bool) -> bool:
+    """Whether the CPU run builds the optimizers as on a GPU machine (see the module's docstring)."""
+    return device.type == "cpu" and not cpu_defaults
+
+
 def _built_as(device: torch.device, cpu_defaults: bool) -> str:
     """How the optimizers are built, as the table's header says it."""
-    if device.type == "cuda":
-        return "as torch builds them"
-    if cpu_defaults:
-        return "with the CPU's defaults (single-tensor loops)"
-    return "as on a GPU machine (plain AdamW foreach, the engine's host AdamW fused)"
+    if _as_on_gpu(device, cpu_defaults):
+        return "as on a GPU machine (plain AdamW foreach, the engine's host AdamW fused)"
+    return "as torch builds them" if device.type == "cuda" else "with the CPU's defaults (single-tensor loops)"
 
 
 def row_name(key: str) -> str:

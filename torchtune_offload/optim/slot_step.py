@@ -10,6 +10,7 @@ path and the scheduling as they are.
 """
 
 from contextlib import nullcontext
+import itertools
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -61,9 +62,9 @@ class SlotStepper:
         self._converting = stream_check.HostLock()
         # The module whose forward waits for each offloaded slot: its uploads go in one launch.
         self._units = {slot.index: unit_of(slot.key) for slot in table.offloaded}
-        # What each offloaded slot's base optimizer declares, read once: capabilities_of builds a
-        # torch class's anew at each call, and the host step asks for every slot at every step.
-        self._capabilities = {slot.index: capabilities_of(type(slot.optimizer)) for slot in table.offloaded}
+        # What each offloaded slot shares with those stepped by one base-optimizer call, and its
+        # share of their temporaries: fixed at construction, read at every step.
+        self._together = {slot.index: (_run_key(slot), _multi_tensor_bytes(slot)) for slot in table.offloaded}
         # Where a slot's options take the multi-tensor loop (foreach=True), a run stepped together
         # holds at most the largest parameter's bytes: its temporaries (one state's worth of the
         # whole run) then never exceed one slot's alone. The single-tensor loop and the fused
@@ -177,14 +178,15 @@ class SlotStepper:
     def by_unit(self, slots: List[Slot]) -> List[List[Slot]]:
         """``slots`` in runs of consecutive ones of one module (``state_plan.unit_of``): what one
         :meth:`host_step` takes, so that each module's weights go up as soon as they are stepped."""
-        return runs(slots, key=lambda slot: self._units[slot.index], nbytes=lambda slot: 0, bound=0)
+        return [list(unit) for _, unit in itertools.groupby(slots, key=lambda slot: self._units[slot.index])]
 
     def _step_on_host(self, slots: List[Slot], stepped: List[Slot], *, waited: bool,
                       grad_scale: Optional[torch.Tensor] = None) -> None:
         """Steps ``slots`` run by run (:meth:`_together_key`), appending each run to ``stepped`` once done."""
         # Host code: what the base optimizer creates from nothing (its step count) is host memory.
         with self._timings.host_step(waited=waited), stream_check.host_work():
-            for run in runs(slots, key=self._together_key, nbytes=_multi_tensor_bytes, bound=self._together_bytes):
+            for run in runs(slots, key=self._together_key, nbytes=lambda slot: self._together[slot.index][1],
+                            bound=self._together_bytes):
                 if len(run) == 1:
                     self.step_slot(run[0], run[0].host_grad, grad_scale=grad_scale)
                 else:
@@ -192,30 +194,20 @@ class SlotStepper:
                 stepped.extend(run)
 
     def _together_key(self, slot: Slot) -> Optional[tuple]:
-        """What offloaded slots stepped by one base-optimizer call share (``optim/step_together.py``),
-        or None where the slot steps alone: an optimizer that declares ``steps_tensors_apart``
-        stepping the host gradient itself (no master, no conversion), with host-side options only
-        (no tensor learning rate, not capturable or differentiable); its class and parameter group
-        (the same options) are the key."""
-        optimizer = slot.optimizer
-        if not self._capabilities[slot.index].steps_tensors_apart or slot.has_master:
-            return None
-        if slot.host_grad.dtype != slot.step_param.dtype or slot.host_grad.device.type != "cpu":
-            return None
-        group = optimizer.param_groups[0]
-        if group.get("capturable") or group.get("differentiable") or isinstance(group["lr"], torch.Tensor):
-            return None
-        return type(optimizer), slot.group_index
+        """The slot's :func:`_run_key`, or None (alone) while its learning rate is a tensor (a
+        scheduler may set one)."""
+        key, _ = self._together[slot.index]
+        return None if isinstance(slot.optimizer.param_groups[0]["lr"], torch.Tensor) else key
 
     def _step_run(self, run: List[Slot], *, grad_scale: Optional[torch.Tensor]) -> None:
-        """Steps a run of :meth:`_together_key` with its first slot's base optimizer: each slot's
+        """Steps a run of one :meth:`_together_key` with its first slot's base optimizer: each slot's
         update as :meth:`step_slot`'s, to the bit (the clipping factor too: an optimizer that
         scales gradients in its step takes it, else each gradient is scaled in place first)."""
         optimizer = run[0].optimizer
         grads = [slot.host_grad for slot in run]
         step_options = {}
         if grad_scale is not None:
-            if self._capabilities[run[0].index].scales_gradients_in_step:
+            if capabilities_of(type(optimizer)).scales_gradients_in_step:
                 step_options["grad_scale"] = grad_scale
             else:
                 torch._foreach_mul_(grads, grad_scale)  # each gradient's mul_, in one dispatch
@@ -268,6 +260,22 @@ class SlotStepper:
         the device gradient, is no gradient sum, and the next backward must not add into it."""
         if slot.out is slot.host_grad or not self._grads.summed_on_host(slot) or self.fp8(slot):
             self._grads.consumed(slot)
+
+
+def _run_key(slot: Slot) -> Optional[tuple]:
+    """What offloaded slots stepped by one base-optimizer call share (``optim/step_together.py``), or
+    None where the slot steps alone: an optimizer that declares ``steps_tensors_apart`` stepping the
+    host gradient itself (no master, no conversion), with host-side options only (not capturable or
+    differentiable); its class and parameter group (the same options) are the key."""
+    optimizer = slot.optimizer
+    if not capabilities_of(type(optimizer)).steps_tensors_apart or slot.has_master or slot.host_grad is None:
+        return None
+    if slot.host_grad.dtype != slot.step_param.dtype or slot.host_grad.device.type != "cpu":
+        return None
+    group = optimizer.param_groups[0]
+    if group.get("capturable") or group.get("differentiable"):
+        return None
+    return type(optimizer), slot.group_index
 
 
 def _multi_tensor_bytes(slot: Slot) -> int:
