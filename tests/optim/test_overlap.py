@@ -18,7 +18,7 @@ from torch import nn
 from tests.concurrency import FirstWaitsForASecond
 from tests.optim.side_by_side import assert_same_params, batches, through_a_file, tiny_model, twin
 from torchtune_offload import OffloadOptimizer
-from torchtune_offload.optim import host_grads
+from torchtune_offload.optim import host_grads, overlap_scheduler
 from torchtune_offload.optim.overlap import HostWorkers
 from torchtune_offload.optim.transfer import TransferEngine
 from torchtune_offload.optim.slot_step import SlotStepper
@@ -142,14 +142,15 @@ def test_the_window_sums_land_and_are_measured_side_by_side(monkeypatch):
     measure them at once: the first norm waits for a second to start beside it, which one landing
     thread would never do; and the clipped run is still plain AdamW's, bit for bit."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # how many land at once
-    probe, original = FirstWaitsForASecond(), host_grads.tensor_norm
+    monkeypatch.setattr(overlap_scheduler, "LANDING_BYTES", 1)  # a landing job per gradient
+    probe, original = FirstWaitsForASecond(), host_grads.tensor_norms
 
-    def spy(grad, **kwargs):
+    def spy(grads):
         if threading.current_thread().name.startswith("offload-landing"):  # not the hooks' device norms
             probe()
-        return original(grad, **kwargs)
+        return original(grads)
 
-    monkeypatch.setattr(host_grads, "tensor_norm", spy)
+    monkeypatch.setattr(host_grads, "tensor_norms", spy)
     ref = tiny_model()
     model = twin(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -508,10 +509,12 @@ class _Layered(nn.Module):
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_the_host_steps_of_a_hand_off_group_are_one_job_of_the_step_thread(clip, monkeypatch):
     """Each window queues one step job a group (three layers and the output's bucket: four), not
-    one a parameter (fourteen), and trains as plain AdamW does, bit for bit."""
-    jobs = []
-    step = HostWorkers.step
+    one a parameter (fourteen), and one landing job a group too, and trains as plain AdamW does,
+    bit for bit."""
+    jobs, landings = [], []
+    step, land = HostWorkers.step, HostWorkers.land
     monkeypatch.setattr(HostWorkers, "step", lambda self, fn, *args: jobs.append(args[0]) or step(self, fn, *args))
+    monkeypatch.setattr(HostWorkers, "land", lambda self, fn, *args: landings.append(args[0]) or land(self, fn, *args))
     model, ref = _Layered(), _Layered()
     opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", overlap=True, offload_gradients=True,
                            minimal_size=0, lr=1e-2)
@@ -522,5 +525,30 @@ def test_the_host_steps_of_a_hand_off_group_are_one_job_of_the_step_thread(clip,
     assert train_windows(ref, ref_opt, data, grad_accum=2, clip=clip) == norms
     opt.synchronize()
     assert len(jobs) == 3 * 4 and all(len(slots) in (2, 4) for slots in jobs)
+    assert sorted(map(len, landings)) == sorted(map(len, jobs))
+    assert_same_params(model, ref)
+    opt.close()
+
+
+def test_a_landing_job_measures_at_most_landing_bytes(monkeypatch):
+    """A hand-off group's gradients land in jobs of at most LANDING_BYTES (an 8B layer's matrices
+    one a job, on as many landing threads as there are cores); one larger than the bound alone."""
+    landings = []
+    land = HostWorkers.land
+    monkeypatch.setattr(HostWorkers, "land", lambda self, fn, *args: landings.append(args[0]) or land(self, fn, *args))
+    model, ref = _Layered(), _Layered()
+    weight = model.layers[0][0].weight
+    monkeypatch.setattr(overlap_scheduler, "LANDING_BYTES", weight.numel() * weight.element_size())
+    opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", overlap=True, offload_gradients=True,
+                           minimal_size=0, lr=1e-2)
+    opt.register_forward_waits(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    data = [(torch.randn(4, 24), torch.randn(4, 8)) for _ in range(4)]
+    assert train_windows(model, opt, data, grad_accum=2, clip=1.0) == train_windows(ref, ref_opt, data, grad_accum=2,
+                                                                                    clip=1.0)
+    opt.synchronize()
+    sizes = [[slot.host_grad.nbytes for slot in job] for job in landings]
+    assert len(landings) > 2 * 4 and all(sum(job) <= overlap_scheduler.LANDING_BYTES or len(job) == 1
+                                                 for job in sizes), sizes
     assert_same_params(model, ref)
     opt.close()

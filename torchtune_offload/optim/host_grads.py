@@ -263,15 +263,22 @@ class HostGradients:
 
     # ---------------------------------------------------------- landing and step threads
 
-    def land(self, slot: Slot) -> None:
-        """Landing thread: the window's gradient is complete in ``slot.host_grad`` when this returns."""
-        record = self._records[slot.index]
+    def land(self, slots: List[Slot]) -> None:
+        """Landing thread: the window's gradients of ``slots`` are complete in their host buffers,
+        and measured, when this returns (the norms not measured on the device in one call)."""
+        records = [self._records[slot.index] for slot in slots]
         with profiled("land"):
-            self._transfer.wait(record.event)
-            if record.staged is not None:
-                self.staging.drain_until(record.staged)
-            if record.norm is None:
-                record.norm = tensor_norm(slot.host_grad)
+            waited = None
+            for record in records:  # a hand-off group's copies share an event
+                if record.event is not waited:
+                    waited = record.event
+                    self._transfer.wait(record.event)
+            staged = [record.staged for record in records if record.staged is not None]
+            if staged:
+                self.staging.drain_until(max(staged))
+            unmeasured = [(slot, record) for slot, record in zip(slots, records) if record.norm is None]
+            for (_, record), norm in zip(unmeasured, tensor_norms([slot.host_grad for slot, _ in unmeasured])):
+                record.norm = norm
 
     def consumed(self, slot: Slot) -> None:
         """A step has used the slot's host gradient (or overwritten its buffer with new weights):

@@ -5,9 +5,11 @@ A caller announces the backward that ends an accumulation window
 final gradient is sent to the host as soon as autograd has produced it, and host worker
 threads take over from there:
 
-- the *landing* threads (as many as torch's intra-op threads) each wait for one gradient's copy,
-  fold its staged micro-batches into the host sum, and measure its norm where it was not measured
-  on the device; several land at once because torch measures a host tensor's norm on one core;
+- the *landing* threads (as many as torch's intra-op threads) each take a job of a hand-off
+  group's gradients (at most ``overlap_scheduler.LANDING_BYTES``: a narrow layer's all, a large
+  matrix alone), wait for their copies, fold their staged micro-batches into the host sums, and
+  measure the norms not measured on the device; several land at once because torch measures a host
+  tensor's norm on one core;
 - the *step* thread runs the base optimizer on the host copy and sends the new weights back.
 
 Without clipping a parameter's step is queued as soon as it has landed, while backward goes on.
@@ -32,8 +34,8 @@ from torchtune_offload.optim.handoff import layer_prefix
 
 
 class HostWorkers:
-    """The host worker threads: a few land gradients, each its own, and one steps, in the order it
-    was given (while streams are checked, each task is a host agent of the checker, ordered by its
+    """The host worker threads: a few land gradients, a job of a few at a time each, and one steps,
+    in the order it was given (while streams are checked, each task is a host agent of the checker, ordered by its
     future).
 
     Args:
@@ -104,17 +106,16 @@ class Window:
 
 # A compiled module (compile=True) runs this eagerly instead of tracing waits on threads or streams.
 @torch.compiler.disable
-def _wait_for(wait: Callable[[Any], None], slots: List[Any], _module: torch.nn.Module, _args: Any) -> None:
-    for slot in slots:
-        wait(slot)
+def _wait_for(wait: Callable[[List[Any]], None], slots: List[Any], _module: torch.nn.Module, _args: Any) -> None:
+    wait(slots)
 
 
 def register_module_waits(model: torch.nn.Module, own: Callable[[torch.nn.Parameter], Optional[Any]],
-                          wait: Callable[[Any], None], synchronize: Callable[[], None], *,
+                          wait: Callable[[List[Any]], None], synchronize: Callable[[], None], *,
                           units: Optional[Sequence[Tuple[torch.nn.Module, Sequence[torch.nn.Parameter]]]] = None,
                           ) -> Tuple[List[Any], List[Any]]:
-    """Makes each transformer layer of ``model`` (a module named ``...layers.<i>``) call ``wait(slot)``
-    for all its parameters' slots right before its forward, each other module for its own
+    """Makes each transformer layer of ``model`` (a module named ``...layers.<i>``) call ``wait(slots)``
+    with all its parameters' slots right before its forward, each other module for its own
     parameters' slots, and ``model.state_dict()`` call ``synchronize()`` first.
 
     One wait per layer, on the outermost module of that name: with torchtune's activation
@@ -126,7 +127,7 @@ def register_module_waits(model: torch.nn.Module, own: Callable[[torch.nn.Parame
     Args:
         model: the model whose forward needs the results.
         own: the slot of a parameter whose work the forward must wait for, or None.
-        wait: waits for one slot's queued work.
+        wait: waits for the queued work of a list of slots (one module's).
         synchronize: waits for all of it.
         units: instead of the walk above, the modules that wait and the parameters each waits for,
             in forward order: each wait runs before every other pre-forward hook of its module (an

@@ -20,7 +20,13 @@ from torchtune_offload.optim.overlap import (HostWorkers, Window, changed_hyperp
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.slot_step import SlotStepper
 from torchtune_offload.optim.step_timings import StepTimings, profiled
+from torchtune_offload.optim.step_together import runs
 from torchtune_offload.optim.transfer import TransferEngine
+
+#: The most host-gradient bytes one landing job measures: a layer of a narrow model lands as one job
+#: (one hand-over to a landing thread, not one per parameter), an 8B layer's large matrices one a
+#: job, on as many landing threads as the host has cores (a norm runs on one core).
+LANDING_BYTES = 32 * 2**20
 
 
 class _Queued:
@@ -112,32 +118,34 @@ class OverlapScheduler:
         with profiled("gradient hook"):  # the range's name as trace summaries read it
             # A gradient freed meanwhile (zero_grad after a backward that raised) is not taken.
             slots = [self._table.slots[i] for i in indices if self._table.slots[i].param.grad is not None]
-            for slot in slots:
-                self.before_backward_grad(slot)
+            self.before_backward_grads(slots)
             self._grads.on_backward_group(slots, in_window=self.window is not None)
             if self.window is not None:
                 self._hand_over([slot for slot in slots if slot.offloaded])
 
-    def before_backward_grad(self, slot: Slot) -> None:
-        """The hand-off's first act on a slot: the previous window's work on it is finished (by
-        now, unless no forward ran) and it joins the open window's record (a second backward was
-        refused by :meth:`on_backward_grad`)."""
-        self.wait_done(slot)
+    def before_backward_grads(self, slots: List[Slot]) -> None:
+        """The hand-off's first act on a group's slots: the previous window's work on them is
+        finished (by now, unless no forward ran) and they join the open window's record (a second
+        backward was refused by :meth:`on_backward_grad`)."""
+        self.wait_done(slots)
         window = self.window
         if window is None:
             return
-        window.seen.add(slot.index)
-        window.order.append(slot.index)
+        window.seen.update(slot.index for slot in slots)
+        window.order.extend(slot.index for slot in slots)
 
     def _hand_over(self, slots: List[Slot]) -> None:
-        """Queues the landing of each of a group's offloaded window gradients (the landing threads
-        share them out), and without clipping the group's steps, one job for the step thread."""
+        """Queues the landing of a group's offloaded window gradients, a job per run of at most
+        :data:`LANDING_BYTES` (the landing threads share the jobs out), and without clipping the
+        group's steps, one job for the step thread."""
         if not slots:
             return
         if self.workers is None:
             self.workers = HostWorkers()
-        for slot in slots:
-            self._queued[slot.index].landed = self.workers.land(self._land, slot)
+        for run in runs(slots, key=lambda _slot: (), nbytes=lambda slot: slot.host_grad.nbytes, bound=LANDING_BYTES):
+            landed = self.workers.land(self._land, run)
+            for slot in run:
+                self._queued[slot.index].landed = landed
         if not self.window.clipping:
             self._queue_steps(slots, None)
 
@@ -149,16 +157,20 @@ class OverlapScheduler:
             self._queued[slot.index].done = done
 
     @torch.no_grad()  # grad mode is per thread: the workers start in the default mode
-    def _land(self, slot: Slot) -> None:
-        self._grads.land(slot)
+    def _land(self, slots: List[Slot]) -> None:
+        self._grads.land(slots)
 
     @torch.no_grad()
     def _host_steps(self, slots: List[Slot], coef: Optional[torch.Tensor]) -> None:
         """Step thread: steps the landed slots on the host, a module's together, and sends each
         module's new weights up as soon as they are stepped."""
+        waited = None
         for unit in self._stepper.by_unit(slots):
             for slot in unit:
-                self._result(self._queued[slot.index].landed, f"{slot.key}: the landing of its gradient")
+                landed = self._queued[slot.index].landed
+                if landed is not waited:  # a landing job's slots share its future
+                    waited = landed
+                    self._result(landed, f"{slot.key}: the landing of its gradient")
             # The clipping factor goes with the step, which scales the gradients or has its pass do it as it reads.
             self._stepper.host_step(unit, waited=False, done=self._stepped, grad_scale=coef)
 
@@ -184,12 +196,9 @@ class OverlapScheduler:
         """Each window gradient's 2-norm, in slot order, once landed."""
         window = self.window
         self._land_stragglers(window)
-        norms = []
-        for slot in self._table.slots:
-            if slot.index in window.seen:
-                self.wait_landed(slot)
-                norms.append(self._grads.norm(slot))
-        return norms
+        seen = [slot for slot in self._table.slots if slot.index in window.seen]
+        self.wait_landed(seen)
+        return [self._grads.norm(slot) for slot in seen]
 
     def clip(self, max_norm: float, norm_type: Any, *, device: torch.device, error_if_nonfinite: bool,
              combine: Callable[..., torch.Tensor] = combine_norms) -> torch.Tensor:
@@ -259,32 +268,44 @@ class OverlapScheduler:
                 "to wait without a limit."
             ) from None
 
-    def wait_done(self, slot: Slot) -> None:
-        """Blocks until the slot's queued step is done, and orders the compute stream after its upload."""
-        queued = self._queued[slot.index]
-        if queued.done is None:
+    def wait_done(self, slots: Sequence[Slot]) -> None:
+        """Blocks until the queued steps of ``slots`` are done, and orders the compute stream after
+        their uploads: each job and each upload waited for once (a module's slots share them)."""
+        pending = [(slot, self._queued[slot.index]) for slot in slots if self._queued[slot.index].done is not None]
+        if not pending:
             return
         with self._timings.waiting("host step"):
-            self._result(queued.done, f"{slot.key}: its host step")
-        # The window's gradient is consumed, and with it its norm.
-        queued.done = queued.landed = None
-        self._grads.forget_norm(slot)
-        self._transfer.compute_waits_for(queued.param_event)
-        queued.param_event = None
+            waited = None
+            for slot, queued in pending:
+                if queued.done is not waited:
+                    waited = queued.done
+                    self._result(queued.done, f"{slot.key}: its host step")
+        ordered = None
+        for slot, queued in pending:
+            # The window's gradient is consumed, and with it its norm.
+            queued.done = queued.landed = None
+            self._grads.forget_norm(slot)
+            if queued.param_event is not ordered:
+                ordered = queued.param_event
+                self._transfer.compute_waits_for(queued.param_event)
+            queued.param_event = None
 
-    def wait_landed(self, slot: Slot) -> None:
-        queued = self._queued[slot.index]
-        if queued.landed is not None:
-            with self._timings.waiting("gradient landing"):
-                self._result(queued.landed, f"{slot.key}: the landing of its gradient")
+    def wait_landed(self, slots: Sequence[Slot]) -> None:
+        """Blocks until the gradients of ``slots`` have landed (each landing job waited for once)."""
+        waited = None
+        for slot in slots:
+            queued = self._queued[slot.index]
+            if queued.landed is not None and queued.landed is not waited:
+                waited = queued.landed
+                with self._timings.waiting("gradient landing"):
+                    self._result(queued.landed, f"{slot.key}: the landing of its gradient")
 
     def synchronize(self) -> None:
         """Hands over what is collected from a backward, then waits for every queued host step and
         upload; errors raised in a worker are raised here."""
         self.handoff.flush()
-        for slot in self._table.slots:
-            self.wait_done(slot)
-            self.wait_landed(slot)
+        self.wait_done(self._table.slots)
+        self.wait_landed(self._table.slots)
 
     # ----------------------------------------------------------------------- forward waits
 

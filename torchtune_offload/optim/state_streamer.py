@@ -341,15 +341,15 @@ class StateStreamer:
             for slot in run:
                 self._pending[slot.index] = done
 
-    def wait(self, slot: Slot) -> None:
-        """Orders what comes next on the compute stream after the slot's queued update."""
-        if slot.index in self._pending:
-            self._streams.wait_event(self._streams.current(), self._pending.pop(slot.index))
+    def wait(self, slots: Sequence[Slot]) -> None:
+        """Orders what comes next on the compute stream after the queued updates of ``slots``."""
+        for slot in slots:
+            if slot.index in self._pending:
+                self._streams.wait_event(self._streams.current(), self._pending.pop(slot.index))
 
     def wait_pending(self) -> None:
         """Orders what comes next on the compute stream after every queued update."""
-        for index in sorted(self._pending, key=lambda i: self._order[i]):
-            self.wait(self._table.slots[index])
+        self.wait([self._table.slots[index] for index in sorted(self._pending, key=lambda i: self._order[i])])
 
     def synchronize(self) -> None:
         """Finishes every queued update, and waits until the states are back in host memory."""
