@@ -54,7 +54,7 @@ def test_ring_sums_equal_in_order_adds_bit_for_bit(dtype, sum_dtype, fused_add, 
 @pytest.mark.parametrize("chunk_bytes", [64, 200, 2**20])
 def test_a_group_added_at_once_packs_its_pieces_into_chunks_and_sums_the_same_bits(chunk_bytes, monkeypatch):
     """add_many: a hand-off group's gradients (mixed dtypes and sizes) packed into chunks, each at a
-    16-byte boundary, one copy call and one adder job a chunk; the sums are add_'s, bit for bit,
+    16-byte boundary, one copy call a chunk; the sums are add_'s, bit for bit,
     and each pair's token is that of the chunk holding its last piece."""
     g = torch.Generator().manual_seed(0)
     shapes = [((7, 5), torch.bfloat16), ((300,), torch.float32), ((3,), torch.bfloat16), ((1,), torch.float32),
@@ -88,10 +88,40 @@ def test_a_group_added_at_once_packs_its_pieces_into_chunks_and_sums_the_same_bi
         ring.add_many([(sums[0], torch.zeros(3))])
 
 
+def test_the_ring_sends_its_additions_to_the_adder_a_few_chunks_at_a_time(monkeypatch):
+    """Chunks a narrow model's groups fill only in part go to the adder thread together: once all
+    but one of the ring's chunks wait (a job per group would wake the thread per group), or once
+    they hold a chunk's bytes (a full chunk goes at once), or when one of them is needed (a drain,
+    the ring's coming back round to it); the sums are add_'s, bit for bit."""
+    jobs = []
+    submit = stream_check.submit
+    monkeypatch.setattr(stream_check, "submit", lambda pool, fn, chunks: jobs.append(len(chunks)) or submit(
+        pool, fn, chunks))
+    ring = StagingRing(TransferEngine(torch.device("cpu")), chunk_bytes=1024, num_chunks=4)
+    total, expected = torch.zeros(25), torch.zeros(25)
+    tokens = []
+    for step in range(1, 7):  # 100 bytes a group, a chunk each
+        grad = torch.full((25,), float(step))
+        expected.add_(grad)
+        tokens.append(ring.add_many([(total, grad)])[0])
+    assert jobs == [3, 3]
+    ring.add_many([(total, torch.ones(25))])  # one waits
+    ring.drain_until(tokens[-1])  # needs only sent chunks
+    assert jobs == [3, 3]
+    big, big_expected = torch.zeros(256), torch.full((256,), 2.0)
+    ring.add_many([(big, torch.full((256,), 2.0))])  # a full chunk: sent with the one waiting
+    assert jobs == [3, 3, 2]
+    ring.add_many([(total, torch.ones(25))])
+    ring.drain()
+    assert jobs == [3, 3, 2, 1]
+    assert torch.equal(total, expected + 2) and torch.equal(big, big_expected)
+    ring.close()
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_engine_adds_a_later_micro_batchs_group_through_the_ring_at_once(overlap):
     """Each later micro-batch hands the host ring its group's gradients together, packed into chunks
-    (one copy call and one adder job each): the tiny model's six tensors make one group of 76,832
+    (one copy call each): the tiny model's six tensors make one group of 76,832
     bytes, two chunks of the ring's size (its largest tensor, 61,440 bytes), not one job a tensor."""
     model = tiny_model()
     opt = OffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", offload_gradients=True, overlap=overlap,
@@ -390,14 +420,19 @@ def test_sums_added_on_the_device_land_without_a_host_pass_for_their_norms(where
     the 8B on the H100 host) is never taken. The host ring (where="host") still takes it, which shows
     the check sees such a pass."""
     measured_on_host = []
-    original = host_grads.tensor_norm
+    original, original_many = host_grads.tensor_norm, host_grads.tensor_norms
 
     def spy(grad, **kwargs):
         measured_on_host.append(grad.data_ptr())
         return original(grad, **kwargs)
 
-    # The landing threads measure through host_grads' name, a serial window's clip through grad_norm's.
+    def spy_many(grads):
+        measured_on_host.extend(grad.data_ptr() for grad in grads)
+        return original_many(grads)
+
+    # The landing threads measure through host_grads' tensor_norms, a serial window's clip through grad_norm's.
     monkeypatch.setattr(host_grads, "tensor_norm", spy)
+    monkeypatch.setattr(host_grads, "tensor_norms", spy_many)
     monkeypatch.setattr(grad_norm, "tensor_norm", spy)
     model = tiny_model()
     ref = twin(model)

@@ -23,7 +23,7 @@ micro-batch order) is the same as with a hand-off per parameter, to the bit.
 """
 
 import re
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -78,10 +78,14 @@ class BackwardHandoff:
     Args:
         groups: the group of each parameter, by its index (:func:`handoff_groups`).
         hand_over: called with the indices of a group's collected parameters, in arrival order.
+        flushed: called at the end of each :meth:`flush` (the end of a backward), after the last
+            hand-over.
     """
 
-    def __init__(self, groups: Sequence[int], hand_over: Callable[[List[int]], None]) -> None:
+    def __init__(self, groups: Sequence[int], hand_over: Callable[[List[int]], None], *,
+                 flushed: Optional[Callable[[], None]] = None) -> None:
         self._group_of = list(groups)
+        self._flushed = flushed
         self._size: Dict[int, int] = {}
         for group in self._group_of:
             self._size[group] = self._size.get(group, 0) + 1
@@ -115,6 +119,8 @@ class BackwardHandoff:
         while self._collected:
             group = next(iter(self._collected))
             self._run(self._collected.pop(group))
+        if self._flushed is not None:
+            self._flushed()
 
     def group_of(self, index: int) -> int:
         """The hand-off group of the parameter at ``index``."""

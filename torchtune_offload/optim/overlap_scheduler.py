@@ -66,10 +66,13 @@ class OverlapScheduler:
         self.workers: Optional[HostWorkers] = None
         self.forward_waits = False
         self._hooks: List[Any] = []
+        # The window's offloaded slots handed over and not yet sent to the landing threads.
+        self._unlanded: List[Slot] = []
+        self._unlanded_bytes = 0
         #: Collects the backward's gradients per layer or bucket and hands each group to take_backward_grads.
         self.handoff = BackwardHandoff(
             handoff_groups([s.key for s in table.slots], [s.param.numel() * s.param.element_size() for s in table.slots]),
-            self.take_backward_grads)
+            self.take_backward_grads, flushed=self._send_landings)
 
     def group_handoff(self, groups: Sequence[Sequence[Slot]]) -> None:
         """Makes each of ``groups`` one hand-off group (``OffloadOptimizer.group_handoff``); slots in none
@@ -80,7 +83,8 @@ class OverlapScheduler:
             for slot in group:
                 ids[slot.index] = number
         self.handoff.flush()
-        count, self.handoff = self.handoff.count, BackwardHandoff(ids, self.take_backward_grads)
+        count, self.handoff = self.handoff.count, BackwardHandoff(ids, self.take_backward_grads,
+                                                                  flushed=self._send_landings)
         self.handoff.count = count
 
     def pending(self, slot: Slot) -> Optional[concurrent.futures.Future]:
@@ -135,19 +139,31 @@ class OverlapScheduler:
         window.order.extend(slot.index for slot in slots)
 
     def _hand_over(self, slots: List[Slot]) -> None:
-        """Queues the landing of a group's offloaded window gradients, a job per run of at most
-        :data:`LANDING_BYTES` (the landing threads share the jobs out), and without clipping the
-        group's steps, one job for the step thread."""
+        """Queues the landing of a group's offloaded window gradients, and without clipping the
+        group's steps, one job for the step thread. With clipping (nothing steps before every
+        gradient has landed) the landings wait until :data:`LANDING_BYTES` of them, or the end of
+        the backward, and go as one job: a narrow model's layers do not each wake a landing thread."""
         if not slots:
             return
         if self.workers is None:
             self.workers = HostWorkers()
-        for run in runs(slots, key=lambda _slot: (), nbytes=lambda slot: slot.host_grad.nbytes, bound=LANDING_BYTES):
+        self._unlanded.extend(slots)
+        self._unlanded_bytes += sum(slot.host_grad.nbytes for slot in slots)
+        if not self.window.clipping or self._unlanded_bytes >= LANDING_BYTES:
+            self._send_landings()
+        if not self.window.clipping:
+            self._queue_steps(slots, None)
+
+    def _send_landings(self) -> None:
+        """Sends the landings handed over so far to the landing threads, a job per run of at most
+        :data:`LANDING_BYTES` (the landing threads share the jobs out)."""
+        if not self._unlanded:
+            return
+        unlanded, self._unlanded, self._unlanded_bytes = self._unlanded, [], 0
+        for run in runs(unlanded, key=lambda _slot: (), nbytes=lambda slot: slot.host_grad.nbytes, bound=LANDING_BYTES):
             landed = self.workers.land(self._land, run)
             for slot in run:
                 self._queued[slot.index].landed = landed
-        if not self.window.clipping:
-            self._queue_steps(slots, None)
 
     def _queue_steps(self, slots: List[Slot], coef: Optional[torch.Tensor]) -> None:
         """Queues the host steps of ``slots`` (of one hand-off group) as one job of the step thread,
@@ -191,6 +207,7 @@ class OverlapScheduler:
             window.stragglers.append(slot.index)
             if slot.offloaded:
                 self._hand_over([slot])
+        self._send_landings()
 
     def norms(self) -> List[torch.Tensor]:
         """Each window gradient's 2-norm, in slot order, once landed."""
@@ -292,6 +309,7 @@ class OverlapScheduler:
 
     def wait_landed(self, slots: Sequence[Slot]) -> None:
         """Blocks until the gradients of ``slots`` have landed (each landing job waited for once)."""
+        self._send_landings()
         waited = None
         for slot in slots:
             queued = self._queued[slot.index]
@@ -328,5 +346,6 @@ class OverlapScheduler:
         self._hooks.clear()
         self.forward_waits = False
         if self.workers is not None:
+            self._send_landings()
             self.workers.shutdown()
             self.workers = None

@@ -9,7 +9,10 @@ into its sum when the ring comes back round to it, or when :meth:`StagingRing.dr
 
 The additions run on a host thread of the ring's own, in the order the chunks were issued, so the
 additions into any element happen in the order of the micro-batches, as the device's own
-accumulation does: the result is the same bits. The training thread (the backward hook) only
+accumulation does: the result is the same bits. Chunks go to that thread a few at a time, once
+those waiting hold a chunk's bytes or fill all but one of the ring's chunks (or one is needed):
+a narrow model's group fills a chunk only in part, and waking the thread for each cost the
+launching thread more than the additions. The training thread (the backward hook) only
 issues the copies, and waits only where a chunk it needs is still being added: on an accelerator
 the backward's kernels go on while the host adds (when the hook added, the two could only run one
 after the other). On an H100 host the additions still outlast a batch-1 pass's GPU work and the
@@ -274,8 +277,13 @@ class StagingRing(_ChunkRing):
     ) -> None:
         super().__init__(transfer, chunk_bytes=chunk_bytes, num_chunks=num_chunks, largest_bytes=largest_bytes)
         self._add = host_add.add_ if fused_add else _torch_add
-        # Per chunk: (sequence number, the addition's future) until the addition is joined.
-        self._pending: List[Optional[Tuple[int, Future]]] = [None] * self.num_chunks
+        # Per chunk: (sequence number, the addition's future, or None until its job is sent) until
+        # the addition is joined.
+        self._pending: List[Optional[Tuple[int, Optional[Future]]]] = [None] * self.num_chunks
+        # Chunks issued whose additions are not yet sent to the adder thread (chunk index, the
+        # pieces' (sum, staged) pairs, the copy's event), and their staged bytes.
+        self._unsent: List[Tuple[int, List[Tuple[torch.Tensor, torch.Tensor]], object]] = []
+        self._unsent_bytes = 0
         # One thread, so the additions run in the order they were issued (started on first use);
         # it is the only writer of _added_seconds, read after a drain (which orders the writes).
         self._adder: Optional[ThreadPoolExecutor] = None
@@ -286,20 +294,37 @@ class StagingRing(_ChunkRing):
             self._chunks.append(self._transfer.host_empty_like(template))
         return self._chunks[index]
 
-    def _finish(self, pieces: List[Tuple[torch.Tensor, torch.Tensor]], event: object) -> None:
-        """On the adder thread: waits for a chunk's copy, then adds each piece it holds into its sum."""
-        with profiled("sum: wait for chunk copy"):
-            self._transfer.wait(event)
-        start = time.perf_counter()
-        with profiled("sum: add"):
-            for dst, staged in pieces:
-                self._add(dst, staged)
-        self._added_seconds += time.perf_counter() - start
+    def _finish(self, chunks: List[Tuple[List[Tuple[torch.Tensor, torch.Tensor]], object]]) -> None:
+        """On the adder thread: for each chunk in order, waits for its copy, then adds each piece it
+        holds into its sum."""
+        for pieces, event in chunks:
+            with profiled("sum: wait for chunk copy"):
+                self._transfer.wait(event)
+            start = time.perf_counter()
+            with profiled("sum: add"):
+                for dst, staged in pieces:
+                    self._add(dst, staged)
+            self._added_seconds += time.perf_counter() - start
+
+    def _send(self) -> None:
+        """Sends the additions of the chunks issued so far to the adder thread, as one job."""
+        if not self._unsent:
+            return
+        if self._adder is None:
+            self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-staging-add")
+        future = stream_check.submit(self._adder, self._finish, [(work, event) for _, work, event in self._unsent])
+        for index, _, _ in self._unsent:
+            self._pending[index] = (self._pending[index][0], future)
+        self._unsent, self._unsent_bytes = [], 0
 
     def _retire(self, index: int) -> None:
-        """Waits for the chunk's addition (and raises its error, if it failed)."""
+        """Waits for the chunk's addition (and raises its error, if it failed), sending it first if
+        it waits to be sent."""
         pending = self._pending[index]
         if pending is not None:
+            if pending[1] is None:
+                self._send()
+                pending = self._pending[index]
             self._pending[index] = None
             pending[1].result()
 
@@ -345,18 +370,21 @@ class StagingRing(_ChunkRing):
         return index
 
     def _add_many(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List[int]:
-        """Per chunk of the pairs' pieces: one copy call down into it, one event, and the pieces'
-        additions as one job of the adder thread."""
+        """Per chunk of the pairs' pieces: one copy call down into it and one event; the pieces'
+        additions go to the adder thread once the chunks issued and not sent hold a chunk's bytes,
+        or are all but one of the ring's, or one of them is needed (a job per group of a narrow
+        model would cost the launching thread more than its additions: waking a thread)."""
         tokens: List[int] = []
         flats: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         for index, pieces in self._layout(pairs, [src.dtype for _, src in pairs], tokens, unbroken=False):
             parts = [self._parts(pairs, piece, flats) for piece in pieces]
             event = self._transfer.to_host_many([piece.staged for piece in pieces], [src for _, src in parts],
                                                 release_source=True)
-            if self._adder is None:
-                self._adder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-staging-add")
-            work = [(dst, piece.staged) for (dst, _), piece in zip(parts, pieces)]
-            self._pending[index] = (self._issued, stream_check.submit(self._adder, self._finish, work, event))
+            self._unsent.append((index, [(dst, piece.staged) for (dst, _), piece in zip(parts, pieces)], event))
+            self._unsent_bytes += sum(piece.staged.nbytes for piece in pieces)
+            self._pending[index] = (self._issued, None)
+            if self._unsent_bytes >= self.chunk_bytes or len(self._unsent) >= self.num_chunks - 1:
+                self._send()
         return tokens
 
     def drain_until(self, token: Optional[int]) -> None:
