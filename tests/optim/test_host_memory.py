@@ -14,7 +14,7 @@ from torchtune_offload import CPUOffloadOptimizer, OffloadOptimizer
 from torchtune_offload.optim.host_arena import pinned_allocation_bytes
 from torchtune_offload.optim.host_memory import optimizer_state_bytes, plan_host_memory
 from torchtune_offload.optim.host_memory import CONVERSION_BUFFERS, CPU_DEVICE_RING
-from torchtune_offload.optim.staging import CHUNK_BYTES, NUM_CHUNKS
+from torchtune_offload.optim.staging import CHUNK_BYTES, NUM_CHUNKS, host_ring_chunks
 
 
 def _model(device="cpu", dtype=torch.float32, width=64, depth=3):
@@ -65,7 +65,8 @@ def test_offload_plan_equals_what_the_engine_holds_on_cpu(dtype, offload_gradien
         assert plan.parts.pop(CPU_DEVICE_RING) == opt._staging.nbytes
     elif accum > 1:
         # The ring allocates its chunks on first use; the plan counts all of them, the most it takes.
-        assert plan.parts.pop("staging ring") == NUM_CHUNKS * min(CHUNK_BYTES, 64 * 64 * dtype.itemsize)
+        chunk = min(CHUNK_BYTES, 64 * 64 * dtype.itemsize)
+        assert plan.parts.pop("staging ring") == host_ring_chunks(chunk) * chunk == opt._staging.num_chunks * chunk
         report.host_bytes -= opt._staging.nbytes
     assert plan.total == report.host_bytes
     assert set(plan.parts) == {"parameter copies", "gradient buffers", "optimizer state"}

@@ -91,8 +91,9 @@ def test_a_group_added_at_once_packs_its_pieces_into_chunks_and_sums_the_same_bi
 def test_the_ring_sends_its_additions_to_the_adder_a_few_chunks_at_a_time(monkeypatch):
     """Chunks a narrow model's groups fill only in part go to the adder thread together: once all
     but one of the ring's chunks wait (a job per group would wake the thread per group), or once
-    they hold a chunk's bytes (a full chunk goes at once), or when one of them is needed (a drain,
+    they hold CHUNK_BYTES (a full-size chunk goes at once), or when one of them is needed (a drain,
     the ring's coming back round to it); the sums are add_'s, bit for bit."""
+    monkeypatch.setattr(staging, "CHUNK_BYTES", 1024)  # the ring's chunks are full-size ones
     jobs = []
     submit = stream_check.submit
     monkeypatch.setattr(stream_check, "submit", lambda pool, fn, chunks: jobs.append(len(chunks)) or submit(
@@ -116,6 +117,19 @@ def test_the_ring_sends_its_additions_to_the_adder_a_few_chunks_at_a_time(monkey
     assert jobs == [3, 3, 2, 1]
     assert torch.equal(total, expected + 2) and torch.equal(big, big_expected)
     ring.close()
+
+
+def test_a_host_ring_of_small_chunks_holds_more_of_them_within_four_full_ones():
+    """Four chunks of CHUNK_BYTES (an 8B model's), more of smaller ones (up to MAX_CHUNKS), never
+    more bytes than four full ones: more of a narrow model's chunks wait to go to the adder together."""
+    assert staging.host_ring_chunks(staging.CHUNK_BYTES) == staging.NUM_CHUNKS == 4
+    assert staging.host_ring_chunks(staging.CHUNK_BYTES // 2) == 8
+    assert staging.host_ring_chunks(128 * 2**10) == staging.MAX_CHUNKS == 16
+    for chunk in (1, 2**10, 3 * 2**20, staging.CHUNK_BYTES):
+        assert staging.host_ring_chunks(chunk) * chunk <= staging.NUM_CHUNKS * staging.CHUNK_BYTES
+    ring = StagingRing(TransferEngine(torch.device("cpu")), largest_bytes=2**20)
+    assert ring.num_chunks == 16 and ring.chunk_bytes == 2**20
+    assert StagingRing(TransferEngine(torch.device("cpu")), chunk_bytes=64, num_chunks=2).num_chunks == 2
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -24,7 +24,7 @@ from torchtune_offload.optim.host_arena import NONE, buffer_bytes, pinned_alloca
 from torchtune_offload.optim.host_buffers import converted_before_step, host_buffer_dtypes, nbytes, offloads, probe_state
 from torchtune_offload.optim.offload_options import OffloadOptions
 from torchtune_offload.optim.param_table import named_groups
-from torchtune_offload.optim.staging import NUM_CHUNKS, StagingRing, device_ring_bytes
+from torchtune_offload.optim.staging import StagingRing, device_ring_bytes, host_ring_chunks
 from torchtune_offload.optim.state_plan import Layout, cached_layout, largest_slice_bytes, plan_state_bytes, slice_plan
 
 
@@ -191,7 +191,7 @@ def plan_table_memory(params: Any, *, base_class: type, options: Dict[str, Any],
         chunk = StagingRing.chunk_size(largest_bytes=max(nbytes(p) for p in offloaded))
         pinned = pinning != NONE  # the ring's chunks come from torch's allocator
         plan.add("staging ring" + (" (pinned)" if pinned else ""),
-                 NUM_CHUNKS * pinned_allocation_bytes(chunk, pinned=pinned))
+                 host_ring_chunks(chunk) * pinned_allocation_bytes(chunk, pinned=pinned))
     elif pinning == NONE:
         # No accelerator: the device ring's chunks are in this host's memory.
         plan.add(CPU_DEVICE_RING, device_sum_ring_bytes(trainable, minimal_size=minimal_size,

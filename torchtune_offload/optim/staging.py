@@ -10,7 +10,7 @@ into its sum when the ring comes back round to it, or when :meth:`StagingRing.dr
 The additions run on a host thread of the ring's own, in the order the chunks were issued, so the
 additions into any element happen in the order of the micro-batches, as the device's own
 accumulation does: the result is the same bits. Chunks go to that thread a few at a time, once
-those waiting hold a chunk's bytes or fill all but one of the ring's chunks (or one is needed):
+those waiting hold :data:`CHUNK_BYTES` or fill all but one of the ring's chunks (or one is needed):
 a narrow model's group fills a chunk only in part, and waking the thread for each cost the
 launching thread more than the additions. The training thread (the backward hook) only
 issues the copies, and waits only where a chunk it needs is still being added: on an accelerator
@@ -40,8 +40,18 @@ from torchtune_offload.optim.transfer import TransferEngine, copy_all
 #: Bytes of one chunk, and how many chunks the ring holds: the bound on staging memory.
 CHUNK_BYTES = 32 * 2**20
 NUM_CHUNKS = 4
+#: The most chunks a host ring of small chunks holds (see :func:`host_ring_chunks`).
+MAX_CHUNKS = 16
 #: Where in a chunk a piece may start: a multiple of this many bytes, so that any dtype views it.
 CHUNK_ALIGN = 16
+
+
+def host_ring_chunks(chunk_bytes: int) -> int:
+    """How many chunks a :class:`StagingRing` of ``chunk_bytes`` chunks holds by default:
+    :data:`NUM_CHUNKS`, and for chunks smaller than :data:`CHUNK_BYTES` (a model whose largest tensor
+    is smaller) more, up to :data:`MAX_CHUNKS` and within the bytes of :data:`NUM_CHUNKS` full-size
+    ones, so that more of them wait to go to the adder thread together."""
+    return max(NUM_CHUNKS, min(MAX_CHUNKS, NUM_CHUNKS * CHUNK_BYTES // chunk_bytes))
 
 
 def device_ring_bytes(*, largest_bytes: int) -> int:
@@ -259,7 +269,7 @@ class StagingRing(_ChunkRing):
     Args:
         transfer: the engine's host/device copier.
         chunk_bytes: the size of one chunk, in bytes (default :data:`CHUNK_BYTES`).
-        num_chunks: how many chunks may be in flight at once (default :data:`NUM_CHUNKS`).
+        num_chunks: how many chunks may be in flight at once (default :func:`host_ring_chunks`).
         largest_bytes: the largest tensor that will pass through; chunks are no larger, so a
             small model keeps a small ring.
         fused_add: add with ``host_add.add_`` (default); False uses torch's ``add_``, the path
@@ -275,6 +285,8 @@ class StagingRing(_ChunkRing):
         largest_bytes: Optional[int] = None,
         fused_add: bool = True,
     ) -> None:
+        if num_chunks is None:
+            num_chunks = host_ring_chunks(self.chunk_size(chunk_bytes=chunk_bytes, largest_bytes=largest_bytes))
         super().__init__(transfer, chunk_bytes=chunk_bytes, num_chunks=num_chunks, largest_bytes=largest_bytes)
         self._add = host_add.add_ if fused_add else _torch_add
         # Per chunk: (sequence number, the addition's future, or None until its job is sent) until
@@ -371,9 +383,10 @@ class StagingRing(_ChunkRing):
 
     def _add_many(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List[int]:
         """Per chunk of the pairs' pieces: one copy call down into it and one event; the pieces'
-        additions go to the adder thread once the chunks issued and not sent hold a chunk's bytes,
-        or are all but one of the ring's, or one of them is needed (a job per group of a narrow
-        model would cost the launching thread more than its additions: waking a thread)."""
+        additions go to the adder thread once the chunks issued and not sent hold
+        :data:`CHUNK_BYTES` (a full-size chunk goes at once), or are all but one of the ring's, or
+        one of them is needed (a job per group of a narrow model would cost the launching thread
+        more than its additions: waking a thread)."""
         tokens: List[int] = []
         flats: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         for index, pieces in self._layout(pairs, [src.dtype for _, src in pairs], tokens, unbroken=False):
@@ -383,7 +396,7 @@ class StagingRing(_ChunkRing):
             self._unsent.append((index, [(dst, piece.staged) for (dst, _), piece in zip(parts, pieces)], event))
             self._unsent_bytes += sum(piece.staged.nbytes for piece in pieces)
             self._pending[index] = (self._issued, None)
-            if self._unsent_bytes >= self.chunk_bytes or len(self._unsent) >= self.num_chunks - 1:
+            if self._unsent_bytes >= CHUNK_BYTES or len(self._unsent) >= self.num_chunks - 1:
                 self._send()
         return tokens
 
