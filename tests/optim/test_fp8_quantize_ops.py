@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import torchtune_offload.optim.fp8_weights as fp8_weights
+import torchtune_offload.optim.slot_step as slot_step
 from tests.optim.test_fp8_weights import DTYPE, build, data, layered
 from torchtune_offload.bench.trace_summary import dispatched_aten_ops
 from torchtune_offload.optim.fp8_weights import FP8_DTYPE, FP8_MAX, dequantize, quantize
@@ -145,7 +146,12 @@ def test_a_weight_without_room_for_its_scales_in_its_gradient_buffer_uploads_the
     opt.close()
 
 
-def test_a_serial_step_uploads_each_modules_new_weights_in_one_launch(monkeypatch):
+@pytest.mark.parametrize("join", [False, True])
+def test_a_serial_step_uploads_each_modules_new_weights_in_one_launch(join, monkeypatch):
+    """Each module's new weights go up in one launch; with join, consecutive small modules' (at most
+    STEP_JOB_BYTES of parameters: all of these) in one."""
+    if not join:
+        monkeypatch.setattr(slot_step, "STEP_JOB_BYTES", 0)
     model = layered()
     opt = build(model, offload_gradients=True)
     owner = {id(s.param): s.key for s in opt._table.offloaded}
@@ -166,7 +172,10 @@ def test_a_serial_step_uploads_each_modules_new_weights_in_one_launch(monkeypatc
     for slot in opt._table.offloaded:
         modules.setdefault(unit_of(slot.key), []).append(slot.key)
     # Each module's slots in one launch: an FP8 weight's values and scales, any other weight itself.
-    assert [sorted(set(keys)) for keys in launches] == [sorted(keys) for keys in modules.values()]
+    if join:
+        assert [sorted(set(keys)) for keys in launches] == [sorted(k for keys in modules.values() for k in keys)]
+    else:
+        assert [sorted(set(keys)) for keys in launches] == [sorted(keys) for keys in modules.values()]
     held = {s.key for s in opt._weights.held}
     assert all(len(keys) == len(set(keys)) + len(held & set(keys)) for keys in launches)
     opt.close()

@@ -101,9 +101,27 @@ ONE_CALL_CASES = {
 def test_a_modules_slots_step_in_one_call_with_the_base_optimizers_bits(monkeypatch, overlap, case):
     """Every parameter offloaded: each Linear's weight and bias are one module's run, stepped by one
     call of the weight's base optimizer, with the bits of the base optimizer alone (torch's AdamW or
-    AdamW8bit over the whole model), clipping and accumulation included."""
+    AdamW8bit over the whole model), clipping and accumulation included. (Modules a step job takes
+    one at a time here; small ones joined: the next test.)"""
+    monkeypatch.setattr(slot_step, "STEP_JOB_BYTES", 0)
     split, options, expected = ONE_CALL_CASES[case]
-    base_class = AdamW8bit if case == "AdamW8bit" else torch.optim.AdamW
+    assert _base_calls(monkeypatch, overlap=overlap, split=split, options=options,
+                       base_class=AdamW8bit if case == "AdamW8bit" else torch.optim.AdamW) == expected
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("base_class", [torch.optim.AdamW, AdamW8bit])
+def test_small_modules_step_together_in_one_call_with_the_base_optimizers_bits(monkeypatch, overlap, base_class):
+    """Consecutive modules of at most STEP_JOB_BYTES of parameters (the tiny model's three Linears)
+    are one host step: one base-optimizer call a window, with the base optimizer's bits."""
+    options = {"min_8bit_size": 1000} if base_class is AdamW8bit else {}
+    assert _base_calls(monkeypatch, overlap=overlap, split=False, options=options, base_class=base_class) == [6] * 3
+
+
+def _base_calls(monkeypatch, *, overlap, split, options, base_class) -> list:
+    """Trains plain ``base_class`` and the engine over it side by side (three windows of three
+    micro-batches, clipping), asserts the same bits, and returns the sizes of the engine's
+    base-optimizer calls, sorted."""
     base = tiny_model().to(torch.bfloat16)
     data = [(x.to(torch.bfloat16), y.to(torch.bfloat16)) for x, y in batches(num=9)]
     plain, ours = twin(base), twin(base)
@@ -127,9 +145,9 @@ def test_a_modules_slots_step_in_one_call_with_the_base_optimizers_bits(monkeypa
     train_windows(ours, opt, data, grad_accum=3, clip=0.5)
     assert all(slot.offloaded for slot in opt._table.slots)
     opt.close()  # after the step thread's last steps
-    monkeypatch.undo()
+    monkeypatch.setattr(base_class, "step", stepped)
     assert_same_params(plain, ours, rtol=0, atol=0)
-    assert sorted(calls) == expected
+    return sorted(calls)
 
 
 def test_a_step_that_raises_still_sends_up_the_slots_stepped_before_it(monkeypatch):

@@ -18,7 +18,7 @@ from torchtune_offload.optim.host_grads import HostGradients
 from torchtune_offload.optim.overlap import (HostWorkers, Window, changed_hyperparameters, hyperparameters,
                                              register_module_waits)
 from torchtune_offload.optim.param_table import ParameterTable, Slot
-from torchtune_offload.optim.slot_step import SlotStepper
+from torchtune_offload.optim.slot_step import SlotStepper, param_bytes
 from torchtune_offload.optim.step_timings import StepTimings, profiled
 from torchtune_offload.optim.step_together import runs
 from torchtune_offload.optim.transfer import TransferEngine
@@ -71,7 +71,7 @@ class OverlapScheduler:
         self._unlanded_bytes = 0
         #: Collects the backward's gradients per layer or bucket and hands each group to take_backward_grads.
         self.handoff = BackwardHandoff(
-            handoff_groups([s.key for s in table.slots], [s.param.numel() * s.param.element_size() for s in table.slots]),
+            handoff_groups([s.key for s in table.slots], [param_bytes(s) for s in table.slots]),
             self.take_backward_grads, flushed=self._send_landings)
 
     def group_handoff(self, groups: Sequence[Sequence[Slot]]) -> None:
@@ -166,8 +166,8 @@ class OverlapScheduler:
                 self._queued[slot.index].landed = landed
 
     def _queue_steps(self, slots: List[Slot], coef: Optional[torch.Tensor]) -> None:
-        """Queues the host steps of ``slots`` (of one hand-off group) as one job of the step thread,
-        which each slot's forward wait waits for."""
+        """Queues the host steps of ``slots`` (of one hand-off group, or a few small ones) as one job
+        of the step thread, which each slot's forward wait waits for."""
         done = self.workers.step(self._host_steps, slots, coef)
         for slot in slots:
             self._queued[slot.index].done = done
@@ -266,8 +266,9 @@ class OverlapScheduler:
                     return ("straggler", slot.index)
                 return ("group", self.handoff.group_of(slot.index))
 
-            for _, run in itertools.groupby(offloaded, key=job):
-                self._queue_steps(list(run), coef)
+            # Consecutive jobs of few bytes go as one (a narrow model's layers; an 8B layer alone).
+            for joined in self._stepper.join([list(run) for _, run in itertools.groupby(offloaded, key=job)]):
+                self._queue_steps(joined, coef)
         self.window = None
         if not self.forward_waits:
             # Nothing makes the next forward wait per module: wait here, still after backward.

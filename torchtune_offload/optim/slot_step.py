@@ -28,9 +28,14 @@ from torchtune_offload.optim.step_together import runs, step_together
 import torchtune_offload.optim.stream_check as stream_check
 from torchtune_offload.optim.transfer import TransferEngine
 
+#: The most parameter bytes of consecutive modules one host step takes (one base-optimizer call
+#: where their options allow, one upload launch): modules larger than this go one at a time.
+STEP_JOB_BYTES = 32 * 2**20
+
 
 class SlotStepper:
-    """Steps slots, a module's offloaded ones at a time: serially after backward, or on the overlap step thread.
+    """Steps slots, a module's offloaded ones at a time (small modules a few together): serially
+    after backward, or on the overlap step thread.
 
     Args:
         table: the slots.
@@ -153,7 +158,7 @@ class SlotStepper:
         weights up in one launch.
 
         Args:
-            slots: offloaded slots of one module (see :meth:`by_unit`) whose gradients are complete
+            slots: offloaded slots of a module or a few (see :meth:`by_unit`) whose gradients are complete
                 in ``slot.host_grad``.
             waited: the training thread runs it (serial), so all of it counts as waiting.
             done: called with each stepped slot and its upload's event (see
@@ -176,9 +181,19 @@ class SlotStepper:
                     done(slot, event)
 
     def by_unit(self, slots: List[Slot]) -> List[List[Slot]]:
-        """``slots`` in runs of consecutive ones of one module (``state_plan.unit_of``): what one
-        :meth:`host_step` takes, so that each module's weights go up as soon as they are stepped."""
-        return [list(unit) for _, unit in itertools.groupby(slots, key=lambda slot: self._units[slot.index])]
+        """``slots`` in runs of consecutive ones of one module (``state_plan.unit_of``), consecutive
+        modules joined while they hold at most :data:`STEP_JOB_BYTES` of parameters: what one
+        :meth:`host_step` takes, so that each module's weights go up as soon as they are stepped (an
+        8B layer's alone; a narrow model's layers together, whose base-optimizer call would
+        otherwise cost more than their arithmetic)."""
+        return self.join([list(unit) for _, unit in itertools.groupby(slots, key=lambda slot: self._units[slot.index])])
+
+    @staticmethod
+    def join(jobs: List[List[Slot]]) -> List[List[Slot]]:
+        """Consecutive ``jobs`` (lists of slots) joined while they hold at most :data:`STEP_JOB_BYTES`
+        of parameters; a larger one alone."""
+        joined = runs(jobs, key=lambda _job: (), nbytes=lambda job: sum(map(param_bytes, job)), bound=STEP_JOB_BYTES)
+        return [[slot for job in run for slot in job] for run in joined]
 
     def _step_on_host(self, slots: List[Slot], stepped: List[Slot], *, waited: bool,
                       grad_scale: Optional[torch.Tensor] = None) -> None:
@@ -262,6 +277,11 @@ class SlotStepper:
             self._grads.consumed(slot)
 
 
+def param_bytes(slot: Slot) -> int:
+    """The bytes of the slot's parameter (the device tensor's shape and dtype)."""
+    return slot.param.numel() * slot.param.element_size()
+
+
 def _run_key(slot: Slot) -> Optional[tuple]:
     """What offloaded slots stepped by one base-optimizer call share (``optim/step_together.py``), or
     None where the slot steps alone: an optimizer that declares ``steps_tensors_apart`` stepping the
@@ -282,7 +302,7 @@ def _multi_tensor_bytes(slot: Slot) -> int:
     """The slot's share of a run's temporaries where its options take the multi-tensor loop."""
     if not slot.optimizer.param_groups[0].get("foreach"):
         return 0
-    return slot.param.numel() * slot.param.element_size()
+    return param_bytes(slot)
 
 
 def conversion_buffers(offloaded: List[Slot], *, fused_master_step: bool) -> Dict[torch.dtype, torch.Tensor]:
