@@ -35,6 +35,7 @@ from torch.distributed.fsdp import fully_shard
 from torchtune_offload.distributed.sharded_offload import ShardedOffloadOptimizer
 from torchtune_offload.optim.host_arena import NONE, buffer_bytes
 from torchtune_offload.models import tiny_llama
+import torchtune_offload.optim.slot_step as slot_step
 
 rank, world, store, case = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -63,7 +64,9 @@ engine = ShardedOffloadOptimizer(ours.named_parameters(), "torch.optim.AdamW", l
                                  **case["options"])
 optimizers["ours"] = (ours, engine)
 if case.get("delay_s"):
-    # Host steps slowed down on purpose: a forward that does not wait for them reads stale shards.
+    # Host steps slowed down on purpose, a unit a step job: a forward that does not wait for a
+    # unit's own step reads stale shards (joined, the first unit's wait would cover them all).
+    slot_step.STEP_JOB_BYTES = 0
     host_step = engine.engine._stepper.host_step
     def slow_host_step(*args, **kwargs):
         time.sleep(case["delay_s"])

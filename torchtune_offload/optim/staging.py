@@ -1,26 +1,21 @@
 """A bounded landing area for gradients that are added into host sums.
 
 With gradients offloaded during backward and accumulated, the first micro-batch's gradient is copied
-straight into the parameter's host sum; every later one has to land somewhere on the host before
-it can be added. A full-size second buffer per parameter would double the host memory of the
-gradients (about 16 GB for an 8B model in bf16). Here later micro-batches go through a small ring
-of fixed-size pinned chunks instead: each gradient is copied chunk by chunk, and a chunk is added
-into its sum when the ring comes back round to it, or when :meth:`StagingRing.drain` is called.
+straight into the parameter's host sum; every later one has to land somewhere on the host before it
+can be added. A second full-size buffer per parameter would double the gradients' host memory (about
+16 GB for an 8B model in bf16): later micro-batches go through a small ring of fixed-size pinned
+chunks instead, copied chunk by chunk, each added into its sum by a host thread of the ring's own.
 
-The additions run on a host thread of the ring's own, in the order the chunks were issued, so the
-additions into any element happen in the order of the micro-batches, as the device's own
-accumulation does: the result is the same bits. Chunks go to that thread a few at a time, once
-those waiting hold :data:`CHUNK_BYTES` or fill all but one of the ring's chunks (or one is needed):
-a narrow model's group fills a chunk only in part, and waking the thread for each cost the
-launching thread more than the additions. The training thread (the backward hook) only
-issues the copies, and waits only where a chunk it needs is still being added: on an accelerator
-the backward's kernels go on while the host adds (when the hook added, the two could only run one
-after the other). On an H100 host the additions still outlast a batch-1 pass's GPU work and the
-hooks wait for the excess; :class:`DeviceSumRing` adds on the device instead (docs/accumulation.md,
-measured). Each addition is one pass of
-``host_add.add_`` over all host cores (torch's ``add_`` of a bf16 chunk into an fp32 sum converted
-the chunk first and took 5 to 10 times as long). The ring may be used from the training thread
-(adding) and a host worker (draining) at once.
+That thread adds in the order the chunks were issued, so each element's additions come in the order
+of the micro-batches, as the device's own accumulation does: the same bits. Chunks go to it a few at
+a time, once those waiting hold :data:`CHUNK_BYTES` or all but one of the ring's chunks, or one is
+needed (waking the thread for each of a narrow model's part-filled chunks cost the launching thread
+more than the additions). The training thread only issues the copies, and waits only for a chunk
+still being added; on an H100 host the additions still outlast a batch-1 pass's GPU work, and
+:class:`DeviceSumRing` adds on the device instead (docs/accumulation.md, measured). Each addition is
+one pass of ``host_add.add_`` over all host cores (torch's ``add_`` of a bf16 chunk into an fp32 sum
+converted the chunk first, 5 to 10 times slower). The training thread (adding) and a host worker
+(draining) may use the ring at once.
 """
 
 import collections
@@ -276,15 +271,8 @@ class StagingRing(_ChunkRing):
             before it, kept for ``scripts/bench/bench_accumulation.py`` to time side by side.
     """
 
-    def __init__(
-        self,
-        transfer: TransferEngine,
-        *,
-        chunk_bytes: Optional[int] = None,
-        num_chunks: Optional[int] = None,
-        largest_bytes: Optional[int] = None,
-        fused_add: bool = True,
-    ) -> None:
+    def __init__(self, transfer: TransferEngine, *, chunk_bytes: Optional[int] = None, num_chunks: Optional[int] = None,
+                 largest_bytes: Optional[int] = None, fused_add: bool = True) -> None:
         if num_chunks is None:
             num_chunks = host_ring_chunks(self.chunk_size(chunk_bytes=chunk_bytes, largest_bytes=largest_bytes))
         super().__init__(transfer, chunk_bytes=chunk_bytes, num_chunks=num_chunks, largest_bytes=largest_bytes)
@@ -307,8 +295,7 @@ class StagingRing(_ChunkRing):
         return self._chunks[index]
 
     def _finish(self, chunks: List[Tuple[List[Tuple[torch.Tensor, torch.Tensor]], object]]) -> None:
-        """On the adder thread: for each chunk in order, waits for its copy, then adds each piece it
-        holds into its sum."""
+        """On the adder thread: each chunk in order, its copy waited for, then its pieces added into their sums."""
         for pieces, event in chunks:
             with profiled("sum: wait for chunk copy"):
                 self._transfer.wait(event)
@@ -330,14 +317,11 @@ class StagingRing(_ChunkRing):
         self._unsent, self._unsent_bytes = [], 0
 
     def _retire(self, index: int) -> None:
-        """Waits for the chunk's addition (and raises its error, if it failed), sending it first if
-        it waits to be sent."""
-        pending = self._pending[index]
+        """Waits for the chunk's addition (sent first if it waits to be sent; its error raised)."""
+        if self._pending[index] is not None and self._pending[index][1] is None:
+            self._send()
+        pending, self._pending[index] = self._pending[index], None
         if pending is not None:
-            if pending[1] is None:
-                self._send()
-                pending = self._pending[index]
-            self._pending[index] = None
             pending[1].result()
 
     @torch.no_grad()
@@ -348,9 +332,8 @@ class StagingRing(_ChunkRing):
             dst: a contiguous host tensor (a gradient sum).
             src: a device tensor of the same shape (the sum may be kept in a wider dtype); the
                 caller may drop it at once.
-            after: the event of the copy that last wrote ``dst`` (the window's first micro-batch),
-                if any. This ring needs no wait for it: that copy ran on the stream its own copies
-                run on, before them, and its additions wait for their copies.
+            after: the event of the copy that last wrote ``dst``, if any: no wait here, as that copy ran
+                before this ring's on their stream, and its additions wait for their copies.
 
         Returns:
             A token for :meth:`drain_until`: the addition is complete once that returns.
@@ -361,8 +344,7 @@ class StagingRing(_ChunkRing):
     @torch.no_grad()
     def add_many(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List[int]:
         """:meth:`add_into` of each ``(dst, src)`` (a hand-off group's gradients), packed into as
-        few chunks as they fill: per chunk one copy call, one event and one job of the adder thread,
-        under one hold of the ring's lock.
+        few chunks as they fill (per chunk one copy call and one event), under one hold of the ring's lock.
 
         Returns:
             Each pair's token for :meth:`drain_until`.
@@ -382,11 +364,8 @@ class StagingRing(_ChunkRing):
         return index
 
     def _add_many(self, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List[int]:
-        """Per chunk of the pairs' pieces: one copy call down into it and one event; the pieces'
-        additions go to the adder thread once the chunks issued and not sent hold
-        :data:`CHUNK_BYTES` (a full-size chunk goes at once), or are all but one of the ring's, or
-        one of them is needed (a job per group of a narrow model would cost the launching thread
-        more than its additions: waking a thread)."""
+        """Per chunk of the pairs' pieces: one copy call down into it and one event; the additions go
+        to the adder thread once :data:`CHUNK_BYTES` or all but one chunk wait (or one is needed)."""
         tokens: List[int] = []
         flats: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         for index, pieces in self._layout(pairs, [src.dtype for _, src in pairs], tokens, unbroken=False):
@@ -421,18 +400,14 @@ class StagingRing(_ChunkRing):
 
 
 class DeviceSumRing(_ChunkRing):
-    """Adds device gradients into host sums *on the device*, through a few device chunks.
+    """Adds device gradients into host sums *on the device* (``OffloadOptimizer(grad_sum_on="device")``).
 
-    The other place for :class:`StagingRing`'s work (``OffloadOptimizer(grad_sum_on="device")``):
-    for each chunk of a later micro-batch's gradient, the host sum's chunk is copied up into a
-    device chunk (upload stream), the gradient chunk is added into it there and the result copied
-    back down into the host sum (download stream). The host's cores do nothing and its memory moves
-    two bytes per sum byte (the DMA engines' read and write) where :class:`StagingRing` moves four
-    (the DMA write into a pinned chunk, the cores' reads of it and of the sum, their write of the
-    sum); the PCIe link carries the sum both ways, which it can do at once. The device's addition
-    rounds as torch's ``add_`` does on the host (one float32 addition, then to the sum's dtype), so
-    the sums are the same bits. Nothing here blocks the training thread: every order is a stream
-    wait, and the host waits only in :meth:`drain_until`.
+    Per chunk of a later micro-batch's gradient, the host sum's chunk goes up into a device chunk
+    (upload stream), the gradient chunk is added there and the result comes back down into the host
+    sum (download stream): the host's cores do nothing, and its memory moves two bytes per sum byte
+    (the DMA's read and write) where :class:`StagingRing` moves four; the PCIe link carries the sum
+    both ways at once. The device rounds as torch's host ``add_`` does (one float32 addition, then the
+    sum's dtype): the same bits. Every order is a stream wait; the host waits only in :meth:`drain_until`.
 
     Args:
         transfer: the engine's host/device copier (its download stream copies down and adds, its
