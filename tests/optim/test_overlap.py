@@ -18,7 +18,7 @@ from torch import nn
 from tests.concurrency import FirstWaitsForASecond
 from tests.optim.side_by_side import assert_same_params, batches, through_a_file, tiny_model, twin
 from torchtune_offload import OffloadOptimizer
-from torchtune_offload.optim import host_grads, overlap_scheduler
+from torchtune_offload.optim import host_grads, overlap_scheduler, slot_step
 from torchtune_offload.optim.overlap import HostWorkers
 from torchtune_offload.optim.transfer import TransferEngine
 from torchtune_offload.optim.slot_step import SlotStepper
@@ -324,7 +324,7 @@ class _Delays:
         # Every copy down goes through to_host_many (to_host calls it), every upload through to_device_many.
         for name in ("to_host_many", "to_device_many"):
             self._wrap(monkeypatch, TransferEngine, name)
-        self._wrap(monkeypatch, SlotStepper, "step_slot")
+        self._wrap(monkeypatch, SlotStepper, "_step_on_host")  # every host step, a run or one slot
 
     def _sleep(self) -> None:
         with self._lock:
@@ -353,8 +353,11 @@ def _many_small(seed: int) -> nn.Module:
 
 @pytest.mark.parametrize("run", range(20))
 def test_stress_many_small_parameters_with_random_delays(monkeypatch, run):
-    """20 runs in a row, each with other delays and another corner of the matrix."""
+    """20 runs in a row, each with other delays and another corner of the matrix (every third with
+    each module a host step of its own, as modules over STEP_JOB_BYTES go)."""
     offload_gradients, grad_accum, clip = bool(run % 2), 1 + 2 * (run // 2 % 2), (None, 0.05)[run // 4 % 2]
+    if run % 3 == 0:
+        monkeypatch.setattr(slot_step, "STEP_JOB_BYTES", 0)
     base = _many_small(run)
     g = torch.Generator().manual_seed(run)
     data = [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(4 * grad_accum)]

@@ -12,7 +12,7 @@ from tests.optim.side_by_side import assert_same_params, batches, plain_hooks, t
 from tests.optim.test_overlap import cosine, offload, train_windows
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim import grad_norm, host_grads, staging, stream_check
-from torchtune_offload.optim.host_arena import aligned_bytes
+from torchtune_offload.optim.host_arena import aligned_bytes, pinned_allocation_bytes
 from torchtune_offload.optim.staging import DeviceSumRing, StagingRing
 from torchtune_offload.optim.stream_check import checked_streams
 from torchtune_offload.optim.transfer import TransferEngine
@@ -92,7 +92,8 @@ def test_the_ring_sends_its_additions_to_the_adder_a_few_chunks_at_a_time(monkey
     """Chunks a narrow model's groups fill only in part go to the adder thread together: once all
     but one of the ring's chunks wait (a job per group would wake the thread per group), or once
     they hold CHUNK_BYTES (a full-size chunk goes at once), or when one of them is needed (a drain,
-    the ring's coming back round to it); the sums are add_'s, bit for bit."""
+    the ring's coming back round to it), or at send() (the end of a backward); the sums are add_'s,
+    bit for bit."""
     monkeypatch.setattr(staging, "CHUNK_BYTES", 1024)  # the ring's chunks are full-size ones
     jobs = []
     submit = stream_check.submit
@@ -109,27 +110,43 @@ def test_the_ring_sends_its_additions_to_the_adder_a_few_chunks_at_a_time(monkey
     ring.add_many([(total, torch.ones(25))])  # one waits
     ring.drain_until(tokens[-1])  # needs only sent chunks
     assert jobs == [3, 3]
+    ring.send()  # the end of a backward
+    assert jobs == [3, 3, 1]
     big, big_expected = torch.zeros(256), torch.full((256,), 2.0)
-    ring.add_many([(big, torch.full((256,), 2.0))])  # a full chunk: sent with the one waiting
-    assert jobs == [3, 3, 2]
+    ring.add_many([(big, torch.full((256,), 2.0))])  # a full chunk: sent at once
+    assert jobs == [3, 3, 1, 1]
     ring.add_many([(total, torch.ones(25))])
     ring.drain()
-    assert jobs == [3, 3, 2, 1]
+    assert jobs == [3, 3, 1, 1, 1]
     assert torch.equal(total, expected + 2) and torch.equal(big, big_expected)
     ring.close()
 
 
 def test_a_host_ring_of_small_chunks_holds_more_of_them_within_four_full_ones():
     """Four chunks of CHUNK_BYTES (an 8B model's), more of smaller ones (up to MAX_CHUNKS), never
-    more bytes than four full ones: more of a narrow model's chunks wait to go to the adder together."""
+    more pinned bytes than four full ones: more of a narrow model's chunks wait to go to the adder together."""
     assert staging.host_ring_chunks(staging.CHUNK_BYTES) == staging.NUM_CHUNKS == 4
     assert staging.host_ring_chunks(staging.CHUNK_BYTES // 2) == 8
     assert staging.host_ring_chunks(128 * 2**10) == staging.MAX_CHUNKS == 16
-    for chunk in (1, 2**10, 3 * 2**20, staging.CHUNK_BYTES):
-        assert staging.host_ring_chunks(chunk) * chunk <= staging.NUM_CHUNKS * staging.CHUNK_BYTES
+    assert staging.host_ring_chunks(17 * 2**19) == 8  # 8.5 MiB chunks take 16 MiB pinned
+    for chunk in (1, 2**10, 3 * 2**20, 17 * 2**19, staging.CHUNK_BYTES):  # as pinned memory takes them
+        assert staging.host_ring_chunks(chunk) * pinned_allocation_bytes(chunk) <= staging.NUM_CHUNKS * staging.CHUNK_BYTES
     ring = StagingRing(TransferEngine(torch.device("cpu")), largest_bytes=2**20)
     assert ring.num_chunks == 16 and ring.chunk_bytes == 2**20
     assert StagingRing(TransferEngine(torch.device("cpu")), chunk_bytes=64, num_chunks=2).num_chunks == 2
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_each_backward_ends_with_its_additions_started(overlap):
+    """What a later micro-batch's backward leaves waiting in the ring goes to the adder thread as the
+    backward ends (it adds beside the next forward, not at the next backward's first chunk)."""
+    model = tiny_model()
+    opt = offload(model, overlap=overlap, offload_gradients=True, minimal_size=0)
+    for x, y in batches(num=2):
+        ((model(x) - y) ** 2).sum().backward()
+    assert opt._staging.issued > 0 and opt._staging._unsent == []
+    opt.zero_grad()
+    opt.close()
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -277,8 +277,9 @@ class HostGradients:
             if staged:
                 self.staging.drain_until(max(staged))
             unmeasured = [(slot, record) for slot, record in zip(slots, records) if record.norm is None]
-            for (_, record), norm in zip(unmeasured, tensor_norms([slot.host_grad for slot, _ in unmeasured])):
-                record.norm = norm
+            if unmeasured:
+                for (_, record), norm in zip(unmeasured, tensor_norms([slot.host_grad for slot, _ in unmeasured])):
+                    record.norm = norm
 
     def consumed(self, slot: Slot) -> None:
         """A step has used the slot's host gradient (or overwritten its buffer with new weights):

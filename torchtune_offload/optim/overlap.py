@@ -5,9 +5,9 @@ A caller announces the backward that ends an accumulation window
 final gradient is sent to the host as soon as autograd has produced it, and host worker
 threads take over from there:
 
-- the *landing* threads (as many as torch's intra-op threads) each take a job of a hand-off
-  group's gradients (at most ``overlap_scheduler.LANDING_BYTES``: a narrow layer's all, a large
-  matrix alone), wait for their copies, fold their staged micro-batches into the host sums, and
+- the *landing* threads (as many as torch's intra-op threads) each take a job of gradients (a
+  hand-off group's, or with clipping several groups'; at most ``overlap_scheduler.LANDING_BYTES``, a
+  large matrix alone), wait for their copies, fold their staged micro-batches into the host sums, and
   measure the norms not measured on the device; several land at once because torch measures a host
   tensor's norm on one core;
 - the *step* thread runs the base optimizer on the host copy and sends the new weights back.
@@ -39,7 +39,7 @@ class HostWorkers:
     future).
 
     Args:
-        landing_threads: how many gradients may land at once (default: torch's intra-op threads,
+        landing_threads: how many landing jobs may run at once (default: torch's intra-op threads,
             the host's cores). Their norms are the work: one core each, memory-bound together.
     """
 

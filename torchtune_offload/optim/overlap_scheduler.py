@@ -72,7 +72,7 @@ class OverlapScheduler:
         #: Collects the backward's gradients per layer or bucket and hands each group to take_backward_grads.
         self.handoff = BackwardHandoff(
             handoff_groups([s.key for s in table.slots], [param_bytes(s) for s in table.slots]),
-            self.take_backward_grads, flushed=self._send_landings)
+            self.take_backward_grads, flushed=self._after_backward)
 
     def group_handoff(self, groups: Sequence[Sequence[Slot]]) -> None:
         """Makes each of ``groups`` one hand-off group (``OffloadOptimizer.group_handoff``); slots in none
@@ -84,7 +84,7 @@ class OverlapScheduler:
                 ids[slot.index] = number
         self.handoff.flush()
         count, self.handoff = self.handoff.count, BackwardHandoff(ids, self.take_backward_grads,
-                                                                  flushed=self._send_landings)
+                                                                  flushed=self._after_backward)
         self.handoff.count = count
 
     def pending(self, slot: Slot) -> Optional[concurrent.futures.Future]:
@@ -154,6 +154,12 @@ class OverlapScheduler:
         if not self.window.clipping:
             self._queue_steps(slots, None)
 
+    def _after_backward(self) -> None:
+        """The end of a backward (or of a flush before the gradients are read): the host ring's
+        waiting additions start beside the next forward, and the window's landings are sent."""
+        self._grads.staging.send()
+        self._send_landings()
+
     def _send_landings(self) -> None:
         """Sends the landings handed over so far to the landing threads, a job per run of at most
         :data:`LANDING_BYTES` (the landing threads share the jobs out)."""
@@ -184,6 +190,8 @@ class OverlapScheduler:
         for unit in self._stepper.by_unit(slots):
             for slot in unit:
                 landed = self._queued[slot.index].landed
+                if landed is None:
+                    raise RuntimeError(f"{slot.key}: stepped before its gradient was sent to land")
                 if landed is not waited:  # a landing job's slots share its future
                     waited = landed
                     self._result(landed, f"{slot.key}: the landing of its gradient")

@@ -262,7 +262,7 @@ class SlotStepper:
                 self._grads.send_for_step(slot)
                 ready.append(slot)
         self.step_on_device()
-        # Each module's slots are stepped together and their new weights go up in one launch.
+        # Each module's slots (small consecutive modules' together) step and go up in one launch.
         for unit in self.by_unit(ready):
             for slot in unit:
                 self._grads.finish(slot)

@@ -10,12 +10,11 @@ That thread adds in the order the chunks were issued, so each element's addition
 of the micro-batches, as the device's own accumulation does: the same bits. Chunks go to it a few at
 a time, once those waiting hold :data:`CHUNK_BYTES` or all but one of the ring's chunks, or one is
 needed (waking the thread for each of a narrow model's part-filled chunks cost the launching thread
-more than the additions). The training thread only issues the copies, and waits only for a chunk
-still being added; on an H100 host the additions still outlast a batch-1 pass's GPU work, and
-:class:`DeviceSumRing` adds on the device instead (docs/accumulation.md, measured). Each addition is
-one pass of ``host_add.add_`` over all host cores (torch's ``add_`` of a bf16 chunk into an fp32 sum
-converted the chunk first, 5 to 10 times slower). The training thread (adding) and a host worker
-(draining) may use the ring at once.
+more than the additions). The training thread (adding; a host worker may drain at once) only issues
+the copies, and waits only for a chunk still being added; on an H100 host the additions outlast a
+batch-1 pass's GPU work, and :class:`DeviceSumRing` adds on the device instead (docs/accumulation.md).
+Each addition is one pass of ``host_add.add_`` over all host cores (torch's ``add_`` of a bf16 chunk
+into an fp32 sum converted the chunk first, 5 to 10 times slower).
 """
 
 import collections
@@ -27,6 +26,7 @@ from typing import Deque, Dict, Iterator, List, NamedTuple, Optional, Sequence, 
 import torch
 
 from torchtune_offload.optim.grad_norm import tensor_norms
+from torchtune_offload.optim.host_arena import pinned_allocation_bytes
 import torchtune_offload.optim.host_add as host_add
 from torchtune_offload.optim.step_timings import profiled
 import torchtune_offload.optim.stream_check as stream_check
@@ -45,8 +45,8 @@ def host_ring_chunks(chunk_bytes: int) -> int:
     """How many chunks a :class:`StagingRing` of ``chunk_bytes`` chunks holds by default:
     :data:`NUM_CHUNKS`, and for chunks smaller than :data:`CHUNK_BYTES` (a model whose largest tensor
     is smaller) more, up to :data:`MAX_CHUNKS` and within the bytes of :data:`NUM_CHUNKS` full-size
-    ones, so that more of them wait to go to the adder thread together."""
-    return max(NUM_CHUNKS, min(MAX_CHUNKS, NUM_CHUNKS * CHUNK_BYTES // chunk_bytes))
+    ones as pinned memory takes them (a power of two each), so that more wait to go to the adder together."""
+    return max(NUM_CHUNKS, min(MAX_CHUNKS, NUM_CHUNKS * CHUNK_BYTES // pinned_allocation_bytes(chunk_bytes)))
 
 
 def device_ring_bytes(*, largest_bytes: int) -> int:
@@ -95,8 +95,7 @@ class _ChunkRing:
         chunk_bytes = self.chunk_size(chunk_bytes=chunk_bytes, largest_bytes=largest_bytes)
         num_chunks = NUM_CHUNKS if num_chunks is None else num_chunks
         if chunk_bytes < 16 or num_chunks < 1:
-            raise ValueError(f"{type(self).__name__}: chunk_bytes={chunk_bytes} (>= 16) and num_chunks={num_chunks} "
-                             "(>= 1)")
+            raise ValueError(f"{type(self).__name__}: chunk_bytes={chunk_bytes} (>= 16), num_chunks={num_chunks} (>= 1)")
         self._transfer = transfer
         self.chunk_bytes = chunk_bytes
         self.num_chunks = num_chunks
@@ -252,6 +251,9 @@ class _ChunkRing:
         """Finishes every addition started."""
         self.drain_until(None)
 
+    def send(self) -> None:
+        """Starts the additions issued and not yet started (the end of a backward); each ring says how."""
+
     def drain_until(self, token: Optional[int]) -> None:
         """Finishes the additions started up to the one ``add_into`` returned ``token`` for (every
         one if ``None``); each ring says how."""
@@ -290,8 +292,7 @@ class StagingRing(_ChunkRing):
 
     def _chunk(self, index: int) -> torch.Tensor:
         while len(self._chunks) <= index:
-            template = torch.empty(self.chunk_bytes, dtype=torch.uint8)
-            self._chunks.append(self._transfer.host_empty_like(template))
+            self._chunks.append(self._transfer.host_empty_like(torch.empty(self.chunk_bytes, dtype=torch.uint8)))
         return self._chunks[index]
 
     def _finish(self, chunks: List[Tuple[List[Tuple[torch.Tensor, torch.Tensor]], object]]) -> None:
@@ -304,6 +305,10 @@ class StagingRing(_ChunkRing):
                 for dst, staged in pieces:
                     self._add(dst, staged)
             self._added_seconds += time.perf_counter() - start
+
+    def send(self) -> None:
+        with self._lock:
+            self._send()
 
     def _send(self) -> None:
         """Sends the additions of the chunks issued so far to the adder thread, as one job."""
@@ -480,21 +485,16 @@ class DeviceSumRing(_ChunkRing):
                              after: Optional[Sequence[Optional[object]]] = None
                              ) -> Tuple[List[int], List[torch.Tensor]]:
         """:meth:`add_many`, and the 2-norm of each sum it leaves, measured on the device from the
-        chunks as the additions leave them: the sums' norms without a pass over the host sums (on an
-        H100's host, torch's 2-norm of 16 GB of bf16 sums ran on one core, 2.4 s a step,
-        docs/gpu_results.md).
-
-        A sum that fits one chunk is measured as :func:`tensor_norm` measures the host sum (the same
-        bits where the device is the host; a chunk's whole sums in one :func:`tensor_norms` call); a
-        longer one from its pieces' norms, taken and combined in float32 and rounded to the sum's
-        dtype once. On a GPU the device's reduction adds in another order than the host's, so the
-        norm, and a clipping factor made from it, may differ from the host ring's in the last bits;
-        the sums themselves do not.
+        chunks as the additions leave them, without a pass over the host sums (on an H100's host, torch's
+        2-norm of 16 GB of bf16 sums took 2.4 s a step on one core, docs/gpu_results.md). A sum that fits
+        one chunk is measured as :func:`tensor_norm` measures the host sum (a chunk's whole sums in one
+        :func:`tensor_norms` call); a longer one from its pieces' norms, combined in float32 and rounded
+        to the sum's dtype once. A GPU reduces in another order than the host: the norm may differ from
+        the host ring's in the last bits; the sums do not.
 
         Returns:
-            ``(tokens, norms)``: the tokens as :meth:`add_many`'s; each norm a 0-dim device tensor,
-            ready for the host once :meth:`drain_until` of its token returns (and, on the device, for
-            any stream launched after that).
+            ``(tokens, norms)``: the tokens as :meth:`add_many`'s; each norm a 0-dim device tensor, ready
+            for the host once :meth:`drain_until` of its token returns (on the device, for any stream after).
         """
         return self._add_checked(pairs, after, measure=True)
 
