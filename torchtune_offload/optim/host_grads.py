@@ -23,6 +23,7 @@ from torchtune_offload.optim.grad_norm import (check_scale_factor, clip_, combin
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.staging import DeviceSumRing, StagingRing
 from torchtune_offload.optim.step_timings import StepTimings, profiled
+from torchtune_offload.optim.step_together import first_of_each
 from torchtune_offload.optim.transfer import TransferEngine
 
 
@@ -268,11 +269,8 @@ class HostGradients:
         and measured, when this returns (the norms not measured on the device in one call)."""
         records = [self._records[slot.index] for slot in slots]
         with profiled("land"):
-            waited = None
-            for record in records:  # a hand-off group's copies share an event
-                if record.event is not waited:
-                    waited = record.event
-                    self._transfer.wait(record.event)
+            for record in first_of_each(records, key=lambda record: record.event):  # a group's copies share one
+                self._transfer.wait(record.event)
             staged = [record.staged for record in records if record.staged is not None]
             if staged:
                 self.staging.drain_until(max(staged))

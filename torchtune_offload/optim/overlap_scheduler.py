@@ -20,7 +20,7 @@ from torchtune_offload.optim.overlap import (HostWorkers, Window, changed_hyperp
 from torchtune_offload.optim.param_table import ParameterTable, Slot
 from torchtune_offload.optim.slot_step import SlotStepper, param_bytes
 from torchtune_offload.optim.step_timings import StepTimings, profiled
-from torchtune_offload.optim.step_together import runs
+from torchtune_offload.optim.step_together import first_of_each, runs
 from torchtune_offload.optim.transfer import TransferEngine
 
 #: The most host-gradient bytes one landing job measures: a layer of a narrow model lands as one job
@@ -186,15 +186,12 @@ class OverlapScheduler:
     def _host_steps(self, slots: List[Slot], coef: Optional[torch.Tensor]) -> None:
         """Step thread: steps the landed slots on the host, a module's together, and sends each
         module's new weights up as soon as they are stepped."""
-        waited = None
         for unit in self._stepper.by_unit(slots):
-            for slot in unit:
+            for slot in first_of_each(unit, key=lambda slot: self._queued[slot.index].landed):
                 landed = self._queued[slot.index].landed
                 if landed is None:
                     raise RuntimeError(f"{slot.key}: stepped before its gradient was sent to land")
-                if landed is not waited:  # a landing job's slots share its future
-                    waited = landed
-                    self._result(landed, f"{slot.key}: the landing of its gradient")
+                self._result(landed, f"{slot.key}: the landing of its gradient")
             # The clipping factor goes with the step, which scales the gradients or has its pass do it as it reads.
             self._stepper.host_step(unit, waited=False, done=self._stepped, grad_scale=coef)
 
@@ -301,31 +298,23 @@ class OverlapScheduler:
         if not pending:
             return
         with self._timings.waiting("host step"):
-            waited = None
-            for slot, queued in pending:
-                if queued.done is not waited:
-                    waited = queued.done
-                    self._result(queued.done, f"{slot.key}: its host step")
-        ordered = None
+            for slot, queued in first_of_each(pending, key=lambda pair: pair[1].done):
+                self._result(queued.done, f"{slot.key}: its host step")
+        for _, queued in first_of_each(pending, key=lambda pair: pair[1].param_event):
+            self._transfer.compute_waits_for(queued.param_event)
         for slot, queued in pending:
             # The window's gradient is consumed, and with it its norm.
-            queued.done = queued.landed = None
+            queued.done = queued.landed = queued.param_event = None
             self._grads.forget_norm(slot)
-            if queued.param_event is not ordered:
-                ordered = queued.param_event
-                self._transfer.compute_waits_for(queued.param_event)
-            queued.param_event = None
 
     def wait_landed(self, slots: Sequence[Slot]) -> None:
         """Blocks until the gradients of ``slots`` have landed (each landing job waited for once)."""
         self._send_landings()
-        waited = None
-        for slot in slots:
+        sent = [slot for slot in slots if self._queued[slot.index].landed is not None]
+        for slot in first_of_each(sent, key=lambda slot: self._queued[slot.index].landed):
             queued = self._queued[slot.index]
-            if queued.landed is not None and queued.landed is not waited:
-                waited = queued.landed
-                with self._timings.waiting("gradient landing"):
-                    self._result(queued.landed, f"{slot.key}: the landing of its gradient")
+            with self._timings.waiting("gradient landing"):
+                self._result(queued.landed, f"{slot.key}: the landing of its gradient")
 
     def synchronize(self) -> None:
         """Hands over what is collected from a backward, then waits for every queued host step and

@@ -17,7 +17,7 @@ scalar to a bfloat16 tensor's dtype before multiplying where ``Tensor.mul_`` mul
 AdamW's bits on bfloat16 parameters.
 """
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -67,3 +67,14 @@ def runs(items: Sequence[Any], *, key: Callable[[Any], Optional[tuple]], nbytes:
         out[-1].append(item)
         size += need
     return out
+
+
+def first_of_each(items: Iterable[Any], *, key: Callable[[Any], Any]) -> Iterator[Any]:
+    """The items whose ``key`` is another object than the previous item's: one item per run that
+    shares a key (the slots of one job share its future, of one launch its event)."""
+    previous = object()
+    for item in items:
+        this = key(item)
+        if this is not previous:
+            previous = this
+            yield item
