@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs not yet made (docs/gpu_results.md records those made), in one run on a CUDA
 # machine with the project's dependencies: each step capped, all of them within one deadline, and what they
-# print packed into four files of OUT_DIR.
+# print packed into a few files of OUT_DIR.
 #
 # Usage (from the repository root): BUDGET_S=540 bash scripts/gpu_checks.sh OUT_DIR [STEP...]
 #   launching    scripts/bench/bench_launching_thread.py on the GPU: the narrowed 8B's step with every engine
@@ -17,6 +17,8 @@
 #   8b-b1-passive   8b-b1 (below) with OMP_WAIT_POLICY=PASSIVE: the host passes' OpenMP threads sleep after each
 #                pass instead of spinning beside the launching thread
 #   8b-b1-compiled  8b-b1 (below) with compile=True: each layer compiled as torchtune compiles it
+#   8b-b1-per-parameter, 8b-b1-compiled-per-parameter  8b-b1 and 8b-b1-compiled with optimizer.handoff=parameter:
+#                the engine's hand-off per gradient, as before the hand-off per layer, on the same machine
 #   8b-a8        8b-b1 with 8 micro-batches a step: whether the host step hides behind a longer window
 #   tests        pytest -m gpu, all of it but the overlap stress test, first the files that a 170 s cap did not
 #                reach on an H100 (2026-11-27, 2d796b6: 64 tests passed in 178 s; 105 s for 70 at 2fdd865)
@@ -42,11 +44,11 @@
 #
 # Each step gets its cap (below) or the time left of BUDGET_S (counted from this script's start, default 540: a
 # run of 600 s less the install and a margin), whichever is less, and is skipped, saying so, when less than its
-# minimum is left. The work goes to WORK (default /tmp/gpu_checks); OUT_DIR gets four files at most, written
+# minimum is left. The work goes to WORK (default /tmp/gpu_checks); OUT_DIR gets seven files at most, written
 # again after every step, so that a run killed at its limit still leaves the steps done: checks.log (every
 # step's output), profiles.md (each sweep's table and each profile's summary), checks.tgz (what gpu_results.sh
-# wrote: logs, tables, the sweeps' folders without their traces) and trace-8b-b1.json.gz (the 8B batch-1 trace,
-# when under 15 MiB).
+# wrote: logs, tables, the sweeps' folders without their traces) and trace-8b-TAG.json.gz (the trace of each 8B
+# batch-1 run made, TAG b1, b1-compiled, b1-per-parameter or b1-compiled-per-parameter, when under 15 MiB).
 # A TERM (a timeout around this script) packs what is done too. A profiled sweep's tok/s counts its profiled
 # step, which the profiler slows: read its per-step log rows beside the table, not the table alone.
 # Environment: BUDGET_S, WORK, PYTHON (default python3).
@@ -64,6 +66,7 @@ export PYTHON=$PY
 # model) is the largest, and on an H100 at 2d796b6 a cap stopped the 8B profile before its trace was written. The
 # tests passed at 2d796b6 as far as they ran; the sanitizer's sets are those not yet seen passing under it.
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(launching hostwork fsdp2 8b-b1 8b-b1-passive 8b-b1-compiled 8b-a8
+                                              8b-b1-per-parameter 8b-b1-compiled-per-parameter
                                               probe sanitizer tests 8b-b2 1b-profiles hoststep)
 log=$out/checks.log
 
@@ -76,6 +79,7 @@ log=$out/checks.log
 #: A 1B variant loads, runs its 11 steps and saves in more than 96 s (an H100 at 2fdd865 gave torchao's 96 s
 #: after the 1B checkpoint's 14 s of writing, and it had not finished): 1b-profiles gives each 100 s.
 declare -A CAPS=([launching]="240 120" [hostwork]="90 40" [8b-b1-passive]="430 300" [fsdp2]="150 60" [8b-b1-compiled]="480 330" [8b-a8]="480 360"
+                 [8b-b1-per-parameter]="430 300" [8b-b1-compiled-per-parameter]="480 330"
                  [tests]="170 60" [probe]="70 40" [sanitizer]="150 40" [8b-b1]="430 300"
                  [8b-b2]="330 280" [1b-profiles]="430 130" [hoststep]="150 60")
 for step in "${steps[@]}"; do
@@ -95,11 +99,13 @@ pack() {  # the files that come back; safe to run twice
   } > "$out/profiles.md"
   # The sweeps' folders travel in gpu_results.sh's own tarballs, without their traces.
   tar czf "$out/checks.tgz" --exclude=./sweeps -C "$work" . 2>/dev/null
-  local trace
-  trace=$(ls -t "$work"/sweeps/sweep-8B-24-b1/*/profiling_outputs/*/*.pt.trace.json.gz 2>/dev/null | head -1)
-  if [ -n "$trace" ] && [ "$(stat -c %s "$trace")" -lt $((15 * 1024 * 1024)) ]; then
-    cp "$trace" "$out/trace-8b-b1.json.gz"
-  fi
+  local trace tag
+  for tag in b1 b1-compiled b1-per-parameter b1-compiled-per-parameter; do
+    trace=$(ls -t "$work"/sweeps/sweep-8B-24-$tag/*/profiling_outputs/*/*.pt.trace.json.gz 2>/dev/null | head -1)
+    if [ -n "$trace" ] && [ "$(stat -c %s "$trace")" -lt $((15 * 1024 * 1024)) ]; then
+      cp "$trace" "$out/trace-8b-$tag.json.gz"
+    fi
+  done
 }
 child=
 trap 'echo "stopped (TERM) after $((SECONDS - start)) s" >> "$log"; [ -n "$child" ] && kill "$child" 2>/dev/null
@@ -126,6 +132,12 @@ command_of() {
                         bash scripts/gpu_results.sh "$work/8b-b1-passive" sweep:8B:24) ;;
     8b-b1-compiled) cmd=("${sweep_8b[@]}" BATCH_SIZE=1 TAG=b1-compiled "${device_sums[@]}"
                          OVERRIDES="clip_grad_norm=1.0 compile=True" bash scripts/gpu_results.sh "$work/8b-b1-compiled" sweep:8B:24) ;;
+    8b-b1-per-parameter) cmd=("${sweep_8b[@]}" BATCH_SIZE=1 TAG=b1-per-parameter "${device_sums[@]}"
+                              OVERRIDES="clip_grad_norm=1.0 optimizer.handoff=parameter"
+                              bash scripts/gpu_results.sh "$work/8b-b1-per-parameter" sweep:8B:24) ;;
+    8b-b1-compiled-per-parameter) cmd=("${sweep_8b[@]}" BATCH_SIZE=1 TAG=b1-compiled-per-parameter "${device_sums[@]}"
+                                       OVERRIDES="clip_grad_norm=1.0 compile=True optimizer.handoff=parameter"
+                                       bash scripts/gpu_results.sh "$work/8b-b1-compiled-per-parameter" sweep:8B:24) ;;
     8b-a8) cmd=("${sweep_8b[@]}" BATCH_SIZE=1 TAG=a8 "${device_sums[@]}" ACCUMULATION=8
                 bash scripts/gpu_results.sh "$work/8b-a8" sweep:8B:24) ;;
     tests)
@@ -144,7 +156,7 @@ command_of() {
       cmd=(bash -c '"$0" -m pytest -v -m gpu -p no:cacheprovider -rsfE "$1" &&
                     TORCH_CUDA_SANITIZER=1 "$0" -m pytest -v -x -m gpu -p no:cacheprovider -rsfE "$1"' "$PY" "$sharded") ;;
     probe)
-      # Its figures go to the log: OUT_DIR keeps its four files.
+      # Its figures go to the log.
       cmd=("$PY" -m torchtune_offload.cli probe) ;;
     sanitizer)
       # pytest runs the tests in the order given: the recipe tests first (their assets are now built by a

@@ -40,9 +40,10 @@ Per step it reports seconds (for FP8 device weights also the seconds its design'
 aten ops the training thread dispatches (from a profile of one more step: the ops no other aten op
 called, on that thread alone, so that the engine's worker threads are not counted and a compiled
 graph counts as no op), of them those FP8 device weights' design needs (found by the profile's
-Python calls) with the ratio to plain AdamW's ops plus them, and the engine's hand-offs in backward
-(one per transformer layer or bucket of other parameters a micro-batch; with ``--per-parameter``
-also each hooked mode with one per parameter, side by side). Prints a markdown table naming the CPU.
+Python calls) with the ratio to plain AdamW's ops plus them, the engine's hook calls in backward
+(one per gradient, each only counted) and its hand-offs (one per transformer layer or bucket of
+other parameters a micro-batch; with ``--per-parameter`` also each hooked mode with
+``handoff="parameter"``, one per gradient, side by side). Prints a markdown table naming the CPU.
 """
 
 import argparse
@@ -67,7 +68,6 @@ from torchtune_offload.bench.machine import cpu_name
 from torchtune_offload.bench.trace_summary import called_by_aten
 from torchtune_offload.models.narrow import NARROW_MODELS, VOCAB_SIZE, checkpointed_llama, chosen_models
 from torchtune_offload.optim import fp8_weights
-from torchtune_offload.optim.handoff import BackwardHandoff
 from torchtune_offload.optim.offload_options import OffloadOptions
 from torchtune_offload.optim.optimizer_class import split_options
 from torchtune_offload.recipe.chosen_optimizer import OptimizerKind
@@ -109,7 +109,7 @@ DESIGN_CALL = re.compile(r"fp8_weights\.py\(\d+\): (%s)$" % "|".join(name for _,
 STEP_RANGE = "bench_launching_thread: step"
 #: torchao's wrapper's ``--modes`` key and row name.
 TORCHAO, TORCHAO_NAME = "torchao", "torchao's CPUOffloadOptimizer"
-#: The suffix of a mode run with the backward hand-off per parameter (``--per-parameter``): what the
+#: The suffix of a mode run with ``handoff="parameter"`` (``--per-parameter``): what the
 #: hand-off per layer and bucket is measured against.
 PER_PARAMETER = ", hand-off per parameter"
 
@@ -145,10 +145,8 @@ class Trainee:
             named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]  # as the recipes pass them
             options = ENGINE_MODES[key.removesuffix(PER_PARAMETER)][1]
             kernel = {"fused": True} if as_on_gpu and "optimizer_class" not in options else {}  # torch's AdamW
-            engine = OffloadOptimizer(named, minimal_size=0, lr=LR, **options, **kernel)
-            if key.endswith(PER_PARAMETER):
-                scheduler = engine._scheduler
-                scheduler.handoff = BackwardHandoff(range(len(named)), scheduler.take_backward_grads)
+            handoff = "parameter" if key.endswith(PER_PARAMETER) else "group"
+            engine = OffloadOptimizer(named, minimal_size=0, lr=LR, handoff=handoff, **options, **kernel)
             self.run = HoldingOptimizer(engine, model=self.model, clip_grad_norm=CLIP)
         #: Whether the mode's design needs ops of :data:`DESIGN_FUNCTIONS` (FP8 device weights).
         options = ENGINE_MODES.get(key.removesuffix(PER_PARAMETER), ("", {}))[1]
@@ -169,10 +167,12 @@ class Trainee:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def handoffs(self) -> Optional[int]:
-        """The engine's hand-offs in backward so far (None for the other optimizers)."""
+    def handoffs(self) -> Optional[Tuple[int, int]]:
+        """The engine's hand-offs in backward so far and its hook calls (None for the other optimizers)."""
         engine = self.run.optimizer
-        return engine.handoff_count() if isinstance(engine, OffloadOptimizer) else None
+        if not isinstance(engine, OffloadOptimizer):
+            return None
+        return engine.handoff_count(), engine.handoff_count(hook_calls=True)
 
     def close(self) -> None:
         self.run.synchronize()
@@ -246,7 +246,7 @@ def counted_step(trainee: Trainee) -> Dict[str, Optional[int]]:
     """One step's aten ops dispatched by this (the training) thread, from a profile of it (a
     compiled graph's kernels are no aten op; a dispatch mode would make dynamo run the graph's ops
     one by one), those of them its design needs (:data:`DESIGN_FUNCTIONS`, found by the profile's
-    Python calls; None for a mode without them), and the engine's hand-offs."""
+    Python calls; None for a mode without them), and the engine's hand-offs and hook calls."""
     before = trainee.handoffs()
     with profile(activities=[ProfilerActivity.CPU], with_stack=trainee.design_ops) as prof:
         with record_function(STEP_RANGE):
@@ -257,7 +257,8 @@ def counted_step(trainee: Trainee) -> Dict[str, Optional[int]]:
     training = next(e.thread for e in events if e.name == STEP_RANGE)
     counted = [e for e in events if e.thread == training and e.name.startswith("aten::") and not called_by_aten(e)]
     design = sum(map(_in_design_function, counted)) if trainee.design_ops else None
-    return {"ops": len(counted), "design_ops": design, "handoffs": None if before is None else after - before}
+    handoffs, hook_calls = (None, None) if before is None else (after[0] - before[0], after[1] - before[1])
+    return {"ops": len(counted), "design_ops": design, "handoffs": handoffs, "hook_calls": hook_calls}
 
 
 @contextlib.contextmanager
@@ -325,10 +326,10 @@ def measure(trainees: Dict[str, Any], *, rounds: int, steps: int, log: Callable[
 def table(results: Dict[str, Dict], skipped: Dict[str, str], *, header: str) -> str:
     plain_ops, plain_seconds = results[PLAIN]["ops"], results[PLAIN]["seconds"]
     lines = [header, "", "| mode | s/step | x plain (median of rounds) | of them design s | x (plain + design s) | "
-             "aten ops/step | x plain | of them design ops | x (plain + design ops) | engine hand-offs/step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "aten ops/step | x plain | of them design ops | x (plain + design ops) | engine hook calls/step | "
+             "engine hand-offs/step |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
-        handoffs = "" if r["handoffs"] is None else str(r["handoffs"])
+        handoffs = "|" if r["handoffs"] is None else f"{r['hook_calls']} | {r['handoffs']}"
         design, design_s = r["design_ops"], r["design_seconds"]
         time_apart = ("| |" if design_s is None
                       else f"{design_s:.3f} | {r['seconds'] / (plain_seconds + design_s):.2f} |")
@@ -336,7 +337,7 @@ def table(results: Dict[str, Dict], skipped: Dict[str, str], *, header: str) -> 
         lines.append(f"| {name} | {r['seconds']:.3f} | {r['ratio']:.2f} | {time_apart} {r['ops']} | "
                      f"{r['ops'] / plain_ops:.2f} | {apart} {handoffs} |")
     for name, why in skipped.items():
-        lines.append(f"| {name} | does not run here: {why} | | | | | | | | |")
+        lines.append(f"| {name} | does not run here: {why} | | | | | | | | | |")
     if any(r["design_ops"] is not None for r in results.values()):
         lines += ["", "Design ops and s: what FP8 device weights' design needs, counted and timed as it runs: "
                       "each held weight's quantization after its host step (DeviceWeights._quantize) and each "

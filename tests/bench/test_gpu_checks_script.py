@@ -1,6 +1,7 @@
 """``scripts/gpu_checks.sh``, the GPU runs not yet made, in one run, on the CPU with a stand-in interpreter: the
 steps run in order with their settings (a profiled step, the sweep's overrides), what they print is packed
-into four files of the output folder, and a step the deadline cannot fit is skipped, saying so.
+into a few files of the output folder (a trace per 8B batch-1 run), and a step the deadline cannot fit is
+skipped, saying so.
 Also ``scripts/gpu_results.sh``'s ``PROFILE_STEP``, which the profiled steps use."""
 
 import os
@@ -207,6 +208,20 @@ def test_the_launching_thread_steps_run_the_benchmark_and_the_8b_run_compiled_an
     for sweep in (compiled, accum8):
         assert "--variants offload_grads_overlap_device_sums" in sweep and "clip_grad_norm=1.0" in sweep
         assert "batch_size=1 " in sweep and "profiler.enabled=True" in sweep
+
+
+def test_the_8b_runs_before_and_after_the_grouping_come_back_each_with_its_trace(tmp_path):
+    steps = ("8b-b1", "8b-b1-compiled", "8b-b1-per-parameter", "8b-b1-compiled-per-parameter")
+    r = _run(tmp_path, *steps, budget=4000)
+    assert r.returncode == 0, r.stdout + r.stderr
+    sweeps = [c for c in (tmp_path / "calls").read_text().splitlines() if "benchmark_sweep.py" in c]
+    assert len(sweeps) == 4
+    for sweep, tag in zip(sweeps, ("b1", "b1-compiled", "b1-per-parameter", "b1-compiled-per-parameter")):
+        assert f"sweep-8B-24-{tag} " in sweep and "--variants offload_grads_overlap_device_sums" in sweep
+        assert ("compile=True" in sweep) == ("compiled" in tag)
+        assert ("optimizer.handoff=parameter" in sweep) == ("per-parameter" in tag)
+        assert "clip_grad_norm=1.0" in sweep and "batch_size=1 " in sweep and "profiler.enabled=True" in sweep
+        assert (tmp_path / "out" / f"trace-8b-{tag}.json.gz").is_file()
 
 
 def test_the_host_work_steps_time_the_launching_thread_beside_it_and_the_8b_run_with_sleeping_threads(tmp_path):

@@ -165,6 +165,11 @@ def test_adamw8bit_refuses_a_state_dict_whose_groups_it_would_refuse():
     (dict(overlap_timeout_s=30.0), r"optimizer.overlap_timeout_s=30.0 without optimizer.overlap=True"),
     (dict(update_on="device", device_staging_mib=math.inf), "optimizer.device_staging_mib=inf must be a positive"),
     (dict(optimizer_class="torch.optim.LBFGS"), "its step\\(\\) needs a closure"),
+    (dict(offload_gradients=True, handoff="layer"), "optimizer.handoff='layer': use 'group'"),
+    (dict(handoff="parameter"), "optimizer.handoff=parameter without optimizer.offload_gradients=True or "
+                                "optimizer.overlap=True"),
+    (dict(update_on="device", overlap=True, handoff="parameter"), "optimizer.update_on=device with "
+                                                                  "optimizer.handoff=parameter"),
 ])
 def test_engine_options_that_would_fail_or_be_ignored_later_are_refused(options, expected):
     # Before: inf failed at the first overlapped wait (or as an OverflowError), the timeout without

@@ -32,6 +32,11 @@ def test_prints_each_mode_against_plain_adamw_with_ops_and_handoffs(tmp_path):
     # a step; per parameter, each of its 146 tensors (the output shares the embedding's) once a backward.
     assert 2 * 16 < results["offload_gradients, overlap"]["handoffs"] <= 2 * (16 + 4)
     assert results["offload_gradients, overlap, hand-off per parameter"]["handoffs"] == 2 * 146
+    # The hook is called once a gradient either way; the table gives both counts.
+    assert results["plain AdamW"]["hook_calls"] is None
+    for name in ("offload_gradients, overlap", "offload_gradients, overlap, hand-off per parameter"):
+        assert results[name]["hook_calls"] == 2 * 146, name
+        assert re.search(rf"^\| {name} \|.* \| {2 * 146} \| {results[name]['handoffs']} \|$", out.stdout, flags=re.M)
     # torchao's wrapper runs on CUDA and XPU only: named, with the reason, not dropped.
     assert re.search(r"^\| torchao's CPUOffloadOptimizer \| does not run here: .*CUDA", out.stdout, flags=re.M)
 

@@ -1,5 +1,5 @@
 """The backward hand-off per group: the groups, when each is handed over, and the engine's results
-against a hand-off per parameter."""
+against a hand-off per parameter (``handoff="parameter"``)."""
 
 import pytest
 import torch
@@ -8,6 +8,8 @@ from torchtune.models.llama3_2 import llama3_2
 from tests.optim.side_by_side import assert_same_params, batches, tiny_model, twin
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim.handoff import BUCKET_BYTES, BackwardHandoff, handoff_groups, layer_prefix
+from torchtune_offload.recipe.chosen_optimizer import OptimizerKind
+from torchtune_offload.recipe.run_optimizer import HoldingOptimizer, RunOptimizer
 
 
 def test_layer_prefix():
@@ -121,4 +123,41 @@ def test_gradients_collected_by_a_backward_that_raises_are_stepped_as_plain_adam
         o.step()
         o.zero_grad()
     assert_same_params(ref, model)
+    opt.close()
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+@pytest.mark.parametrize("offload_gradients, overlap", [(True, False), (False, True), (True, True)])
+def test_a_handoff_per_parameter_trains_plain_adamws_bits_and_frees_each_gradient_as_it_is_made(
+        offload_gradients, overlap, clip):
+    """``handoff="parameter"``: a hand-off per gradient (so an offloaded gradient leaves the device
+    before the rest of its layer's are made), the results plain AdamW's with accumulation and
+    clipping, as with a hand-off per group."""
+    model, plain = _llama(), _llama()
+    opt = OffloadOptimizer(model.named_parameters(), minimal_size=0, offload_gradients=offload_gradients,
+                           overlap=overlap, handoff="parameter", lr=1e-3, weight_decay=0.1)
+    assert "handoff=parameter" in opt.options.summary()
+    engine = HoldingOptimizer(opt, model=model, clip_grad_norm=clip)
+    reference = RunOptimizer(torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.1),
+                             params=list(plain.parameters()), clip_grad_norm=clip, kind=OptimizerKind.PLAIN)
+    # Within layer 0 the attention's q_proj gets its gradient after the feed-forward's (backward's order).
+    q_proj, w1 = model.layers[0].attn.q_proj.weight, model.layers[0].mlp.w1.weight
+    freed_before_layer_ends = []
+    q_proj.register_post_accumulate_grad_hook(lambda _: freed_before_layer_ends.append(w1.grad is None))
+    tokens = torch.randint(0, 128, (2, 2, 16), generator=torch.Generator().manual_seed(0))
+    n_params = len(list(model.parameters()))
+    for step in range(3):
+        for run, m in ((engine, model), (reference, plain)):
+            for i, micro_batch in enumerate(tokens):
+                if i == len(tokens) - 1:
+                    run.before_final_backward()
+                before = opt.handoff_count()
+                (m(micro_batch).float().mean() / len(tokens)).backward()
+                if run is engine:
+                    assert opt.handoff_count() - before == n_params
+            run.step()
+    opt.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+    # Offloaded gradients leave the device one by one; kept on it (overlap alone), they stay until the step.
+    assert freed_before_layer_ends == [offload_gradients] * 6
     opt.close()

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from tests import zygote
 from tests.recipe_harness import tiny_asset_overrides, working_tree_env
 import torchtune_offload.plan.planner as planner
+from torchtune_offload.optim.handoff import handoff_groups
 from torchtune_offload.plan.planner import load_config, miniature_step, plan_variant, process_baseline
 from torchtune_offload.plan.trace import trace_training_step
 from torchtune_offload.recipe import check_recipe_config, host_memory_need
@@ -84,6 +85,27 @@ def test_gradients_freed_in_backward_lower_the_traced_peak(tiny_assets, tmp_path
     assert freed.peak_bytes < kept.peak_bytes
     weights = sum(p.numel() * p.element_size() for p in torch.nn.Module.parameters(_tiny(cfg, settings)))
     assert kept.by_kind["Parameter"] == weights
+
+
+def test_a_handoff_per_parameter_is_planned_with_its_handoffs_and_its_lower_peak(tiny_assets, tmp_path):
+    # Two tokens and a small vocabulary: the layers' gradients outweigh the activations and the output's.
+    engine = [*tiny_asset_overrides(tiny_assets), f"output_dir={tmp_path}", "device=cuda", "batch_size=1",
+              "model.vocab_size=64",
+              "optimizer._component_=torchtune_offload.OffloadOptimizer", "optimizer.optimizer_class=torch.optim.AdamW",
+              "optimizer.minimal_size=0", "optimizer.offload_gradients=True", "optimizer.overlap=True"]
+    per_group, per_parameter, kept = (
+        plan_variant(CONFIG, [*engine, *extra], "config", recipe="full", seq_len=2, baseline=0)
+        for extra in ([], ["optimizer.handoff=parameter"], ["optimizer.offload_gradients=False"]))
+    cfg = load_config(CONFIG, engine)
+    named = [(n, p) for n, p in _tiny(cfg, check_recipe_config(cfg, recipe="full", device_present=False)).named_parameters()]
+    assert per_parameter.work.handoffs_per_micro_batch == len(named)
+    assert per_group.work.handoffs_per_micro_batch == len(set(handoff_groups(
+        [n for n, _ in named], [p.numel() * p.element_size() for _, p in named])))
+    # A gradient leaves the device as it is made, not with its layer's last; kept on it, it stays to the step.
+    assert per_parameter.device_bytes < per_group.device_bytes < kept.device_bytes
+    no_handoff = plan_variant(CONFIG, [*engine, "optimizer.overlap=False", "optimizer.offload_gradients=False"],
+                              "config", recipe="full", seq_len=2, baseline=0)
+    assert no_handoff.work.handoffs_per_micro_batch == 0  # the engine takes no gradient in backward
 
 
 def _tiny(cfg, settings):

@@ -459,12 +459,13 @@ def test_the_planner_adds_speed_to_each_variant(tiny_assets, tmp_path):
     assert tensors > 1 and plans["paged_adamw8bit_in_bwd"]["work"]["device_syncs"] == 2 * tensors
     assert [plans[v]["work"]["device_syncs"] for v in ("adamw", "offload", "torchao")] == [0, 0, 0]
     # Every variant's passes dispatch the same operators (the trace's count); only this project's
-    # engine hands gradients over in backward: per layer, and per bucket of the other parameters.
+    # engine hands gradients over in backward (with offload_gradients or overlap): per layer, and per
+    # bucket of the other parameters.
     assert len({plan["work"]["ops_per_micro_batch"] for plan in plans.values()}) == 1
     assert plans["adamw"]["work"]["ops_per_micro_batch"] > 100
     layers = len(tiny_llama().layers)
     for name, plan in plans.items():
-        engine = name in ("offload", "offload_grads_overlap")
+        engine = name == "offload_grads_overlap"
         assert plan["work"]["handoffs_per_micro_batch"] == (layers + 2 if engine else 0), name
     assert plans["offload_grads_overlap"]["speed"]["hides_at_batch"] >= 1
     # Where overlap would hide the offload variants' work; nothing to hide for the others.

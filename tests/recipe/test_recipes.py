@@ -249,6 +249,19 @@ def test_full_offload_matches_plain_adamw(runs, tiny_assets, offload_gradients, 
     _assert_same_tensors(off.params, plain.params, **FP32)
 
 
+def test_a_handoff_per_parameter_from_the_config_trains_as_plain_adamw(runs, tiny_assets):
+    plain = runs("full", *FULL_EQUIV)
+    off = runs("full", *FULL_EQUIV, *FULL_OFFLOAD, "optimizer.offload_gradients=True", "optimizer.overlap=True",
+               "optimizer.handoff=parameter")
+    engine = off.recipe._optimizer.optimizer
+    assert engine.options.handoff == "parameter" and "handoff=parameter" in off.recipe._optimizer.name
+    # One hand-off per gradient: every trainable tensor a micro-batch (5 steps of 3).
+    tensors = sum(1 for p in off.recipe._model.parameters() if p.requires_grad)
+    assert engine.handoff_count() == engine.handoff_count(hook_calls=True) == 15 * tensors
+    torch.testing.assert_close(torch.tensor(off.losses), torch.tensor(plain.losses), **FP32)
+    torch.testing.assert_close(_grad_norms(off), _grad_norms(plain), **FP32)
+
+
 def test_a_profiled_run_trains_the_same_bits_and_traces_the_engine_on_each_thread(runs):
     """``profiler.enabled``: the trace names the engine's ranges on the training thread and on its
     host threads (the overlap step and the staging ring's adder), which torch records only when it

@@ -205,7 +205,8 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
         if self._pairs and any(isinstance(p, DTensor) for p, _ in self._pairs) and not any(o for _, o, _ in units):
             raise ValueError("ShardedOffloadOptimizer.register_forward_waits: the model has no FSDP2 unit holding "
                              "this optimizer's parameters; call it with the model sharded by fully_shard.")
-        self.engine.group_handoff([own for _, own, _ in units if own])
+        if self.engine.options.handoff == "group":  # with handoff=parameter each shard goes alone, as asked
+            self.engine.group_handoff([own for _, own, _ in units if own])
         self.engine.register_forward_waits(model, units=[(m, own + prefetched) for m, own, prefetched in units])
 
     def step_timings(self) -> Dict[str, float]:

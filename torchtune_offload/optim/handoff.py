@@ -92,12 +92,13 @@ class BackwardHandoff:
         self._hand_over = hand_over
         self._collected: Dict[int, List[int]] = {}
         self._flush_queued = False
-        #: How many hand-overs ran (for benchmarks and tests).
-        self.count = 0
+        #: How many hand-overs ran, and how many gradients were collected (for benchmarks and tests).
+        self.count = self.calls = 0
 
     def on_grad(self, index: int) -> None:
         """The parameter's gradient for this backward is complete (its hook): collected, and its
         group handed over if it was the last one."""
+        self.calls += 1
         group = self._group_of[index]
         collected = self._collected.setdefault(group, [])
         collected.append(index)

@@ -62,7 +62,7 @@ class OffloadOptimizer(Optimizer):
             ``"torch.optim.AdamW"``, ``"torch.optim.SGD"`` or ``"bitsandbytes.optim.AdamW8bit"``.
         offload_gradients, minimal_size, master_dtype, grad_sum_dtype, grad_sum_on, fused_master_step,
             overlap, overlap_timeout_s, update_on, device_staging_mib, device_weights (bound to the
-            model at :meth:`register_forward_waits`): the engine's own options, :class:`OffloadOptions`.
+            model at :meth:`register_forward_waits`), handoff: the engine's own options, :class:`OffloadOptions`.
         **kwargs: passed to the base optimizer, e.g. ``lr``, ``weight_decay``, ``betas``.
 
     Raises:
@@ -78,7 +78,7 @@ class OffloadOptimizer(Optimizer):
         grad_sum_dtype: Optional[Union[str, torch.dtype]] = None, fused_master_step: bool = True,
         overlap: bool = False, overlap_timeout_s: Optional[float] = None, update_on: str = "host",
         device_staging_mib: Optional[float] = None, device_weights: Optional[str] = None,
-        grad_sum_on: str = "host", **kwargs: Any,
+        grad_sum_on: str = "host", handoff: str = "group", **kwargs: Any,
     ) -> None:
         self.base_class = resolve_optimizer_class(optimizer_class)
         # A refused option value is named here, on a one-element probe, before any host buffer exists.
@@ -87,7 +87,7 @@ class OffloadOptimizer(Optimizer):
             offload_gradients=offload_gradients, minimal_size=minimal_size, master_dtype=master_dtype,
             grad_sum_dtype=grad_sum_dtype, fused_master_step=fused_master_step, overlap=overlap,
             overlap_timeout_s=overlap_timeout_s, update_on=update_on, device_staging_mib=device_staging_mib,
-            device_weights=device_weights, grad_sum_on=grad_sum_on,
+            device_weights=device_weights, grad_sum_on=grad_sum_on, handoff=handoff,
         )
         opts = self.options
         check_recipe_drives({key: getattr(opts, key) for key in RECIPE_DRIVEN}, owner="OffloadOptimizer")
@@ -113,7 +113,7 @@ class OffloadOptimizer(Optimizer):
                                     fused_master_step=opts.fused_master_step, streamer=self._streamer,
                                     device_weights=self._weights)
         self._scheduler = OverlapScheduler(self._table, self._grads, self._stepper, self._transfer,
-                                           self._timings, timeout_s=opts.overlap_timeout_s)
+                                           self._timings, timeout_s=opts.overlap_timeout_s, handoff=opts.handoff)
         self._hooks = []
         self._combine_norms = combine_norms  # of the per-tensor norms: see reduce_norms_with
         if opts.hands_off_in_backward:
@@ -157,9 +157,10 @@ class OffloadOptimizer(Optimizer):
         gradients arrive together, e.g. an FSDP2 unit's), not per layer and bucket; the rest as before."""
         self._scheduler.group_handoff([[self._table.slot_of[p] for p in group] for group in groups])
 
-    def handoff_count(self) -> int:
-        """How many groups of gradients the engine has taken from backward (``optim/handoff.py``)."""
-        return self._scheduler.handoff.count
+    def handoff_count(self, *, hook_calls: bool = False) -> int:
+        """How many groups of gradients the engine has taken from backward (``optim/handoff.py``), or
+        with ``hook_calls`` how many gradients backward handed to :meth:`on_gradient`."""
+        return self._scheduler.handoff.calls if hook_calls else self._scheduler.handoff.count
 
     def synchronize(self) -> None:
         """Waits for every queued host step and upload (errors raised in a worker are raised here)

@@ -15,6 +15,9 @@ DEVICE_STAGING_MIB = 256.0
 #: Where later micro-batches are added into their host sums (see ``OffloadOptions.grad_sum_on``).
 GRAD_SUM_ON = ("host", "device")
 
+#: How backward hands gradients to the engine (see ``OffloadOptions.handoff``).
+HANDOFF = ("group", "parameter")
+
 #: The host engine's options that ``update_on="device"`` refuses: each with the value a device update
 #: takes, why, and the fixes. Each needs the gradient (or a copy of the weights) on the host, or host
 #: workers, which that mode never makes; ``parse`` refuses them, and the host pre-flight resets them
@@ -34,6 +37,8 @@ DEVICE_UPDATE_REFUSES = {
                        "no master", "Remove it (~optimizer.device_weights), or set optimizer.update_on=host"),
     "overlap_timeout_s": (None, "the timeout bounds waits for host workers, which this mode does not use",
                           "Remove it (~optimizer.overlap_timeout_s), or set optimizer.update_on=host"),
+    "handoff": ("group", "gradients stay on the device and backward hands none over",
+                "Remove it (~optimizer.handoff), or set optimizer.update_on=host"),
 }
 
 #: Accepted ``device_weights`` values besides None (``optim/fp8_weights.py``).
@@ -94,8 +99,8 @@ class OffloadOptions:
     """The options of ``OffloadOptimizer`` that are its own, validated.
 
     Attributes:
-        offload_gradients: copy each gradient to the host as soon as backward produces it and free
-            the device copy, so gradients take no device memory between micro-batches. Gradient
+        offload_gradients: copy each gradient to the host once backward has produced its hand-off
+            group (a transformer layer or a bucket) and free the device copies, so gradients take no device memory between micro-batches. Gradient
             accumulation still works: micro-batches are summed in host buffers.
         minimal_size: parameters with fewer elements stay on the device and step there.
         master_dtype: ``None`` (default): the base optimizer steps on a copy in the parameter's
@@ -148,6 +153,13 @@ class OffloadOptions:
             llama3_1 8B at batch 1 with 4 micro-batches 18% faster, before the norms moved to the
             device (docs/accumulation.md). Refused without ``offload_gradients`` (the device
             accumulates as plain training does).
+        handoff: with ``offload_gradients`` or ``overlap``, how backward hands gradients to the
+            engine (``optim/handoff.py``). ``"group"`` (default): once per transformer layer or
+            bucket of other parameters, when the group's last gradient is complete, with batched
+            norms and copies. ``"parameter"``: each gradient as autograd completes it, which frees
+            each offloaded gradient sooner (a layer's gradients are never on the device together)
+            at the cost of the engine's Python per parameter on the thread that launches the
+            kernels. The same results to the bit either way.
     """
 
     offload_gradients: bool
@@ -161,6 +173,7 @@ class OffloadOptions:
     device_staging_mib: float = DEVICE_STAGING_MIB
     device_weights: Optional[str] = None
     grad_sum_on: str = "host"
+    handoff: str = "group"
 
     @property
     def device_staging_bytes(self) -> int:
@@ -168,8 +181,8 @@ class OffloadOptions:
 
     @property
     def hands_off_in_backward(self) -> bool:
-        """Whether backward hands each gradient to the engine as it arrives
-        (``OffloadOptimizer.on_gradient``): with ``offload_gradients`` or ``overlap``, where the host steps."""
+        """Whether backward hands gradients to the engine, a hand-off group at a time
+        (``OffloadOptimizer.on_gradient`` counts them): with ``offload_gradients`` or ``overlap``, where the host steps."""
         return self.update_on == "host" and (self.offload_gradients or self.overlap)
 
     def summary(self) -> str:
@@ -178,6 +191,7 @@ class OffloadOptions:
         said = [key for key in ("offload_gradients", "overlap") if getattr(self, key)]
         said += [f"{key}=fp32" for key in ("master_dtype", "grad_sum_dtype") if getattr(self, key) is not None]
         said += [f"{key}={getattr(self, key)}" for key in ("update_on", "grad_sum_on") if getattr(self, key) != "host"]
+        said += [f"handoff={self.handoff}"] if self.handoff != "group" else []
         said += [f"device_weights={self.device_weights}"] if self.device_weights is not None else []
         return ", ".join(said)
 
@@ -196,6 +210,7 @@ class OffloadOptions:
         device_staging_mib: Any = None,
         device_weights: Any = None,
         grad_sum_on: Any = "host",
+        handoff: Any = "group",
     ) -> "OffloadOptions":
         """Checks config values (YAML strings included) and returns them typed; an option not given
         takes ``OffloadOptimizer``'s default (torchao's wrapper gives only its two).
@@ -222,15 +237,19 @@ class OffloadOptions:
             raise ValueError(f"optimizer.overlap_timeout_s={overlap_timeout_s} without optimizer.overlap=True: it "
                              "bounds the overlapped step's waits for host work. Set optimizer.overlap=True, or "
                              "remove it (~optimizer.overlap_timeout_s).")
-        _check_values(update_on, device_staging_mib, device_weights, grad_sum_on)
+        _check_values(update_on, device_staging_mib, device_weights, grad_sum_on, handoff)
         if update_on == "device":
             _check_device_update(offload_gradients=offload, master_dtype=master_dtype, grad_sum_dtype=grad_sum_dtype,
                                  grad_sum_on=grad_sum_on, device_weights=device_weights,
-                                 overlap_timeout_s=overlap_timeout_s)
+                                 overlap_timeout_s=overlap_timeout_s, handoff=handoff)
         elif device_staging_mib is not None:
             raise ValueError(f"optimizer.device_staging_mib={device_staging_mib} with optimizer.update_on=host: the "
                              "bound applies to states staged on the device. Set optimizer.update_on=device, or "
                              "remove it (~optimizer.device_staging_mib).")
+        if handoff != "group" and not (offload or overlapped):
+            raise ValueError(f"optimizer.handoff={handoff} without optimizer.offload_gradients=True or "
+                             "optimizer.overlap=True: gradients then stay on the device until step() and backward "
+                             "hands none over. Set one of them, or remove it (~optimizer.handoff).")
         if grad_sum_on == "device" and not offload:
             raise ValueError("optimizer.grad_sum_on=device without optimizer.offload_gradients=True: gradients "
                              "then accumulate on the device, as in plain training, and no host sum is added into. "
@@ -249,7 +268,7 @@ class OffloadOptions:
             overlap_timeout_s=None if overlap_timeout_s is None else float(overlap_timeout_s),
             update_on=update_on,
             device_staging_mib=DEVICE_STAGING_MIB if device_staging_mib is None else float(device_staging_mib),
-            device_weights=device_weights, grad_sum_on=grad_sum_on,
+            device_weights=device_weights, grad_sum_on=grad_sum_on, handoff=handoff,
         )
 
 
@@ -258,9 +277,10 @@ def device_staging_bytes(device_staging_mib: Optional[float]) -> int:
     return int((DEVICE_STAGING_MIB if device_staging_mib is None else device_staging_mib) * 2**20)
 
 
-def _check_values(update_on: Any, device_staging_mib: Any, device_weights: Any, grad_sum_on: Any) -> None:
-    """Refuses a value of ``update_on``, ``device_staging_mib``, ``device_weights`` or ``grad_sum_on``
-    that no combination takes."""
+def _check_values(update_on: Any, device_staging_mib: Any, device_weights: Any, grad_sum_on: Any,
+                  handoff: Any) -> None:
+    """Refuses a value of ``update_on``, ``device_staging_mib``, ``device_weights``, ``grad_sum_on`` or
+    ``handoff`` that no combination takes."""
     if update_on not in UPDATE_ON:
         raise ValueError(f"optimizer.update_on={update_on!r}: use 'host' (updates on host copies, the "
                          "default) or 'device' (states in host memory, updates on the device).")
@@ -276,6 +296,9 @@ def _check_values(update_on: Any, device_staging_mib: Any, device_weights: Any, 
     if grad_sum_on not in GRAD_SUM_ON:
         raise ValueError(f"optimizer.grad_sum_on={grad_sum_on!r}: use 'host' (later micro-batches added into the "
                          "host sums by the host's cores, the default) or 'device' (added on the device).")
+    if handoff not in HANDOFF:
+        raise ValueError(f"optimizer.handoff={handoff!r}: use 'group' (gradients handed to the engine once per "
+                         "transformer layer or bucket, the default) or 'parameter' (each as it is complete).")
 
 
 def _check_device_update(**given: Any) -> None:

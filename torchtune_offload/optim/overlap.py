@@ -2,8 +2,8 @@
 
 A caller announces the backward that ends an accumulation window
 (``OffloadOptimizer.expect_final_backward``). During that backward each offloaded parameter's
-final gradient is sent to the host as soon as autograd has produced it, and host worker
-threads take over from there:
+final gradient is sent to the host as soon as its hand-off group (``handoff.py``: a transformer
+layer or a bucket of other parameters) is complete, and host worker threads take over from there:
 
 - the *landing* threads (as many as torch's intra-op threads) each take a job of gradients (a
   hand-off group's, or with clipping several groups'; at most ``overlap_scheduler.LANDING_BYTES``, a

@@ -51,10 +51,12 @@ class OverlapScheduler:
         transfer: orders the compute stream after uploads.
         timings: where the training thread's waits are counted.
         timeout_s: the longest wait for one piece of host work; None waits without a limit.
+        handoff: ``"group"`` (a hand-off per layer or bucket) or ``"parameter"`` (one per gradient).
     """
 
     def __init__(self, table: ParameterTable, grads: HostGradients, stepper: SlotStepper,
-                 transfer: TransferEngine, timings: StepTimings, *, timeout_s: Optional[float]) -> None:
+                 transfer: TransferEngine, timings: StepTimings, *, timeout_s: Optional[float],
+                 handoff: str = "group") -> None:
         self._table = table
         self._grads = grads
         self._stepper = stepper
@@ -70,9 +72,9 @@ class OverlapScheduler:
         self._unlanded: List[Slot] = []
         self._unlanded_bytes = 0
         #: Collects the backward's gradients per layer or bucket and hands each group to take_backward_grads.
-        self.handoff = BackwardHandoff(
-            handoff_groups([s.key for s in table.slots], [param_bytes(s) for s in table.slots]),
-            self.take_backward_grads, flushed=self._after_backward)
+        groups = (range(len(table.slots)) if handoff == "parameter"
+                  else handoff_groups([s.key for s in table.slots], [param_bytes(s) for s in table.slots]))
+        self.handoff = BackwardHandoff(groups, self.take_backward_grads, flushed=self._after_backward)
 
     def group_handoff(self, groups: Sequence[Sequence[Slot]]) -> None:
         """Makes each of ``groups`` one hand-off group (``OffloadOptimizer.group_handoff``); slots in none
@@ -83,9 +85,9 @@ class OverlapScheduler:
             for slot in group:
                 ids[slot.index] = number
         self.handoff.flush()
-        count, self.handoff = self.handoff.count, BackwardHandoff(ids, self.take_backward_grads,
-                                                                  flushed=self._after_backward)
-        self.handoff.count = count
+        counts, self.handoff = (self.handoff.count, self.handoff.calls), BackwardHandoff(
+            ids, self.take_backward_grads, flushed=self._after_backward)
+        self.handoff.count, self.handoff.calls = counts
 
     def pending(self, slot: Slot) -> Optional[concurrent.futures.Future]:
         """The slot's queued host step, if any (for tests and diagnostics)."""

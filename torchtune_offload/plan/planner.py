@@ -180,10 +180,11 @@ def _step_work(settings: RecipeSettings, model: torch.nn.Module, tokens: int, *,
     state_bytes = 4.0
     if opts is not None and n_trainable:
         state_bytes = optimizer_state_bytes(chosen.base_class, trainable, chosen.base_options)[0] / n_trainable
-    handoffs = 0
-    if chosen.capabilities.hands_over_per_group:  # this project's engine: one hand-off per group in each backward
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        handoffs = len(set(handoff_groups([n for n, _ in named], [p.numel() * p.element_size() for _, p in named])))
+    handoffs, named = 0, [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if chosen.capabilities.hands_over_per_group and opts is not None and opts.hands_off_in_backward:
+        # this project's engine hands gradients over in each backward: per group, or per parameter
+        handoffs = len(set(range(len(named)) if opts.handoff == "parameter" else
+                           handoff_groups([n for n, _ in named], [p.numel() * p.element_size() for _, p in named])))
     master = opts is not None and opts.master_dtype is not None
     return StepWork(params=sum(p.numel() for p in model.parameters()), trainable=max(1, n_trainable), tokens=tokens,
                     micro_batches=settings.gradient_accumulation_steps,
@@ -358,11 +359,8 @@ def _rank_device_state(settings: RecipeSettings, named: List[Tuple[str, torch.Te
 
 def _rank_work(work: StepWork, settings: RecipeSettings) -> StepWork:
     """One rank's step as the speed model reads it: the whole model's matmuls on the rank's batch and the
-    whole update (:func:`plan_speed` gives each rank's link its 1/N). The engine on the shards hands over
-    in backward only as on one device; FSDP2's CPU offload steps on the host after backward, serially."""
-    chosen = settings.optimizer
-    if chosen.kind is OptimizerKind.SHARDED_ENGINE and not chosen.offload.hands_off_in_backward:
-        work = replace(work, handoffs_per_micro_batch=0)
+    whole update (:func:`plan_speed` gives each rank's link its 1/N). FSDP2's CPU offload steps on the host
+    after backward, serially."""
     if settings.fsdp_cpu_offload:
         work = replace(work, update="torchao", device_syncs=0)
     return work

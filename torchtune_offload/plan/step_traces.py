@@ -143,12 +143,14 @@ class StepRequest:
 def _frees_gradients(settings: RecipeSettings) -> Union[bool, str]:
     """How the step's optimizer frees the gradients (:func:`trace_training_step`'s ``free_gradients``):
     torchtune's in-backward steps and torchao's offloader each gradient as it is made, an optimizer
-    that declares ``hands_over_per_group`` (this project's engine) once its group is complete."""
+    that declares ``hands_over_per_group`` (this project's engine) once its group is complete, unless
+    its ``handoff`` is ``"parameter"``."""
     chosen = settings.optimizer
     if chosen.kind is OptimizerKind.IN_BACKWARD:
         return True
     if chosen.offload_gradients:
-        return "per group" if chosen.capabilities.hands_over_per_group else True
+        per_parameter = chosen.offload is not None and chosen.offload.handoff == "parameter"
+        return "per group" if chosen.capabilities.hands_over_per_group and not per_parameter else True
     return False
 
 
