@@ -40,7 +40,8 @@
 #                torchao's wrapper and the first offload_gradients path measured before each step, each beside
 #                torch's one-optimizer step, all cores
 # Without STEP arguments every step runs, in the order launching, hostwork, fsdp2, 8b-b1, 8b-b1-passive,
-# 8b-b1-compiled, 8b-a8, probe, sanitizer, tests, 8b-b2, 1b-profiles, hoststep.
+# 8b-b1-compiled, 8b-a8, 8b-b1-per-parameter, 8b-b1-compiled-per-parameter, probe, sanitizer, tests, 8b-b2,
+# 1b-profiles, hoststep.
 #
 # Each step gets its cap (below) or the time left of BUDGET_S (counted from this script's start, default 540: a
 # run of 600 s less the install and a margin), whichever is less, and is skipped, saying so, when less than its

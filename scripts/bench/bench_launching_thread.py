@@ -172,7 +172,7 @@ class Trainee:
         engine = self.run.optimizer
         if not isinstance(engine, OffloadOptimizer):
             return None
-        return engine.handoff_count(), engine.handoff_count(hook_calls=True)
+        return engine.handoff_count(), engine.hook_call_count()
 
     def close(self) -> None:
         self.run.synchronize()

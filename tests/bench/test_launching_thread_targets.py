@@ -47,4 +47,3 @@ def test_every_engine_mode_stays_within_its_op_and_handoff_targets(tmp_path):
                     r".*\| (\d+) \| ([0-9.]+) \| \d+ \| \d+ \|$", out.stdout, flags=re.M)
     assert row and float(row[1]) == round(fp8["design_seconds"], 3) and int(row[2]) == fp8["design_ops"]
     assert "Design ops and s: what FP8 device weights' design needs" in out.stdout
-

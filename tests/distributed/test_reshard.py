@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from tests.distributed.test_distributed_recipe import CONFIG, _cfg, _losses, _run_in_process, _tune_run_two_ranks
+from tests.optim.side_by_side import assert_same_states
 from tests.recipe_harness import load_recipe_module, tiny_asset_overrides
 from torchtune_offload.distributed.reshard import (
     ShardLayout,
@@ -81,21 +82,6 @@ def _layouts(rank: int, num_ranks: int) -> Dict[str, ShardLayout]:
     return {n: ShardLayout(shape, *chunk_rows(shape[0], rank=rank, num_ranks=num_ranks)) for n, shape in SHAPES.items()}
 
 
-def _assert_same_states(got: dict, want: dict) -> None:
-    assert got["state"].keys() == want["state"].keys()
-    for name, slot in want["state"].items():
-        mine = got["state"][name]
-        assert (mine["shape"], mine["dtype"], mine["offloaded"]) == (slot["shape"], slot["dtype"], slot["offloaded"])
-        assert ("master" in mine) == ("master" in slot)
-        if "master" in slot:
-            assert torch.equal(mine["master"], slot["master"]), name
-        a, b = mine["optimizer"]["state"], slot["optimizer"]["state"]
-        assert a.keys() == b.keys() and a[0].keys() == b[0].keys(), name
-        for key, value in b[0].items():
-            assert value.dtype == a[0][key].dtype and torch.equal(a[0][key], value), (name, key)
-        assert mine["optimizer"]["param_groups"] == slot["optimizer"]["param_groups"]
-    assert got["param_groups"] == want["param_groups"]
-
 
 @pytest.mark.parametrize("old, new", [(2, 1), (1, 2), (2, 3), (3, 2)])
 @pytest.mark.parametrize("options", [{}, {"dtype": torch.bfloat16}, {"dtype": torch.bfloat16, "master_dtype": "fp32"}],
@@ -104,7 +90,7 @@ def test_states_cut_for_another_rank_count_are_those_of_that_rank_count(tmp_path
     written = _write(_engines(old, **options), tmp_path)
     assert rank_files_problems(written) == []
     for rank, engine in enumerate(_engines(new, **options)):
-        _assert_same_states(reshard_engine_state(written, layouts=_layouts(rank, new)), engine.state_dict())
+        assert_same_states(reshard_engine_state(written, layouts=_layouts(rank, new)), engine.state_dict())
 
 
 def test_a_single_device_engines_state_is_the_one_rank_case(tmp_path):
@@ -114,7 +100,7 @@ def test_a_single_device_engines_state_is_the_one_rank_case(tmp_path):
     torch.save({"optimizer": full.state_dict(), "dataloader": {}}, tmp_path / "training_state.pt")
     for path in (tmp_path / "engine.pt", tmp_path / "training_state.pt"):
         for rank, engine in enumerate(_engines(2)):
-            _assert_same_states(reshard_engine_state([path], layouts=_layouts(rank, 2)), engine.state_dict())
+            assert_same_states(reshard_engine_state([path], layouts=_layouts(rank, 2)), engine.state_dict())
     # Among several ranks' files it is no rank's.
     with pytest.raises(ValueError, match="not a state of the engine on FSDP2's shards"):
         reshard_engine_state([tmp_path / "engine.pt"] * 2, layouts=_layouts(0, 1))
@@ -269,7 +255,7 @@ def test_two_ranks_states_resharded_are_one_ranks_and_resume_on_one_rank_exactly
     written = [trained["two"] / step / f"optimizer_rank{k:05d}.pt" for k in range(2)]
     layouts = {n: ShardLayout(tuple(p.shape), 0, p.shape[0]) for n, p in tiny_llama().named_parameters()}
     straight = torch.load(trained["one"] / step / "optimizer_rank00000.pt", weights_only=True)["engine"]
-    _assert_same_states(reshard_engine_state(written, layouts=layouts), straight)
+    assert_same_states(reshard_engine_state(written, layouts=layouts), straight)
     resumed = _stopped_at_step_2(trained["two"], tmp_path)
     _run_in_process(tiny_asset_overrides(tiny_assets) + STEPS + ADAMW + ONE + [
         f"output_dir={resumed}", "resume_from_checkpoint=True"])

@@ -213,11 +213,12 @@ def test_the_total_norm_is_fsdp2s_global_one_for_every_norm_type(tmp_path):
         assert all(r["norms_equal"] and r["losses_equal"] for r in results), results
 
 
-@pytest.mark.parametrize("option, value", [("device_weights", "fp8")])
+@pytest.mark.parametrize("option, value", [("device_weights", "fp8"), ("handoff", "parameter")])
 def test_what_the_engine_cannot_do_on_fsdp2s_shards_is_refused_by_its_key(option, value):
     model = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match=rf"optimizer\.{option}={value} on FSDP2's shards: .* Remove it"):
-        ShardedOffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", lr=1e-3, **{option: value})
+        ShardedOffloadOptimizer(model.named_parameters(), "torch.optim.AdamW", lr=1e-3, offload_gradients=True,
+                                **{option: value})
 
 
 def test_a_shard_moved_after_the_optimizer_was_built_is_said_not_stepped_stale():

@@ -100,3 +100,24 @@ def read_saved_states(opt) -> dict:
         for tensor in value["optimizer"]["state"].get(0, {}).values():
             tensor.sum()
     return saved
+
+
+def assert_same_states(got: dict, want: dict) -> None:
+    """Two engine checkpoints (``OffloadOptimizer.state_dict()``) hold the same slots, masters and base
+    optimizer states, to the bit, and the same parameter groups."""
+    assert got["state"].keys() == want["state"].keys()
+    for name, slot in want["state"].items():
+        mine = got["state"][name]
+        assert (mine["shape"], mine["dtype"], mine["offloaded"]) == (slot["shape"], slot["dtype"], slot["offloaded"])
+        assert ("master" in mine) == ("master" in slot)
+        if "master" in slot:
+            assert torch.equal(mine["master"], slot["master"]), name
+        a, b = mine["optimizer"]["state"], slot["optimizer"]["state"]
+        assert a.keys() == b.keys() and a[0].keys() == b[0].keys(), name
+        for key, value in b[0].items():
+            if torch.is_tensor(value):
+                assert value.dtype == a[0][key].dtype and torch.equal(a[0][key], value), (name, key)
+            else:
+                assert a[0][key] == value, (name, key)
+        assert mine["optimizer"]["param_groups"] == slot["optimizer"]["param_groups"]
+    assert got["param_groups"] == want["param_groups"]

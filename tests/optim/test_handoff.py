@@ -5,7 +5,7 @@ import pytest
 import torch
 from torchtune.models.llama3_2 import llama3_2
 
-from tests.optim.side_by_side import assert_same_params, batches, tiny_model, twin
+from tests.optim.side_by_side import assert_same_params, assert_same_states, batches, tiny_model, twin
 from torchtune_offload import OffloadOptimizer
 from torchtune_offload.optim.handoff import BUCKET_BYTES, BackwardHandoff, handoff_groups, layer_prefix
 from torchtune_offload.recipe.chosen_optimizer import OptimizerKind
@@ -45,7 +45,7 @@ def test_a_group_is_handed_over_when_complete_and_the_rest_at_the_end_of_backwar
     a.register_post_accumulate_grad_hook(check_on_hook)
     ((a * 2).sum() + (b * 3).sum()).backward()
     # Neither group was complete (indices 1 and 3 never arrived): both went at the end of the backward.
-    assert sorted(map(sorted, handed)) == [[0], [2]] and handoff.count == 2 and handoff.collected == 0
+    assert sorted(map(sorted, handed)) == [[0], [2]] and handoff.num_handoffs == 2 and handoff.collected == 0
     handed.clear()
     handoff.on_grad(1)  # outside a backward: handed over at once
     assert handed == [[1]]
@@ -91,6 +91,14 @@ def test_groups_given_to_the_engine_are_handed_over_whole_and_the_rest_as_before
             optimizer.step()
             optimizer.zero_grad()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+    opt.close()
+
+
+def test_groups_given_to_an_engine_that_hands_over_per_parameter_are_refused():
+    model = _llama()
+    opt = OffloadOptimizer(model.named_parameters(), minimal_size=0, offload_gradients=True, handoff="parameter")
+    with pytest.raises(ValueError, match=r"optimizer.handoff=parameter with groups .* Remove it \(~optimizer.handoff\)"):
+        opt.group_handoff([list(model.layers[0].parameters())])
     opt.close()
 
 
@@ -161,3 +169,38 @@ def test_a_handoff_per_parameter_trains_plain_adamws_bits_and_frees_each_gradien
     # Offloaded gradients leave the device one by one; kept on it (overlap alone), they stay until the step.
     assert freed_before_layer_ends == [offload_gradients] * 6
     opt.close()
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+@pytest.mark.parametrize("options", [
+    dict(optimizer_class="torchtune_offload.AdamW8bit", min_8bit_size=0),
+    dict(master_dtype="fp32"),
+    dict(device_weights="fp8"),
+], ids=["AdamW8bit", "fp32-masters", "fp8-device-weights"])
+def test_a_handoff_per_parameter_changes_no_bit_of_the_engines_other_paths(options, clip):
+    """The host steps' other paths (8-bit states, fp32 masters, FP8 device images re-quantized after
+    each step), overlapped with offloaded gradients: the same bits per parameter as per group."""
+    models, runs = [], []
+    for handoff in ("group", "parameter"):
+        model = _llama().to(torch.bfloat16)
+        opt = OffloadOptimizer(model.named_parameters(), minimal_size=0, offload_gradients=True, overlap=True,
+                               handoff=handoff, lr=1e-3, **options)
+        models.append(model)
+        runs.append(HoldingOptimizer(opt, model=model, clip_grad_norm=clip))
+    tokens = torch.randint(0, 128, (2, 2, 16), generator=torch.Generator().manual_seed(0))
+    for step in range(3):
+        for run, model in zip(runs, models):
+            for i, micro_batch in enumerate(tokens):
+                if i == len(tokens) - 1:
+                    run.before_final_backward()
+                (model(micro_batch).float().mean() / len(tokens)).backward()
+            run.step()
+    for run in runs:
+        run.synchronize()
+    grouped, per_parameter = (run.optimizer for run in runs)
+    assert per_parameter.handoff_count() > grouped.handoff_count()
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    assert_same_states(per_parameter.state_dict(), grouped.state_dict())
+    for run in runs:
+        run.close()
+

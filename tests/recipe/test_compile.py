@@ -7,7 +7,6 @@ remembers the shapes a frame was called with and compiles the next run's first g
 shapes, whose kernels round differently, so only runs that each start afresh are comparable.
 """
 
-from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
@@ -31,6 +30,9 @@ MODES: Dict[str, Tuple[str, List[str]]] = {
                                              "optimizer.overlap=True"]),
     "offload_gradients, overlap, device sums": ("plain", [*FULL_OFFLOAD, "optimizer.offload_gradients=True",
                                                           "optimizer.overlap=True", "optimizer.grad_sum_on=device"]),
+    "offload_gradients, overlap, hand-off per parameter": ("plain", [*FULL_OFFLOAD, "optimizer.offload_gradients=True",
+                                                                     "optimizer.overlap=True",
+                                                                     "optimizer.handoff=parameter"]),
     "update_on: device, overlap": ("plain", [*FULL_OFFLOAD, "optimizer.update_on=device", "optimizer.overlap=True"]),
     "fp32 masters, overlap": ("plain", [*FULL_OFFLOAD, "optimizer.master_dtype=fp32", "optimizer.overlap=True"]),
     "AdamW8bit base, offload_gradients, overlap": ("AdamW8bit", [*FULL_OFFLOAD, ADAMW8BIT,
@@ -44,7 +46,8 @@ _cpu_setup = pytest.fixture(autouse=True, scope="module")(cpu_recipe_setup)
 
 @pytest.fixture(scope="module")
 def compiled_runs(tiny_assets, tmp_path_factory):
-    """Memoised compiled runs by name: (losses, gradient norms, graph breaks, graphs compiled)."""
+    """Memoised compiled runs by name: (losses, gradient norms, graph breaks, graphs compiled, the
+    optimizer's name as the log gives it)."""
     cache: Dict[str, tuple] = {}
 
     def get(name: str, overrides: List[str]) -> tuple:
@@ -53,7 +56,8 @@ def compiled_runs(tiny_assets, tmp_path_factory):
             counters.clear()
             run = run_recipe("full", tiny_assets, tmp_path_factory.mktemp("compiled"), *COMPILED, *overrides)
             cache[name] = ([float(x) for x in run.losses], [row["grad_norm"] for row in run.log],
-                           sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
+                           sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"],
+                           run.recipe._optimizer.name)
         return cache[name]
 
     return get
@@ -62,8 +66,9 @@ def compiled_runs(tiny_assets, tmp_path_factory):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_compiled_engine_logs_the_compiled_references_losses(compiled_runs, mode):
     reference, overrides = MODES[mode]
-    ref_losses, ref_norms, ref_breaks, ref_graphs = compiled_runs(reference, REFERENCES[reference])
-    losses, norms, breaks, graphs = compiled_runs(mode, overrides)
+    ref_losses, ref_norms, ref_breaks, ref_graphs, _ = compiled_runs(reference, REFERENCES[reference])
+    losses, norms, breaks, graphs, name = compiled_runs(mode, overrides)
+    assert ("handoff=parameter" in name) == ("per parameter" in mode), name  # the run is the mode it names
     assert ref_breaks == 0 and ref_graphs > 0
     assert losses == ref_losses and norms == ref_norms
     # The forward waits run outside the compiled layers: no break, no extra graph.
@@ -75,8 +80,8 @@ def test_compiled_fp8_device_weights_add_no_graph_and_stay_near_the_eager_run(co
     they add no break or graph to the compiled layers, and their losses stay within float32
     rounding of the eager run's (compiled kernels round differently, as the engine does not)."""
     fp8 = [*FULL_OFFLOAD, "optimizer.offload_gradients=True", "optimizer.overlap=True", "optimizer.device_weights=fp8"]
-    _, _, _, plain_graphs = compiled_runs("plain", [])
-    losses, _, breaks, graphs = compiled_runs("fp8", fp8)
+    _, _, _, plain_graphs, _ = compiled_runs("plain", [])
+    losses, _, breaks, graphs, _ = compiled_runs("fp8", fp8)
     assert breaks == 0 and graphs == plain_graphs
     eager = run_recipe("full", tiny_assets, tmp_path, *[o for o in COMPILED if o != "compile=True"], *fp8)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager.losses), rtol=1e-6, atol=0)

@@ -257,7 +257,7 @@ def test_a_handoff_per_parameter_from_the_config_trains_as_plain_adamw(runs, tin
     assert engine.options.handoff == "parameter" and "handoff=parameter" in off.recipe._optimizer.name
     # One hand-off per gradient: every trainable tensor a micro-batch (5 steps of 3).
     tensors = sum(1 for p in off.recipe._model.parameters() if p.requires_grad)
-    assert engine.handoff_count() == engine.handoff_count(hook_calls=True) == 15 * tensors
+    assert engine.handoff_count() == engine.hook_call_count() == 15 * tensors
     torch.testing.assert_close(torch.tensor(off.losses), torch.tensor(plain.losses), **FP32)
     torch.testing.assert_close(_grad_norms(off), _grad_norms(plain), **FP32)
 

@@ -42,7 +42,9 @@ from torchtune_offload.optim.optimizer_class import DEFAULT_BASE, split_options
 SHARDED_STATE_FORMAT = "torchtune_offload.ShardedOffloadOptimizer/1"
 #: The engine's options it cannot take on FSDP2's shards, and why.
 _REFUSED_ON_SHARDS = {
-    "device_weights": "FP8 device weights would replace the shards FSDP2 all-gathers",
+    "device_weights": (None, "FP8 device weights would replace the shards FSDP2 all-gathers"),
+    "handoff": ("group", "a unit's gradient shards arrive together, after its reduce-scatter, so handing them over "
+                "one by one frees none sooner"),
 }
 
 
@@ -50,7 +52,8 @@ def sharded_option_problems(opts: OffloadOptions, *, reported: Iterable[str] = (
     """What the engine's options ``opts`` ask that it cannot do on FSDP2's shards, one line a key
     (but the keys in ``reported``, which the caller names with a reason of its own)."""
     return [f"optimizer.{key}={getattr(opts, key)} on FSDP2's shards: {why}. Remove it (~optimizer.{key})."
-            for key, why in _REFUSED_ON_SHARDS.items() if getattr(opts, key) not in (False, None) and key not in reported]
+            for key, (default, why) in _REFUSED_ON_SHARDS.items()
+            if getattr(opts, key) != default and key not in reported]
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -205,8 +208,7 @@ class ShardedOffloadOptimizer(torch.optim.Optimizer):
         if self._pairs and any(isinstance(p, DTensor) for p, _ in self._pairs) and not any(o for _, o, _ in units):
             raise ValueError("ShardedOffloadOptimizer.register_forward_waits: the model has no FSDP2 unit holding "
                              "this optimizer's parameters; call it with the model sharded by fully_shard.")
-        if self.engine.options.handoff == "group":  # with handoff=parameter each shard goes alone, as asked
-            self.engine.group_handoff([own for _, own, _ in units if own])
+        self.engine.group_handoff([own for _, own, _ in units if own])
         self.engine.register_forward_waits(model, units=[(m, own + prefetched) for m, own, prefetched in units])
 
     def step_timings(self) -> Dict[str, float]:

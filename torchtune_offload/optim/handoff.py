@@ -6,7 +6,8 @@ post-accumulate-grad hook). The engine's work on a gradient (its norm, its copy 
 the host, the overlap's landing and step) runs on the thread that launches the model's kernels, so
 its Python is time the GPU may wait. As DDP's reducer fires per bucket and FSDP2 per
 ``fully_shard`` unit, the engine collects the gradients of a *group* and hands them over together
-once the group's last one is complete: the per-parameter hook only counts.
+once the group's last one is complete: the per-parameter hook only counts. With
+``OffloadOptimizer(handoff="parameter")`` each parameter is a group of its own, as before grouping.
 
 A group is a transformer layer (every parameter named ``...layers.<i>....``, as torchtune names
 them) or, for the other parameters, a run of consecutive ones (no layer's between them) of at most
@@ -41,7 +42,8 @@ def layer_prefix(name: str) -> str:
     return name[: match.end() - 1] if match else ""
 
 
-def handoff_groups(names: Sequence[str], nbytes: Sequence[int], *, bucket_bytes: int = BUCKET_BYTES) -> List[int]:
+def handoff_groups(names: Sequence[str], nbytes: Sequence[int], *, bucket_bytes: int = BUCKET_BYTES,
+                   per_parameter: bool = False) -> List[int]:
     """The hand-off group of each parameter, by position: one per transformer layer, and runs of
     consecutive other parameters of at most ``bucket_bytes`` in all.
 
@@ -49,7 +51,10 @@ def handoff_groups(names: Sequence[str], nbytes: Sequence[int], *, bucket_bytes:
         names: the parameters' names, in the optimizer's order.
         nbytes: their sizes in bytes.
         bucket_bytes: the largest run of non-layer parameters in one group.
+        per_parameter: each parameter its own group (``handoff="parameter"``).
     """
+    if per_parameter:
+        return list(range(len(names)))
     groups: List[int] = []
     layers: Dict[str, int] = {}
     bucket, filled, count = -1, 0, 0
@@ -84,21 +89,18 @@ class BackwardHandoff:
 
     def __init__(self, groups: Sequence[int], hand_over: Callable[[List[int]], None], *,
                  flushed: Optional[Callable[[], None]] = None) -> None:
-        self._group_of = list(groups)
         self._flushed = flushed
-        self._size: Dict[int, int] = {}
-        for group in self._group_of:
-            self._size[group] = self._size.get(group, 0) + 1
         self._hand_over = hand_over
         self._collected: Dict[int, List[int]] = {}
         self._flush_queued = False
+        self._set_groups(groups)
         #: How many hand-overs ran, and how many gradients were collected (for benchmarks and tests).
-        self.count = self.calls = 0
+        self.num_handoffs = self.num_calls = 0
 
     def on_grad(self, index: int) -> None:
         """The parameter's gradient for this backward is complete (its hook): collected, and its
         group handed over if it was the last one."""
-        self.calls += 1
+        self.num_calls += 1
         group = self._group_of[index]
         collected = self._collected.setdefault(group, [])
         collected.append(index)
@@ -123,6 +125,18 @@ class BackwardHandoff:
         if self._flushed is not None:
             self._flushed()
 
+    def regroup(self, groups: Sequence[int]) -> None:
+        """Hands over what is collected, then takes ``groups`` (each parameter's, by its index) as the
+        groups from now on; the counts go on."""
+        self.flush()
+        self._set_groups(groups)
+
+    def _set_groups(self, groups: Sequence[int]) -> None:
+        self._group_of = list(groups)
+        self._size: Dict[int, int] = {}
+        for group in self._group_of:
+            self._size[group] = self._size.get(group, 0) + 1
+
     def group_of(self, index: int) -> int:
         """The hand-off group of the parameter at ``index``."""
         return self._group_of[index]
@@ -138,5 +152,5 @@ class BackwardHandoff:
         return sum(len(c) for c in self._collected.values())
 
     def _run(self, indices: List[int]) -> None:
-        self.count += 1
+        self.num_handoffs += 1
         self._hand_over(indices)

@@ -146,9 +146,8 @@ class OffloadOptimizer(Optimizer):
             **own), kwargs, device=device, gradient_accumulation_steps=gradient_accumulation_steps)
 
     def on_gradient(self, param: torch.Tensor) -> None:
-        """The backward hook on each parameter (``options.hands_off_in_backward``): counted; its group
-        is handed over once complete (``optim/handoff.py``). A wrapper whose parameters are not the
-        ones autograd reaches (FSDP2's shards, ``distributed/sharded_offload.py``) calls it itself."""
+        """The backward hook on each parameter: counted, its group handed over once complete (``handoff.py``).
+        A wrapper whose parameters autograd does not reach (FSDP2's shards) calls it itself."""
         if param.grad is not None:
             self._scheduler.on_backward_grad(self._table.slot_of[param])
 
@@ -157,10 +156,13 @@ class OffloadOptimizer(Optimizer):
         gradients arrive together, e.g. an FSDP2 unit's), not per layer and bucket; the rest as before."""
         self._scheduler.group_handoff([[self._table.slot_of[p] for p in group] for group in groups])
 
-    def handoff_count(self, *, hook_calls: bool = False) -> int:
-        """How many groups of gradients the engine has taken from backward (``optim/handoff.py``), or
-        with ``hook_calls`` how many gradients backward handed to :meth:`on_gradient`."""
-        return self._scheduler.handoff.calls if hook_calls else self._scheduler.handoff.count
+    def handoff_count(self) -> int:
+        """How many groups of gradients the engine has taken from backward (``optim/handoff.py``)."""
+        return self._scheduler.handoff.num_handoffs
+
+    def hook_call_count(self) -> int:
+        """How many gradients backward has handed to :meth:`on_gradient`."""
+        return self._scheduler.handoff.num_calls
 
     def synchronize(self) -> None:
         """Waits for every queued host step and upload (errors raised in a worker are raised here)

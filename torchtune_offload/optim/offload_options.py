@@ -38,7 +38,7 @@ DEVICE_UPDATE_REFUSES = {
     "overlap_timeout_s": (None, "the timeout bounds waits for host workers, which this mode does not use",
                           "Remove it (~optimizer.overlap_timeout_s), or set optimizer.update_on=host"),
     "handoff": ("group", "gradients stay on the device and backward hands none over",
-                "Remove it (~optimizer.handoff), or set optimizer.update_on=host"),
+                "Remove it (~optimizer.handoff), or set optimizer.update_on=host with optimizer.overlap=True"),
 }
 
 #: Accepted ``device_weights`` values besides None (``optim/fp8_weights.py``).
@@ -100,8 +100,9 @@ class OffloadOptions:
 
     Attributes:
         offload_gradients: copy each gradient to the host once backward has produced its hand-off
-            group (a transformer layer or a bucket) and free the device copies, so gradients take no device memory between micro-batches. Gradient
-            accumulation still works: micro-batches are summed in host buffers.
+            group (a transformer layer or a bucket; see ``handoff``) and free the device copies, so
+            gradients take no device memory between micro-batches. Gradient accumulation still
+            works: micro-batches are summed in host buffers.
         minimal_size: parameters with fewer elements stay on the device and step there.
         master_dtype: ``None`` (default): the base optimizer steps on a copy in the parameter's
             dtype, plain-optimizer math. fp32: it steps on fp32 master weights (fp32 state
@@ -156,10 +157,12 @@ class OffloadOptions:
         handoff: with ``offload_gradients`` or ``overlap``, how backward hands gradients to the
             engine (``optim/handoff.py``). ``"group"`` (default): once per transformer layer or
             bucket of other parameters, when the group's last gradient is complete, with batched
-            norms and copies. ``"parameter"``: each gradient as autograd completes it, which frees
-            each offloaded gradient sooner (a layer's gradients are never on the device together)
-            at the cost of the engine's Python per parameter on the thread that launches the
-            kernels. The same results to the bit either way.
+            norms and copies. ``"parameter"``: each gradient as autograd completes it, which with
+            ``offload_gradients`` frees each gradient sooner (a layer's gradients are never on the
+            device together) at the cost of the engine's Python per parameter on the thread that
+            launches the kernels (with overlap and no clipping, a thread job per gradient too).
+            The same results to the bit either way. Refused on FSDP2's shards, whose units'
+            gradients arrive together.
     """
 
     offload_gradients: bool
@@ -181,8 +184,8 @@ class OffloadOptions:
 
     @property
     def hands_off_in_backward(self) -> bool:
-        """Whether backward hands gradients to the engine, a hand-off group at a time
-        (``OffloadOptimizer.on_gradient`` counts them): with ``offload_gradients`` or ``overlap``, where the host steps."""
+        """Whether backward hands gradients to the engine (``OffloadOptimizer.on_gradient`` counts them,
+        ``handoff`` groups them): with ``offload_gradients`` or ``overlap``, where the host steps."""
         return self.update_on == "host" and (self.offload_gradients or self.overlap)
 
     def summary(self) -> str:

@@ -51,7 +51,8 @@ class OverlapScheduler:
         transfer: orders the compute stream after uploads.
         timings: where the training thread's waits are counted.
         timeout_s: the longest wait for one piece of host work; None waits without a limit.
-        handoff: ``"group"`` (a hand-off per layer or bucket) or ``"parameter"`` (one per gradient).
+        handoff: ``"group"`` (a hand-off per layer or bucket) or ``"parameter"`` (one per gradient, and
+            without clipping a landing and a host-step job per gradient too).
     """
 
     def __init__(self, table: ParameterTable, grads: HostGradients, stepper: SlotStepper,
@@ -71,23 +72,30 @@ class OverlapScheduler:
         # The window's offloaded slots handed over and not yet sent to the landing threads.
         self._unlanded: List[Slot] = []
         self._unlanded_bytes = 0
-        #: Collects the backward's gradients per layer or bucket and hands each group to take_backward_grads.
-        groups = (range(len(table.slots)) if handoff == "parameter"
-                  else handoff_groups([s.key for s in table.slots], [param_bytes(s) for s in table.slots]))
-        self.handoff = BackwardHandoff(groups, self.take_backward_grads, flushed=self._after_backward)
+        #: Collects the backward's gradients per layer or bucket (or parameter) and hands each group to
+        #: take_backward_grads.
+        self.handoff = BackwardHandoff(
+            handoff_groups([s.key for s in table.slots], [param_bytes(s) for s in table.slots],
+                           per_parameter=handoff == "parameter"),
+            self.take_backward_grads, flushed=self._after_backward)
+        self._per_parameter = handoff == "parameter"
 
     def group_handoff(self, groups: Sequence[Sequence[Slot]]) -> None:
         """Makes each of ``groups`` one hand-off group (``OffloadOptimizer.group_handoff``); slots in none
-        keep their layer's or bucket's group."""
+        keep their layer's or bucket's group.
+
+        Raises:
+            ValueError: with ``handoff="parameter"``, which these groups would override.
+        """
+        if self._per_parameter:
+            raise ValueError("optimizer.handoff=parameter with groups of parameters handed over together (FSDP2's "
+                             "units): each gradient would no longer go alone. Remove it (~optimizer.handoff).")
         ids = list(self.handoff.groups)
         fresh = max(ids, default=-1) + 1
         for number, group in enumerate(groups, start=fresh):
             for slot in group:
                 ids[slot.index] = number
-        self.handoff.flush()
-        counts, self.handoff = (self.handoff.count, self.handoff.calls), BackwardHandoff(
-            ids, self.take_backward_grads, flushed=self._after_backward)
-        self.handoff.count, self.handoff.calls = counts
+        self.handoff.regroup(ids)
 
     def pending(self, slot: Slot) -> Optional[concurrent.futures.Future]:
         """The slot's queued host step, if any (for tests and diagnostics)."""

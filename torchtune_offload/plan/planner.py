@@ -180,11 +180,12 @@ def _step_work(settings: RecipeSettings, model: torch.nn.Module, tokens: int, *,
     state_bytes = 4.0
     if opts is not None and n_trainable:
         state_bytes = optimizer_state_bytes(chosen.base_class, trainable, chosen.base_options)[0] / n_trainable
-    handoffs, named = 0, [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    handoffs = 0
     if chosen.capabilities.hands_over_per_group and opts is not None and opts.hands_off_in_backward:
         # this project's engine hands gradients over in each backward: per group, or per parameter
-        handoffs = len(set(range(len(named)) if opts.handoff == "parameter" else
-                           handoff_groups([n for n, _ in named], [p.numel() * p.element_size() for _, p in named])))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        handoffs = len(set(handoff_groups([n for n, _ in named], [p.numel() * p.element_size() for _, p in named],
+                                          per_parameter=opts.handoff == "parameter")))
     master = opts is not None and opts.master_dtype is not None
     return StepWork(params=sum(p.numel() for p in model.parameters()), trainable=max(1, n_trainable), tokens=tokens,
                     micro_batches=settings.gradient_accumulation_steps,

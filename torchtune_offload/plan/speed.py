@@ -43,8 +43,9 @@ MACHINE_KEYS: Dict[str, str] = {
                         "(torch's dispatch, the kernel's launch and the Python around them), operators counted as "
                         "plan/launch.py counts them (microseconds)",
     "handoff_us": "the launching thread's time per hand-off of this project's engine in backward (one per "
-                  "transformer layer or bucket of other parameters per micro-batch: its hooks, norms, copies and "
-                  "events), beyond the model's own operators (microseconds)",
+                  "transformer layer or bucket of other parameters per micro-batch, or per parameter with "
+                  "handoff=parameter: its hooks, norms, copies and events), beyond the model's own operators "
+                  "(microseconds)",
 }
 #: The optional key of a machine file: the GPU's memory, which the planner takes as its device budget
 #: when ``--machine`` names the machine and ``--device-gib`` is not given, so that a plan for a
