@@ -82,7 +82,6 @@ def _layouts(rank: int, num_ranks: int) -> Dict[str, ShardLayout]:
     return {n: ShardLayout(shape, *chunk_rows(shape[0], rank=rank, num_ranks=num_ranks)) for n, shape in SHAPES.items()}
 
 
-
 @pytest.mark.parametrize("old, new", [(2, 1), (1, 2), (2, 3), (3, 2)])
 @pytest.mark.parametrize("options", [{}, {"dtype": torch.bfloat16}, {"dtype": torch.bfloat16, "master_dtype": "fp32"}],
                          ids=["fp32", "bf16", "bf16-fp32-masters"])
