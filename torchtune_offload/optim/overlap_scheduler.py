@@ -72,13 +72,13 @@ class OverlapScheduler:
         # The window's offloaded slots handed over and not yet sent to the landing threads.
         self._unlanded: List[Slot] = []
         self._unlanded_bytes = 0
+        self._per_parameter = handoff == "parameter"
         #: Collects the backward's gradients per layer or bucket (or parameter) and hands each group to
         #: take_backward_grads.
         self.handoff = BackwardHandoff(
             handoff_groups([s.key for s in table.slots], [param_bytes(s) for s in table.slots],
-                           per_parameter=handoff == "parameter"),
+                           per_parameter=self._per_parameter),
             self.take_backward_grads, flushed=self._after_backward)
-        self._per_parameter = handoff == "parameter"
 
     def group_handoff(self, groups: Sequence[Sequence[Slot]]) -> None:
         """Makes each of ``groups`` one hand-off group (``OffloadOptimizer.group_handoff``); slots in none

@@ -222,10 +222,8 @@ def _freeing_hooks(model: nn.Module, free_gradients: Union[bool, str]) -> List[A
     if not free_gradients:
         return []
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    if free_gradients == "per group":
-        groups = handoff_groups([n for n, _ in named], [p.numel() * p.element_size() for _, p in named])
-    else:
-        groups = range(len(named))
+    groups = handoff_groups([n for n, _ in named], [p.numel() * p.element_size() for _, p in named],
+                            per_parameter=free_gradients != "per group")
 
     def free(indices: List[int]) -> None:
         for i in indices:
